@@ -1,0 +1,252 @@
+"""Install a policy on a model: per-module forward wrappers, removable, auditable.
+
+Where the wrappers go. Every module has a region (fp32/tf32/bf16/fp16) and a precision
+(its region, or fp8 for an eligible leaf; see policy/resolve.py). A module's forward is
+wrapped in ``lower.lowered_forward`` when its precision differs from its parent's region,
+and the root always is (so a default of fp32 holds even when the caller runs the model
+under a global autocast). Children at their parent's region run inside the parent's
+``with`` block and need nothing: a 100-layer bf16 model gets one wrapper, not 100. This
+covers every boundary: a lowered layer, a fp32 island inside a bf16 block (upcasts its
+inputs), a layer left at the default between two lowered siblings, fp16 beside bf16.
+
+Leaving a lowered module, its 16-bit outputs are cast to fp32 unless they already are in
+the caller's autocast dtype: a fp32 region's own code (a residual add, SDPA, a sibling left
+at the default) then never meets a 16-bit tensor, and an autocast region never meets the
+other 16-bit dtype (autocast's promote ops such as ``cat`` refuse bf16 mixed with fp16;
+SDPA refuses q, k, v of different dtypes). The cast is exact (fp16/bf16 -> fp32 is
+lossless) and any GEMM downstream casts again, so numbers match casting each layer by
+hand; it costs one activation pass at an island's exit, which is what runs.
+
+Weights are never cast in place: autocast casts per call (``cache_enabled=False``, so a
+tied weight or a module called twice in two dtypes gets the right cast each time) and the
+fp8 backend quantises a copy; the fp32 masters, their storage and their gradients stay.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from autoprec.apply.lower import lowered_forward
+from autoprec.capability import FP8_BACKENDS, best_fp8_backend, capability
+from autoprec.errors import CapabilityError, InputError
+from autoprec.paths import unwrap_model
+from autoprec.policy.resolve import Resolved, assignment, module_table, resolve_path
+from autoprec.policy.schema import Policy
+
+if TYPE_CHECKING:
+    from autoprec.apply.audit import AuditReport
+
+_LOW = (torch.float16, torch.bfloat16)
+_MISSING = object()
+#: Every module under an active policy, with its handle: a second policy on the model, a
+#: submodule or a parent of it is refused (nested wrappers would fight over the forwards).
+_UNDER_POLICY: weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle] = (
+    weakref.WeakKeyDictionary())
+
+
+@dataclass(frozen=True)
+class Wrapped:
+    """One installed wrapper."""
+
+    path: str  # the module's first path
+    precision: str  # what the wrapper computes in (a region, or fp8)
+    rule: str | None  # the rule that decided it (None: the default)
+
+
+def _cast_out(obj: Any) -> Any:
+    """16-bit outputs to fp32 unless already in the caller's autocast dtype (see above)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype not in _LOW:
+            return obj
+        dev = obj.device.type
+        if torch.is_autocast_enabled(dev) and obj.dtype == torch.get_autocast_dtype(dev):
+            return obj
+        return obj.float()
+    if isinstance(obj, tuple):
+        items = [_cast_out(v) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)._make(items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_cast_out(v) for v in obj]
+    if isinstance(obj, Mapping) and hasattr(obj, "__setitem__"):
+        # dicts and HF ModelOutput (an OrderedDict dataclass): a shallow copy keeps the
+        # type and its non-tensor members (a KV cache object) untouched.
+        changed = {k: c for k, v in obj.items() if (c := _cast_out(v)) is not v}
+        if not changed:
+            return obj
+        out = copy.copy(obj)
+        for k, v in changed.items():
+            out[k] = v
+        return out
+    return obj
+
+
+def _wrapper(module: torch.nn.Module, precision: str, fp8_backend: str,
+             on_compute: Callable[[str], None] | None, cast_exit: bool) -> Callable[..., Any]:
+    inner = lowered_forward(module, precision, fp8_backend=fp8_backend, on_compute=on_compute)
+    if not cast_exit:
+        fwd = inner
+    else:
+        @functools.wraps(inner)
+        def fwd(*args: Any, **kwargs: Any) -> Any:
+            return _cast_out(inner(*args, **kwargs))
+    return fwd
+
+
+class PolicyHandle:
+    """A policy installed on a model. ``remove()`` restores the original forwards exactly.
+
+    Also a context manager: ``with apply_policy(model, policy): ...`` removes on exit.
+    """
+
+    def __init__(self, model: torch.nn.Module, policy: Policy, layers: dict[str, Resolved],
+                 wrapped: list[Wrapped], fp8_backend: str | None, fp8_reason: str,
+                 device: torch.device) -> None:
+        self.model = model
+        self.policy = policy
+        self.layers = layers  # resolution of every module path
+        self.wrapped = wrapped
+        self.fp8_backend = fp8_backend  # None when no layer computes in fp8
+        self.fp8_reason = fp8_reason
+        self.device = device
+        self._saved: list[tuple[weakref.ref[torch.nn.Module], Any]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._saved)
+
+    def _install(self, modules: list[tuple[torch.nn.Module, Callable[..., Any]]]) -> None:
+        for mod in unwrap_model(self.model).modules():
+            _UNDER_POLICY[mod] = self
+        try:
+            for mod, fwd in modules:
+                # An instance-level forward (set by the user or another library) is kept
+                # as is and put back; otherwise the class method shows through again.
+                self._saved.append((weakref.ref(mod), mod.__dict__.get("forward", _MISSING)))
+                mod.forward = fwd  # type: ignore[method-assign]
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Restore every wrapped module's original forward (idempotent)."""
+        for mod in unwrap_model(self.model).modules():
+            if _UNDER_POLICY.get(mod) is self:
+                del _UNDER_POLICY[mod]
+        while self._saved:
+            ref, old = self._saved.pop()
+            mod = ref()
+            if mod is None:
+                continue
+            if old is _MISSING:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = old  # type: ignore[method-assign]
+
+    def __enter__(self) -> PolicyHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def assignment(self) -> dict[str, str]:
+        """``{gemm_leaf_path: precision}`` under the installed policy (for the cost model)."""
+        return assignment(self.policy, self.model)
+
+    def audit(self, run: Callable[[], Any], strict: bool = True) -> AuditReport:
+        """Run ``run()`` (a real forward) and report what every GEMM computed in.
+
+        ``strict``: raise AuditError when a GEMM did not compute in its rule's precision.
+        """
+        from autoprec.apply.audit import audit_run
+
+        if not self.active:
+            raise InputError("audit: this policy handle was removed; apply the policy again")
+        return audit_run(self.model, self.layers, self.policy, run, strict=strict)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return (f"PolicyHandle({self.policy.source}, {len(self.wrapped)} wrappers, "
+                f"fp8={self.fp8_backend}, {state})")
+
+
+def _model_device(root: torch.nn.Module) -> torch.device:
+    for t in root.parameters():
+        return t.device
+    for t in root.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _plan(policy: Policy, root: torch.nn.Module) -> tuple[dict[str, Resolved], list[tuple[
+        torch.nn.Module, Wrapped]]]:
+    table = module_table(root)
+    res = {p: resolve_path(policy, p, m) for p, m in table.items()}
+    chosen: dict[int, tuple[torch.nn.Module, Wrapped]] = {}
+    for path, mod in table.items():
+        r = res[path]
+        # Aliases of a shared module agree (check_model); wrap it if any alias needs it.
+        if path == "" or r.precision != res[path.rpartition(".")[0]].region:
+            chosen.setdefault(id(mod), (mod, Wrapped(path, r.precision, r.rule)))
+    return res, list(chosen.values())
+
+
+def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None = None,
+                 device: str | torch.device | None = None, force: bool = False) -> PolicyHandle:
+    """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
+
+    ``fp8_backend``: emulated / torch / te; default: the best this device runs
+    (``best_fp8_backend``). ``device``: where the model runs (default: its parameters').
+    ``force`` applies a policy whose fingerprint does not match, with a warning.
+    Raises PolicyError (does not validate), CapabilityError (a precision or backend cannot
+    run here, with the reason) or InputError (a policy is already applied); the model is
+    untouched when anything is raised.
+    """
+    root = unwrap_model(model)
+    for path, mod in root.named_modules():
+        if mod in _UNDER_POLICY:
+            raise InputError(f"a policy is already applied to this model (module "
+                             f"{path or '<root>'!r} is under {_UNDER_POLICY[mod]!r}); "
+                             "remove that handle first")
+    policy.validate(root, force=force)
+    dev = torch.device(device) if device is not None else _model_device(root)
+    res, plan = _plan(policy, root)
+
+    used = {w.precision for _, w in plan}
+    fp8_reason = ""
+    backend: str | None = None
+    if "fp8" in used:
+        if fp8_backend is not None and fp8_backend not in FP8_BACKENDS:
+            raise InputError(f"unknown fp8 backend {fp8_backend!r}; expected one of "
+                             f"{', '.join(FP8_BACKENDS)}")
+        backend, fp8_reason = ((fp8_backend, "") if fp8_backend is not None
+                               else best_fp8_backend(dev))
+    for prec in sorted(used):
+        ok, why = capability(prec, backend if prec == "fp8" else None, dev)
+        if not ok:
+            where = next(w.path for _, w in plan if w.precision == prec)
+            raise CapabilityError(f"{policy.source}: layers[{where!r}]: {prec} cannot run "
+                                  f"on {dev}: {why}")
+        if prec == "fp8" and not fp8_reason:
+            fp8_reason = why
+
+    from autoprec.apply.audit import notify_compute  # audit imports this module's types
+
+    modules = [(mod, _wrapper(mod, w.precision, backend or "emulated",
+                              notify_compute if w.precision == "fp8" else None,
+                              cast_exit=w.path != ""))
+               for mod, w in plan]
+    handle = PolicyHandle(model, policy, res, [w for _, w in plan], backend, fp8_reason, dev)
+    handle._install(modules)
+    return handle
+
+
+__all__ = ["PolicyHandle", "Wrapped", "apply_policy"]

@@ -1,0 +1,193 @@
+"""fp8 Linear: e4m3 forward, e5m2 gradients, per-tensor current scaling (amax of the tensor).
+
+Three backends compute the same thing:
+- ``emulated``: quantise–dequantise through ``torch.float8_e4m3fn`` and multiply in fp32
+  (fp8 GEMMs accumulate in fp32 too). Runs anywhere; for accuracy, not speed.
+- ``torch``: ``torch._scaled_mm`` (CUDA SM >= 8.9). It has no backward, wants K and N
+  multiples of 16 and the second operand column-major, so it sits in an autograd.Function
+  whose backward runs the same e5m2 x e4m3 arithmetic.
+- ``te``: Transformer Engine's ``te.Linear`` sharing the module's weights (lazy import).
+
+Scaling follows the "current scaling" recipe: scale = fmax / amax(tensor), so the largest
+magnitude maps to the format's max (448 for e4m3, 57344 for e5m2; OCP FP8 spec).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoprec.precisions import FORMATS, FP8_E5M2
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_FMAX = {E4M3: FORMATS["fp8"].max, E5M2: FP8_E5M2.max}
+
+
+def linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The (out_features, in_features) weight of a Linear-like module.
+
+    HuggingFace's ``Conv1D`` (GPT-2) stores (in, out) and computes ``x @ W + b``.
+    """
+    if type(module).__name__ == "Conv1D":
+        return module.weight.t()
+    return module.weight
+
+
+def linear_dims(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of a Linear-like module, else None."""
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        w = module.weight
+        return int(w.shape[0]), int(w.shape[1])
+    return None
+
+
+def fp8_ineligible_reason(module: torch.nn.Module) -> str | None:
+    """Why this module cannot run in fp8 (None when it can)."""
+    dims = linear_dims(module)
+    if dims is None:
+        return f"fp8: {type(module).__name__} is not a Linear-like GEMM"
+    k, n = dims
+    if k % 16:
+        return f"fp8: in_features {k} not a multiple of 16"
+    if n % 16:
+        return f"fp8: out_features {n} not a multiple of 16"
+    return None
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor current scaling: returns (x_fp8, scale) with x ≈ x_fp8 / scale."""
+    x = x.float()
+    amax = x.abs().amax().clamp(min=1e-12)
+    scale = _FMAX[dtype] / amax
+    q = (x * scale).clamp(-_FMAX[dtype], _FMAX[dtype]).to(dtype)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() / scale
+
+
+def fake_quant(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """x rounded through fp8 with per-tensor current scaling, back in fp32."""
+    q, s = quantize(x, dtype)
+    return dequantize(q, s)
+
+
+def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """(M, K) fp8 @ (N, K)^T fp8 -> (M, N) via torch._scaled_mm, padding M to 16."""
+    m = xq.shape[0]
+    pad = (-m) % 16
+    if pad:
+        xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
+    # _scaled_mm takes the inverse scales (dequantisation factors); w.t() is column-major.
+    y = torch._scaled_mm(
+        xq, wq.t(), scale_a=(1.0 / sx).reshape(()), scale_b=(1.0 / sw).reshape(()),
+        out_dtype=out_dtype,
+    )
+    return y[:m] if pad else y
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """y = x W^T (+ b) with e4m3 operands; backward quantises dY to e5m2."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                backend: str, out_dtype: torch.dtype) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (M, K), M = tokens
+        xq, sx = quantize(x2, E4M3)
+        wq, sw = quantize(weight, E4M3)  # (N, K)
+        if backend == "torch":
+            y = _scaled_mm(xq, sx, wq, sw, torch.bfloat16 if out_dtype != torch.float32
+                           else torch.float32).float()
+        else:
+            y = dequantize(xq, sx) @ dequantize(wq, sw).t()  # fp32 accumulate, like the GEMM
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.has_bias = bias is not None
+        ctx.in_dtype = x.dtype
+        ctx.w_dtype = weight.dtype
+        return y.to(out_dtype).reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        xq, sx, wq, sw = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
+        gq, sg = quantize(g2, E5M2)
+        g = dequantize(gq, sg)
+        grad_x = (g @ dequantize(wq, sw)).to(ctx.in_dtype)  # (M, K)
+        grad_w = (g.t() @ dequantize(xq, sx)).to(ctx.w_dtype)  # (N, K)
+        grad_b = g2.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
+        return grad_x.reshape(*grad_out.shape[:-1], -1), grad_w, grad_b, None, None
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """Output in the surrounding compute dtype: the autocast dtype if one is active."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype if x.is_floating_point() else torch.float32
+
+
+def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulated") -> torch.Tensor:
+    """Run a Linear-like ``module`` on ``x`` in fp8 with the given backend."""
+    if backend == "te":
+        return _te_linear(module, x)
+    weight = linear_weight(module)
+    bias = getattr(module, "bias", None)
+    out_dtype = _out_dtype(x)
+    # Autocast must not re-cast inside our arithmetic: the fp8 math is explicit.
+    with torch.autocast(x.device.type, enabled=False):
+        return _Fp8LinearFn.apply(x, weight, bias, backend, out_dtype)
+
+
+def _te_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Transformer Engine path: a te.Linear sharing this module's weight and bias."""
+    try:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe
+    except ImportError as err:  # capability() said te was available; keep the hint anyway
+        raise ImportError("fp8 backend 'te' needs transformer_engine: "
+                          "pip install 'autoprec[fp8]'") from err
+    te_mod = getattr(module, "_autoprec_te", None)
+    if te_mod is None:
+        k, n = linear_dims(module) or (0, 0)
+        te_mod = te.Linear(k, n, bias=module.bias is not None, params_dtype=torch.float32,
+                           device=module.weight.device)
+        # Share, never copy: the fp32 master weights stay the module's own parameters.
+        te_mod.weight = module.weight if type(module).__name__ != "Conv1D" else None
+        if te_mod.weight is None:
+            raise ValueError("te fp8 backend does not support HF Conv1D; use 'torch'")
+        if module.bias is not None:
+            te_mod.bias = module.bias
+        object.__setattr__(module, "_autoprec_te", te_mod)
+    # TE wants the token count divisible by 8 (lead from TE docs): pad the flattened rows.
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    pad = (-x2.shape[0]) % 16
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling()):
+        y = te_mod(x2)
+    if pad:
+        y = y[: x2.shape[0] - pad]
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Hand reference for tests: explicit casts, no autograd.Function."""
+    y = fake_quant(x.reshape(-1, x.shape[-1])) @ fake_quant(weight).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*x.shape[:-1], -1)
+
+
+__all__ = ["fp8_linear", "fp8_ineligible_reason", "fake_quant", "linear_dims", "quantize",
+           "reference_fp8_linear"]

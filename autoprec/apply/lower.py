@@ -1,0 +1,259 @@
+"""How one module is lowered to a precision. Shared by apply (policies) and probe.
+
+A *region* is the numeric context a module's forward runs in:
+- fp32: autocast disabled, 16-bit floating inputs upcast (a fp32 island next to a fp16
+  neighbour would otherwise fail: "mat1 and mat2 must have the same dtype").
+- tf32: fp32 plus tf32 matmuls — on Ampere+ via ``torch.backends.cuda.matmul``; elsewhere
+  emulated by rounding matmul/conv operands to 10 mantissa bits (what the tensor core
+  reads).
+- bf16 / fp16: ``torch.autocast(dtype=…, cache_enabled=False)``. The weight-cast cache is
+  keyed on the weight, so a weight used in two low dtypes in one outer region (tied
+  weights, a module called twice) would get the first cast: the cache stays off.
+- fp8: not a region; Linear-like leaves call ``fp8.fp8_linear`` (see fp8.py).
+
+The forward is wrapped in a ``with`` block (not pre-/post-hooks): hooks that enter and
+leave autocast break torch.compile and leave the region open when forward raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from autoprec.apply import fp8 as fp8mod
+from autoprec.precisions import AUTOCAST_DTYPES, check_precision
+
+_LOW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def cast_floats(obj: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] = _LOW_FLOATS) -> Any:
+    """Cast floating tensors (of dtypes in ``only``) inside args to ``dtype``; keep the rest."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.dtype in only else obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(cast_floats(v, dtype, only) for v in obj)
+    if isinstance(obj, list):
+        return [cast_floats(v, dtype, only) for v in obj]
+    if type(obj) is dict:
+        return {k: cast_floats(v, dtype, only) for k, v in obj.items()}
+    return obj
+
+
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to tf32's 10-bit mantissa (round to nearest even); inf/nan kept.
+
+    Differentiable as a straight-through estimator: the value is rounded, the gradient
+    passes unchanged (the rounding's bit view has no gradient, which zeroed every
+    gradient of a tf32 layer). The backward GEMMs then read the saved rounded operands.
+    """
+    if x.dtype != torch.float32:
+        return x
+    with torch.no_grad():
+        bits = x.contiguous().view(torch.int32)
+        lsb = (bits >> 13) & 1
+        rounded = ((bits + 0x0FFF + lsb) & ~0x1FFF).view(torch.float32)
+        finite = torch.isfinite(x)
+        rounded = torch.where(finite, rounded, x)
+    if not x.requires_grad:
+        return rounded
+    # x + (rounded - x) == rounded exactly: the difference of two floats this close is
+    # exact (Sterbenz), and the sum is representable. Non-finite x keeps a zero delta.
+    delta = torch.where(finite, rounded - x.detach(), torch.zeros_like(rounded))
+    return x + delta
+
+
+# Ops whose floating operands a tf32 tensor core would read at 10 mantissa bits.
+_TF32_OPS: set[Callable[..., Any]] = {
+    torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum,
+    torch.nn.functional.linear, torch.nn.functional.bilinear,
+    torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d,
+    torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+    torch.nn.functional.conv_transpose3d,
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+    torch.Tensor.mm, torch.Tensor.bmm,
+}
+
+
+_ADD_FIRST = {torch.addmm, torch.baddbmm}
+_BIAS_THIRD = {
+    torch.nn.functional.linear, torch.nn.functional.conv1d, torch.nn.functional.conv2d,
+    torch.nn.functional.conv3d, torch.nn.functional.conv_transpose1d,
+    torch.nn.functional.conv_transpose2d, torch.nn.functional.conv_transpose3d,
+}
+
+
+#: Tf32Emulation modes currently entered (innermost last). A fp32/bf16/fp16 region nested
+#: inside a tf32 one suspends them: the function-mode stack is not scoped by autocast, so
+#: without this a fp32 island inside a tf32 container was still rounded to tf32.
+_TF32_MODES: list[Tf32Emulation] = []
+
+
+class Tf32Emulation(TorchFunctionMode):
+    """Rounds matmul/conv operands to tf32 while active (devices without tf32 cores)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.suspended = 0
+
+    def __enter__(self) -> Tf32Emulation:
+        _TF32_MODES.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _TF32_MODES.remove(self)
+        super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _TF32_OPS and not self.suspended:
+            # Only the multiplied operands are read at tf32; a bias (linear/conv's third
+            # argument, addmm's first) is added in the fp32 epilogue.
+            skip = 0 if func in _ADD_FIRST else 2 if func in _BIAS_THIRD else None
+            args = tuple(a if i == skip else _map_tensors(a, round_to_tf32)
+                         for i, a in enumerate(args))
+            keep = "input" if func in _ADD_FIRST else "bias"
+            kwargs = {k: v if k == keep else _map_tensors(v, round_to_tf32)
+                      for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def tf32_emulation_active() -> bool:
+    """True while matmul operands are being rounded to tf32 (the audit reads this)."""
+    return any(not m.suspended for m in _TF32_MODES)
+
+
+@contextlib.contextmanager
+def _suspend_tf32() -> Iterator[None]:
+    modes = list(_TF32_MODES)
+    for m in modes:
+        m.suspended += 1
+    try:
+        yield
+    finally:
+        for m in modes:
+            m.suspended -= 1
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+@contextlib.contextmanager
+def _cuda_tf32(enabled: bool) -> Iterator[None]:
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def region(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The numeric context for ``precision`` (fp32/tf32/bf16/fp16) on ``device_type``."""
+    check_precision(precision)
+    if precision == "fp8":
+        raise ValueError("fp8 is a module backend, not an autocast region")
+    if precision in AUTOCAST_DTYPES:
+        ctx: contextlib.AbstractContextManager[Any] = torch.autocast(
+            device_type, dtype=AUTOCAST_DTYPES[precision], cache_enabled=False)
+    else:
+        ctx = torch.autocast(device_type, enabled=False)
+    # The common case stays one plain autocast object (cheap, and torch.compile traces it
+    # without graph breaks); a generator context where tf32 state must change too
+    # (dynamo traces @contextmanager, while an ExitStack around autocast graph-breaks).
+    if device_type == "cuda" and precision in ("fp32", "tf32"):
+        # fp32 keeps full-precision matmuls even if the user enabled tf32 globally.
+        return _both(ctx, _cuda_tf32(precision == "tf32"))
+    if device_type != "cuda" and precision == "tf32":
+        return _both(ctx, Tf32Emulation())
+    if _TF32_MODES:
+        return _both(ctx, _suspend_tf32())
+    return ctx
+
+
+@contextlib.contextmanager
+def _both(outer: contextlib.AbstractContextManager[Any],
+          inner: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+def _device_type(module: torch.nn.Module, args: Any, kwargs: Any) -> str:
+    for t in _iter_tensors((args, kwargs)):
+        return t.device.type
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _iter_tensors(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _iter_tensors(v)
+
+
+def lowered_forward(
+    module: torch.nn.Module,
+    precision: str,
+    forward: Callable[..., Any] | None = None,
+    fp8_backend: str = "emulated",
+    on_compute: Callable[[str], None] | None = None,
+) -> Callable[..., Any]:
+    """A forward for ``module`` that computes in ``precision``.
+
+    ``forward`` is the function to wrap (default: the module's current forward).
+    ``on_compute(precision)`` is called on every call (the audit listens to it).
+    fp8 requires a Linear-like module with 16-aligned dims (ValueError otherwise).
+    """
+    check_precision(precision)
+    inner = forward if forward is not None else module.forward
+    if precision == "fp8":
+        why = fp8mod.fp8_ineligible_reason(module)
+        if why is not None:
+            raise ValueError(why)
+
+        @functools.wraps(inner)
+        def fp8_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if on_compute is not None:
+                on_compute("fp8")
+            return fp8mod.fp8_linear(module, x, fp8_backend)
+
+        return fp8_forward
+
+    upcast = precision in ("fp32", "tf32")
+
+    @functools.wraps(inner)
+    def region_forward(*args: Any, **kwargs: Any) -> Any:
+        if upcast:
+            args = cast_floats(args, torch.float32)
+            kwargs = cast_floats(kwargs, torch.float32)
+        if on_compute is not None:
+            on_compute(precision)
+        with region(precision, _device_type(module, args, kwargs)):
+            return inner(*args, **kwargs)
+
+    return region_forward
+
+
+def run_lowered(module: torch.nn.Module, precision: str, *args: Any,
+                fp8_backend: str = "emulated", **kwargs: Any) -> Any:
+    """Call ``module`` once with its forward computed in ``precision`` (no state change)."""
+    return lowered_forward(module, precision, fp8_backend=fp8_backend)(*args, **kwargs)

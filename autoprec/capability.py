@@ -1,0 +1,139 @@
+"""Can this device run this precision (with this fp8 backend)? One answer: ``(ok, reason)``.
+
+Used at run time (apply chooses a backend), by ``autoprec env``, and as the skip reason of
+GPU tests, so the three always agree.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+
+import torch
+
+from autoprec.precisions import PRECISIONS, check_precision
+
+FP8_BACKENDS = ("emulated", "torch", "te")
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _cuda_sm(dev: torch.device) -> tuple[int, int] | None:
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(dev.index or 0)
+
+
+def fp8_backend_capability(
+    backend: str, device: str | torch.device | None = None
+) -> tuple[bool, str]:
+    """Whether an fp8 backend runs here: emulated anywhere; torch/TE need CUDA SM >= 8.9."""
+    dev = _device(device)
+    if backend == "emulated":
+        if not hasattr(torch, "float8_e4m3fn"):
+            return False, f"emulated fp8: torch {torch.__version__} has no float8_e4m3fn"
+        return True, "emulated fp8: quantise-dequantise through float8_e4m3fn (accuracy only)"
+    if backend not in FP8_BACKENDS:
+        return False, f"unknown fp8 backend {backend!r}; expected one of {', '.join(FP8_BACKENDS)}"
+    if dev.type != "cuda":
+        return False, f"{backend} fp8: needs a CUDA device, this is {dev.type}"
+    if not torch.cuda.is_available():
+        return False, f"{backend} fp8: CUDA is not available"
+    sm = _cuda_sm(dev)
+    if sm is None or sm < (8, 9):
+        return False, f"{backend} fp8: needs CUDA SM >= 8.9 (Ada/Hopper), this is SM {sm}"
+    if backend == "te" and importlib.util.find_spec("transformer_engine") is None:
+        return False, "te fp8: transformer_engine is not installed (pip install autoprec[fp8])"
+    if backend == "torch" and not hasattr(torch, "_scaled_mm"):
+        return False, f"torch fp8: torch {torch.__version__} has no _scaled_mm"
+    return True, f"{backend} fp8: available on SM {sm[0]}.{sm[1]}"
+
+
+def capability(
+    precision: str, backend: str | None = None, device: str | torch.device | None = None
+) -> tuple[bool, str]:
+    """``(ok, reason)`` for running ``precision`` on ``device`` (default: cuda if present).
+
+    For fp8, ``backend`` picks one of ``emulated``/``torch``/``te``; ``None`` means the
+    fastest real backend (te, then torch) and does not count emulation as running fp8.
+    """
+    check_precision(precision)
+    dev = _device(device)
+    if precision == "fp32":
+        return True, "fp32: always available"
+    if precision == "tf32":
+        if dev.type == "cuda":
+            sm = _cuda_sm(dev)
+            if sm is None or sm < (8, 0):
+                return False, f"tf32: needs Ampere (SM >= 8.0), this is SM {sm}"
+            return True, "tf32: tensor cores via torch.backends.cuda.matmul.allow_tf32"
+        return True, f"tf32: emulated on {dev.type} by rounding matmul inputs to 10 mantissa bits"
+    if precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        if dev.type == "cuda":
+            sm = _cuda_sm(dev)
+            if precision == "bf16" and (sm is None or sm < (8, 0)):
+                return False, f"bf16: needs Ampere (SM >= 8.0), this is SM {sm}"
+            return True, f"{precision}: torch.autocast(cuda, {dtype})"
+        if not torch.amp.is_autocast_available(dev.type):
+            return False, f"{precision}: torch.autocast does not support {dev.type}"
+        return True, f"{precision}: torch.autocast({dev.type}, {dtype}) (slow on this CPU)"
+    # fp8
+    if backend is not None:
+        return fp8_backend_capability(backend, dev)
+    reasons = []
+    for b in ("te", "torch"):
+        ok, why = fp8_backend_capability(b, dev)
+        if ok:
+            return True, why
+        reasons.append(why)
+    return False, "; ".join(reasons)
+
+
+def best_fp8_backend(device: str | torch.device | None = None) -> tuple[str, str]:
+    """The fp8 backend apply uses by default: te, then torch, else emulated; with why."""
+    for b in ("te", "torch"):
+        ok, why = fp8_backend_capability(b, device)
+        if ok:
+            return b, why
+    _, why_not = capability("fp8", None, device)
+    return "emulated", f"emulated fp8 ({why_not})"
+
+
+def fp8_backends(device: str | torch.device | None = None) -> dict[str, tuple[bool, str]]:
+    return {b: fp8_backend_capability(b, device) for b in FP8_BACKENDS}
+
+
+def runnable_precisions(device: str | torch.device | None = None) -> tuple[str, ...]:
+    """Precisions that run here (fp8 counts when at least emulation works)."""
+    out = []
+    for p in PRECISIONS:
+        ok, _ = capability(p, "emulated" if p == "fp8" else None, device)
+        if ok:
+            out.append(p)
+    return tuple(out)
+
+
+def device_summary() -> dict[str, object]:
+    """Versions, devices and capabilities for ``autoprec env``."""
+    dev = _device(None)
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(dev),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+        info["cuda_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    info["precisions"] = {
+        p: dict(zip(("ok", "reason"), capability(p, None, dev))) for p in PRECISIONS
+    }
+    info["fp8_backends"] = {
+        b: dict(zip(("ok", "reason"), r)) for b, r in fp8_backends(dev).items()
+    }
+    return info

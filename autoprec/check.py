@@ -1,0 +1,313 @@
+"""``check``: the pre-deployment gate. Does this policy still hold for this model?
+
+Re-evaluates the policy on the model's eval data and fails (``CheckResult.passed`` False;
+the CLI exits 1 with the reasons) when:
+
+- the error (relative L2 of the outputs) or the metric drop exceeds the budget — the
+  policy's recorded budget unless one is given; a non-finite output names the first layer
+  that produced it;
+- the model's structure changed since tuning (its fingerprint differs from the policy's):
+  unlike ``eval``, which refuses a mismatch with exit 2, ``check`` loads the policy anyway
+  to evaluate it and reports the change as a failed gate (``force`` accepts the change);
+- the target device cannot run a precision the policy uses (``profile.supports``);
+- the audit finds a GEMM that did not compute in its rule's precision.
+
+Bad input (model.py, a policy that does not validate, both budgets) stays InputError (2).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoprec.apply.apply import apply_policy
+from autoprec.cost import CostModel, DeviceProfile, get_profile
+from autoprec.errors import InputError, PolicyError
+from autoprec.evaluate import reference, score
+from autoprec.loading import ModelSpec, load_model_file
+from autoprec.metrics import batch_size_of, iter_floats
+from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, resolve_path
+from autoprec.precisions import FORMATS, PRECISIONS
+from autoprec.trace import trace
+from autoprec.trace.graph import fingerprint
+
+DEFAULT_MAX_ERROR = 0.01  # DESIGN.md: --max-error 0.01 when nothing else says
+DEFAULT_TARGET = "h100"  # what tune prices for when no target is given (as eval)
+
+
+@dataclass
+class CheckResult:
+    """The gate's verdict, the figures behind it, and one row per GEMM layer."""
+
+    model: str
+    policy: str
+    passed: bool
+    reasons: list[str]  # why it failed; empty when it passed
+    budget_kind: str  # "max_error" or "max_drop"
+    budget: float
+    budget_source: str  # "policy", "argument" or "default"
+    error: float | None  # relative L2 of the outputs on eval data (None: not evaluated)
+    metric: float | None = None
+    fp32_metric: float | None = None
+    metric_drop: float | None = None
+    nonfinite: int = 0
+    feasible: bool = False  # within budget and runnable on the target
+    est_speedup: float | None = None  # over all-fp32 on the target at batch_size
+    target: str = DEFAULT_TARGET
+    batch_size: int | None = None
+    fingerprint_match: bool | None = None  # None: the policy has no fingerprint
+    notes: list[str] = field(default_factory=list)  # warnings that did not fail the gate
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    eval_batches: int = 0
+
+    @property
+    def value(self) -> float | None:
+        """The number the budget binds (error or metric drop)."""
+        return self.metric_drop if self.budget_kind == "max_drop" else self.error
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``check --json`` object: the summary at the top level, then the layers."""
+        out: dict[str, Any] = {}
+        if self.budget_kind == "max_drop":
+            out.update(metric_drop=_num(self.metric_drop), metric=_num(self.metric),
+                       fp32_metric=_num(self.fp32_metric), output_error=_num(self.error))
+        else:
+            out["error"] = _num(self.error)
+        out.update(
+            budget=self.budget, budget_kind=self.budget_kind, budget_source=self.budget_source,
+            est_speedup=_num(self.est_speedup), feasible=self.feasible, target=self.target,
+            batch_size=self.batch_size, passed=self.passed, reasons=list(self.reasons),
+            notes=list(self.notes), fingerprint_match=self.fingerprint_match,
+            nonfinite=self.nonfinite, eval_batches=self.eval_batches, model=self.model,
+            policy=self.policy, layers=[{k: _num(v) if isinstance(v, float) else v
+                                         for k, v in row.items()} for row in self.layers],
+        )
+        return out
+
+
+def _num(x: float | None) -> float | str | None:
+    """JSON has no inf/nan: write them as strings (as the policy file does)."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
+
+
+def _short(fp: str) -> str:
+    return fp[:19] + "…" if len(fp) > 20 else fp
+
+
+def _budget(policy: Policy, spec: ModelSpec, max_error: float | None,
+            max_drop: float | None) -> tuple[str, float, str]:
+    """(kind, value, source): an argument wins, then the policy's recorded budget."""
+    if max_error is not None and max_drop is not None:
+        raise InputError("give --max-error or --max-drop, not both")
+    if max_error is not None or max_drop is not None:
+        kind, value, source = (("max_drop", max_drop, "argument") if max_drop is not None
+                               else ("max_error", max_error, "argument"))
+    else:
+        kind = "max_drop" if "metric_drop" in policy.metrics else "max_error"
+        value = policy.metrics.get("budget")
+        source = "policy"
+        if value is None:
+            kind, value, source = "max_error", DEFAULT_MAX_ERROR, "default"
+    flag = "--" + kind.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        where = f"{policy.source}: metrics.budget" if source == "policy" else flag
+        raise InputError(f"{where}: the budget must be a finite number >= 0, got {value!r}")
+    if kind == "max_drop" and spec.metric is None:
+        why = "the policy's budget is a metric drop" if source == "policy" else flag
+        raise InputError(f"{spec.path}: {why} needs a metric(outputs, batch) in model.py")
+    return kind, float(value), source
+
+
+def _first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
+                     batches: Sequence[Any]) -> tuple[str, int] | None:
+    """(module path, batch index) of the first module whose output held inf/nan."""
+    found: list[str] = []
+
+    def hook(name: str) -> Any:
+        def fn(mod: torch.nn.Module, args: Any, out: Any) -> None:
+            if not found and any(not bool(torch.isfinite(t).all()) for t in iter_floats(out)):
+                found.append(name)
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad():
+            for i, b in enumerate(batches):
+                spec.run(model, b, i, "of eval_data")
+                if found:
+                    return found[0], i
+    finally:
+        for h in handles:
+            h.remove()
+    return None
+
+
+def _max_abs(model: torch.nn.Module, path: str, spec: ModelSpec, batch: Any) -> float:
+    """max |output| of module ``path`` on ``batch`` (the model as it is now)."""
+    seen = [0.0]
+
+    def fn(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        for t in iter_floats(out):
+            seen[0] = max(seen[0], float(t.detach().abs().max())) if t.numel() else seen[0]
+
+    h = model.get_submodule(path).register_forward_hook(fn)
+    try:
+        with torch.no_grad():
+            spec.run(model, batch)
+    finally:
+        h.remove()
+    return seen[0]
+
+
+def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfile,
+                    target: str) -> tuple[list[str], dict[str, str]]:
+    """Why the target cannot run the policy (one reason per precision), per-layer reasons."""
+    per_layer = assignment(policy, model, gemm_leaf_paths(model))
+    used: dict[str, list[str]] = {}
+    for path, prec in per_layer.items():
+        used.setdefault(prec, []).append(path)
+    reasons, layer_why = [], {}
+    for prec in PRECISIONS:
+        if prec not in used:
+            continue
+        ok, why = profile.supports(prec)
+        if ok:
+            continue
+        paths = used[prec]
+        more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        reasons.append(f"target {target} cannot run {prec} (layer {paths[0]!r}{more}): {why}")
+        layer_why.update(dict.fromkeys(paths, why))
+    return reasons, layer_why
+
+
+def check(
+    model: str | Path | ModelSpec,
+    policy_path: str | Path | Policy,
+    max_error: float | None = None,
+    max_drop: float | None = None,
+    force: bool = False,
+    target: str | None = None,
+    batch_size: int | None = None,
+    fp8_backend: str | None = None,
+) -> CheckResult:
+    """Gate ``policy_path`` on ``model`` (a model.py or a ModelSpec); see the module docs.
+
+    Returns the verdict (``passed``) rather than raising, so a caller gets the figures
+    either way; the CLI turns a failed verdict into exit 1. ``target`` / ``batch_size``
+    default to the policy's (then h100 / the calibration batch's, as tune). ``force`` accepts a changed fingerprint (noted, not failed).
+    Raises InputError/PolicyError (exit 2) for bad input.
+    """
+    if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
+        raise InputError(f"--batch-size: must be >= 1, got {batch_size}")
+    spec = model if isinstance(model, ModelSpec) else load_model_file(model)
+    policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
+    kind, budget, source = _budget(policy, spec, max_error, max_drop)
+    tgt = target or policy.target_device or DEFAULT_TARGET
+    profile = get_profile(tgt)  # an unknown device is exit 2, before the long work
+    net = spec.model()
+    calib = spec.calibration_batches()
+    bs = batch_size or policy.batch_size or batch_size_of(calib[0]) or 1
+    result = CheckResult(model=str(spec.path), policy=policy.source, passed=False, reasons=[],
+                         budget_kind=kind, budget=budget, budget_source=source, error=None,
+                         target=tgt, batch_size=bs)
+    reasons, notes = result.reasons, result.notes
+
+    # -- structure --------------------------------------------------------------------
+    actual = fingerprint(net)
+    if policy.fingerprint is None:
+        notes.append(f"{policy.source}: no model.fingerprint: the model's structure is not "
+                     "checked (normal for a hand-written policy)")
+    else:
+        result.fingerprint_match = policy.fingerprint == actual
+        if not result.fingerprint_match:
+            msg = (f"model changed: its fingerprint {_short(actual)} differs from the "
+                   f"policy's {_short(policy.fingerprint)} (module paths, types or parameter "
+                   f"shapes changed since tuning); re-tune the policy")
+            (notes if force else reasons).append(msg + ("; accepted (--force)" if force else ""))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fingerprint is reported above
+        try:
+            policy.validate(net, force=True)
+        except PolicyError as err:
+            if result.fingerprint_match is False:
+                reasons.append(f"the policy no longer fits the changed model: {err}")
+                return result
+            raise
+
+    # -- target device ------------------------------------------------------------------
+    if target is None and policy.target_device is None:
+        notes.append(f"no target given or in the policy: checked for {tgt} (the default)")
+    dev_reasons, layer_why = _device_reasons(policy, net, profile, tgt)
+    reasons.extend(dev_reasons)
+
+    # -- cost (priced on the fp32 model's trace, as tune does) --------------------------
+    rows: dict[str, dict[str, Any]] = {}
+    graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
+    gemm_paths = [n.path for n in graph.gemm_nodes]
+    assign = assignment(policy, net, gemm_paths)
+    cost = CostModel(graph, profile, batch_size=bs)
+    result.est_speedup = cost.speedup(assign)
+    costs = {r.layer: r.time_s for r in cost.breakdown(assign)}
+    for node in graph.gemm_nodes:
+        r = resolve_path(policy, node.path, net.get_submodule(node.path))
+        rows[node.path] = {
+            "layer": node.path, "kind": node.kind, "precision": assign[node.path],
+            "rule": r.rule_label, "computed": None,
+            "supported": node.path not in layer_why,
+            "est_time_us": costs[node.path] * 1e6 if node.path in costs else None,
+            "reason": layer_why.get(node.path) or policy.reasons.get(node.path),
+        }
+
+    # -- evaluate on eval data ------------------------------------------------------------
+    batches = spec.eval_batches()
+    result.eval_batches = len(batches)
+    ref = reference(spec, net, batches, "of eval_data")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with apply_policy(net, policy, fp8_backend=fp8_backend, force=True) as handle:
+            report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
+                                  strict=False)
+            s = score(spec, net, batches, ref, "of eval_data")
+            bad = _first_nonfinite(spec, net, batches) if s.nonfinite else None
+    notes.extend(str(w.message) for w in caught if "fingerprint" not in str(w.message))
+    for row in report.rows:
+        if row.layer in rows:
+            rows[row.layer]["computed"] = row.computed
+    reasons.extend(f"audit: {e}" for e in report.errors)
+    result.layers = list(rows.values())
+    result.error, result.nonfinite = s.error, s.nonfinite
+    result.metric, result.metric_drop = s.metric, s.metric_drop
+    result.fp32_metric = ref.metric
+    value = s.value if kind == "max_drop" else s.error
+
+    name = "metric drop" if kind == "max_drop" else "error"
+    if s.nonfinite:
+        where = ""
+        if bad is not None:
+            path, i = bad
+            prec = handle.layers[path].precision
+            fmt = FORMATS.get(prec)
+            peak = _max_abs(net, path, spec, batches[i])  # the policy is removed: fp32
+            limit = f" > {fmt.max:g}, the {prec} maximum" if fmt and peak > fmt.max else ""
+            where = (f"; first at layer {path!r} ({prec}) on eval batch {i}: its fp32 output "
+                     f"reaches max|y| {peak:.3g}{limit}")
+        reasons.append(f"{name} inf: {s.nonfinite} non-finite output values under the policy"
+                       f"{where}")
+    elif not value <= budget:  # also catches nan
+        reasons.append(f"{name} {value:.4g} > budget {budget:g} ({source}) on eval data "
+                       f"({len(batches)} batches)")
+    result.feasible = bool(value is not None and value <= budget and not layer_why)
+    result.passed = not reasons
+    return result
+
+
+__all__ = ["CheckResult", "check"]

@@ -1,0 +1,1 @@
+"""The ``autoprec`` command line: one thin typer wrapper per library call."""

@@ -1,0 +1,76 @@
+"""``autoprec check MODEL.py --policy P.yaml``: the pre-deployment gate (exit 1 on failure)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from autoprec.errors import CheckFailed
+
+
+def check_cmd(
+    model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, …)")],
+    policy: Annotated[Path, typer.Option(help="Policy file to gate.")],
+    max_error: Annotated[float | None, typer.Option(help="Budget: relative L2 error of the outputs (default: the policy's budget).")] = None,
+    max_drop: Annotated[float | None, typer.Option(help="Budget: drop of model.py's metric (default: the policy's budget).")] = None,
+    target: Annotated[str | None, typer.Option(help="Target device profile (default: the policy's).")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Deployment batch size (default: the policy's).")] = None,
+    force: Annotated[bool, typer.Option(help="Accept a changed model fingerprint (noted, not failed).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+) -> None:
+    """Re-evaluate POLICY on MODEL's eval data; exit 1 when over budget, when the model
+    changed since tuning, or when the target cannot run a precision in the policy."""
+    from autoprec.check import check
+
+    result = check(model, policy, max_error=max_error, max_drop=max_drop, force=force,
+                   target=target, batch_size=batch_size)
+    if json_out:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        _print(result.to_dict())
+    if not result.passed:
+        more = f" (and {len(result.reasons) - 1} more)" if len(result.reasons) > 1 else ""
+        raise CheckFailed(f"check failed: {result.reasons[0]}{more}")
+
+
+def _fmt(x: Any, spec: str = ".4g") -> str:
+    if x is None:
+        return "-"
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+
+def _print(d: dict[str, Any]) -> None:
+    rows = d["layers"]
+    if rows:
+        w = max(len("layer"), *(len(r["layer"]) for r in rows))
+        typer.echo(f"{'layer':<{w}}  {'kind':<10} {'precision':<9} {'computed':<9} "
+                   f"{'target':<6} {'est_us':>9}  rule")
+        for r in rows:
+            typer.echo(f"{r['layer']:<{w}}  {r['kind']:<10} {r['precision']:<9} "
+                       f"{_fmt(r['computed']):<9} {'ok' if r['supported'] else 'NO':<6} "
+                       f"{_fmt(r['est_time_us'], '.2f'):>9}  {r['rule']}")
+        typer.echo("")
+    if d["budget_kind"] == "max_drop":
+        measure = (f"metric drop {_fmt(d['metric_drop'])} (metric {_fmt(d['metric'])} vs "
+                   f"fp32 {_fmt(d['fp32_metric'])})")
+    else:
+        measure = f"error {_fmt(d['error'])}"
+    typer.echo(f"{measure}, budget {d['budget']:g} ({d['budget_source']}), on "
+               f"{d['eval_batches']} eval batches")
+    typer.echo(f"target {d['target'] or '-'} at batch size {d['batch_size']}: est. speed-up "
+               f"{_fmt(d['est_speedup'], '.2f')}x; feasible: {str(d['feasible']).lower()}")
+    for n in d["notes"]:
+        typer.echo(f"note: {n}")
+    if d["passed"]:
+        typer.echo("PASSED")
+    else:
+        typer.echo("FAILED")
+        for r in d["reasons"]:
+            typer.echo(f"  - {r}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("check")(check_cmd)

@@ -1,0 +1,71 @@
+"""``autoprec graph MODEL.py``: the layer graph of a model, as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def graph_cmd(
+    model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, ...)")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the graph as JSON.")] = False,
+    hooks_only: Annotated[
+        bool, typer.Option("--hooks-only", help="Skip fx and torch.export (fastest tracer).")
+    ] = False,
+    export_timeout: Annotated[
+        float, typer.Option(help="Seconds before torch.export is given up (0: no limit).")
+    ] = 60.0,
+) -> None:
+    """Trace MODEL on its first calibration batch: every layer's kind, shapes, FLOPs and
+    the precisions it may take (with the reason for the others)."""
+    from autoprec.loading import load_model_file
+    from autoprec.trace import TRACERS, trace
+
+    spec = load_model_file(model)
+    net = spec.model()
+    batch = spec.calibration_batches()[0]
+    # A batch the model rejects is the user's error (exit 2), found before tracing.
+    spec.run(net, batch, 0, "of calibration_data()")
+    graph = trace(
+        net,
+        batch,
+        forward=spec.forward,
+        model_name=spec.name,
+        tracers=("hooks",) if hooks_only else TRACERS,
+        export_timeout=export_timeout or None,
+    )
+    if json_out:
+        typer.echo(json.dumps(graph.to_json(), indent=2))
+        return
+    import pandas as pd
+
+    frame = graph.to_frame()
+    frame["why_not"] = [_why_not(n.disallowed) for n in graph]
+    with pd.option_context("display.max_rows", None, "display.max_colwidth", 90,
+                           "display.width", 250):  # fmt: skip
+        typer.echo(frame.to_string(index=False))
+    gemms = graph.gemm_nodes
+    typer.echo("")
+    typer.echo(f"model: {graph.model_name}   fingerprint: {graph.fingerprint}")
+    typer.echo(
+        f"layers: {len(graph)}   GEMM layers: {len(gemms)}   "
+        f"FLOPs/pass: {graph.total_flops:,} (batch size {graph.batch_size})   "
+        f"params: {sum(n.params for n in graph):,}"
+    )
+    typer.echo(f"tracer: {graph.tracer}   data-flow edges: {len(graph.edges)}")
+    for name, why in graph.fallbacks:
+        typer.echo(f"  {name} failed: {why}")
+
+
+def _why_not(disallowed: dict[str, str]) -> str:
+    """A non-GEMM layer's four reasons say one thing: show it once."""
+    if set(disallowed) >= {"tf32", "bf16", "fp16", "fp8"}:
+        return f"all but fp32: {disallowed['bf16']}"
+    return "; ".join(f"{k}: {v}" for k, v in disallowed.items())
+
+
+def register(app: typer.Typer) -> None:
+    app.command("graph")(graph_cmd)

@@ -1,0 +1,227 @@
+"""``autoprec show P.yaml`` and ``autoprec eval MODEL.py --policy P.yaml``.
+
+``show`` prints a policy for review: its rules with their reasons, metrics, provenance.
+``eval`` applies a policy to the model of model.py, measures its error (or metric drop)
+against fp32 on the eval data, audits what every GEMM computed in, and prices the
+assignment on the target with the cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from autoprec.errors import CheckFailed, InputError
+
+#: The target tune prices for when neither --target nor the policy names one.
+DEFAULT_TARGET = "h100"
+
+
+@contextmanager
+def _warnings_to_stderr() -> Iterator[None]:
+    """Library warnings as one ``autoprec: warning:`` line each, duplicates once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            seen: set[str] = set()
+            for w in caught:
+                msg = str(w.message)
+                if msg not in seen and issubclass(w.category, UserWarning):
+                    seen.add(msg)
+                    print(f"autoprec: warning: {msg}", file=sys.stderr)
+
+
+def _table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r]
+                                           for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _num(x: Any) -> Any:
+    """JSON has no inf/nan: those become strings, as in tune's output."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x > 0 else "-inf" if x < 0 else "nan"
+    return x
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+# -- show ---------------------------------------------------------------------------------
+
+def show_cmd(
+    policy: Annotated[Path, typer.Argument(help="Policy file (YAML, schema 1).")],
+) -> None:
+    """Print a policy for review: rules, reasons, metrics, provenance."""
+    from autoprec.policy import load_policy
+
+    pol = load_policy(policy)
+    typer.echo(f"policy: {policy}  (schema 1)")
+    if pol.model:
+        typer.echo(f"model: {pol.model_name or '-'}   fingerprint: {pol.fingerprint or '-'}")
+    else:
+        typer.echo("model: - (no fingerprint: not checked against the model's structure)")
+    if pol.target:
+        bs = f", batch size {pol.batch_size}" if pol.batch_size else ""
+        typer.echo(f"target: {pol.target_device or '-'}{bs}")
+    typer.echo(f"default: {pol.default}")
+    paths = sorted(set(pol.layers) | set(pol.locked) | set(pol.reasons))
+    if paths:
+        rows = [(p or "<root>", pol.layers.get(p, f"({pol.default})"),
+                 "yes" if p in pol.locked else "", pol.reasons.get(p, "")) for p in paths]
+        typer.echo("")
+        typer.echo(_table(rows, ("layer", "precision", "locked", "reason")))
+    else:
+        typer.echo("layers: none (everything runs in the default)")
+    counts = {p: sum(1 for v in pol.layers.values() if v == p) for p in pol.precisions}
+    typer.echo("")
+    typer.echo("rules: " + (", ".join(f"{n} {p}" for p, n in counts.items() if n) or "0"))
+    if pol.metrics:
+        typer.echo("metrics: " + ", ".join(f"{k} {_fmt(v)}" for k, v in pol.metrics.items()))
+    if pol.provenance:
+        typer.echo("provenance: " + ", ".join(f"{k} {_fmt(v)}"
+                                              for k, v in pol.provenance.items()))
+
+
+# -- eval ---------------------------------------------------------------------------------
+
+def eval_cmd(
+    model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, ...)")],
+    policy: Annotated[Path, typer.Option("--policy", help="Policy file to apply.")],
+    target: Annotated[str | None, typer.Option(
+        help="Target device profile for est_speedup (default: the policy's, else h100).")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        help="Deployment batch size the speed is priced at (default: the policy's, else the "
+             "calibration batch's).")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Apply a policy whose model fingerprint does not match.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Apply POLICY to MODEL: error vs fp32 on the eval data, per-layer precisions
+    (rule vs computed), and the estimated speed-up on the target."""
+    with _warnings_to_stderr():
+        summary = evaluate_policy(model, policy, target=target, batch_size=batch_size,
+                                  force=force)
+    if json_out:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary)
+    if summary["audit_errors"]:
+        raise CheckFailed(summary["audit_errors"][0] + (
+            f" (and {len(summary['audit_errors']) - 1} more)"
+            if len(summary["audit_errors"]) > 1 else ""))
+
+
+def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
+                    batch_size: int | None = None, force: bool = False) -> dict[str, Any]:
+    """What ``eval --json`` prints: score, audit and cost of a policy on model.py."""
+    import torch
+
+    from autoprec.apply.apply import apply_policy
+    from autoprec.cost import CostModel, get_profile
+    from autoprec.evaluate import reference, score
+    from autoprec.loading import load_model_file
+    from autoprec.metrics import batch_size_of
+    from autoprec.policy import assignment, load_policy
+    from autoprec.trace import trace
+
+    if batch_size is not None and batch_size < 1:
+        raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
+    spec = load_model_file(model)
+    net = spec.model()
+    pol = load_policy(policy_path, model=net, force=force)
+    device = target or pol.target_device or DEFAULT_TARGET
+    profile = get_profile(device)  # an unknown device is exit 2 before the long work
+    batches = spec.eval_batches()
+    calib0 = spec.calibration_batches()[0]
+    ref = reference(spec, net, batches, "of eval_data")
+
+    with apply_policy(net, pol, force=force) as handle:
+        sc = score(spec, net, batches, ref, "of eval_data")
+        with torch.no_grad():
+            report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
+                                  strict=False)
+        fp8_backend = handle.fp8_backend
+
+    # Priced at the deployment batch size (DESIGN: "price at the deployment shape").
+    graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
+    bs = batch_size or pol.batch_size or batch_size_of(calib0) or graph.batch_size
+    cost = CostModel(graph, profile, batch_size=bs)
+    assign = assignment(pol, net, paths=cost.paths)
+    est = cost.speedup(assign)
+    infeasible = cost.infeasible(assign)
+    times = cost.layer_times(assign)
+
+    use_drop = sc.metric_drop is not None
+    value = sc.value
+    budget = pol.metrics.get("budget")
+    within = None if budget is None else bool(value <= float(budget))
+    feasible = (within is not False) and not infeasible and report.ok
+    layers = []
+    for row in report.rows:
+        t = times.get(row.layer)
+        layers.append({"layer": row.layer, "rule": row.rule, "precision": row.expected,
+                       "computed": row.computed, "ok": row.ok,
+                       "est_time_us": None if t is None else round(t * 1e6, 4)})
+    out: dict[str, Any] = {
+        "model": spec.name, "policy": str(policy_path),
+        "error": _num(sc.error),
+    }
+    if use_drop:
+        out["metric"] = _num(sc.metric)
+        out["metric_drop"] = _num(sc.metric_drop)
+    out.update({
+        "budget": budget, "within_budget": within,
+        "est_speedup": round(est, 4), "feasible": feasible,
+        "target": device, "batch_size": bs,
+        "fp8_backend": fp8_backend,
+        "reasons": dict(pol.reasons),
+        "infeasible": infeasible,
+        "audit_errors": report.errors,
+        "warnings": report.warnings,
+        "layers": layers,
+    })
+    return out
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    rows = [(r["layer"], r["rule"], r["precision"], r["computed"],
+             "" if r["ok"] else "MISMATCH",
+             "" if r["est_time_us"] is None else f"{r['est_time_us']:.2f}")
+            for r in s["layers"]]
+    typer.echo(_table(rows, ("layer", "rule", "precision", "computed", "audit",
+                             f"est_us@{s['target']}")))
+    typer.echo("")
+    what = (f"metric drop {_fmt(s['metric_drop'])} (metric {_fmt(s['metric'])})"
+            if "metric_drop" in s else f"error {_fmt(s['error'])}")
+    budget = "no budget recorded" if s["budget"] is None else f"budget {_fmt(s['budget'])}"
+    typer.echo(f"{what} vs fp32 on the eval data ({budget}); est. speed-up "
+               f"{s['est_speedup']:.2f}x on {s['target']} at batch size {s['batch_size']}; "
+               f"feasible: {str(s['feasible']).lower()}")
+    if s["fp8_backend"]:
+        typer.echo(f"fp8 backend: {s['fp8_backend']}")
+    for why in s["infeasible"]:
+        typer.echo(f"infeasible on {s['target']}: {why}")
+    for layer, why in s["reasons"].items():
+        typer.echo(f"reason {layer}: {why}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("show")(show_cmd)
+    app.command("eval")(eval_cmd)

@@ -1,0 +1,108 @@
+"""``autoprec tune`` and ``autoprec export``: thin wrappers over autoprec.search.tune."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from autoprec.errors import CheckFailed
+from autoprec.precisions import parse_precisions
+
+
+def tune_cmd(
+    model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, …)")],
+    max_error: Annotated[Optional[float], typer.Option(help="Budget: relative L2 error of the outputs vs fp32 (default 0.01).")] = None,
+    max_drop: Annotated[Optional[float], typer.Option(help="Budget: drop of model.py's metric vs fp32.")] = None,
+    target: Annotated[str, typer.Option(help="Target device profile (h100, h200, a100, l4, t4, cpu).")] = "h100",
+    batch_size: Annotated[Optional[int], typer.Option(help="Deployment batch size the speed is priced at (default: the calibration batch's).")] = None,
+    precisions: Annotated[Optional[str], typer.Option(help="Comma list, e.g. fp16,bf16,fp8 (default: all the target supports).")] = None,
+    trials: Annotated[int, typer.Option(help="Trials this process runs.")] = 40,
+    timeout: Annotated[Optional[float], typer.Option(help="Stop after this many seconds.")] = None,
+    seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
+    patience: Annotated[Optional[int], typer.Option(help="Stop after K trials without improvement.")] = None,
+    min_speedup: Annotated[Optional[float], typer.Option(help="Speed target: estimated speed-up the policy must reach.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Policy file (default policies/<model>-<target>.yaml).")] = None,
+    storage: Annotated[Optional[str], typer.Option(help="Optuna storage: sqlite:///PATH, postgresql://…, journal:PATH (default: SQLite beside the policy).")] = None,
+    study_name: Annotated[Optional[str], typer.Option(help="Study to create or join.")] = None,
+    resume: Annotated[bool, typer.Option(help="Run until the study holds --trials finished trials.")] = False,
+    pareto: Annotated[bool, typer.Option(help="Keep the whole error/speed front; write one policy per point.")] = False,
+    lock: Annotated[Optional[list[str]], typer.Option(help="Module path the search may not change (repeatable).")] = None,
+    workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
+    mlflow_uri: Annotated[Optional[str], typer.Option(help="MLflow tracking URI (default: ./mlflow.db).")] = None,
+    experiment: Annotated[str, typer.Option(help="MLflow experiment name.")] = "autoprec",
+    no_track: Annotated[bool, typer.Option("--no-track", help="Do not log to MLflow.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Search per-layer precisions for MODEL and write the fastest policy within budget."""
+    from autoprec.search.tune import tune
+    from autoprec.search.workers import run_workers
+    from autoprec.track import make_tracker
+
+    if workers > 1:
+        code = run_workers(sys.argv[1:], workers)
+        raise typer.Exit(code)
+    # Tracking is checked first: an unreachable server is exit 2 before any expensive work.
+    tracker = make_tracker(mlflow_uri, experiment, enabled=not no_track, workdir=Path.cwd())
+    result = tune(
+        model, max_error=max_error, max_drop=max_drop, target=target, batch_size=batch_size,
+        precisions=parse_precisions(precisions), trials=trials, timeout=timeout, seed=seed,
+        patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
+        resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
+        progress=not quiet and not json_out,
+    )
+    summary = {
+        "policy": str(result.path), "feasible": result.feasible,
+        "error": _num(result.eval_error), "calibration_error": _num(result.error),
+        "budget": result.budget, "est_speedup": round(result.est_speedup, 4),
+        "target": target, "batch_size": result.policy.target.get("batch_size") if isinstance(result.policy.target, dict) else None,
+        "trials": result.trials, "evaluations": round(result.evaluations, 2),
+        "seconds": round(result.seconds, 1), "study": result.study_name,
+        "storage": result.storage, "front": [str(p) for p in result.front_paths],
+        "mlflow_run": result.policy.provenance.get("mlflow_run"),
+    }
+    if json_out:
+        print(json.dumps(summary, indent=2))
+    else:
+        lowered = result.policy.layers
+        print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
+        for k, v in lowered.items():
+            print(f"  {k:<50} {v}")
+        print(f"error {summary['error']} (budget {result.budget}), est. speed-up "
+              f"{result.est_speedup:.2f}x on {target}, {result.trials} trials, "
+              f"{result.evaluations:.1f} evaluations, {result.seconds:.0f}s")
+    if not result.feasible:
+        raise CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
+                          f"closest (error {summary['error']}) to {result.path} marked "
+                          "feasible: false")
+
+
+def _num(x: float) -> float | str:
+    return x if math.isfinite(x) else "inf"
+
+
+
+
+def export_cmd(
+    storage: Annotated[str, typer.Option(help="Optuna storage URL of the study.")],
+    study_name: Annotated[str, typer.Option(help="Study to read.")],
+    out: Annotated[Path, typer.Option(help="Policy file to write.")],
+) -> None:
+    """Write the policy of a (shared) study: its fastest trial within budget."""
+    from autoprec.search.export import export_policy
+
+    policy, feasible = export_policy(storage, study_name, out)
+    print(f"policy: {out}  ({len(policy.layers)} layer rules, est. speed-up "
+          f"{policy.metrics.get('est_speedup')}x, feasible: {feasible})")
+    if not feasible:
+        raise CheckFailed(f"no trial of study {study_name!r} is within budget; wrote the closest")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("tune")(tune_cmd)
+    app.command("export")(export_cmd)

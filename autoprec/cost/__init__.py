@@ -1,0 +1,37 @@
+"""Cost stage: estimated (roofline + casts) or measured time of a model on a device.
+
+``CostModel(graph, get_profile("h100"), batch_size=256).estimate({"fc1": "fp8"})``
+prices an assignment; ``measure_latency`` times a callable; ``calibrate.fit`` turns
+measurements into a profile's efficiency factors.
+"""
+
+from autoprec.cost.calibrate import FitResult, Sample, fit
+from autoprec.cost.measure import Timing, measure_latency
+from autoprec.cost.model import CostModel, Kernel, LayerCost
+from autoprec.cost.profiles import (
+    Calibration,
+    DeviceProfile,
+    apply_calibration,
+    get_profile,
+    known_devices,
+    load_calibration,
+    load_profiles,
+)
+
+__all__ = [
+    "Calibration",
+    "CostModel",
+    "DeviceProfile",
+    "FitResult",
+    "Kernel",
+    "LayerCost",
+    "Sample",
+    "Timing",
+    "apply_calibration",
+    "fit",
+    "get_profile",
+    "known_devices",
+    "load_calibration",
+    "load_profiles",
+    "measure_latency",
+]

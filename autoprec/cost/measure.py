@@ -1,0 +1,111 @@
+"""Measured mode: the wall time of a callable on a device.
+
+GPU: CUDA events around each run on the current stream, after ``warmup`` runs (the
+first calls pay cuBLAS heuristics, autotuning and allocator growth); the events are read
+after one final synchronize, so timing adds no host syncs between runs. CPU: the median
+of repeated ``time.perf_counter`` wall-clock runs after the warm-up.
+
+``clock="thread"`` (CPU only) times with ``time.thread_time``, the CPU time of the calling
+thread: on a shared, oversubscribed machine it ignores the time the thread sat
+descheduled. It measures the whole run only when torch computes in the calling thread,
+i.e. after ``torch.set_num_threads(1)`` (checked).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autoprec.errors import CapabilityError, InputError
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per run: median and 10th/90th percentiles over ``n`` timed runs."""
+
+    median_s: float
+    p10: float
+    p90: float
+    n: int
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: the run-to-run noise of this measurement."""
+        return (self.p90 - self.p10) / self.median_s if self.median_s > 0 else 0.0
+
+    @classmethod
+    def from_samples(cls, samples: list[float]) -> Timing:
+        a = np.asarray(samples, dtype=float)
+        p10, med, p90 = np.percentile(a, [10, 50, 90])
+        return cls(float(med), float(p10), float(p90), len(samples))
+
+
+def _check_counts(warmup: int, repeats: int) -> None:
+    if warmup < 0:
+        raise InputError(f"`warmup >= 0` must hold, but got warmup={warmup}")
+    if repeats < 1:
+        raise InputError(f"`repeats >= 1` must hold, but got repeats={repeats}")
+
+
+def measure_latency(
+    run: Callable[[], Any],
+    device: str = "cpu",
+    warmup: int = 3,
+    repeats: int = 10,
+    clock: str = "wall",
+) -> Timing:
+    """Time ``run()`` on ``device`` ("cpu", "cuda", "cuda:1"); see the module docstring."""
+    _check_counts(warmup, repeats)
+    kind = device.split(":", 1)[0]
+    if clock not in ("wall", "thread"):
+        raise InputError(f"measure_latency: clock must be 'wall' or 'thread', got {clock!r}")
+    if kind == "cuda":
+        if clock != "wall":
+            raise InputError("measure_latency: clock='thread' is for the CPU only")
+        return _measure_cuda(run, device, warmup, repeats)
+    if kind != "cpu":
+        raise InputError(f"measure_latency: unknown device {device!r}; expected cpu or cuda[:N]")
+    if clock == "thread":
+        import torch
+
+        if torch.get_num_threads() != 1:
+            raise InputError("measure_latency: clock='thread' needs torch.set_num_threads(1), "
+                             f"but torch uses {torch.get_num_threads()} threads")
+    now = time.thread_time if clock == "thread" else time.perf_counter
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(repeats):
+        t0 = now()
+        run()
+        samples.append(now() - t0)
+    return Timing.from_samples(samples)
+
+
+def _measure_cuda(run: Callable[[], Any], device: str, warmup: int, repeats: int) -> Timing:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CapabilityError(f"{device}: no CUDA device (torch {torch.__version__}, "
+                              f"torch.cuda.is_available() is False)")
+    with torch.cuda.device(torch.device(device)):
+        for _ in range(warmup):
+            run()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        for s, e in zip(starts, ends, strict=True):
+            s.record()
+            run()
+            e.record()
+        torch.cuda.synchronize()
+        # elapsed_time is in milliseconds
+        return Timing.from_samples([s.elapsed_time(e) / 1e3
+                                    for s, e in zip(starts, ends, strict=True)])
+
+
+__all__ = ["Timing", "measure_latency"]

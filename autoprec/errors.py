@@ -1,0 +1,39 @@
+"""One root exception; subclasses carry the CLI exit code.
+
+Exit codes (DESIGN.md): 0 done/passed, 1 check failed or nothing feasible, 2 bad input.
+User-facing messages name the file, the layer or the value and the rule broken.
+"""
+
+from __future__ import annotations
+
+
+class AutoprecError(Exception):
+    """Root of every error autoprec raises on purpose."""
+
+    exit_code: int = 1
+
+
+class InputError(AutoprecError):
+    """Bad input from the user: usage, model.py, a policy file, a value. Exit code 2."""
+
+    exit_code = 2
+
+
+class ModelFileError(InputError):
+    """model.py is missing, not Python, lacks a required function, or its data is unusable."""
+
+
+class PolicyError(InputError):
+    """A policy file does not validate (schema, precision, path, fingerprint, YAML)."""
+
+
+class CapabilityError(AutoprecError):
+    """A precision or backend cannot run on this device; the message carries the reason."""
+
+
+class CheckFailed(AutoprecError):
+    """A gate did not pass: over budget, changed model, or an unrunnable precision. Exit 1."""
+
+
+class TrackingError(InputError):
+    """The MLflow tracking server cannot be reached or used (found before expensive work)."""

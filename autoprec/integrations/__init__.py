@@ -1,0 +1,2 @@
+"""Integrations with training frameworks; each imports its framework lazily
+(``autoprec.integrations.hf`` needs transformers and accelerate)."""

@@ -1,0 +1,193 @@
+"""Which precision each module computes in under a policy, and checks against a model.
+
+Precedence (DESIGN.md): a rule covers its module and every child; the most specific path
+wins; ``default`` covers what no rule does. fp8 is not an autocast region but a module
+backend, so an fp8 rule only reaches fp8-eligible Linear-like *leaves*: every other module
+it covers takes the nearest enclosing non-fp8 rule, or the default. Each module therefore
+has a *region* (fp32/tf32/bf16/fp16: the numeric context its own code runs in) and a
+*precision* (its region, or fp8 for an eligible leaf under an fp8 rule).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from autoprec.apply.fp8 import fp8_ineligible_reason
+from autoprec.errors import PolicyError
+from autoprec.paths import normalize_path, unwrap_model
+from autoprec.trace.graph import fingerprint
+
+if TYPE_CHECKING:
+    from autoprec.policy.schema import Policy
+
+#: Leaf module types whose own forward is one GEMM/conv (what fp8 and the cost model price).
+_GEMM_LEAF_TYPES: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd,
+)
+#: Linear-likes known by class name (no import of their library): HF GPT-2's Conv1D.
+_GEMM_LEAF_NAMES = ("Conv1D",)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The outcome of the policy for one module path."""
+
+    path: str
+    precision: str  # what this module's own GEMMs compute in
+    region: str  # the numeric context its code runs in (never fp8)
+    rule: str | None  # the rule path that decided ``precision``; None: the default
+
+    @property
+    def rule_label(self) -> str:
+        return "<default>" if self.rule is None else (self.rule or "<root>")
+
+
+def is_leaf(module: torch.nn.Module) -> bool:
+    return next(iter(module.children()), None) is None
+
+
+def is_gemm_leaf(module: torch.nn.Module) -> bool:
+    """A leaf whose forward is a matmul/conv (Linear, Conv*, Bilinear, HF Conv1D)."""
+    return is_leaf(module) and (isinstance(module, _GEMM_LEAF_TYPES)
+                                or type(module).__name__ in _GEMM_LEAF_NAMES)
+
+
+def fp8_eligible(module: torch.nn.Module) -> bool:
+    return is_leaf(module) and fp8_ineligible_reason(module) is None
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """``a.b.c``, ``a.b``, ``a``, ``""`` (the root)."""
+    yield path
+    while path:
+        path = path.rpartition(".")[0]
+        yield path
+
+
+def resolve_path(policy: Policy, path: str, module: torch.nn.Module) -> Resolved:
+    """The precision ``module`` (at ``path``) computes in under ``policy``."""
+    region, region_rule = policy.default, None
+    first: tuple[str, str] | None = None
+    for anc in _ancestors(path):
+        prec = policy.layers.get(anc)
+        if prec is None:
+            continue
+        if first is None:
+            first = (anc, prec)
+        if prec != "fp8":
+            region, region_rule = prec, anc
+            break
+    if first is not None and first[1] == "fp8" and fp8_eligible(module):
+        return Resolved(path, "fp8", region, first[0])
+    return Resolved(path, region, region, region_rule)
+
+
+def module_table(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every module path (aliases of a shared module included) of the unwrapped model."""
+    root = unwrap_model(model)
+    return {normalize_path(p): m for p, m in root.named_modules(remove_duplicate=False)}
+
+
+def resolve(policy: Policy, model: torch.nn.Module) -> dict[str, Resolved]:
+    """Resolution of every module path of ``model`` (shared modules under each alias)."""
+    return {p: resolve_path(policy, p, m) for p, m in module_table(model).items()}
+
+
+def gemm_leaf_paths(model: torch.nn.Module) -> list[str]:
+    """Paths of GEMM leaves, each module once (its first path), in registration order."""
+    root = unwrap_model(model)
+    return [normalize_path(p) for p, m in root.named_modules() if is_gemm_leaf(m)]
+
+
+def assignment(policy: Policy, model: torch.nn.Module,
+               paths: Iterable[str] | None = None) -> dict[str, str]:
+    """``{path: precision}`` for the model's GEMM leaves, or for ``paths`` if given.
+
+    ``paths`` lets the cost model ask for every GEMM-bearing node of its LayerGraph
+    (attention modules running SDPA in their own code included).
+    """
+    table = module_table(model)
+    wanted = gemm_leaf_paths(model) if paths is None else [normalize_path(p) for p in paths]
+    out = {}
+    for p in wanted:
+        if p not in table:
+            raise PolicyError(f"{policy.source}: the model has no module {p!r}")
+        out[p] = resolve_path(policy, p, table[p]).precision
+    return out
+
+
+def _hint(path: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(path, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _short(fp: str) -> str:
+    return fp[:19] + "…" if len(fp) > 20 else fp
+
+
+def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> None:
+    """Validate ``policy`` against ``model``; PolicyError names the first problem.
+
+    Order: fingerprint (the most telling when the model changed), unknown paths, fp8 on
+    ineligible leaves, conflicting rules on a shared module. Warnings: no fingerprint, a
+    forced mismatch, an fp8 container rule that reaches no eligible leaf.
+    """
+    from autoprec.policy.schema import FingerprintMismatch, warn
+
+    src = policy.source
+    root = unwrap_model(model)
+    if policy.fingerprint is None:
+        warn(f"{src}: model.fingerprint: missing; the model's structure is not checked "
+             "(normal for a hand-written policy)")
+    else:
+        actual = fingerprint(root)
+        if policy.fingerprint != actual:
+            msg = (f"{src}: model.fingerprint: {_short(policy.fingerprint)} does not match "
+                   f"the model ({_short(actual)}): the policy was written for a model of "
+                   "another structure")
+            if not force:
+                raise FingerprintMismatch(msg + "; re-tune it, or force it (--force)")
+            warn(msg + "; applied anyway (forced)")
+
+    table = module_table(root)
+    for section, paths in (("layers", list(policy.layers)), ("locked", policy.locked),
+                           ("reasons", list(policy.reasons))):
+        for i, p in enumerate(paths):
+            if p not in table:
+                key = f"locked[{i}]" if section == "locked" else f"{section}[{p!r}]"
+                raise PolicyError(f"{src}: {key}: the model has no module {p!r}"
+                                  f"{_hint(p, table)}")
+
+    res = {p: resolve_path(policy, p, m) for p, m in table.items()}
+    for p, prec in policy.layers.items():
+        if prec != "fp8":
+            continue
+        m = table[p]
+        if is_leaf(m):
+            why = fp8_ineligible_reason(m)
+            if why is not None:
+                raise PolicyError(f"{src}: layers[{p!r}]: fp8 rule on an ineligible layer: {why}")
+        elif not any(r.precision == "fp8" and r.rule == p for r in res.values()):
+            warn(f"{src}: layers[{p!r}]: the fp8 rule reaches no fp8-eligible Linear layer "
+                 f"(Linear-like leaves with dims multiple of 16); everything inside takes "
+                 f"{res[p].region}")
+
+    # One module object computes in one precision: its aliases must agree.
+    first: dict[int, Resolved] = {}
+    for p, m in table.items():
+        r = res[p]
+        seen = first.setdefault(id(m), r)
+        if seen.precision != r.precision:
+            raise PolicyError(
+                f"{src}: layers: module {seen.path!r} is also registered as {p!r} (one "
+                f"shared module), and the policy gives it {seen.precision} there and "
+                f"{r.precision} here; give both paths the same precision")
+
+
+__all__ = ["Resolved", "assignment", "check_model", "fp8_eligible", "gemm_leaf_paths",
+           "is_gemm_leaf", "module_table", "resolve", "resolve_path"]

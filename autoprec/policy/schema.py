@@ -1,0 +1,403 @@
+"""The policy file (YAML, schema 1): the dataclass, loading with validation, atomic saving.
+
+A policy is a plain map from module path to precision with a documented precedence (the
+most specific path wins; see resolve.py), plus what a reviewer needs to trust it: the
+model's fingerprint, the target its speed figures refer to, reasons, metrics, provenance.
+
+Validation names the first problem as ``FILE: KEY: rule``, e.g.
+``p.yaml: layers['enc.0.q']: unknown precision 'fp12'; expected one of fp32, …``. Checks
+that need the model (paths, fingerprint, fp8 eligibility) live in resolve.py and run when
+``load_policy`` is given one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from autoprec.errors import PolicyError
+from autoprec.paths import normalize_path
+from autoprec.precisions import PRECISIONS
+
+#: The schema version this autoprec reads and writes.
+SCHEMA_VERSION = 1
+
+#: Top-level keys in the order they are written.
+KEYS = ("autoprec_policy", "model", "target", "default", "layers", "locked", "reasons",
+        "metrics", "provenance")
+REQUIRED = ("autoprec_policy", "default", "layers")
+_MODEL_KEYS = ("name", "fingerprint")
+_TARGET_KEYS = ("device", "batch_size")
+#: Metrics with a fixed type; others may be any scalar.
+_NUMBER_METRICS = ("error", "metric_drop", "budget", "est_speedup")
+_BOOL_METRICS = ("feasible",)
+
+
+class PolicyWarning(UserWarning):
+    """Something a reviewer should know that does not stop the policy from applying."""
+
+
+@dataclass
+class Policy:
+    """A per-layer precision assignment (schema 1).
+
+    ``layers`` maps normalised module paths to precisions; a rule covers the module and
+    its children, the most specific path wins, ``default`` covers the rest. ``source``
+    names the file it came from in error messages and is not written.
+    """
+
+    default: str = "fp32"
+    layers: dict[str, str] = field(default_factory=dict)
+    model: dict[str, str] = field(default_factory=dict)  # {name, fingerprint}
+    target: dict[str, Any] = field(default_factory=dict)  # {device, batch_size}
+    locked: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    source: str = "<policy>"
+
+    def __post_init__(self) -> None:
+        # Built in code, a policy is checked as strictly as one read from a file, and
+        # normalised the same way (wrapper prefixes, None members dropped, a target name
+        # becomes {device: name}).
+        checked = _parse(self.to_dict(), self.source)
+        for name in ("layers", "model", "target", "locked", "reasons", "metrics",
+                     "provenance"):
+            setattr(self, name, getattr(checked, name))
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.model.get("fingerprint")
+
+    @property
+    def model_name(self) -> str | None:
+        return self.model.get("name")
+
+    @property
+    def target_device(self) -> str | None:
+        return self.target.get("device")
+
+    @property
+    def batch_size(self) -> int | None:
+        """The deployment batch size the speed figures assume (target.batch_size)."""
+        return self.target.get("batch_size")
+
+    # -- conversions -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML document, keys in schema order, optional sections only when set."""
+        out: dict[str, Any] = {"autoprec_policy": SCHEMA_VERSION}
+        for key in ("model", "target"):
+            value = getattr(self, key)
+            if isinstance(value, Mapping):
+                value = {k: v for k, v in value.items() if v is not None}
+            if value:
+                out[key] = value
+        out["default"] = self.default
+        out["layers"] = dict(self.layers)
+        for key in ("locked", "reasons", "metrics", "provenance"):
+            value = getattr(self, key)
+            if value:
+                out[key] = list(value) if key == "locked" else dict(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<policy>") -> Policy:
+        """Validate a parsed YAML document; PolicyError names the first problem."""
+        return _parse(data, source)
+
+    def dumps(self) -> str:
+        """The policy as YAML text (what ``save`` writes)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False,
+                              allow_unicode=True)
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically: a temp file in the same folder, fsync, then ``os.replace``.
+
+        A reader never sees a half-written policy, and a crash leaves the old file intact.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = self.dumps()
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            # mkstemp makes the file private (0600); a policy is for review: keep the old
+            # file's mode, else the usual rw-r--r--.
+            mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+            os.chmod(tmp, mode)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self.source = str(path)
+        return path
+
+    # -- queries -----------------------------------------------------------------------
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision the policy names (default included), in canonical order."""
+        used = {self.default, *self.layers.values()}
+        return tuple(p for p in PRECISIONS if p in used)
+
+    def validate(self, model: torch.nn.Module, force: bool = False) -> None:
+        """Check the policy against ``model`` (paths, fingerprint, fp8 eligibility).
+
+        A fingerprint mismatch raises FingerprintMismatch unless ``force``; then it warns.
+        """
+        from autoprec.policy.resolve import check_model  # resolve imports this module
+
+        check_model(self, model, force=force)
+
+
+class FingerprintMismatch(PolicyError):
+    """The policy was written for a model of another structure (refused unless forced)."""
+
+
+def load_policy(path: str | Path, model: torch.nn.Module | None = None,
+                force: bool = False) -> Policy:
+    """Read a policy file (safe YAML only) and validate it; with ``model``, against it too.
+
+    Raises PolicyError (exit 2) naming the file, the key and the rule of the first
+    problem. A missing fingerprint warns (hand-written policies are normal); a mismatched
+    one raises FingerprintMismatch unless ``force``, which downgrades it to a warning.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PolicyError(f"{path}: no such policy file") from None
+    except IsADirectoryError:
+        raise PolicyError(f"{path}: is a directory, expected a policy YAML file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise PolicyError(f"{path}: cannot read: {err}") from err
+    policy = loads_policy(text, source=str(path))
+    if model is not None:
+        policy.validate(model, force=force)
+    return policy
+
+
+def loads_policy(text: str, source: str = "<policy>") -> Policy:
+    """Parse policy YAML text; ``source`` names it in messages."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        what = err.problem or err.context or "syntax error"
+        if isinstance(err, yaml.constructor.ConstructorError):
+            what += " (policies are plain YAML, read with yaml.safe_load: no tags)"
+        raise PolicyError(f"{where}: not valid YAML: {what}") from None
+    except yaml.YAMLError as err:  # e.g. a python/object tag refused by the safe loader
+        raise PolicyError(f"{source}: not valid YAML: {err}") from None
+    return _parse(data, source)
+
+
+# -- validation --------------------------------------------------------------------------
+
+def _type_name(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "empty"}.get(
+        type(value), type(value).__name__)
+
+
+def _fail(source: str, key: str, rule: str) -> PolicyError:
+    return PolicyError(f"{source}: {key}: {rule}")
+
+
+def _precision(source: str, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _fail(source, key, f"must be a precision name (one of {', '.join(PRECISIONS)}), "
+                                 f"got {_type_name(value)} {value!r}")
+    if value not in PRECISIONS:
+        raise _fail(source, key, f"unknown precision {value!r}; expected one of "
+                                 f"{', '.join(PRECISIONS)}")
+    return value
+
+
+def _path_key(source: str, section: str, key: Any) -> str:
+    # YAML reads an unquoted `0:` (an nn.Sequential child) as the integer 0: accept ints,
+    # refuse floats (`1.10` would silently become "1.1").
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise _fail(source, f"{section}[{key!r}]",
+                    f"a module path must be a string; quote it ('{key}')")
+    return normalize_path(str(key))
+
+
+def _mapping(source: str, key: str, value: Any, allow_empty: bool = False) -> dict[Any, Any]:
+    if value is None and allow_empty:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _fail(source, key, f"must be a mapping, got {_type_name(value)}")
+    return dict(value)
+
+
+def _unknown_keys(source: str, where: str, got: Mapping[Any, Any],
+                  known: tuple[str, ...]) -> None:
+    for k in got:
+        if k not in known:
+            loc = f"{where}.{k}" if where else str(k)
+            raise _fail(source, loc, f"unknown key; expected one of {', '.join(known)}")
+
+
+def _parse(data: Any, source: str) -> Policy:
+    if not isinstance(data, Mapping):
+        raise PolicyError(f"{source}: a policy must be a YAML mapping at the top level, "
+                          f"got {_type_name(data)}")
+    _unknown_keys(source, "", data, KEYS)
+    for k in REQUIRED:
+        if k not in data:
+            raise _fail(source, k, "required key is missing")
+    version = data["autoprec_policy"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise _fail(source, "autoprec_policy", f"must be the schema version (an integer), "
+                                               f"got {_type_name(version)} {version!r}")
+    if version != SCHEMA_VERSION:
+        raise _fail(source, "autoprec_policy", f"unknown schema version {version}; this "
+                                               f"autoprec reads version {SCHEMA_VERSION}")
+
+    model: dict[str, str] = {}
+    if data.get("model") is not None:
+        raw_model = _mapping(source, "model", data["model"])
+        _unknown_keys(source, "model", raw_model, _MODEL_KEYS)
+        for k in _MODEL_KEYS:
+            v = raw_model.get(k)
+            if v is None:
+                continue
+            if not isinstance(v, str):
+                raise _fail(source, f"model.{k}", f"must be a string, got {_type_name(v)}")
+            model[k] = v
+        fp = model.get("fingerprint")
+        if fp is not None and not fp.startswith("sha256:"):
+            raise _fail(source, "model.fingerprint", f"must look like 'sha256:<hex>', got {fp!r}")
+
+    target = _parse_target(source, data.get("target"))
+
+    default = _precision(source, "default", data["default"])
+    if default == "fp8":
+        raise _fail(source, "default",
+                    "fp8 cannot be the default: it applies only to fp8-eligible Linear "
+                    "layers; set the default for everything else and add a rule "
+                    "'': fp8 (the root) to put every eligible layer in fp8")
+
+    layers: dict[str, str] = {}
+    seen: dict[str, Any] = {}
+    for raw, prec in _mapping(source, "layers", data["layers"], allow_empty=True).items():
+        path = _path_key(source, "layers", raw)
+        key = f"layers[{str(raw)!r}]"
+        if path in layers:
+            raise _fail(source, key, f"duplicates layers[{seen[path]!r}] once wrapper "
+                                     "prefixes (_orig_mod., module.) are removed")
+        layers[path] = _precision(source, key, prec)
+        seen[path] = str(raw)
+
+    locked: list[str] = []
+    if data.get("locked") is not None:
+        raw_locked = data["locked"]
+        if not isinstance(raw_locked, list):
+            raise _fail(source, "locked", f"must be a list of module paths, got "
+                                          f"{_type_name(raw_locked)}")
+        for i, p in enumerate(raw_locked):
+            locked.append(_path_key(source, f"locked[{i}]", p))
+
+    reasons: dict[str, str] = {}
+    for raw, why in _mapping(source, "reasons", data.get("reasons"), allow_empty=True).items():
+        path = _path_key(source, "reasons", raw)
+        if not isinstance(why, str):
+            raise _fail(source, f"reasons[{str(raw)!r}]",
+                        f"must be a string, got {_type_name(why)}")
+        reasons[path] = why
+
+    metrics = _mapping(source, "metrics", data.get("metrics"), allow_empty=True)
+    for k, v in metrics.items():
+        _check_metric(source, k, v)
+
+    provenance = _mapping(source, "provenance", data.get("provenance"), allow_empty=True)
+    for k, v in provenance.items():
+        if not isinstance(k, str):
+            raise _fail(source, f"provenance[{k!r}]", "keys must be strings")
+        if not _is_plain(v):
+            raise _fail(source, f"provenance.{k}", f"must be a scalar, list or mapping of "
+                                                   f"scalars, got {_type_name(v)}")
+
+    policy = Policy.__new__(Policy)  # already checked: skip __post_init__'s re-parse
+    policy.default = default
+    policy.layers = layers
+    policy.model = model
+    policy.target = target
+    policy.locked = locked
+    policy.reasons = reasons
+    policy.metrics = metrics
+    policy.provenance = provenance
+    policy.source = source
+    return policy
+
+
+def _parse_target(source: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"device": value}
+    if not isinstance(value, Mapping):
+        raise _fail(source, "target", f"must be a device name or a mapping "
+                                      f"{{device, batch_size}}, got {_type_name(value)}")
+    _unknown_keys(source, "target", value, _TARGET_KEYS)
+    device, batch = value.get("device"), value.get("batch_size")
+    if device is not None and not isinstance(device, str):
+        raise _fail(source, "target.device", f"must be a string, got {_type_name(device)}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
+                              or batch < 1):
+        raise _fail(source, "target.batch_size",
+                    f"must be a positive integer, got {batch!r}")
+    return {k: v for k, v in (("device", device), ("batch_size", batch)) if v is not None}
+
+
+def _check_metric(source: str, key: Any, value: Any) -> None:
+    if not isinstance(key, str):
+        raise _fail(source, f"metrics[{key!r}]", "keys must be strings")
+    where = f"metrics.{key}"
+    if key in _NUMBER_METRICS:
+        # .inf is how YAML writes an infeasible error; null means "not measured".
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, (int, float))):
+            raise _fail(source, where, f"must be a number, got {_type_name(value)} {value!r}")
+    elif key in _BOOL_METRICS:
+        if value is not None and not isinstance(value, bool):
+            raise _fail(source, where, f"must be true or false, got {value!r}")
+    elif not _is_scalar(value):
+        raise _fail(source, where, f"must be a scalar, got {_type_name(value)}")
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+def _is_plain(v: Any) -> bool:
+    if _is_scalar(v):
+        return True
+    if isinstance(v, list):
+        return all(_is_scalar(x) for x in v)
+    if isinstance(v, Mapping):
+        return all(isinstance(k, str) and _is_scalar(x) for k, x in v.items())
+    return False
+
+
+def warn(message: str) -> None:
+    """Emit a PolicyWarning (the CLI prints these as one line each)."""
+    warnings.warn(message, PolicyWarning, stacklevel=3)
+
+
+__all__ = ["FingerprintMismatch", "Policy", "PolicyWarning", "SCHEMA_VERSION",
+           "load_policy", "loads_policy"]

@@ -1,0 +1,99 @@
+"""The precisions autoprec searches over, their numeric formats and test tolerances.
+
+Format limits are the IEEE/OCP definitions:
+- fp16 (IEEE binary16): max 65504, smallest normal 2**-14, 10 explicit mantissa bits.
+- bf16: fp32's exponent range, 7 explicit mantissa bits (8 with the implicit one).
+- tf32: fp32 range, 10 explicit mantissa bits (NVIDIA Ampere whitepaper).
+- fp8 e4m3fn: max 448, smallest normal 2**-6, 3 mantissa bits;
+  fp8 e5m2: max 57344, smallest normal 2**-14, 2 mantissa bits
+  (OCP 8-bit Floating Point Specification, 2023).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from autoprec.errors import InputError
+
+Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+
+#: Ordered from most to least precise; the search and reports use this order.
+PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+#: Precisions expressible by ``torch.autocast``.
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class NumericFormat:
+    """Range and resolution of one storage/compute format."""
+
+    name: str
+    max: float
+    smallest_normal: float
+    mantissa_bits: int  # explicit bits
+
+    @property
+    def eps(self) -> float:
+        """Unit roundoff: half the spacing of values in [1, 2)."""
+        return 2.0 ** -(self.mantissa_bits + 1)
+
+
+FORMATS: dict[str, NumericFormat] = {
+    "fp32": NumericFormat("fp32", float(torch.finfo(torch.float32).max), 2.0**-126, 23),
+    "tf32": NumericFormat("tf32", float(torch.finfo(torch.float32).max), 2.0**-126, 10),
+    "bf16": NumericFormat("bf16", float(torch.finfo(torch.bfloat16).max), 2.0**-126, 7),
+    "fp16": NumericFormat("fp16", 65504.0, 2.0**-14, 10),
+    # Forward activations/weights; gradients use e5m2 (FP8_E5M2 below).
+    "fp8": NumericFormat("fp8", 448.0, 2.0**-6, 3),
+}
+FP8_E5M2 = NumericFormat("fp8_e5m2", 57344.0, 2.0**-14, 2)
+
+#: Bytes per element as stored/moved on the device (tf32 is stored as fp32).
+BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+#: One tolerance table for every numerics test (after Transformer Engine's dtype_tols):
+#: (rtol, atol) for comparing a single lowered op against a reference computed by hand
+#: with explicit casts of the same operands.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "fp32": (1.3e-6, 1e-5),
+    "tf32": (1e-3, 1e-4),
+    "bf16": (1.6e-2, 1e-3),
+    "fp16": (1e-3, 1e-4),
+    "fp8": (1.25e-1, 2e-2),
+}
+
+
+def dtype_tols(precision: str) -> dict[str, float]:
+    """Keyword arguments for ``torch.testing.assert_close`` at ``precision``."""
+    rtol, atol = TOLERANCES[check_precision(precision)]
+    return {"rtol": rtol, "atol": atol}
+
+
+def check_precision(name: str, where: str = "") -> str:
+    """Return ``name`` if it is a known precision, else raise InputError naming it."""
+    if name not in PRECISIONS:
+        loc = f"{where}: " if where else ""
+        raise InputError(
+            f"{loc}unknown precision {name!r}; expected one of {', '.join(PRECISIONS)}"
+        )
+    return name
+
+
+def parse_precisions(text: str | None) -> tuple[str, ...] | None:
+    """Parse a ``--precisions fp16,bf16`` list; ``None`` means 'all the device supports'."""
+    if text is None or text.strip() == "":
+        return None
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    for n in names:
+        check_precision(n, "--precisions")
+    # keep the canonical order, drop duplicates
+    return tuple(p for p in PRECISIONS if p in names)
+
+
+def rank(precision: str) -> int:
+    """0 for fp32 (most precise) … 4 for fp8."""
+    return PRECISIONS.index(precision)

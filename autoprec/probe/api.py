@@ -1,0 +1,246 @@
+"""``probe()``: orchestrates the probes (no numerics here; see shadow/grads/e2e/rows).
+
+Cost over the calibration data, in forward-pass equivalents (a backward counts 2):
+one fp32 pass with shadow hooks (1 + one lowered evaluation of every layer per precision),
+``probes`` backwards for the cheap end-to-end estimate, with a loss one more backward and
+the per-layer gradient probes, plus one pass per end-to-end run. Naive probing runs the
+whole model once per (layer, precision).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from autoprec.capability import runnable_precisions
+from autoprec.errors import InputError
+from autoprec.evaluate import Reference
+from autoprec.loading import ModelSpec, default_forward
+from autoprec.metrics import batch_size_of, detach_floats
+from autoprec.precisions import PRECISIONS, check_precision
+from autoprec.probe import cache
+from autoprec.probe import e2e as e2emod
+from autoprec.probe.grads import SPLITS, GradProbes, Projections, edge_grads, random_projection
+from autoprec.probe.layers import select_layers
+from autoprec.probe.rows import build_row, judge
+from autoprec.probe.shadow import ShadowPass
+from autoprec.probe.table import ProbeRow, SensitivityTable
+from autoprec.trace.graph import LayerGraph
+
+Forward = Callable[[nn.Module, Any], Any]
+
+
+def resolve_precisions(precisions: Iterable[str] | None, model: nn.Module) -> tuple[str, ...]:
+    """Canonical order, fp32 (the reference) dropped; None: every one this device runs."""
+    if precisions is None:
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        wanted = set(runnable_precisions(dev))
+    else:
+        wanted = {check_precision(p, "precisions") for p in precisions}
+    out = tuple(p for p in PRECISIONS if p in wanted and p != "fp32")
+    if not out:
+        raise InputError("precisions: nothing to probe besides fp32 (the reference)")
+    return out
+
+
+def probe(
+    model: nn.Module,
+    batches: Iterable[Any],
+    precisions: Iterable[str] | None = None,
+    *,
+    forward: Forward | None = None,
+    loss: Callable[[Any, Any], torch.Tensor] | None = None,
+    metric: Callable[[Any, Any], float] | None = None,
+    e2e: str | Sequence[Any] = "auto",
+    layers: Sequence[str] | None = None,
+    graph: LayerGraph | None = None,
+    budget: float | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    fp8_backend: str = "emulated",
+    loss_scale: float = 2.0**16,
+    probes: int = 1,
+    seed: int = 0,
+    e2e_limit: int = 8,
+    underflow_limit: float = 0.1,
+    split: str = "sample",
+) -> SensitivityTable:
+    """Measure how sensitive each GEMM layer of ``model`` is to each precision.
+
+    Args:
+        batches: calibration batches (as model.py's ``calibration_data()`` yields them).
+        precisions: to probe; default every precision this device runs (fp32 excluded).
+        forward / loss / metric: model.py's functions (default forward: ``model(batch)``
+            / ``(*batch)`` / ``(**batch)``). ``loss`` adds gradient probes and the loss
+            effect; ``metric`` makes ``e2e_error`` a metric drop.
+        e2e: end-to-end runs (only one layer lowered): "auto" (where the cheap estimate is
+            within 2x of the budget, closest first, at most ``e2e_limit``), "all", "none",
+            or a list of layer paths / (layer, precision) pairs.
+        layers: probe only these module paths (default: every GEMM layer of the graph).
+        graph: the model's LayerGraph if already traced (default: traced here).
+        budget: in the budget's units (output error; metric drop with ``metric``);
+            default 0.01. Used for "auto" and the reasons, never to exclude a pair.
+        cache_dir: reuse / store the table keyed by model, weights, data, options, versions.
+        probes: random projections (backwards) per batch for the cheap estimate.
+        split: how the estimate's dot products are grouped ("sample", "row", "element";
+            grads.py); "sample" is unbiased for models whose samples do not interact.
+        underflow_limit: share of values below the smallest normal that excludes a pair.
+
+    The model runs in eval mode (restored after); its weights, gradients and forwards are
+    left as they were.
+    """
+    batches = list(batches)
+    if not batches:
+        raise InputError("probe: no calibration batches")
+    if probes < 1:
+        raise InputError(f"probes: must be >= 1, got {probes}")
+    if split not in SPLITS:
+        raise InputError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
+    precs = resolve_precisions(precisions, model)
+    fwd = forward or default_forward
+    budget = 0.01 if budget is None else float(budget)
+    options = {
+        "precisions": precs, "e2e": e2e if isinstance(e2e, str) else [list(x) if
+        isinstance(x, (tuple, list)) else x for x in e2e], "layers": list(layers or []),
+        "budget": budget, "fp8_backend": fp8_backend, "loss_scale": loss_scale,
+        "probes": probes, "seed": seed, "e2e_limit": e2e_limit,
+        "underflow_limit": underflow_limit, "split": split, "forward": cache.code_hash(forward),
+        "loss": cache.code_hash(loss), "metric": cache.code_hash(metric),
+    }
+    key = ""
+    if cache_dir is not None:
+        key = cache.cache_key(model, batches, options)
+        hit = cache.load(cache_dir, key)
+        if hit is not None:
+            hit.meta["cached"] = True
+            return hit
+
+    started = time.monotonic()
+    flags = {m: m.training for m in model.modules()}
+    model.eval()  # dropout would make the shadow re-runs differ from the fp32 pass
+    try:
+        table = _probe(model, batches, precs, fwd, loss, metric, e2e, layers, graph, budget,
+                       progress, fp8_backend, loss_scale, probes, seed, e2e_limit,
+                       underflow_limit, split)
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+    table.meta.update(seconds=round(time.monotonic() - started, 3), cache_key=key,
+                      cached=False, options=options)
+    if cache_dir is not None:
+        cache.store(cache_dir, key, table)
+    return table
+
+
+def _probe(model: nn.Module, batches: list[Any], precs: tuple[str, ...], fwd: Forward,
+           loss: Any, metric: Any, e2e: Any, layer_paths: Sequence[str] | None,
+           graph: LayerGraph | None, budget: float, progress: bool, fp8_backend: str,
+           loss_scale: float, probes: int, seed: int, e2e_limit: int,
+           underflow_limit: float, split: str) -> SensitivityTable:
+    if graph is None:
+        from autoprec.trace import trace
+
+        graph = trace(model, batches[0], forward=fwd, tracers=("hooks",))
+    sel = select_layers(model, graph, precs, layer_paths)
+    proj = Projections()
+    gprobes = GradProbes(loss_scale, fp8_backend) if loss is not None else None
+    gen = torch.Generator().manual_seed(seed)
+    ref_outputs: list[list[torch.Tensor]] = []
+    sq_y, metric_sum, metric_w = 0.0, 0.0, 0.0
+    bar = tqdm(batches, desc="probe: shadow pass", unit="batch", disable=not progress,
+               leave=False)
+    with ShadowPass(model, sel, fp8_backend, track=True, keep_inputs=loss is not None) as sp:
+        for batch in bar:
+            with torch.enable_grad():
+                out = fwd(model, batch)
+            calls = sp.take_calls()
+            floats = detach_floats(out)
+            ref_outputs.append(floats)
+            sq_y += sum(float(t.pow(2).sum()) for t in floats if torch.isfinite(t).all())
+            if metric is not None:
+                with torch.no_grad():
+                    value = float(metric(out, batch))
+                w = float(batch_size_of(batch) or 1)
+                metric_sum, metric_w = metric_sum + w * value, metric_w + w
+            sp.busy = True  # the gradient probes call layers whose children are hooked
+            try:
+                for _ in range(probes):
+                    s = random_projection(out, gen)
+                    if s is not None:
+                        proj.add(calls, edge_grads(s, calls, retain=True), 1.0 / probes)
+                if gprobes is not None:
+                    lval = loss(out, batch)
+                    if isinstance(lval, torch.Tensor) and lval.requires_grad:
+                        gprobes.add(calls, edge_grads(lval, calls, retain=False))
+            finally:
+                sp.busy = False
+            del out, calls
+    bar.close()
+
+    # -- rows: estimates, hard facts, reasons ------------------------------------------------
+    units = "metric_drop" if metric is not None else "error"
+    rows: list[ProbeRow] = []
+    for lay in sel:
+        for p in precs:
+            key = (lay.path, p)
+            local = sp.local.get(key)
+            if key in proj.seen and sq_y > 0:
+                est, method = math.sqrt(proj.sq[split][key] / sq_y), "jacobian"
+            else:
+                est, method = (local.error if local else math.nan), "local"
+            gst = gprobes.stats.get(key) if gprobes is not None else None
+            rows.append(build_row(lay, p, local, sp.ranges[lay.path], est, method, gst))
+    by_key = {(r.layer, r.precision): r for r in rows}
+    for r in rows:
+        judge(r, sp.ranges[r.layer], budget, units, underflow_limit)
+
+    # -- end-to-end runs --------------------------------------------------------------------
+    estimates = {k: r.cheap_estimate for k, r in by_key.items()}
+    hard = {k for k, r in by_key.items() if r.hard}
+    todo = e2emod.choose(e2e, sel, estimates, hard, budget, metric is not None, e2e_limit)
+    if todo:
+        spec = ModelSpec(path=Path("<probe>"), name="probe", build_model=lambda: model,
+                         calibration_data=lambda: batches, forward=fwd, metric=metric)
+        ref_metric = None
+        if metric is not None:
+            ref_metric = metric_sum / metric_w if metric_w else 0.0
+        ref = Reference(ref_outputs, ref_metric, len(batches))
+        by_path = {lay.path: lay for lay in sel}
+        for path, p in tqdm(todo, desc="probe: end-to-end", unit="run", disable=not progress,
+                            leave=False):
+            sc = e2emod.measure(spec, model, batches, ref, by_path[path], p, fp8_backend)
+            r = by_key[(path, p)]
+            r.e2e_output_error = sc.error
+            r.e2e_error = sc.value
+            judge(r, sp.ranges[path], budget, units, underflow_limit)
+
+    n_pairs = sum(len(lay.precisions) for lay in sel)
+    cost = {
+        "fp32_pass": 1.0,
+        "shadow": float(len(precs)),
+        "estimate_backward": 2.0 * probes,
+        "loss_backward": 2.0 if loss is not None else 0.0,
+        "grad_probes": 3.0 * (len(precs) + 1 + ("fp16" in precs)) if loss is not None else 0.0,
+        "e2e_runs": float(len(todo)),
+    }
+    meta = {
+        "fingerprint": graph.fingerprint, "precisions": list(precs), "budget": budget,
+        "units": units, "batches": len(batches), "layers": len(sel), "pairs": n_pairs,
+        "e2e_runs": len(todo), "cost": cost,
+        "cost_total": sum(cost.values()), "cost_naive": float(n_pairs + 1),
+        "versions": {"autoprec": _version(), "torch": torch.__version__},
+    }
+    return SensitivityTable(rows, meta)
+
+
+def _version() -> str:
+    import autoprec
+
+    return autoprec.__version__

@@ -1,0 +1,148 @@
+"""Which layers the probes measure, and how one of them is lowered alone.
+
+The probed layers are the trace's GEMM nodes (Linear / Conv / HF Conv1D leaves, and
+modules whose own code runs matmuls, e.g. attention). "This layer alone in precision p"
+means exactly what a policy rule on it does (``apply.lower.lowered_forward``), with the
+GEMM modules *inside* it (an attention module's q/k/v Linears) held at fp32: they are
+layers of their own with their own rows, so each row measures one layer's own compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.apply import fp8 as fp8mod
+from autoprec.apply.lower import cast_floats, lowered_forward
+from autoprec.errors import InputError
+from autoprec.trace.graph import LayerGraph
+
+_MISSING = object()
+
+
+@dataclass
+class ProbeLayer:
+    """One probed layer and the precisions it is probed in."""
+
+    path: str  # module path ("" is the root module)
+    module: nn.Module
+    kind: str  # the trace's kind: linear, conv, attention, matmul
+    precisions: tuple[str, ...]  # requested and allowed: these get shadow computations
+    disallowed: dict[str, str] = field(default_factory=dict)  # requested, not allowed: why
+    inner_gemms: list[nn.Module] = field(default_factory=list)  # held at fp32 (see module doc)
+    # Modules whose forward is pure in its inputs: their inputs need no snapshot.
+    pure: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.path or "<root>"
+
+
+def _is_pure(module: nn.Module) -> bool:
+    """Leaves that never write their inputs: the forward hook may read the inputs directly."""
+    if any(True for _ in module.children()):
+        return False
+    return isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or (
+        type(module).__name__ == "Conv1D"
+    )
+
+
+def select_layers(model: nn.Module, graph: LayerGraph, precisions: Sequence[str],
+                  layers: Sequence[str] | None = None) -> list[ProbeLayer]:
+    """The graph's GEMM nodes (execution order), restricted to ``layers`` when given.
+
+    A precision the graph disallows (e.g. fp8 on a 10-wide head) is kept as a reason. fp8
+    computes only in Linear-like leaves, so a module whose own code runs the matmuls (an
+    attention module) cannot take fp8 itself; an fp8 rule on it lowers its Linear children,
+    which have their own rows.
+    """
+    modules = dict(model.named_modules())
+    gemms = [n for n in graph.gemm_nodes if n.path in modules]
+    if layers is not None:
+        known = {n.path for n in gemms}
+        for path in layers:
+            if path not in known:
+                what = "is not a module of the model" if path not in modules else (
+                    "runs no matmul/conv of its own (not a GEMM layer)")
+                raise InputError(f"layers: {path!r} {what}")
+        wanted = set(layers)
+        chosen = [n for n in gemms if n.path in wanted]
+    else:
+        chosen = gemms
+    gemm_paths = [n.path for n in gemms]
+    out = []
+    for node in chosen:
+        module = modules[node.path]
+        disallowed = {p: f"{p}: {node.disallowed[p]}" for p in precisions if p in node.disallowed}
+        if "fp8" in precisions and "fp8" not in disallowed:
+            why = fp8mod.fp8_ineligible_reason(module)
+            if why is not None:
+                disallowed["fp8"] = (f"{why}; an fp8 rule here lowers the Linear layers inside"
+                                     if node.kind in ("attention", "matmul") else why)
+        prefix = node.path + "." if node.path else ""
+        inner = [modules[p] for p in gemm_paths if p != node.path and p.startswith(prefix)]
+        out.append(ProbeLayer(
+            path=node.path, module=module, kind=node.kind,
+            precisions=tuple(p for p in precisions if p not in disallowed),
+            disallowed=disallowed, inner_gemms=inner, pure=_is_pure(module),
+        ))
+    return out
+
+
+@contextlib.contextmanager
+def swapped_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Install ``forward`` as ``module.forward`` (an instance attribute) until exit."""
+    prev = module.__dict__.get("forward", _MISSING)
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if prev is _MISSING:
+            del module.__dict__["forward"]
+        else:
+            module.forward = prev  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def inner_fp32(layer: ProbeLayer) -> Iterator[None]:
+    """Hold the GEMM modules inside ``layer`` at fp32 (as a more specific fp32 rule would)."""
+    with contextlib.ExitStack() as stack:
+        for m in layer.inner_gemms:
+            stack.enter_context(swapped_forward(m, lowered_forward(m, "fp32")))
+        yield
+
+
+def lowered_call(layer: ProbeLayer, precision: str, args: Sequence[Any], kwargs: dict[str, Any],
+                 fp8_backend: str = "emulated") -> Any:
+    """Run ``layer``'s forward once in ``precision`` (its inner GEMMs at fp32); no hooks of
+    the layer itself fire (the forward is called directly, not through ``__call__``)."""
+    with inner_fp32(layer):
+        fwd = lowered_forward(layer.module, precision, fp8_backend=fp8_backend)
+        return fwd(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def lowered_alone(layer: ProbeLayer, precision: str,
+                  fp8_backend: str = "emulated") -> Iterator[None]:
+    """The model with only ``layer`` computing in ``precision``; everything else fp32.
+
+    The layer's 16-bit outputs are upcast to fp32 on the way out — what its fp32 consumer
+    does with them (DESIGN.md: a fp32 layer upcasts its inputs) — so the run measures
+    this layer's rounding and nothing else: without it, a bf16 ``query`` next to fp32
+    ``key``/``value`` fails in SDPA ("Expected query, key, and value to have the same
+    dtype") and a 16-bit activation would re-round every non-GEMM op it passes through.
+    """
+    low = lowered_forward(layer.module, precision, fp8_backend=fp8_backend)
+
+    @functools.wraps(low)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return cast_floats(low(*args, **kwargs), torch.float32)
+
+    with inner_fp32(layer), swapped_forward(layer.module, forward):
+        yield

@@ -1,0 +1,110 @@
+"""Range statistics: does a tensor fit a precision's number format?
+
+For each layer the probe keeps one ``TensorRange`` per tensor class (inputs, weights,
+outputs), accumulated over every call on the calibration data, and counts per precision:
+
+- overflow: finite values beyond the format's max (fp16: 65504) — they become inf;
+- underflow: nonzero values below the format's smallest normal (fp16: 2**-14 ≈ 6.1e-5) —
+  they lose precision as subnormals and flush to zero below 2**-24;
+- non-finite values already present in fp32.
+
+fp8 uses per-tensor current scaling (DESIGN.md): a tensor is multiplied by
+``448 / amax`` before the cast, so it never overflows; a value underflows when it is
+below ``amax * 2**-6 / 448`` (OCP FP8 spec: e4m3 smallest normal 2**-6, max 448).
+tf32 and bf16 have fp32's exponent range (FORMATS in precisions.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autoprec.precisions import FORMATS, FP8_E5M2, NumericFormat
+
+#: Formats the gradients of a lowered layer flow in (fp8 trains with e5m2 gradients).
+GRAD_FORMATS: dict[str, NumericFormat] = {**FORMATS, "fp8": FP8_E5M2}
+
+#: Formats that scale each tensor by its amax before the cast (current scaling).
+SCALED = frozenset({"fp8"})
+
+
+@dataclass
+class TensorRange:
+    """Range of one tensor class of one layer, accumulated over calls."""
+
+    max_abs: float = 0.0  # over finite values
+    numel: int = 0
+    nonzero: int = 0  # finite nonzero values
+    nonfinite: int = 0  # NaN/inf already in fp32
+    overflow: dict[str, int] = field(default_factory=dict)  # precision -> count
+    underflow: dict[str, int] = field(default_factory=dict)  # precision -> count
+
+    def add(self, tensors: Iterable[torch.Tensor], precisions: Sequence[str]) -> None:
+        """Count ``tensors`` (any floating dtype, any shape) against each precision."""
+        for t in tensors:
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            a = t.detach().abs().float()
+            finite = torch.isfinite(a)
+            a = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device))
+            amax = float(a.max())
+            nz = a > 0
+            self.numel += a.numel()
+            self.nonzero += int(nz.sum())
+            self.nonfinite += int((~finite).sum())
+            self.max_abs = max(self.max_abs, amax)
+            for p in precisions:
+                over, under = _over_under(a, nz, amax, FORMATS[p], p in SCALED)
+                self.overflow[p] = self.overflow.get(p, 0) + over
+                self.underflow[p] = self.underflow.get(p, 0) + under
+
+    def underflow_frac(self, precision: str) -> float:
+        """Share of nonzero values below the smallest normal of ``precision``."""
+        return self.underflow.get(precision, 0) / self.nonzero if self.nonzero else 0.0
+
+
+def _over_under(a: torch.Tensor, nonzero: torch.Tensor, amax: float, fmt: NumericFormat,
+                scaled: bool) -> tuple[int, int]:
+    """(overflow, underflow) counts of the finite magnitudes ``a`` in format ``fmt``."""
+    if scaled:
+        # Current scaling maps amax to fmt.max: nothing overflows; the threshold moves.
+        if amax == 0.0:
+            return 0, 0
+        threshold = amax * fmt.smallest_normal / fmt.max
+        return 0, int((nonzero & (a < threshold)).sum())
+    over = int((a > fmt.max).sum()) if fmt.max < 3.0e38 else 0
+    under = int((nonzero & (a < fmt.smallest_normal)).sum())
+    return over, under
+
+
+def grad_flush(g: torch.Tensor, precision: str, scale: float = 1.0) -> tuple[int, int, int]:
+    """(nonzero, flushed to zero, overflowed) when gradient ``g`` is cast to ``precision``.
+
+    The cast is the real one (``g * scale`` to fp16/bf16, e5m2 with current scaling for
+    fp8), so subnormals count as kept; tf32/fp32 gradients stay fp32.
+    """
+    g = g.detach().float()
+    nz = (g != 0) & torch.isfinite(g)
+    n = int(nz.sum())
+    if precision in ("fp32", "tf32") or n == 0:
+        return n, 0, 0
+    gs = g * scale
+    if precision == "fp8":
+        from autoprec.apply.fp8 import E5M2, fake_quant
+
+        low = fake_quant(torch.where(nz, gs, torch.zeros_like(gs)), E5M2)
+    else:
+        low = gs.to(torch.float16 if precision == "fp16" else torch.bfloat16).float()
+    flushed = int((nz & (low == 0)).sum())
+    over = int((nz & torch.isinf(low)).sum())
+    return n, flushed, over
+
+
+def fmt_num(x: float) -> str:
+    """Compact number for reasons: 3.1e+05, 0.0042, inf."""
+    if not math.isfinite(x):
+        return "inf" if x > 0 else str(x)
+    return f"{x:.2g}"

@@ -1,0 +1,101 @@
+"""Write the policy of a (shared) study without the model: ``autoprec export``.
+
+``tune`` records what a study needs to be read back on its own (study user attribute
+``autoprec``): the variables (parameter name -> module paths), default, model name and
+fingerprint, target, batch size and budget. Export picks the fastest trial feasible on
+the calibration data — the rule tune uses — and marks that the eval-data confirmation was
+not repeated.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+import autoprec
+from autoprec.errors import InputError
+from autoprec.policy import Policy
+from autoprec.search import select
+from autoprec.search.space import SearchSpace, Variable
+from autoprec.search.storage import describe_storage, open_storage
+
+META_KEY = "autoprec"
+
+
+def study_meta(space: SearchSpace, **fields: Any) -> dict[str, Any]:
+    """The study attribute tune writes (JSON-serialisable)."""
+    return {
+        "variables": {v.name: v.layers for v in space.variables},
+        "choices": {v.name: v.choices for v in space.variables},
+        "reasons": space.reasons(),
+        "locked": space.locked,
+        "default": space.default,
+        **fields,
+    }
+
+
+def space_from_meta(meta: dict[str, Any]) -> SearchSpace:
+    variables = [Variable(name, list(layers), list(meta.get("choices", {}).get(name, [])))
+                 for name, layers in meta["variables"].items()]
+    return SearchSpace(variables, dict(meta.get("locked", {})), meta.get("default", "fp32"))
+
+
+def policy_from_candidate(space: SearchSpace, cand: select.Candidate, *, feasible: bool,
+                          eval_error: float | None, meta: dict[str, Any],
+                          provenance: dict[str, Any]) -> Policy:
+    """The policy file of one trial: only the layers that differ from the default."""
+    assignment = space.assignment(cand.params)
+    layers = {k: v for k, v in assignment.items() if v != space.default}
+    reasons = {k: v for k, v in meta.get("reasons", space.reasons()).items()}
+    metric_key = "metric_drop" if meta.get("budget_kind") == "max_drop" else "error"
+    err = cand.calib.error if eval_error is None else eval_error
+    metrics: dict[str, Any] = {
+        metric_key: _num(err),
+        f"calibration_{metric_key}": _num(cand.calib.error),
+        "budget": meta.get("budget"),
+        "est_speedup": round(cand.calib.est_speedup, 4),
+        "feasible": feasible,
+    }
+    return Policy(
+        default=space.default, layers=layers, locked=list(meta.get("locked_paths", [])),
+        reasons=reasons, metrics=metrics,
+        model={"name": meta.get("model"), "fingerprint": meta.get("fingerprint")},
+        target={"device": meta.get("target"), "batch_size": meta.get("batch_size")},
+        provenance={**provenance, "trial": cand.number},
+    )
+
+
+def _num(x: float) -> float | str:
+    return float(f"{x:.6g}") if x < float("inf") else "inf"
+
+
+def export_policy(storage: str, study_name: str, out: str | Path) -> tuple[Policy, bool]:
+    """Choose from the study at ``storage`` and write the policy to ``out``."""
+    store = open_storage(storage, Path(out).with_suffix(".db"))
+    try:
+        study = optuna.load_study(study_name=study_name, storage=store)
+    except KeyError as err:
+        raise InputError(f"{describe_storage(storage)}: no study named {study_name!r}") from err
+    meta = study.user_attrs.get(META_KEY)
+    if not meta:
+        raise InputError(f"study {study_name!r} was not made by autoprec tune "
+                         "(no 'autoprec' study attribute)")
+    space = space_from_meta(meta)
+    cands = select.completed(study)
+    if not cands:
+        raise InputError(f"study {study_name!r} has no completed trials yet")
+    chosen, feasible = select.choose(cands, budget=float(meta["budget"]),
+                                     min_speedup=meta.get("min_speedup"), confirm=None)
+    provenance = {
+        "autoprec": autoprec.__version__, "optuna": optuna.__version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "study": study_name, "storage": describe_storage(storage), "exported": True,
+        "seed": meta.get("seed"), "data": meta.get("data"),
+    }
+    policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=None,
+                                   meta=meta, provenance=provenance)
+    policy.save(Path(out))
+    return policy, feasible

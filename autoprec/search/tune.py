@@ -1,0 +1,348 @@
+"""``tune``: from a model.py to a policy file — the stages wired together.
+
+load -> trace -> probe -> cost -> space -> Optuna (planned trials, then the sampler) ->
+choose and confirm on eval data -> Policy (+ Pareto front) -> MLflow.
+This module orchestrates; the numerics live in the stages it calls.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+from tqdm.auto import tqdm
+
+import autoprec
+from autoprec.cost import CostModel, get_profile
+from autoprec.errors import InputError
+from autoprec.evaluate import reference, score
+from autoprec.loading import ModelSpec, load_model_file
+from autoprec.metrics import batch_size_of
+from autoprec.policy import Policy
+from autoprec.precisions import PRECISIONS, check_precision
+from autoprec.probe import probe
+from autoprec.search import select, strategy
+from autoprec.search.driver import Driver, TrialResult, make_sampler, trial_rows
+from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
+from autoprec.search.objective import Evaluator
+from autoprec.search.space import SearchSpace, build_space
+from autoprec.search.storage import count_finished, describe_storage, join_study, open_storage
+from autoprec.trace import trace
+from autoprec.trace.graph import LayerGraph
+from autoprec.track import NullTracker, Tracker, log_tune_artifacts
+
+DEFAULT_MAX_ERROR = 0.01
+
+
+@dataclass
+class TuneResult:
+    """What a tune produced: the chosen policy (written at ``path``) and how it was found."""
+
+    policy: Policy
+    path: Path | None
+    feasible: bool
+    error: float  # on the calibration data (budget units)
+    eval_error: float  # on the eval data (budget units)
+    est_speedup: float
+    budget: float
+    study_name: str
+    storage: str
+    trials: int  # trials this process ran
+    evaluations: float  # model evaluations this process ran (full-set equivalents)
+    seconds: float
+    front: list[Policy] = field(default_factory=list)
+    front_paths: list[Path] = field(default_factory=list)
+    trials_table: list[dict[str, Any]] = field(default_factory=list)
+    sensitivity: Any = None  # pandas DataFrame of the probes
+    graph: LayerGraph | None = None
+
+
+def _check_budget(max_error: float | None, max_drop: float | None) -> tuple[float, str]:
+    if max_error is not None and max_drop is not None:
+        raise InputError("give --max-error or --max-drop, not both")
+    value, name = (max_drop, "max_drop") if max_drop is not None else (
+        DEFAULT_MAX_ERROR if max_error is None else max_error, "max_error")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise InputError(f"--{name.replace('_', '-')}: must be a finite number, got {value!r}")
+    if value < 0:
+        raise InputError(f"--{name.replace('_', '-')}: must be >= 0, got {value}")
+    return float(value), name
+
+
+def data_hash(batches: Sequence[Any]) -> str:
+    """sha256 of the tensors in the batches (values, shapes, dtypes): what the probes and
+    the search saw, recorded for reproducibility."""
+    h = hashlib.sha256()
+
+    def feed(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                h.update(str(k).encode())
+                feed(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                feed(v)
+        else:
+            h.update(repr(obj).encode())
+
+    feed(list(batches))
+    return "sha256:" + h.hexdigest()
+
+
+def _space(graph: LayerGraph, table: Any, profile: Any, precisions: Sequence[str],
+           locked: Sequence[str]) -> SearchSpace:
+    """Choices per GEMM layer: graph eligibility ∩ target device ∩ probes' hard facts."""
+    device_ok = {}
+    device_why = {}
+    for p in PRECISIONS:
+        ok, why = profile.supports(p)
+        device_ok[p] = ok
+        if not ok:
+            device_why[p] = why
+    hard = table.hard_excluded() if table is not None else {}
+    layers, allowed, excluded = [], {}, {}
+    for node in graph.gemm_nodes:
+        if not node.is_leaf and node.kind not in ("attention", "matmul"):
+            continue
+        layers.append(node.path)
+        why_not = {p: r for p, r in node.disallowed.items() if p in precisions}
+        for p in precisions:
+            if not device_ok[p]:
+                why_not.setdefault(p, device_why[p])
+            if (node.path, p) in hard:
+                why_not.setdefault(p, hard[(node.path, p)])
+        allowed[node.path] = [p for p in node.allowed if p in precisions and p not in why_not]
+        excluded[node.path] = why_not
+    return build_space(layers, allowed, excluded, precisions, locked=locked)
+
+
+def tune(
+    model: str | Path | ModelSpec,
+    *,
+    max_error: float | None = None,
+    max_drop: float | None = None,
+    target: str = "h100",
+    batch_size: int | None = None,
+    precisions: Sequence[str] | None = None,
+    trials: int = 40,
+    timeout: float | None = None,
+    seed: int = 0,
+    patience: int | None = None,
+    min_speedup: float | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    resume: bool = False,
+    pareto: bool = False,
+    out: str | Path | None = None,
+    locked: Sequence[str] = (),
+    tracker: Tracker | None = None,
+    progress: bool = True,
+    cache_dir: str | Path | None = None,
+) -> TuneResult:
+    """Find the fastest per-layer assignment within the budget and write it as a policy.
+
+    ``trials`` is the number of trials this process runs (``resume=True``: run until the
+    study holds that many finished trials). See DESIGN.md for the contract.
+    """
+    started = time.monotonic()
+    budget, budget_name = _check_budget(max_error, max_drop)
+    if trials < 1:
+        raise InputError(f"--trials: must be >= 1, got {trials}")
+    if timeout is not None and timeout <= 0:
+        raise InputError(f"--timeout: must be > 0 seconds, got {timeout}")
+    if batch_size is not None and batch_size < 1:
+        raise InputError(f"--batch-size: must be >= 1, got {batch_size}")
+    if min_speedup is not None and not min_speedup > 0:
+        raise InputError(f"--min-speedup: must be > 0, got {min_speedup}")
+    profile = get_profile(target)  # unknown target -> InputError
+    spec = model if isinstance(model, ModelSpec) else load_model_file(model)
+    if budget_name == "max_drop" and spec.metric is None:
+        raise InputError(f"{spec.path}: --max-drop needs a metric(outputs, batch) in model.py")
+    if budget_name == "max_error" and max_error is not None and spec.metric is not None:
+        pass  # relative L2 of the outputs even though a metric exists: the user asked for it
+    wanted = tuple(check_precision(p, "--precisions") for p in (precisions or PRECISIONS))
+    wanted = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
+    tracker = tracker or NullTracker()
+
+    net = spec.model()
+    calib = spec.calibration_batches()
+    eval_batches = spec.eval_batches()
+    same_data = spec.eval_data is None
+    calib_bs = batch_size_of(calib[0]) or 1
+    deploy_bs = batch_size or calib_bs
+    out_path = Path(out) if out is not None else Path("policies") / f"{spec.name}-{target}.yaml"
+
+    ref = reference(spec, net, calib, "of calibration_data")  # also: the model accepts it
+    eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
+    check = score(spec, net, calib, ref, "of calibration_data")
+    if check.error != 0.0:
+        raise InputError(f"{spec.path}: the fp32 model is not deterministic (two runs differ "
+                         f"by {check.error:.3g}); put it in eval mode / fix random ops")
+
+    graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
+    use_metric = budget_name == "max_drop"
+    table = probe(net, calib, precisions=[p for p in wanted if p != "fp32"],
+                  forward=spec.forward, loss=spec.loss, metric=spec.metric if use_metric else None,
+                  graph=graph, cache_dir=cache_dir, progress=progress)
+    cost = CostModel(graph, profile, batch_size=deploy_bs)
+    space = _space(graph, table, profile, wanted, locked)
+    if not use_metric and spec.metric is not None:
+        spec = _without_metric(spec)  # the budget is on relative L2: score that
+    evaluator = Evaluator(spec=spec, model=net, batches=calib, ref=ref, cost=cost,
+                          space=space, budget=budget, min_speedup=min_speedup)
+
+    # -- the study --------------------------------------------------------------------------
+    default_db = out_path.parent / "studies" / f"{spec.name}.db"
+    store = open_storage(storage, default_db)
+    study_name = study_name or f"{spec.name}-{target}-{budget_name}{budget:g}"
+    study = join_study(store, study_name, fingerprint=graph.fingerprint,
+                       directions=["minimize", "minimize"] if pareto else ["minimize"],
+                       sampler=make_sampler(pareto, seed))
+    n_before = len(study.trials)
+    meta = study_meta(space, model=spec.name, fingerprint=graph.fingerprint, target=target,
+                      batch_size=deploy_bs, budget=budget, budget_kind=budget_name,
+                      min_speedup=min_speedup, seed=seed, data=data_hash(calib),
+                      locked_paths=list(locked))
+    if META_KEY not in study.user_attrs:
+        study.set_user_attr(META_KEY, meta)
+    to_run = max(trials - count_finished(study), 0) if resume else trials
+
+    parent = tracker.start(
+        name=study_name,
+        params={"model": spec.name, "budget": budget, "budget_kind": budget_name,
+                "target": target, "batch_size": deploy_bs, "seed": seed, "trials": trials,
+                "pareto": pareto, "precisions": ",".join(wanted),
+                "layers": len(space.layers), "variables": len(space.variables),
+                "fingerprint": graph.fingerprint},
+        tags={"autoprec.study": study_name, "autoprec.model": spec.name,
+              "autoprec.storage": describe_storage(storage or f"sqlite:///{default_db}")},
+    )
+    bar = tqdm(total=to_run, desc=f"tune {spec.name}", unit="trial", disable=not progress,
+               leave=False)
+    best = {"speedup": 1.0}
+
+    def on_trial(res: TrialResult) -> None:
+        ev = res.evaluation
+        if ev.feasible and ev.est_speedup > best["speedup"]:
+            best["speedup"] = ev.est_speedup
+        bar.update(1)
+        bar.set_postfix(best=f"{best['speedup']:.2f}x", err=f"{ev.error:.2g}")
+        tracker.log_trial(res.number, {k: v for k, v in res.params.items()},
+                          {"error": min(ev.error, 1e30), "est_time": ev.est_time,
+                           "est_speedup": ev.est_speedup, "feasible": float(ev.feasible)},
+                          {"phase": res.phase, "autoprec.study": study_name})
+
+    driver = Driver(study, space, evaluator, pareto=pareto, trials=to_run, timeout=timeout,
+                    patience=patience, on_trial=on_trial)
+    status = "FAILED"
+    try:
+        if n_before == 0:  # the first worker of a study plans; later ones sample
+            _planned(driver, space, cost, table, evaluator)
+        driver.run_sampler()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        bar.close()
+        if status != "FINISHED":
+            tracker.finish(status)
+
+    # -- choose, confirm, write -------------------------------------------------------------
+    cands = select.completed(study)
+    confirm = None if same_data else (
+        lambda params: evaluator.error(params, eval_batches, eval_ref, "of eval_data"))
+    chosen, feasible = select.choose(cands, budget=budget, min_speedup=min_speedup,
+                                     confirm=confirm)
+    storage_desc = describe_storage(storage or f"sqlite:///{default_db}")
+    provenance = {
+        "autoprec": autoprec.__version__, "torch": str(torch.__version__),
+        "optuna": optuna.__version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "seed": seed, "sampler": type(study.sampler).__name__, "study": study_name,
+        "storage": storage_desc, "data": meta["data"], "mlflow_run": parent,
+    }
+    policy = policy_from_candidate(space, chosen, feasible=feasible,
+                                   eval_error=chosen.eval_error, meta=meta,
+                                   provenance=provenance)
+    eval_error = chosen.eval_error if chosen.eval_error is not None else chosen.calib.error
+    policy.save(out_path)
+    front_pols, front_paths = [], []
+    if pareto:
+        for i, c in enumerate(select.pareto_front(cands)):
+            fp = policy_from_candidate(space, c, feasible=c.calib.feasible, eval_error=None,
+                                       meta=meta, provenance=provenance)
+            path = out_path.with_name(f"{out_path.stem}.front{i}{out_path.suffix}")
+            fp.save(path)
+            front_pols.append(fp)
+            front_paths.append(path)
+    rows = trial_rows(study)
+    sens = table.to_frame() if table is not None else None
+    tracker.log_metrics({"error": min(chosen.calib.error, 1e30), "eval_error": min(eval_error, 1e30),
+                         "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
+                         "evaluations": evaluator.evaluations, "trials": driver.ran})
+    import pandas as pd
+
+    log_tune_artifacts(tracker, policy_path=out_path, sensitivity=sens,
+                       trials=pd.DataFrame(rows), layers=policy.layers,
+                       chosen_trial=chosen.number, workdir=out_path.parent / ".autoprec" / study_name)
+    for p in front_paths:
+        tracker.log_artifact(p, "front")
+    tracker.finish("FINISHED")
+    return TuneResult(policy=policy, path=out_path, feasible=feasible,
+                      error=chosen.calib.error, eval_error=eval_error,
+                      est_speedup=chosen.calib.est_speedup, budget=budget,
+                      study_name=study_name, storage=storage_desc, trials=driver.ran,
+                      evaluations=evaluator.evaluations, seconds=time.monotonic() - started,
+                      front=front_pols, front_paths=front_paths, trials_table=rows,
+                      sensitivity=sens, graph=graph)
+
+
+def _without_metric(spec: ModelSpec) -> ModelSpec:
+    from dataclasses import replace
+
+    return replace(spec, metric=None)
+
+
+def _planned(driver: Driver, space: SearchSpace, cost: CostModel, table: Any,
+             evaluator: Evaluator) -> None:
+    """Seeds, then bisection over the sensitivity-ordered moves, then a greedy fill."""
+    driver.run_planned(space.uniform("fp32"), "seed:fp32")
+    for p in PRECISIONS[1:]:
+        if any(p in v.choices for v in space.variables):
+            driver.run_planned(space.uniform(p), f"seed:{p}")
+    moves = strategy.rank_moves(
+        space, lambda params: cost.estimate(space.assignment(params)),
+        lambda layer, p: table.estimate(layer, p) if table is not None else 1.0)
+
+    def feasible(k: int) -> bool | None:
+        ev = driver.run_planned(strategy.prefix_params(space, moves, k), f"bisect:{k}")
+        return None if ev is None else ev.feasible
+
+    k = strategy.bisect_prefix(len(moves), feasible)
+    best = strategy.prefix_params(space, moves, k)
+    best_time = evaluator.timing(best)[0]
+    for m in moves[k:]:  # greedy fill: try each remaining move once
+        if driver.exhausted:
+            return
+        if best.get(m.variable) == m.precision:
+            continue
+        cand = {**best, m.variable: m.precision}
+        t = evaluator.timing(cand)[0]
+        if t >= best_time:
+            continue
+        ev = driver.run_planned(cand, "fill")
+        if ev is not None and ev.feasible:
+            best, best_time = cand, t

@@ -1,0 +1,305 @@
+"""Train a small CNN on real data under a tuned fp16 policy; show what loss scaling prevents.
+
+Data: scikit-learn's handwritten digits (1797 8x8 images, bundled; the same stratified
+75/25 split, seed 0, as experiments/digits_cnn): 1347 train, 450 test images.
+
+1. Train the CNN in fp32 and tune a policy for it with ``autoprec.search.tune.tune``
+   (target t4: fp16 is the only low precision it has; budget: accuracy drop <= 0.005).
+2. From the same initial weights, on the same batches in the same order, train it
+   (``prepare_training`` + ``train_step``, the documented loop): in fp32; under the policy
+   with its GradScaler; under the policy with loss scaling turned off.
+3. The same three runs with the loss multiplied by 2**-14 (``--loss-factor``): the kind of
+   small loss a sum normalised by a large token count, or split over many accumulation
+   micro-batches, produces. Adam (eps 1e-16 here) is invariant to a constant loss factor,
+   so in fp32 the factor changes nothing; any difference under the policy is fp16 range.
+
+Underflow is measured, not inferred: the gradient arriving at each fp16 layer's output is
+still fp32 (apply casts a lowered layer's output back to fp32), and its backward then casts
+it to fp16 for the layer's backward GEMMs. A hook counts, over all steps, the nonzero
+values of that (already loss-scaled) gradient that round to zero in fp16 (|g| < 2**-25:
+"flushed") and those that land among fp16's subnormals (|g| < 2**-14: a few bits left).
+
+fp16 convolutions run ~90x slower than fp32 on this team's CPUs, so the CNN is tiny
+(conv 1->8, conv 8->16, fc 256->32, fc 32->10). A few minutes on two cores.
+
+    python experiments/train_digits.py                # the full run
+    python experiments/train_digits.py --smoke        # seconds; used by the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoprec.loading import ModelSpec
+from autoprec.policy import Policy
+from autoprec.train import prepare_training, train_step
+
+SEED = 0
+BATCH = 64
+FP16_TINY = 2.0**-24  # smallest fp16 subnormal; |g| < 2**-25 rounds to zero
+FP16_NORMAL = 2.0**-14  # smallest fp16 normal
+
+
+class TinyDigitsCNN(nn.Module):
+    """conv 1->8 -> conv 8->16 -> pool -> fc 256->32 -> fc 32->10 (~10k parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc1 = nn.Linear(16 * 4 * 4, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 1, 8, 8)
+        h = F.relu(self.conv1(x))  # (B, 8, 8, 8)
+        h = F.max_pool2d(F.relu(self.conv2(h)), 2)  # (B, 16, 4, 4)
+        h = F.relu(self.fc1(h.flatten(1)))  # (B, 32)
+        return self.head(h)  # (B, 10) logits
+
+
+@functools.lru_cache(maxsize=1)
+def split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8)
+    y = torch.tensor(digits.target, dtype=torch.long)
+    i_tr, i_te = train_test_split(torch.arange(len(y)).numpy(), test_size=0.25,
+                                  random_state=SEED, stratify=y.numpy())
+    return x[i_tr], y[i_tr], x[i_te], y[i_te]
+
+
+def batches(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(y), BATCH)]
+
+
+def forward(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(batch[0])
+
+
+def accuracy(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    return float((outputs.argmax(1) == batch[1]).float().mean())
+
+
+def ce_loss(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(outputs.float(), batch[1])
+
+
+def test_accuracy(model: nn.Module) -> float:
+    _, _, xt, yt = split()
+    model.eval()
+    with torch.no_grad():
+        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in batches(xt, yt))
+    return correct / len(yt)
+
+
+# -- training ---------------------------------------------------------------------------
+
+
+class UnderflowMeter:
+    """Counts how the gradient at each fp16 layer's output would fare as fp16 (see top)."""
+
+    def __init__(self, model: nn.Module, layers: list[str]) -> None:
+        self.nonzero = self.flushed = self.subnormal = 0
+        self._handles = [model.get_submodule(p).register_forward_hook(self._on_forward)
+                         for p in layers]
+
+    def _on_forward(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if out.requires_grad and out.dtype == torch.float32:
+            out.register_hook(self._on_grad)
+
+    def _on_grad(self, g: torch.Tensor) -> None:
+        a = g.detach().abs()
+        nz = a > 0
+        self.nonzero += int(nz.sum())
+        self.flushed += int((nz & (g.detach().half() == 0)).sum())
+        self.subnormal += int((nz & (a < FP16_NORMAL)).sum())
+
+    @property
+    def flushed_frac(self) -> float:
+        return self.flushed / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def subnormal_frac(self) -> float:
+        return self.subnormal / self.nonzero if self.nonzero else 0.0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class Run:
+    name: str
+    loss_factor: float
+    scaler: str  # "-" (fp32), "yes", "off"
+    accuracy: float
+    final_scale: float | None
+    skipped: int
+    flushed: float | None
+    subnormal: float | None
+    seconds: float
+
+
+def train(init: nn.Module, policy: Policy | None, epochs: int, lr: float, loss_factor: float,
+          scaler: bool | None, name: str) -> Run:
+    """Train a copy of ``init``; the batch order depends only on SEED."""
+    model = copy.deepcopy(init)
+    x, y, _, _ = split()
+    torch.manual_seed(SEED)
+    started = time.monotonic()
+    setup = prepare_training(model, policy or Policy(), scaler=scaler)
+    fp16_layers = [p for p, r in setup.handle.layers.items()
+                   if r.precision == "fp16" and p and r.rule == p]
+    meter = UnderflowMeter(model, fp16_layers) if fp16_layers else None
+    # eps 1e-16: Adam's update m / (sqrt(v) + eps) is then invariant to a constant loss
+    # factor (its default 1e-8 would dominate sqrt(v) once gradients are ~1e-8).
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-16)
+    steps_per_epoch = math.ceil(len(y) / BATCH)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * steps_per_epoch)
+    g = torch.Generator().manual_seed(SEED)
+
+    def loss_fn(outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        return ce_loss(outputs, batch) * loss_factor
+
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(y), generator=g)
+        for i in range(0, len(y), BATCH):
+            j = order[i : i + BATCH]
+            train_step(setup, opt, (x[j], y[j]), loss_fn, forward=forward)
+            sched.step()
+    acc = test_accuracy(model)  # under the policy, as it would be deployed
+    if meter is not None:
+        meter.remove()
+    setup.remove()
+    for p in model.parameters():  # fp32 masters throughout
+        assert p.dtype == torch.float32
+    return Run(name, loss_factor, "-" if policy is None else ("yes" if setup.scaler else "off"),
+               acc, setup.scale, setup.skipped_steps,
+               meter.flushed_frac if meter else None, meter.subnormal_frac if meter else None,
+               time.monotonic() - started)
+
+
+# -- tuning -----------------------------------------------------------------------------
+
+
+def fp32_trained(epochs: int, lr: float) -> nn.Module:
+    """The model tune sees: the tiny CNN trained in fp32 (deterministic, seconds)."""
+    torch.manual_seed(SEED)
+    model = TinyDigitsCNN()
+    run_model = copy.deepcopy(model)
+    x, y, _, _ = split()
+    opt = torch.optim.Adam(run_model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(SEED + 1)
+    run_model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(y), generator=g)
+        for i in range(0, len(y), BATCH):
+            j = order[i : i + BATCH]
+            opt.zero_grad()
+            ce_loss(run_model(x[j]), (x[j], y[j])).backward()
+            opt.step()
+    return run_model.eval()
+
+
+def tune_policy(workdir: Path, epochs: int, lr: float, trials: int) -> tuple[Policy, str]:
+    from autoprec.search.tune import tune
+
+    trained = fp32_trained(epochs, lr)
+    x, y, xt, yt = split()
+    spec = ModelSpec(
+        path=Path(__file__), name="digits_tiny",
+        build_model=lambda: copy.deepcopy(trained),
+        calibration_data=lambda: batches(x[:256], y[:256]),
+        eval_data=lambda: batches(xt, yt),
+        forward=forward, metric=accuracy, loss=ce_loss,
+    )
+    res = tune(spec, max_drop=0.005, target="t4", precisions=["fp32", "fp16"], trials=trials,
+               out=workdir / "digits_tiny-t4.yaml", progress=False)
+    how = (f"tuned: {res.trials} trials, accuracy drop {res.eval_error:+.4f} on the test split "
+           f"(budget 0.005), est. speed-up {res.est_speedup:.2f}x on t4; {res.path}")
+    return res.policy, how
+
+
+# -- main -------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> list[Run]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--loss-factor", type=float, default=2.0**-14,
+                    help="small loss factor of the second set of runs")
+    ap.add_argument("--trials", type=int, default=12, help="tune trials")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="where the tuned policy and its study go (default: a temp dir)")
+    ap.add_argument("--smoke", action="store_true", help="1 epoch, 3 trials (for tests)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.epochs, args.trials = 1, 3
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="train_digits-"))
+
+    t0 = time.monotonic()
+    policy, how = tune_policy(workdir, max(args.epochs, 3), args.lr, args.trials)
+    if "fp16" not in policy.layers.values():
+        # The cost model found no profitable fp16 layer: train under a hand-written
+        # policy instead, and say so.
+        how = f"tune kept every layer fp32 ({how}); using a hand-written policy"
+        policy = Policy(default="fp32", layers={"conv2": "fp16", "fc1": "fp16"})
+    print(how)
+    print("policy layers: " + ", ".join(f"{k}: {v}" for k, v in policy.layers.items()))
+    print(f"({time.monotonic() - t0:.0f}s)\n")
+
+    torch.manual_seed(SEED)
+    init = TinyDigitsCNN()  # every run starts from these weights
+    runs = []
+    for factor in (1.0, args.loss_factor):
+        runs.append(train(init, None, args.epochs, args.lr, factor, None, "fp32"))
+        runs.append(train(init, policy, args.epochs, args.lr, factor, None,
+                          "policy + GradScaler"))
+        runs.append(train(init, policy, args.epochs, args.lr, factor, False,
+                          "policy, no loss scaling"))
+    print_table(runs)
+    return runs
+
+
+def print_table(runs: list[Run]) -> None:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.2f}%"
+
+    head = (f"{'run':<24} {'loss x':>8} {'scaler':>6} {'scale':>8} {'skipped':>7} "
+            f"{'flushed':>8} {'subnorm':>8} {'test acc':>8} {'vs fp32':>8} {'time':>6}")
+    print(head)
+    print("-" * len(head))
+    ref = {}
+    for r in runs:
+        if r.scaler == "-":
+            ref[r.loss_factor] = r.accuracy
+        delta = 100 * (r.accuracy - ref[r.loss_factor])
+        scale = "-" if r.final_scale is None else f"{r.final_scale:g}"
+        factor = "1" if r.loss_factor == 1 else f"2^{math.log2(r.loss_factor):g}"
+        print(f"{r.name:<24} {factor:>8} {r.scaler:>6} {scale:>8} {r.skipped:>7} "
+              f"{pct(r.flushed):>8} {pct(r.subnormal):>8} {100 * r.accuracy:>7.2f}% "
+              f"{delta:>+7.2f}p {r.seconds:>5.0f}s")
+    print("\nflushed: nonzero gradient values at fp16 layers' outputs (after loss scaling)"
+          " that round to 0 in fp16;\nsubnorm: those below fp16's smallest normal 2^-14 "
+          "(flushed included); p: percentage points.")
+
+
+if __name__ == "__main__":
+    main()

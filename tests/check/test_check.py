@@ -1,0 +1,154 @@
+"""``autoprec check``: the gate passes a sound policy and fails, with the reason, on an
+overflowing model, a changed model, an unrunnable precision and a tighter budget."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+
+from autoprec.check import check
+from autoprec.cli.main import main
+from autoprec.errors import InputError, PolicyError
+from autoprec.loading import load_model_file
+from autoprec.policy import Policy
+from autoprec.trace.graph import fingerprint
+
+FIXTURE = Path(__file__).parent / "fixtures" / "mlp_model.py"
+
+
+@pytest.fixture
+def model_py(tmp_path: Path) -> Path:
+    path = tmp_path / "model.py"
+    shutil.copy(FIXTURE, path)
+    return path
+
+
+def _variant(model_py: Path, name: str) -> None:
+    (model_py.parent / "variant.txt").write_text(name)
+
+
+def _policy(model_py: Path, target: str = "t4", budget: float = 0.01, **extra) -> Path:
+    """What tune writes for this model: fp16 hidden layers, its fingerprint, a budget."""
+    fp = fingerprint(load_model_file(model_py).model())
+    layers = extra.pop("layers", {"fc1": "fp16", "fc2": "fp16"})
+    pol = Policy(default="fp32", layers=layers, model={"name": "check_mlp", "fingerprint": fp},
+                 target={"device": target, "batch_size": 16},
+                 metrics={"error": 0.0004, "budget": budget, "est_speedup": 1.0,
+                          "feasible": True}, **extra)
+    return pol.save(model_py.parent / "policy.yaml")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict, str]:
+    with pytest.raises(SystemExit) as ex, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        main(["check", *argv, "--json"])
+    out, err = capsys.readouterr()
+    return int(ex.value.code), json.loads(out) if out.strip() else {}, err
+
+
+def test_passes_a_policy_within_budget(model_py: Path, capsys) -> None:
+    code, out, _ = _cli(capsys, str(model_py), "--policy", str(_policy(model_py)))
+    assert code == 0
+    assert out["passed"] is True and out["reasons"] == []
+    assert 0 < out["error"] < out["budget"] == 0.01
+    assert out["feasible"] is True and out["fingerprint_match"] is True
+    assert out["target"] == "t4" and out["batch_size"] == 16
+    assert isinstance(out["est_speedup"], float)
+    rows = {r["layer"]: r for r in out["layers"]}
+    assert {k: (r["precision"], r["computed"]) for k, r in rows.items()} == {
+        "fc1": ("fp16", "fp16"), "fc2": ("fp16", "fp16"), "head": ("fp32", "fp32")}
+
+
+def test_fails_when_edited_weights_overflow_fp16(model_py: Path, capsys) -> None:
+    policy = _policy(model_py)
+    _variant(model_py, "overflow")  # same structure, fc1's weights x 1e5
+    code, out, err = _cli(capsys, str(model_py), "--policy", str(policy))
+    assert code == 1
+    assert out["passed"] is False and out["error"] == "inf" and out["feasible"] is False
+    assert out["fingerprint_match"] is True  # the structure did not change: the values did
+    (reason,) = out["reasons"]
+    assert "non-finite" in reason and "'fc1' (fp16)" in reason and "65504" in reason
+    assert "check failed" in err and "'fc1'" in err
+
+
+def test_fails_on_a_structurally_changed_model(model_py: Path, capsys) -> None:
+    policy = _policy(model_py)
+    _variant(model_py, "wider")  # fc1: 32 -> 48 hidden units
+    code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy))
+    assert code == 1 and out["passed"] is False
+    assert out["fingerprint_match"] is False
+    assert any("model changed" in r and "fingerprint" in r for r in out["reasons"])
+    assert isinstance(out["error"], float)  # evaluated anyway (loaded with force)
+    # --force accepts the change: the gate then judges the numbers only.
+    code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy), "--force")
+    assert code == 0 and out["passed"] is True
+    assert any("accepted (--force)" in n for n in out["notes"])
+
+
+def test_fails_when_a_rule_no_longer_fits_the_changed_model(model_py: Path, capsys) -> None:
+    policy = _policy(model_py, layers={"fc1": "fp16", "fc2": "fp16"})
+    text = policy.read_text().replace("fc2: fp16", "fc3: fp16")  # a layer "renamed" since
+    # ... with the fingerprint of a model that had fc3: the model changed, exit 1.
+    policy.write_text(text.replace("fingerprint: sha256:", "fingerprint: sha256:0"))
+    code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy))
+    assert code == 1
+    assert any("no longer fits" in r and "fc3" in r for r in out["reasons"])
+    assert out["error"] is None  # nothing to evaluate
+
+
+def test_fails_when_the_target_cannot_run_a_precision(model_py: Path, capsys) -> None:
+    policy = _policy(model_py, target="t4", layers={"fc1": "bf16"})
+    code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy))
+    assert code == 1 and out["feasible"] is False
+    (reason,) = out["reasons"]
+    assert "t4 cannot run bf16" in reason and "'fc1'" in reason
+    assert {r["layer"]: r["supported"] for r in out["layers"]}["fc1"] is False
+    # The same policy on a device with bf16 passes.
+    code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy), "--target", "a100")
+    assert code == 0 and out["target"] == "a100"
+
+
+def test_budget_given_overrides_the_policys(model_py: Path, capsys) -> None:
+    policy = _policy(model_py)
+    code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy), "--max-error", "1e-7")
+    assert code == 1 and out["budget"] == 1e-7 and out["budget_source"] == "argument"
+    assert "> budget 1e-07" in out["reasons"][0]
+
+
+def test_bad_input_is_exit_2(model_py: Path, capsys) -> None:
+    policy = _policy(model_py)
+    with pytest.raises(SystemExit) as ex:
+        main(["check", str(model_py), "--policy", str(policy), "--max-error", "0.1",
+              "--max-drop", "0.1"])
+    assert ex.value.code == 2
+    with pytest.raises(InputError, match="metric"):
+        check(model_py, policy, max_drop=0.01)  # model.py has no metric
+    bad = policy.parent / "bad.yaml"
+    bad.write_text(policy.read_text().replace("fc2: fp16", "fc9: fp16"))  # same fingerprint
+    with pytest.raises(PolicyError, match="fc9"):
+        check(model_py, bad)
+
+
+def test_text_output(model_py: Path, capsys) -> None:
+    policy = _policy(model_py)
+    with pytest.raises(SystemExit) as ex, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        main(["check", str(model_py), "--policy", str(policy)])
+    out = capsys.readouterr().out
+    assert ex.value.code == 0 and "PASSED" in out and "fc1" in out
+
+
+def test_passes_a_freshly_tuned_policy(model_py: Path, capsys) -> None:
+    from autoprec.search.tune import tune
+
+    res = tune(model_py, max_error=0.01, target="t4", precisions=["fp32", "fp16"], trials=4,
+               out=model_py.parent / "tuned.yaml", progress=False)
+    assert res.feasible
+    code, out, _ = _cli(capsys, str(model_py), "--policy", str(res.path))
+    assert code == 0, out["reasons"]
+    assert out["budget"] == 0.01 and out["budget_source"] == "policy"
+    assert out["fingerprint_match"] is True

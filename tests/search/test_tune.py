@@ -1,0 +1,149 @@
+"""``tune`` end to end on the mixed-failure model (experiments/trap/model.py).
+
+No uniform low precision meets the 1% budget there (fp16 overflows in ``blow``, bf16 loses
+``offset``'s signal); tune must find the mixed policy, and an evaluation that casts each
+layer by hand — independent of autoprec's apply — must confirm it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autoprec.cli.main import main
+from autoprec.loading import load_model_file
+from autoprec.policy import load_policy
+from autoprec.search.tune import tune
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAP = ROOT / "experiments" / "trap" / "model.py"
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hand_forward(m: torch.nn.Module, x: torch.Tensor, assign: dict[str, str]) -> torch.Tensor:
+    """The trap forward with each Linear computed as a tensor core does it: operands rounded
+    to the layer's dtype, fp32 accumulation, output rounded to that dtype."""
+
+    def lin(name: str, h: torch.Tensor) -> torch.Tensor:
+        mod = getattr(m, name)
+        p = assign.get(name, "fp32")
+        if p == "fp32":
+            return F.linear(h.float(), mod.weight, mod.bias)
+        dt = LOW[p]
+        y = F.linear(h.to(dt).float(), mod.weight.to(dt).float(), mod.bias.to(dt).float())
+        return y.to(dt)
+
+    h = torch.relu(lin("inp", x))
+    h = m.norm1(lin("blow", h).float())
+    h = F.gelu(lin("mid1", h).float())
+    h = m.norm2(lin("offset", h).float())
+    h = F.gelu(lin("mid2", h).float())
+    return lin("head", h).float()
+
+
+def hand_error(assign: dict[str, str]) -> float:
+    spec = load_model_file(TRAP)
+    m = spec.model()
+    num = den = 0.0
+    with torch.no_grad():
+        for x in spec.eval_batches():
+            ref = m(x)
+            y = hand_forward(m, x, assign)
+            if not torch.isfinite(y).all():
+                return math.inf
+            num += float(((y - ref) ** 2).sum())
+            den += float((ref**2).sum())
+    return math.sqrt(num / den)
+
+
+def test_no_uniform_precision_meets_the_budget():
+    layers = ["inp", "blow", "mid1", "offset", "mid2", "head"]
+    assert hand_error({k: "fp16" for k in layers}) == math.inf  # blow overflows
+    assert hand_error({k: "bf16" for k in layers}) > 0.02  # offset's signal is lost
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("tune") / "trap.yaml"
+    result = tune(TRAP, max_error=0.01, precisions=["bf16", "fp16"], batch_size=65536,
+                  trials=8, seed=0, out=out, progress=False)
+    return result
+
+
+def test_tune_finds_a_mixed_policy_that_hand_casting_confirms(tuned):
+    assert tuned.feasible
+    policy = load_policy(tuned.path)
+    assign = {k: v for k, v in policy.layers.items()}
+    assert assign.get("blow", "fp32") != "fp16"  # would overflow
+    assert assign.get("offset", "fp32") != "bf16"  # would lose the signal
+    assert {"bf16", "fp16"} <= set(assign.values())  # really mixed
+    assert tuned.est_speedup > 1.5
+    err = hand_error(assign)
+    assert err <= 0.01
+    # autoprec's own measurement agrees with the hand computation
+    assert policy.metrics["error"] == pytest.approx(err, rel=0.25)
+    assert "65504" in policy.reasons["blow"]
+    assert policy.provenance["seed"] == 0 and policy.model["fingerprint"].startswith("sha256:")
+    assert policy.target == {"device": "h100", "batch_size": 65536}
+
+
+def test_same_seed_gives_the_same_policy(tuned, tmp_path: Path):
+    again = tune(TRAP, max_error=0.01, precisions=["bf16", "fp16"], batch_size=65536,
+                 trials=8, seed=0, out=tmp_path / "again.yaml", progress=False)
+    assert again.policy.layers == tuned.policy.layers
+
+
+def test_resume_runs_no_finished_trial_again(tmp_path: Path):
+    out = tmp_path / "r.yaml"
+    kw = dict(max_error=0.01, precisions=["fp16"], batch_size=65536, out=out, progress=False,
+              study_name="r")
+    first = tune(TRAP, trials=3, **kw)
+    assert first.trials == 3
+    second = tune(TRAP, trials=5, resume=True, **kw)
+    assert second.trials == 2  # only the missing ones
+    third = tune(TRAP, trials=5, resume=True, **kw)
+    assert third.trials == 0 and third.evaluations == 0
+
+
+def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    return int(exc.value.code or 0), capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--max-error", "-0.1"], "--max-error: must be >= 0"),
+        (["--max-error", "nan"], "--max-error: must be a finite number"),
+        (["--max-error", "abc"], "max-error"),
+        (["--target", "v100"], "v100"),
+        (["--precisions", "fp16,fp12"], "unknown precision 'fp12'"),
+        (["--trials", "0"], "--trials: must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path: Path):
+    code, err = _cli(["tune", str(TRAP), "--no-track", "--out", str(tmp_path / "p.yaml"),
+                      *args], capsys)
+    assert code == 2, err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_a_study_of_another_model_is_refused(tmp_path: Path, capsys):
+    other = tmp_path / "other.py"
+    other.write_text(
+        "import torch\n"
+        "def build_model():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(64, 32))\n"
+        "def calibration_data():\n    return [torch.randn(4, 64)]\n")
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    common = ["--no-track", "--storage", db, "--study-name", "shared", "--trials", "1",
+              "--quiet", "--precisions", "fp16"]
+    code, err = _cli(["tune", str(other), "--out", str(tmp_path / "a.yaml"), *common], capsys)
+    assert code == 0, err
+    code, err = _cli(["tune", str(TRAP), "--out", str(tmp_path / "b.yaml"), *common], capsys)
+    assert code == 2 and "fingerprint" in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,383 @@
+"""Parallel workers on one study: real processes, a real PostgreSQL server, real kills.
+
+The workers run this file as a script (``python test_workers.py worker URL STUDY …``)
+with a synthetic objective: 6 "layers" x 3 precisions scored by a fixed function, plus a
+short sleep so trials of different workers overlap. No torch needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autoprec.errors import InputError
+from autoprec.search.storage import join_study, open_storage, reap_stale_trials
+from autoprec.search.workers import (
+    WORKER_INDEX_ENV,
+    option_value,
+    run_workers,
+    strip_option,
+    worker_seed,
+)
+from tests import pg
+
+pg_server, pg_url = pg.pg_server, pg.pg_url
+
+ROOT = Path(__file__).resolve().parents[2]
+FINGERPRINT = "sha256:" + "5e" * 32
+HEARTBEAT, GRACE = 1, 3  # seconds; short so a dead worker's trial goes stale in-test
+
+# --- the synthetic objective and the worker process ---------------------------------
+
+LAYERS = 6
+#: Relative time of a layer at each precision and the error it adds (made-up, fixed).
+TIME = {"fp32": 1.0, "bf16": 0.55, "fp16": 0.5}
+ERROR = {"fp32": 0.0, "bf16": 0.004, "fp16": 0.002}
+
+
+def synthetic_objective(trial: optuna.Trial, worker: int, sleep_s: float) -> float:
+    trial.set_user_attr("worker", worker)
+    trial.set_user_attr("pid", os.getpid())
+    choices = [trial.suggest_categorical(f"layer{i}", list(TIME)) for i in range(LAYERS)]
+    time.sleep(sleep_s)
+    est_time = sum(TIME[c] * (1 + i % 3) for i, c in enumerate(choices))
+    error = sum(ERROR[c] * (i + 1) for i, c in enumerate(choices))
+    return est_time + 1000.0 * max(0.0, error - 0.02)  # over a 2% budget: heavily penalised
+
+
+def worker_main(url: str, study_name: str, trials: int, index: int, sleep_s: float) -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = open_storage(url, Path("unused.db"), heartbeat_interval=HEARTBEAT, grace_period=GRACE)
+    study = join_study(
+        storage,
+        study_name,
+        fingerprint=FINGERPRINT,
+        directions=["minimize"],
+        sampler=optuna.samplers.RandomSampler(seed=worker_seed(0, index)),
+    )
+    ran: list[int] = []
+    study.optimize(
+        lambda t: synthetic_objective(t, index, sleep_s),
+        n_trials=trials,
+        callbacks=[lambda _s, t: ran.append(t.number)],
+    )
+    print(json.dumps({"worker": index, "trials": len(ran)}), flush=True)
+
+
+def start_worker(
+    url: str, study: str, trials: int, index: int, sleep_s: float
+) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, __file__, "worker", url, study, str(trials), str(index), str(sleep_s)]
+    return subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, int]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def load(url: str, name: str = "S") -> optuna.Study:
+    storage = open_storage(url, Path("unused.db"), heartbeat_interval=HEARTBEAT, grace_period=GRACE)
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def by_state(study: optuna.Study) -> dict[TrialState, int]:
+    counts: dict[TrialState, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        counts[t.state] = counts.get(t.state, 0) + 1
+    return counts
+
+
+# --- PostgreSQL --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_three_workers_on_postgres_account_for_every_trial(pg_url: str) -> None:
+    # All three start on an empty database: they race to create the tables and the study.
+    procs = [start_worker(pg_url, "S", 12, i, 0.1) for i in range(3)]
+    reports = [finish(p) for p in procs]
+    study = load(pg_url)
+    counts = by_state(study)
+    assert (
+        counts
+        == {TrialState.COMPLETE: sum(r["trials"] for r in reports)}
+        == {TrialState.COMPLETE: 36}
+    )
+    workers = [t.user_attrs["worker"] for t in study.trials]
+    assert sorted(set(workers)) == [0, 1, 2]
+    assert all(workers.count(i) == 12 for i in range(3))
+    starts = sorted((t.datetime_start, t.datetime_complete) for t in study.trials)
+    assert any(b[0] < a[1] for a, b in zip(starts, starts[1:]))  # trials really overlapped
+    assert study.user_attrs["fingerprint"] == FINGERPRINT
+
+
+@pytest.mark.slow
+def test_killed_worker_trial_is_failed_and_requeued(pg_url: str) -> None:
+    # Survivors run ~30 x 0.3 s = 9 s, well past the victim's last heartbeat + GRACE, so
+    # one of them fails the stale trial when it starts its next one and then runs the copy.
+    procs = [start_worker(pg_url, "S", 30, i, 0.3) for i in range(3)]
+    victim = procs[0]
+    deadline = time.monotonic() + 60
+    storage = open_storage(pg_url, Path("unused.db"))  # the workers create the tables
+    running = None
+    while running is None:
+        assert time.monotonic() < deadline, "worker 0 never started a trial"
+        time.sleep(0.1)
+        try:
+            study = optuna.load_study(study_name="S", storage=storage)
+        except KeyError:  # the study is not created yet
+            continue
+        mine = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t.user_attrs.get("worker") == 0
+        ]
+        running = mine[0] if mine else None
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate()
+    killed_at = time.monotonic()
+    reports = [finish(p) for p in procs[1:]]
+    assert time.monotonic() - killed_at > GRACE  # survivors outlived the grace period
+
+    study = load(pg_url)
+    time.sleep(max(0.0, GRACE + 0.5 - (time.monotonic() - killed_at)))
+    reap_stale_trials(study)  # the end-of-run sweep; a no-op when a survivor did it
+    trials = study.get_trials(deepcopy=False)
+    dead = trials[running.number]
+    assert dead.state == TrialState.FAIL
+    retried = [t for t in trials if t.system_attrs.get("failed_trial") == running.number]
+    assert len(retried) == 1
+    copy = retried[0]
+    assert copy.system_attrs["retry_history"] == [running.number]
+    assert copy.params == dead.params and len(dead.params) == LAYERS
+    assert copy.state == TrialState.COMPLETE  # a survivor picked the WAITING copy up
+    assert copy.user_attrs["worker"] in (1, 2)
+
+    counts = by_state(study)
+    assert TrialState.RUNNING not in counts and TrialState.WAITING not in counts
+    assert counts[TrialState.FAIL] == 1
+    by_victim = sum(
+        1 for t in trials if t.state == TrialState.COMPLETE and t.user_attrs["worker"] == 0
+    )
+    assert counts[TrialState.COMPLETE] == sum(r["trials"] for r in reports) + by_victim
+    assert sum(r["trials"] for r in reports) == 60
+
+
+# --- journal file ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_processes_share_a_journal_file(tmp_path: Path) -> None:
+    url = f"journal:{tmp_path / 'study.log'}"
+    reports = [finish(p) for p in [start_worker(url, "S", 10, i, 0.05) for i in range(2)]]
+    study = load(url)
+    assert [r["trials"] for r in reports] == [10, 10]
+    assert by_state(study) == {TrialState.COMPLETE: 20}
+    assert len({tuple(sorted(t.params.items())) for t in study.trials}) > 10  # seeds differ
+
+
+# --- run_workers -------------------------------------------------------------------------
+
+
+def test_option_helpers() -> None:
+    argv = ["tune", "m.py", "--workers", "3", "--storage=journal:j.log", "--trials", "5"]
+    assert strip_option(argv, "--workers") == [
+        "tune",
+        "m.py",
+        "--storage=journal:j.log",
+        "--trials",
+        "5",
+    ]
+    assert strip_option(["tune", "--workers=2"], "--workers") == ["tune"]
+    assert option_value(argv, "--storage") == "journal:j.log"
+    assert option_value(argv, "--trials") == "5"
+    assert option_value(argv, "--out") is None
+    assert worker_seed(7, 0) == 7 and worker_seed(7, 2) == 9 and worker_seed(None, 2) is None
+
+
+@pytest.mark.parametrize("storage", [None, "sqlite:///studies.db", "memory", "mysql://u:pw@h/x"])
+def test_run_workers_refuses_storage_workers_cannot_share(storage: str | None) -> None:
+    argv = ["tune", "m.py", "--trials", "5"] + (["--storage", storage] if storage else [])
+    with pytest.raises(InputError, match="--workers needs a storage that parallel workers") as info:
+        run_workers(argv, 2)
+    assert "pw" not in str(info.value)
+
+
+def test_run_workers_refuses_unreachable_server_before_starting_any() -> None:
+    with pytest.raises(InputError, match="cannot open the database"):
+        run_workers(["tune", "--storage", "postgresql://nobody@127.0.0.1:1/x"], 2)
+
+
+FAKE_CLI = """#!{python}
+import os, signal, sys, time
+log = {log!r}
+index = os.environ["{env}"]
+with open(log, "a") as fh:
+    fh.write(index + " " + " ".join(sys.argv[1:]) + "\\n")
+if "--sleep" in sys.argv:
+    def stop(signum, frame):
+        with open(log, "a") as fh:
+            fh.write(index + " got SIGINT\\n")
+        sys.exit(130)
+    signal.signal(signal.SIGINT, stop)
+    time.sleep(60)
+sys.exit(int(index))
+"""
+
+
+def fake_python(tmp_path: Path) -> tuple[Path, Path]:
+    """An 'interpreter' that logs its arguments and exits with its worker index."""
+    log = tmp_path / "calls.log"
+    exe = tmp_path / "fake-python"
+    exe.write_text(FAKE_CLI.format(python=sys.executable, log=str(log), env=WORKER_INDEX_ENV))
+    exe.chmod(0o755)
+    return exe, log
+
+
+def test_run_workers_starts_n_children_and_returns_worst_code(tmp_path: Path) -> None:
+    exe, log = fake_python(tmp_path)
+    argv = ["tune", "m.py", "--workers", "3", "--storage", f"journal:{tmp_path / 'j.log'}"]
+    assert run_workers(argv, 3, python=str(exe)) == 2  # children exit 0, 1, 2
+    lines = sorted(log.read_text().splitlines())
+    assert lines == [
+        f"{i} -m autoprec.cli.main tune m.py --storage journal:{tmp_path / 'j.log'}"
+        for i in range(3)
+    ]
+
+
+def test_run_workers_forwards_ctrl_c(tmp_path: Path) -> None:
+    exe, log = fake_python(tmp_path)
+    code = (
+        "import sys; from autoprec.search.workers import run_workers; "
+        f"sys.exit(run_workers(['tune', '--sleep', '--storage', 'journal:{tmp_path / 'j'}'], 2, "
+        f"python={str(exe)!r}))"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not log.exists() or len(log.read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does to the parent
+    _, err = parent.communicate(timeout=30)
+    assert parent.returncode == 130, err
+    assert sorted(line for line in log.read_text().splitlines() if "SIGINT" in line) == [
+        "0 got SIGINT",
+        "1 got SIGINT",
+    ]
+
+
+def test_children_command_is_runnable() -> None:
+    # run_workers starts `python -m autoprec.cli.main …`: the module must run as a script.
+    done = subprocess.run(
+        [sys.executable, "-m", "autoprec.cli.main", "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage" in done.stdout
+
+
+# --- end to end: `autoprec tune` workers on one PostgreSQL study -------------------------
+
+MODEL = ROOT / "tests" / "fixtures" / "models" / "mlp.py"
+OTHER_MODEL = ROOT / "tests" / "track" / "fixtures" / "mlp3.py"
+
+
+def _require_tune() -> None:
+    try:
+        from autoprec.search.tune import tune  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"autoprec tune is not importable yet: {err}")
+
+
+def _tune_cmd(model: Path, url: str, out: Path, trials: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "autoprec.cli.main",
+        "tune",
+        str(model),
+        "--storage",
+        url,
+        "--study-name",
+        "S",
+        "--trials",
+        str(trials),
+        "--target",
+        "h100",
+        "--no-track",
+        "--json",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_three_tune_processes_share_one_postgres_study(pg_url: str, tmp_path: Path) -> None:
+    _require_tune()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen(
+            _tune_cmd(MODEL, pg_url, tmp_path / f"p{i}.yaml", 4),
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode in (0, 1), err[-3000:]  # 1: no feasible policy (still written)
+        assert out.strip(), f"exit {proc.returncode}, no JSON on stdout; stderr: {err[-3000:]}"
+        results.append(json.loads(out))
+    study = load(pg_url)
+    counts = by_state(study)
+    assert TrialState.RUNNING not in counts and TrialState.WAITING not in counts, counts
+    assert len(study.trials) == sum(r["trials"] for r in results) == 12
+    assert all(Path(r["policy"]).exists() for r in results)
+    assert {r["study"] for r in results} == {"S"}
+
+    # Another model may not join the study: exit 2 with one line naming the rule.
+    other = subprocess.run(
+        _tune_cmd(OTHER_MODEL, pg_url, tmp_path / "o.yaml", 1),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "belongs to a different model (fingerprint sha256:" in other.stderr
+
+
+@pytest.mark.slow
+def test_tune_with_workers_flag(pg_url: str, tmp_path: Path) -> None:
+    _require_tune()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = _tune_cmd(MODEL, pg_url, tmp_path / "p.yaml", 3, "--workers", "2", "--quiet")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    assert "starting 2 workers on postgresql://postgres@127.0.0.1" in done.stderr
+    study = load(pg_url)
+    assert by_state(study).get(TrialState.RUNNING) is None
+    assert len(study.trials) == 6
+
+
+if __name__ == "__main__" and sys.argv[1] == "worker":
+    url, study_name, trials, index, sleep_s = sys.argv[2:7]
+    worker_main(url, study_name, int(trials), int(index), float(sleep_s))
