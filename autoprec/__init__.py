@@ -1,8 +1,59 @@
 """autoprec: automatic per-layer precision tuning for PyTorch.
 
-trace -> probe -> cost -> search (tune) -> policy / apply -> track.
+The flow, one module per stage::
+
+    trace (autoprec.trace) -> probe (autoprec.probe) -> cost (autoprec.cost)
+      -> search (autoprec.search) -> policy / apply (autoprec.policy, autoprec.apply)
+      -> track (autoprec.track)
+
+The public API is re-exported here and imported lazily, so ``import autoprec`` stays
+cheap (torch, optuna and mlflow load when first used).
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "trace": "autoprec.trace",
+    "LayerGraph": "autoprec.trace.graph",
+    "LayerNode": "autoprec.trace.graph",
+    "probe": "autoprec.probe",
+    "SensitivityTable": "autoprec.probe",
+    "CostModel": "autoprec.cost",
+    "get_profile": "autoprec.cost",
+    "tune": "autoprec.search.tune",
+    "TuneResult": "autoprec.search.tune",
+    "Policy": "autoprec.policy",
+    "load_policy": "autoprec.policy",
+    "apply_policy": "autoprec.apply.apply",
+    "capability": "autoprec.capability",
+    "load_model_file": "autoprec.loading",
+    "AutoprecError": "autoprec.errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.apply.apply import apply_policy
+    from autoprec.capability import capability
+    from autoprec.cost import CostModel, get_profile
+    from autoprec.errors import AutoprecError
+    from autoprec.loading import load_model_file
+    from autoprec.policy import Policy, load_policy
+    from autoprec.probe import SensitivityTable, probe
+    from autoprec.search.tune import TuneResult, tune
+    from autoprec.trace import trace
+    from autoprec.trace.graph import LayerGraph, LayerNode
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -28,7 +28,7 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, DeviceProfile, get_profile
-from autoprec.errors import InputError, PolicyError
+from autoprec.errors import CheckFailed, InputError, PolicyError
 from autoprec.evaluate import reference, score
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of, iter_floats
@@ -70,6 +70,12 @@ class CheckResult:
     def value(self) -> float | None:
         """The number the budget binds (error or metric drop)."""
         return self.metric_drop if self.budget_kind == "max_drop" else self.error
+
+    def raise_if_failed(self) -> None:
+        """Raise CheckFailed (exit 1) naming the first reason, when the gate failed."""
+        if not self.passed:
+            more = f" (and {len(self.reasons) - 1} more)" if len(self.reasons) > 1 else ""
+            raise CheckFailed(f"check failed: {self.reasons[0]}{more}")
 
     def to_dict(self) -> dict[str, Any]:
         """The ``check --json`` object: the summary at the top level, then the layers."""
@@ -189,6 +195,28 @@ def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfi
     return reasons, layer_why
 
 
+def _layer_rows(spec: ModelSpec, net: torch.nn.Module, policy: Policy, batch: Any,
+                profile: DeviceProfile, batch_size: int,
+                layer_why: dict[str, str]) -> tuple[dict[str, dict[str, Any]], float]:
+    """One row per GEMM layer, priced on the fp32 model's trace as tune does; speed-up."""
+    graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
+    assign = assignment(policy, net, [n.path for n in graph.gemm_nodes])
+    cost = CostModel(graph, profile, batch_size=batch_size)
+    times = {r.layer: r.time_s for r in cost.breakdown(assign)}
+    rows = {}
+    for node in graph.gemm_nodes:
+        r = resolve_path(policy, node.path, net.get_submodule(node.path))
+        t = times.get(node.path)
+        rows[node.path] = {
+            "layer": node.path, "kind": node.kind, "precision": assign[node.path],
+            "rule": r.rule_label, "computed": None,  # filled in by the audit
+            "supported": node.path not in layer_why,
+            "est_time_us": None if t is None else t * 1e6,
+            "reason": layer_why.get(node.path) or policy.reasons.get(node.path),
+        }
+    return rows, cost.speedup(assign)
+
+
 def check(
     model: str | Path | ModelSpec,
     policy_path: str | Path | Policy,
@@ -202,9 +230,10 @@ def check(
     """Gate ``policy_path`` on ``model`` (a model.py or a ModelSpec); see the module docs.
 
     Returns the verdict (``passed``) rather than raising, so a caller gets the figures
-    either way; the CLI turns a failed verdict into exit 1. ``target`` / ``batch_size``
-    default to the policy's (then h100 / the calibration batch's, as tune). ``force`` accepts a changed fingerprint (noted, not failed).
-    Raises InputError/PolicyError (exit 2) for bad input.
+    either way (``raise_if_failed`` for exit-1 semantics). ``target`` / ``batch_size``
+    default to the policy's, then h100 / the calibration batch's (as tune). ``force``
+    accepts a changed fingerprint (noted, not failed). Raises InputError/PolicyError
+    (exit 2) for bad input.
     """
     if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
         raise InputError(f"--batch-size: must be >= 1, got {batch_size}")
@@ -249,23 +278,8 @@ def check(
     dev_reasons, layer_why = _device_reasons(policy, net, profile, tgt)
     reasons.extend(dev_reasons)
 
-    # -- cost (priced on the fp32 model's trace, as tune does) --------------------------
-    rows: dict[str, dict[str, Any]] = {}
-    graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
-    gemm_paths = [n.path for n in graph.gemm_nodes]
-    assign = assignment(policy, net, gemm_paths)
-    cost = CostModel(graph, profile, batch_size=bs)
-    result.est_speedup = cost.speedup(assign)
-    costs = {r.layer: r.time_s for r in cost.breakdown(assign)}
-    for node in graph.gemm_nodes:
-        r = resolve_path(policy, node.path, net.get_submodule(node.path))
-        rows[node.path] = {
-            "layer": node.path, "kind": node.kind, "precision": assign[node.path],
-            "rule": r.rule_label, "computed": None,
-            "supported": node.path not in layer_why,
-            "est_time_us": costs[node.path] * 1e6 if node.path in costs else None,
-            "reason": layer_why.get(node.path) or policy.reasons.get(node.path),
-        }
+    rows, result.est_speedup = _layer_rows(spec, net, policy, calib[0], profile, bs,
+                                           layer_why)
 
     # -- evaluate on eval data ------------------------------------------------------------
     batches = spec.eval_batches()
@@ -292,11 +306,12 @@ def check(
     name = "metric drop" if kind == "max_drop" else "error"
     if s.nonfinite:
         where = ""
-        if bad is not None:
+        if bad is not None:  # the policy is removed by now: _max_abs measures fp32
             path, i = bad
-            prec = handle.layers[path].precision
+            r = handle.layers.get(path)
+            prec = r.precision if r is not None else "?"
             fmt = FORMATS.get(prec)
-            peak = _max_abs(net, path, spec, batches[i])  # the policy is removed: fp32
+            peak = _max_abs(net, path, spec, batches[i])
             limit = f" > {fmt.max:g}, the {prec} maximum" if fmt and peak > fmt.max else ""
             where = (f"; first at layer {path!r} ({prec}) on eval batch {i}: its fp32 output "
                      f"reaches max|y| {peak:.3g}{limit}")

@@ -44,11 +44,15 @@ class Score:
         return self.error
 
 
-def _outputs(spec: ModelSpec, model: torch.nn.Module, batches: Sequence[Any], what: str) -> list[Any]:
+def _outputs(spec: ModelSpec, model: torch.nn.Module, batches: Sequence[Any], what: str,
+             lowered: bool = False) -> list[Any]:
+    """Forward every batch. A failure of the fp32 model is the user's (ModelFileError, exit
+    2); once the fp32 reference ran, a failure under a policy is not: it propagates as is
+    (a search trial records it as failed, with the reason)."""
     outs = []
     with torch.no_grad():
         for i, batch in enumerate(batches):
-            outs.append(spec.run(model, batch, i, what))
+            outs.append(spec.forward(model, batch) if lowered else spec.run(model, batch, i, what))
     return outs
 
 
@@ -63,7 +67,7 @@ def reference(spec: ModelSpec, model: torch.nn.Module, batches: Sequence[Any],
 def score(spec: ModelSpec, model: torch.nn.Module, batches: Sequence[Any], ref: Reference,
           what: str = "") -> Score:
     """Run ``model`` (as it is now, e.g. with a policy applied) and compare to ``ref``."""
-    outs = _outputs(spec, model, batches, what)
+    outs = _outputs(spec, model, batches, what, lowered=True)
     acc = ErrorAccumulator()
     for out, r in zip(outs, ref.outputs):
         acc.add(out, r)

@@ -135,7 +135,7 @@ def main() -> None:
         table = probe(model, batches, PRECISIONS, e2e="none", probes=args.probes,
                       progress=False)
         probe_s = time.monotonic() - started
-        # What e2e="auto" would have measured (estimates within 4x of a 0.01 budget).
+        # What e2e="auto" would have measured (estimates within 2x of a 0.01 budget).
         estimates = {(r.layer, r.precision): r.cheap_estimate for r in table}
         hard = set(table.hard_excluded())
         auto = len(choose("auto", layers, estimates, hard, budget=0.01, has_metric=False))

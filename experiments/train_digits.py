@@ -4,26 +4,32 @@ Data: scikit-learn's handwritten digits (1797 8x8 images, bundled; the same stra
 75/25 split, seed 0, as experiments/digits_cnn): 1347 train, 450 test images.
 
 1. Train the CNN in fp32 and tune a policy for it with ``autoprec.search.tune.tune``
-   (target t4: fp16 is the only low precision it has; budget: accuracy drop <= 0.005).
+   (target t4: fp16 is the only low precision it has; budget: accuracy drop <= 0.005;
+   priced at a deployment batch of 4096 images — at the training batch of 64 every layer
+   is launch-bound and the cost model rightly keeps everything fp32).
 2. From the same initial weights, on the same batches in the same order, train it
    (``prepare_training`` + ``train_step``, the documented loop): in fp32; under the policy
    with its GradScaler; under the policy with loss scaling turned off.
-3. The same three runs with the loss multiplied by 2**-14 (``--loss-factor``): the kind of
+3. The same three runs with the loss multiplied by 2**-17 (``--loss-factor``): the kind of
    small loss a sum normalised by a large token count, or split over many accumulation
    micro-batches, produces. Adam (eps 1e-16 here) is invariant to a constant loss factor,
    so in fp32 the factor changes nothing; any difference under the policy is fp16 range.
+   The scaler's 2**16 leaves these gradients at half their natural size: still in range.
+   At factor 1 the scaler's path shows the other way: early steps overflow at 2**16, are
+   skipped, and the scale backs off.
 
-Underflow is measured, not inferred: the gradient arriving at each fp16 layer's output is
-still fp32 (apply casts a lowered layer's output back to fp32), and its backward then casts
-it to fp16 for the layer's backward GEMMs. A hook counts, over all steps, the nonzero
-values of that (already loss-scaled) gradient that round to zero in fp16 (|g| < 2**-25:
-"flushed") and those that land among fp16's subnormals (|g| < 2**-14: a few bits left).
+Underflow is measured, not inferred (``UnderflowMeter``): the gradient arriving at each
+fp16 layer's output is still fp32 (apply casts a lowered layer's output back to fp32), and
+its backward then casts it to fp16 for the layer's backward GEMMs; a hook counts, over all
+steps, the nonzero values of that (loss-scaled) gradient that round to zero in fp16
+(|g| < 2**-25: "flushed") or land among fp16's subnormals (|g| < 2**-14: few bits left).
+It also counts the weight-gradient entries of those layers that come out exactly zero.
 
 fp16 convolutions run ~90x slower than fp32 on this team's CPUs, so the CNN is tiny
 (conv 1->8, conv 8->16, fc 256->32, fc 32->10). A few minutes on two cores.
 
     python experiments/train_digits.py                # the full run
-    python experiments/train_digits.py --smoke        # seconds; used by the tests
+    python experiments/train_digits.py --smoke        # ~1 min; used by the tests
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import functools
 import math
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,12 +50,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.loading import ModelSpec
-from autoprec.policy import Policy
+from autoprec.policy import Policy, PolicyWarning, resolve_path
 from autoprec.train import prepare_training, train_step
 
 SEED = 0
 BATCH = 64
-FP16_TINY = 2.0**-24  # smallest fp16 subnormal; |g| < 2**-25 rounds to zero
 FP16_NORMAL = 2.0**-14  # smallest fp16 normal
 
 
@@ -110,12 +116,22 @@ def test_accuracy(model: nn.Module) -> float:
 
 
 class UnderflowMeter:
-    """Counts how the gradient at each fp16 layer's output would fare as fp16 (see top)."""
+    """How the fp16 layers' gradients fare (see the module docs), summed over steps.
 
-    def __init__(self, model: nn.Module, layers: list[str]) -> None:
+    ``flushed`` / ``subnormal``: at each fp16 layer's output, the nonzero (loss-scaled) fp32
+    gradient values that round to zero in fp16, or fall below its smallest normal — per
+    boundary: a value flushed upstream arrives as an exact zero and is not counted again.
+    ``zero_dw``: the fraction of those layers' weight-gradient entries that are exactly 0
+    after backward — the cumulative effect (their dW comes out of an fp16 GEMM). Measured
+    on the same layers in the fp32 run as a baseline (dead ReLUs give zeros there too).
+    """
+
+    def __init__(self, model: nn.Module, layers: list[str], at_outputs: bool) -> None:
         self.nonzero = self.flushed = self.subnormal = 0
+        self.dw_zero = self.dw_total = 0
+        self._weights = [model.get_submodule(p).weight for p in layers]
         self._handles = [model.get_submodule(p).register_forward_hook(self._on_forward)
-                         for p in layers]
+                         for p in layers] if at_outputs else []
 
     def _on_forward(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
         if out.requires_grad and out.dtype == torch.float32:
@@ -128,13 +144,23 @@ class UnderflowMeter:
         self.flushed += int((nz & (g.detach().half() == 0)).sum())
         self.subnormal += int((nz & (a < FP16_NORMAL)).sum())
 
-    @property
-    def flushed_frac(self) -> float:
-        return self.flushed / self.nonzero if self.nonzero else 0.0
+    def after_step(self) -> None:
+        for w in self._weights:
+            if w.grad is not None:
+                self.dw_zero += int((w.grad == 0).sum())
+                self.dw_total += w.grad.numel()
 
     @property
-    def subnormal_frac(self) -> float:
-        return self.subnormal / self.nonzero if self.nonzero else 0.0
+    def flushed_frac(self) -> float | None:
+        return self.flushed / self.nonzero if self._handles and self.nonzero else None
+
+    @property
+    def subnormal_frac(self) -> float | None:
+        return self.subnormal / self.nonzero if self._handles and self.nonzero else None
+
+    @property
+    def zero_dw_frac(self) -> float:
+        return self.dw_zero / self.dw_total if self.dw_total else 0.0
 
     def remove(self) -> None:
         for h in self._handles:
@@ -151,20 +177,20 @@ class Run:
     skipped: int
     flushed: float | None
     subnormal: float | None
+    zero_dw: float
     seconds: float
 
 
 def train(init: nn.Module, policy: Policy | None, epochs: int, lr: float, loss_factor: float,
-          scaler: bool | None, name: str) -> Run:
-    """Train a copy of ``init``; the batch order depends only on SEED."""
+          scaler: bool | None, name: str, measured: list[str]) -> Run:
+    """Train a copy of ``init`` (fp32 when ``policy`` is None); the batch order depends
+    only on SEED. ``measured``: the policy's fp16 layers (see UnderflowMeter)."""
     model = copy.deepcopy(init)
     x, y, _, _ = split()
     torch.manual_seed(SEED)
     started = time.monotonic()
     setup = prepare_training(model, policy or Policy(), scaler=scaler)
-    fp16_layers = [p for p, r in setup.handle.layers.items()
-                   if r.precision == "fp16" and p and r.rule == p]
-    meter = UnderflowMeter(model, fp16_layers) if fp16_layers else None
+    meter = UnderflowMeter(model, measured, at_outputs=policy is not None)
     # eps 1e-16: Adam's update m / (sqrt(v) + eps) is then invariant to a constant loss
     # factor (its default 1e-8 would dominate sqrt(v) once gradients are ~1e-8).
     opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-16)
@@ -181,17 +207,16 @@ def train(init: nn.Module, policy: Policy | None, epochs: int, lr: float, loss_f
         for i in range(0, len(y), BATCH):
             j = order[i : i + BATCH]
             train_step(setup, opt, (x[j], y[j]), loss_fn, forward=forward)
+            meter.after_step()
             sched.step()
     acc = test_accuracy(model)  # under the policy, as it would be deployed
-    if meter is not None:
-        meter.remove()
+    meter.remove()
     setup.remove()
     for p in model.parameters():  # fp32 masters throughout
         assert p.dtype == torch.float32
     return Run(name, loss_factor, "-" if policy is None else ("yes" if setup.scaler else "off"),
-               acc, setup.scale, setup.skipped_steps,
-               meter.flushed_frac if meter else None, meter.subnormal_frac if meter else None,
-               time.monotonic() - started)
+               acc, setup.scale, setup.skipped_steps, meter.flushed_frac,
+               meter.subnormal_frac, meter.zero_dw_frac, time.monotonic() - started)
 
 
 # -- tuning -----------------------------------------------------------------------------
@@ -229,7 +254,7 @@ def tune_policy(workdir: Path, epochs: int, lr: float, trials: int) -> tuple[Pol
         forward=forward, metric=accuracy, loss=ce_loss,
     )
     res = tune(spec, max_drop=0.005, target="t4", precisions=["fp32", "fp16"], trials=trials,
-               out=workdir / "digits_tiny-t4.yaml", progress=False)
+               batch_size=4096, out=workdir / "digits_tiny-t4.yaml", progress=False)
     how = (f"tuned: {res.trials} trials, accuracy drop {res.eval_error:+.4f} on the test split "
            f"(budget 0.005), est. speed-up {res.est_speedup:.2f}x on t4; {res.path}")
     return res.policy, how
@@ -240,9 +265,9 @@ def tune_policy(workdir: Path, epochs: int, lr: float, trials: int) -> tuple[Pol
 
 def main(argv: list[str] | None = None) -> list[Run]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--loss-factor", type=float, default=2.0**-14,
+    ap.add_argument("--loss-factor", type=float, default=2.0**-17,
                     help="small loss factor of the second set of runs")
     ap.add_argument("--trials", type=int, default=12, help="tune trials")
     ap.add_argument("--workdir", type=Path, default=None,
@@ -251,8 +276,11 @@ def main(argv: list[str] | None = None) -> list[Run]:
     args = ap.parse_args(argv)
     if args.smoke:
         args.epochs, args.trials = 1, 3
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    # One thread: on two shared cores, torch's thread pool oversubscribed them ~40x slower.
+    torch.set_num_threads(1)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="train_digits-"))
+    # The fp32 runs train under an empty hand-made policy (no fingerprint: a warning each).
+    warnings.simplefilter("ignore", PolicyWarning)
 
     t0 = time.monotonic()
     policy, how = tune_policy(workdir, max(args.epochs, 3), args.lr, args.trials)
@@ -267,13 +295,13 @@ def main(argv: list[str] | None = None) -> list[Run]:
 
     torch.manual_seed(SEED)
     init = TinyDigitsCNN()  # every run starts from these weights
+    fp16 = [p for p, m in init.named_modules() if p and not list(m.children())
+            and resolve_path(policy, p, m).precision == "fp16"]
     runs = []
     for factor in (1.0, args.loss_factor):
-        runs.append(train(init, None, args.epochs, args.lr, factor, None, "fp32"))
-        runs.append(train(init, policy, args.epochs, args.lr, factor, None,
-                          "policy + GradScaler"))
-        runs.append(train(init, policy, args.epochs, args.lr, factor, False,
-                          "policy, no loss scaling"))
+        for name, pol, scaler in (("fp32", None, None), ("policy + GradScaler", policy, None),
+                                  ("policy, no loss scaling", policy, False)):
+            runs.append(train(init, pol, args.epochs, args.lr, factor, scaler, name, fp16))
     print_table(runs)
     return runs
 
@@ -282,8 +310,9 @@ def print_table(runs: list[Run]) -> None:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.2f}%"
 
-    head = (f"{'run':<24} {'loss x':>8} {'scaler':>6} {'scale':>8} {'skipped':>7} "
-            f"{'flushed':>8} {'subnorm':>8} {'test acc':>8} {'vs fp32':>8} {'time':>6}")
+    head = (f"{'run':<24} {'loss x':>6} {'scaler':>6} {'scale':>6} {'skipped':>7} "
+            f"{'flushed':>8} {'subnorm':>8} {'dW == 0':>8} {'test acc':>8} {'vs fp32':>8} "
+            f"{'time':>5}")
     print(head)
     print("-" * len(head))
     ref = {}
@@ -293,12 +322,13 @@ def print_table(runs: list[Run]) -> None:
         delta = 100 * (r.accuracy - ref[r.loss_factor])
         scale = "-" if r.final_scale is None else f"{r.final_scale:g}"
         factor = "1" if r.loss_factor == 1 else f"2^{math.log2(r.loss_factor):g}"
-        print(f"{r.name:<24} {factor:>8} {r.scaler:>6} {scale:>8} {r.skipped:>7} "
-              f"{pct(r.flushed):>8} {pct(r.subnormal):>8} {100 * r.accuracy:>7.2f}% "
-              f"{delta:>+7.2f}p {r.seconds:>5.0f}s")
-    print("\nflushed: nonzero gradient values at fp16 layers' outputs (after loss scaling)"
-          " that round to 0 in fp16;\nsubnorm: those below fp16's smallest normal 2^-14 "
-          "(flushed included); p: percentage points.")
+        print(f"{r.name:<24} {factor:>6} {r.scaler:>6} {scale:>6} {r.skipped:>7} "
+              f"{pct(r.flushed):>8} {pct(r.subnormal):>8} {pct(r.zero_dw):>8} "
+              f"{100 * r.accuracy:>7.2f}% {delta:>+7.2f}p {r.seconds:>4.0f}s")
+    print("\nflushed: nonzero gradient values at the fp16 layers' outputs (loss-scaled) that "
+          "round to 0 in fp16;\nsubnorm: those below fp16's smallest normal 2^-14 (flushed "
+          "included); dW == 0: weight-gradient\nentries of those layers exactly zero after "
+          "backward (fp32 run: same layers, baseline); p: points.")
 
 
 if __name__ == "__main__":

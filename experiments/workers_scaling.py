@@ -13,6 +13,7 @@ show the sampler's and the storage's overhead. The sampler is TPE (``--sampler``
 seeded per worker.
 
     .venv/bin/python experiments/workers_scaling.py [--seconds 20] [--work cpu|sleep]
+        [--model tests/fixtures/models/mlp.py]   # also N real `autoprec tune` processes
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,6 +84,37 @@ def measure(url: str, n: int, args: argparse.Namespace) -> tuple[int, float]:
     return len(done), (end - start).total_seconds()
 
 
+def measure_tune(
+    url: str, n: int, args: argparse.Namespace, workdir: Path
+) -> tuple[int, float, float]:
+    """Run n ``autoprec tune`` processes on one study.
+
+    Returns (finished trials, seconds from the first trial's start to the last one's end,
+    seconds of the whole run including each process's start-up: imports, trace, probes).
+    """
+    began = time.monotonic()
+    cmd = [sys.executable, "-m", "autoprec.cli.main", "tune", str(args.model.resolve())]
+    cmd += ["--storage", url]
+    cmd += ["--study-name", "scaling", "--trials", str(args.tune_trials), "--no-track"]
+    cmd += ["--quiet", "--json", "--target", "h100"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--out", str(workdir / f"w{n}-{i}.yaml"), "--seed", str(i)],
+            cwd=workdir,
+            stdout=subprocess.DEVNULL,
+        )
+        for i in range(n)
+    ]
+    for proc in procs:
+        if proc.wait() not in (0, 1):  # 1: no feasible policy, still a finished run
+            raise SystemExit(f"autoprec tune failed with exit code {proc.returncode}")
+    study = optuna.load_study(study_name="scaling", storage=open_storage(url, Path("x")))
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    start = min(t.datetime_start for t in done if t.datetime_start)
+    end = max(t.datetime_complete for t in done if t.datetime_complete)
+    return len(done), (end - start).total_seconds(), time.monotonic() - began
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="run time per worker count")
@@ -89,6 +122,8 @@ def main() -> None:
     parser.add_argument("--work-s", type=float, default=0.1, help="work per trial, seconds")
     parser.add_argument("--workers", default="1,2,4")
     parser.add_argument("--sampler", choices=sorted(SAMPLERS), default="tpe")
+    parser.add_argument("--model", type=Path, help="also time `autoprec tune` on this model.py")
+    parser.add_argument("--tune-trials", type=int, default=8, help="--trials per tune worker")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one worker
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -99,19 +134,39 @@ def main() -> None:
     from tests.pg import postgres_server
 
     counts = [int(n) for n in args.workers.split(",")]
-    rows = []
-    with postgres_server() as pg:
+    rows, tune_rows, tune_whole = [], [], []
+    with postgres_server() as pg, tempfile.TemporaryDirectory() as tmp:
         for n in counts:
             trials, wall = measure(pg.create_database(f"scaling_{n}"), n, args)
             rows.append((n, trials, wall, 60.0 * trials / wall))
+        if args.model is not None:
+            for n in counts:
+                url = pg.create_database(f"tune_{n}")
+                trials, wall, whole = measure_tune(url, n, args, Path(tmp))
+                tune_rows.append((n, trials, wall, 60.0 * trials / wall))
+                tune_whole.append((n, trials, whole, 60.0 * trials / whole))
     print(
         f"\nworkers scaling: {args.work} work of {args.work_s:g} s per trial, {args.sampler}, "
         f"PostgreSQL, {args.seconds:g} s per row, {os.cpu_count()} CPU cores, "
         f"load average {os.getloadavg()[0]:.1f} at the end\n"
     )
+    table(rows)
+    if tune_rows:
+        print(
+            f"\nautoprec tune {args.model.name}, {args.tune_trials} trials per worker; "
+            "wall from the first trial's start to the last trial's end:\n"
+        )
+        table(tune_rows)
+        print("\nthe same runs, wall of the whole run (start-up: imports, trace, probes):\n")
+        table(tune_whole)
+
+
+def table(rows: list[tuple[int, int, float, float]]) -> None:
+    """Print workers / trials / wall / trials per minute / speed-up over the first row."""
     print(
         f"{'workers':>7}  {'trials':>6}  {'wall s':>6}  {'trials/min':>10}  {'speedup':>7}  {'per worker':>10}"
     )
+    counts = [r[0] for r in rows]
     base = rows[0][3] / rows[0][0]
     for n, trials, wall, rate in rows:
         print(

@@ -9,3 +9,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# One PostgreSQL server per test session (started lazily by the first test that needs it).
+from tests.pg import pg_server, pg_url  # noqa: E402, F401

@@ -29,19 +29,17 @@ import functools
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from autoprec.apply.audit import AuditReport, audit_run, notify_compute
 from autoprec.apply.lower import lowered_forward
 from autoprec.capability import FP8_BACKENDS, best_fp8_backend, capability
 from autoprec.errors import CapabilityError, InputError
 from autoprec.paths import unwrap_model
 from autoprec.policy.resolve import Resolved, assignment, module_table, resolve_path
 from autoprec.policy.schema import Policy
-
-if TYPE_CHECKING:
-    from autoprec.apply.audit import AuditReport
 
 _LOW = (torch.float16, torch.bfloat16)
 _MISSING = object()
@@ -166,8 +164,6 @@ class PolicyHandle:
 
         ``strict``: raise AuditError when a GEMM did not compute in its rule's precision.
         """
-        from autoprec.apply.audit import audit_run
-
         if not self.active:
             raise InputError("audit: this policy handle was removed; apply the policy again")
         return audit_run(self.model, self.layers, self.policy, run, strict=strict)
@@ -232,13 +228,11 @@ def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None
     for prec in sorted(used):
         ok, why = capability(prec, backend if prec == "fp8" else None, dev)
         if not ok:
-            where = next(w.path for _, w in plan if w.precision == prec)
-            raise CapabilityError(f"{policy.source}: layers[{where!r}]: {prec} cannot run "
-                                  f"on {dev}: {why}")
+            w = next(w for _, w in plan if w.precision == prec)
+            key = "default" if w.rule is None else f"layers[{w.rule!r}]"
+            raise CapabilityError(f"{policy.source}: {key}: {prec} cannot run on {dev}: {why}")
         if prec == "fp8" and not fp8_reason:
             fp8_reason = why
-
-    from autoprec.apply.audit import notify_compute  # audit imports this module's types
 
     modules = [(mod, _wrapper(mod, w.precision, backend or "emulated",
                               notify_compute if w.precision == "fp8" else None,

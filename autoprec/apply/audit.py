@@ -121,8 +121,13 @@ def _float_dtypes(obj: Any, out: set[torch.dtype]) -> None:
 
 
 def _classify(name: str, args: tuple[Any, ...], device: str) -> str | None:
+    """The precision a GEMM op computes in, from its floating operands' dtypes."""
     dtypes: set[torch.dtype] = set()
     _float_dtypes(args, dtypes)
+    return _precision(dtypes, name, device)
+
+
+def _precision(dtypes: set[torch.dtype], name: str, device: str) -> str | None:
     if any(d in _FP8 for d in dtypes):
         return "fp8"
     if torch.float16 in dtypes:
@@ -163,11 +168,10 @@ class _SdpaAsOneOp(TorchFunctionMode):
             return func(*args, **kwargs)
         q = args[0] if args else kwargs["query"]
         dev = q.device.type
-        if torch.is_autocast_enabled(dev) and q.is_floating_point():
-            prec = _classify("sdpa", (torch.empty(0, dtype=torch.get_autocast_dtype(dev)),),
-                             dev)
+        if torch.is_autocast_enabled(dev):  # SDPA is on autocast's lower-precision list
+            prec = _precision({torch.get_autocast_dtype(dev)}, "sdpa", dev)
         else:
-            prec = _classify("sdpa", tuple(a for a in args[:3]), dev)
+            prec = _classify("sdpa", tuple(args[:3]), dev)
         if prec is not None:
             self.rec.seen[self.rec.stack[-1][0]][prec] += 1
         self.rec.inside_sdpa += 1

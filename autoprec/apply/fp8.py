@@ -97,11 +97,12 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                backend: str, out_dtype: torch.dtype) -> torch.Tensor:
+                backend: str, out_dtype: torch.dtype,
+                wq_sw: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K), M = tokens
         xq, sx = quantize(x2, E4M3)
-        wq, sw = quantize(weight, E4M3)  # (N, K)
+        wq, sw = wq_sw  # (N, K) e4m3 and its scale, cast once per weight version
         if backend == "torch":
             y = _scaled_mm(xq, sx, wq, sw, torch.bfloat16 if out_dtype != torch.float32
                            else torch.float32).float()
@@ -124,7 +125,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         grad_x = (g @ dequantize(wq, sw)).to(ctx.in_dtype)  # (M, K)
         grad_w = (g.t() @ dequantize(xq, sx)).to(ctx.w_dtype)  # (N, K)
         grad_b = g2.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        return grad_x.reshape(*grad_out.shape[:-1], -1), grad_w, grad_b, None, None
+        return grad_x.reshape(*grad_out.shape[:-1], -1), grad_w, grad_b, None, None, None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -144,7 +145,27 @@ def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulate
     out_dtype = _out_dtype(x)
     # Autocast must not re-cast inside our arithmetic: the fp8 math is explicit.
     with torch.autocast(x.device.type, enabled=False):
-        return _Fp8LinearFn.apply(x, weight, bias, backend, out_dtype)
+        return _Fp8LinearFn.apply(x, weight, bias, backend, out_dtype,
+                                  _weight_fp8(module, weight))
+
+
+def _weight_fp8(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight in e4m3 with its scale, cached on the module until the weight changes.
+
+    Inference casts the weight once (as Transformer Engine does); in training every
+    optimizer step bumps the tensor's version and the next call re-quantises it.
+    """
+    if torch.compiler.is_compiling():  # data_ptr() would break the graph; compiled code
+        with torch.no_grad():  # fuses the cast into the graph instead
+            return quantize(weight.detach(), E4M3)
+    key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape))
+    cached = module.__dict__.get("_autoprec_fp8_weight")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        wq_sw = quantize(weight.detach(), E4M3)
+    module.__dict__["_autoprec_fp8_weight"] = (key, wq_sw)
+    return wq_sw
 
 
 def _te_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

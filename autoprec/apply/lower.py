@@ -232,6 +232,9 @@ def lowered_forward(
 
         @functools.wraps(inner)
         def fp8_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs:  # a Linear-like forward takes one input; never drop arguments
+                raise TypeError(f"fp8 {type(module).__name__}.forward takes one input, got "
+                                f"{1 + len(args)} positional and {sorted(kwargs)} keyword")
             if on_compute is not None:
                 on_compute("fp8")
             return fp8mod.fp8_linear(module, x, fp8_backend)

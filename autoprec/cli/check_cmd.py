@@ -8,8 +8,6 @@ from typing import Annotated, Any
 
 import typer
 
-from autoprec.errors import CheckFailed
-
 
 def check_cmd(
     model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, …)")],
@@ -18,7 +16,7 @@ def check_cmd(
     max_drop: Annotated[float | None, typer.Option(help="Budget: drop of model.py's metric (default: the policy's budget).")] = None,
     target: Annotated[str | None, typer.Option(help="Target device profile (default: the policy's).")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Deployment batch size (default: the policy's).")] = None,
-    force: Annotated[bool, typer.Option(help="Accept a changed model fingerprint (noted, not failed).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Accept a changed model fingerprint (noted, not failed).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
 ) -> None:
     """Re-evaluate POLICY on MODEL's eval data; exit 1 when over budget, when the model
@@ -31,9 +29,7 @@ def check_cmd(
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
         _print(result.to_dict())
-    if not result.passed:
-        more = f" (and {len(result.reasons) - 1} more)" if len(result.reasons) > 1 else ""
-        raise CheckFailed(f"check failed: {result.reasons[0]}{more}")
+    result.raise_if_failed()  # exit 1 with the first reason on stderr
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:

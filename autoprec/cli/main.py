@@ -11,6 +11,7 @@ import sys
 
 import typer
 
+from autoprec import cli
 from autoprec.errors import AutoprecError
 
 app = typer.Typer(
@@ -32,6 +33,9 @@ def _register() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the process exit code."""
+    # Kept in the package module: ``python -m autoprec.cli.main`` runs this file as
+    # __main__, a different module object from autoprec.cli.main.
+    cli.current_argv[:] = list(sys.argv[1:] if argv is None else argv)
     _register()
     try:
         app(args=argv, standalone_mode=False)

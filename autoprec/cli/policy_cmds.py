@@ -112,12 +112,15 @@ def eval_cmd(
     force: Annotated[bool, typer.Option(
         "--force", help="Apply a policy whose model fingerprint does not match.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    measure: Annotated[bool, typer.Option(
+        "--measure", help="Also time the model here (fp32 vs the policy, median of repeats) "
+                          "and report the measured speed-up on this device.")] = False,
 ) -> None:
     """Apply POLICY to MODEL: error vs fp32 on the eval data, per-layer precisions
     (rule vs computed), and the estimated speed-up on the target."""
     with _warnings_to_stderr():
         summary = evaluate_policy(model, policy, target=target, batch_size=batch_size,
-                                  force=force)
+                                  force=force, measure=measure)
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -129,7 +132,8 @@ def eval_cmd(
 
 
 def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
-                    batch_size: int | None = None, force: bool = False) -> dict[str, Any]:
+                    batch_size: int | None = None, force: bool = False,
+                    measure: bool = False) -> dict[str, Any]:
     """What ``eval --json`` prints: score, audit and cost of a policy on model.py."""
     import torch
 
@@ -197,7 +201,32 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         "warnings": report.warnings,
         "layers": layers,
     })
+    if measure:
+        out["measured"] = _measure(spec, net, pol, calib0, force)
     return out
+
+
+def _measure(spec: Any, net: Any, pol: Any, batch: Any, force: bool) -> dict[str, Any]:
+    """Median latency of one calibration batch, fp32 vs the policy, on this machine's
+    device (CUDA events on a GPU; wall clock elsewhere — a CPU says nothing about GPU
+    speed, DESIGN.md)."""
+    import torch
+
+    from autoprec.apply.apply import apply_policy
+    from autoprec.cost.measure import measure_latency
+
+    device = next((p.device.type for p in net.parameters()), "cpu")
+
+    def run() -> Any:
+        with torch.no_grad():
+            return spec.forward(net, batch)
+
+    base = measure_latency(run, device)
+    with apply_policy(net, pol, force=force):
+        lowered = measure_latency(run, device)
+    return {"device": device, "fp32_ms": round(base.median_s * 1e3, 4),
+            "policy_ms": round(lowered.median_s * 1e3, 4),
+            "speedup": round(base.median_s / lowered.median_s, 4) if lowered.median_s else None}
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -216,6 +245,10 @@ def _print_summary(s: dict[str, Any]) -> None:
                f"feasible: {str(s['feasible']).lower()}")
     if s["fp8_backend"]:
         typer.echo(f"fp8 backend: {s['fp8_backend']}")
+    if "measured" in s:
+        m = s["measured"]
+        typer.echo(f"measured on {m['device']}: fp32 {m['fp32_ms']} ms, policy "
+                   f"{m['policy_ms']} ms per calibration batch ({m['speedup']}x)")
     for why in s["infeasible"]:
         typer.echo(f"infeasible on {s['target']}: {why}")
     for layer, why in s["reasons"].items():

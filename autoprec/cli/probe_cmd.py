@@ -71,7 +71,7 @@ def _print(name: str, table: Any, out: Path | None) -> None:
 
     frame = table.ranked()[_SHOWN]
     fmt = {c: _num for c in ("local_error", "cheap_estimate", "e2e_error", "max_abs")}
-    fmt["underflow_frac"] = lambda v: f"{v:.0%}" if v else "0"
+    fmt["underflow_frac"] = lambda v: f"{v:.0%}" if v >= 0.005 else ("<1%" if v else "0")
     with pd.option_context("display.max_rows", None, "display.max_colwidth", 100,
                            "display.width", 250):  # fmt: skip
         typer.echo(frame.to_string(index=False, formatters=fmt))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import sys
+import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,37 +16,44 @@ from autoprec.precisions import parse_precisions
 
 def tune_cmd(
     model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, …)")],
-    max_error: Annotated[Optional[float], typer.Option(help="Budget: relative L2 error of the outputs vs fp32 (default 0.01).")] = None,
-    max_drop: Annotated[Optional[float], typer.Option(help="Budget: drop of model.py's metric vs fp32.")] = None,
+    max_error: Annotated[float | None, typer.Option(help="Budget: relative L2 error of the outputs vs fp32 (default 0.01).")] = None,
+    max_drop: Annotated[float | None, typer.Option(help="Budget: drop of model.py's metric vs fp32.")] = None,
     target: Annotated[str, typer.Option(help="Target device profile (h100, h200, a100, l4, t4, cpu).")] = "h100",
-    batch_size: Annotated[Optional[int], typer.Option(help="Deployment batch size the speed is priced at (default: the calibration batch's).")] = None,
-    precisions: Annotated[Optional[str], typer.Option(help="Comma list, e.g. fp16,bf16,fp8 (default: all the target supports).")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Deployment batch size the speed is priced at (default: the calibration batch's).")] = None,
+    precisions: Annotated[str | None, typer.Option(help="Comma list, e.g. fp16,bf16,fp8 (default: all the target supports).")] = None,
     trials: Annotated[int, typer.Option(help="Trials this process runs.")] = 40,
-    timeout: Annotated[Optional[float], typer.Option(help="Stop after this many seconds.")] = None,
+    timeout: Annotated[float | None, typer.Option(help="Stop after this many seconds.")] = None,
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
-    patience: Annotated[Optional[int], typer.Option(help="Stop after K trials without improvement.")] = None,
-    min_speedup: Annotated[Optional[float], typer.Option(help="Speed target: estimated speed-up the policy must reach.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Policy file (default policies/<model>-<target>.yaml).")] = None,
-    storage: Annotated[Optional[str], typer.Option(help="Optuna storage: sqlite:///PATH, postgresql://…, journal:PATH (default: SQLite beside the policy).")] = None,
-    study_name: Annotated[Optional[str], typer.Option(help="Study to create or join.")] = None,
+    patience: Annotated[int | None, typer.Option(help="Stop after K trials without improvement.")] = None,
+    min_speedup: Annotated[float | None, typer.Option(help="Speed target: estimated speed-up the policy must reach.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Policy file (default policies/<model>-<target>.yaml).")] = None,
+    storage: Annotated[str | None, typer.Option(help="Optuna storage: sqlite:///PATH, postgresql://…, journal:PATH (default: SQLite beside the policy).")] = None,
+    study_name: Annotated[str | None, typer.Option(help="Study to create or join.")] = None,
     resume: Annotated[bool, typer.Option(help="Run until the study holds --trials finished trials.")] = False,
     pareto: Annotated[bool, typer.Option(help="Keep the whole error/speed front; write one policy per point.")] = False,
-    lock: Annotated[Optional[list[str]], typer.Option(help="Module path the search may not change (repeatable).")] = None,
+    lock: Annotated[list[str] | None, typer.Option(help="Module path the search may not change (repeatable).")] = None,
+    train_aware: Annotated[bool, typer.Option(help="Also probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
-    mlflow_uri: Annotated[Optional[str], typer.Option(help="MLflow tracking URI (default: ./mlflow.db).")] = None,
+    mlflow_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: ./mlflow.db).")] = None,
     experiment: Annotated[str, typer.Option(help="MLflow experiment name.")] = "autoprec",
     no_track: Annotated[bool, typer.Option("--no-track", help="Do not log to MLflow.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
+    from autoprec.cli import current_argv
     from autoprec.search.tune import tune
-    from autoprec.search.workers import run_workers
+    from autoprec.search.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
 
     if workers > 1:
-        code = run_workers(sys.argv[1:], workers)
+        code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
+    # A worker started by --workers: its own sampler seed; only worker 0 runs the planned
+    # trials (seeds, bisection), the others sample (environment read at the CLI boundary).
+    index_text = os.environ.get(WORKER_INDEX_ENV)
+    worker_index = int(index_text) if index_text and index_text.isdigit() else None
+    seed = worker_seed(seed, worker_index) or seed
     # Tracking is checked first: an unreachable server is exit 2 before any expensive work.
     tracker = make_tracker(mlflow_uri, experiment, enabled=not no_track, workdir=Path.cwd())
     result = tune(
@@ -54,6 +61,7 @@ def tune_cmd(
         precisions=parse_precisions(precisions), trials=trials, timeout=timeout, seed=seed,
         patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
+        plan=worker_index in (None, 0), train_aware=train_aware,
         progress=not quiet and not json_out,
     )
     summary = {

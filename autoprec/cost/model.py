@@ -318,12 +318,20 @@ class CostModel:
     # ------------------------------------------------------------------ public API
 
     def encode(self, assignment: Mapping[str, str]) -> np.ndarray:
-        """Precision codes (index into PRECISIONS) per GEMM node, in ``self.paths`` order."""
+        """Precision codes (index into PRECISIONS) per GEMM node, in ``self.paths`` order.
+
+        A path of the graph that is no priced GEMM node (a norm, a layer that did not run)
+        changes nothing: autocast leaves such modules as they are. A path the graph does
+        not have is an InputError.
+        """
         codes = self._default_codes.copy()
         for path, prec in assignment.items():
             i = self._index.get(path)
             if i is None:
-                raise InputError(f"assignment names {path!r}, which is not a GEMM layer of "
+                if path in self.graph:
+                    check_precision(prec, f"layer {path!r}")
+                    continue
+                raise InputError(f"assignment names {path!r}, which is not a layer of "
                                  f"{self.graph.model_name or 'the model'}")
             c = _CODE.get(prec)
             codes[i] = c if c is not None else _CODE[check_precision(prec, f"layer {path!r}")]

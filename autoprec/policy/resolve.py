@@ -122,7 +122,7 @@ def assignment(policy: Policy, model: torch.nn.Module,
 
 
 def _hint(path: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(path, list(known), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(path, list(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -24,6 +24,7 @@ from autoprec.errors import InputError
 from autoprec.evaluate import Reference
 from autoprec.loading import ModelSpec, default_forward
 from autoprec.metrics import batch_size_of, detach_floats
+from autoprec.paths import normalize_path, unwrap_model
 from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.probe import cache
 from autoprec.probe import e2e as e2emod
@@ -94,8 +95,12 @@ def probe(
         underflow_limit: share of values below the smallest normal that excludes a pair.
 
     The model runs in eval mode (restored after); its weights, gradients and forwards are
-    left as they were.
+    left as they were. A torch.compile / DDP wrapper is probed through the model it wraps.
     """
+    # Probe the eager model: hooks and shadow re-runs belong outside torch.compile / DDP.
+    model = unwrap_model(model)
+    if layers is not None:
+        layers = [normalize_path(p) for p in layers]
     batches = list(batches)
     if not batches:
         raise InputError("probe: no calibration batches")

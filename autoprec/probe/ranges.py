@@ -27,6 +27,9 @@ from autoprec.precisions import FORMATS, FP8_E5M2, NumericFormat
 #: Formats the gradients of a lowered layer flow in (fp8 trains with e5m2 gradients).
 GRAD_FORMATS: dict[str, NumericFormat] = {**FORMATS, "fp8": FP8_E5M2}
 
+#: Smallest positive fp32 value (subnormal): "a < _TINY" means "a == 0".
+_TINY = 1.4e-45
+
 #: Formats that scale each tensor by its amax before the cast (current scaling).
 SCALED = frozenset({"fp8"})
 
@@ -43,23 +46,49 @@ class TensorRange:
     underflow: dict[str, int] = field(default_factory=dict)  # precision -> count
 
     def add(self, tensors: Iterable[torch.Tensor], precisions: Sequence[str]) -> None:
-        """Count ``tensors`` (any floating dtype, any shape) against each precision."""
+        """Count ``tensors`` (any floating dtype, any shape) against each precision.
+
+        One pass per tensor whatever the number of precisions: every threshold goes into
+        one sorted boundary list, ``bucketize`` + ``bincount`` count all intervals at once.
+        """
         for t in tensors:
             if not t.is_floating_point() or t.numel() == 0:
                 continue
-            a = t.detach().abs().float()
-            finite = torch.isfinite(a)
-            a = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device))
+            a = t.detach().abs().float().reshape(-1)
+            bad = 0
+            if not math.isfinite(float(a.max())):  # NaN or inf present: the slow path
+                finite = torch.isfinite(a)
+                bad = int((~finite).sum())
+                a = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device))
             amax = float(a.max())
-            nz = a > 0
-            self.numel += a.numel()
-            self.nonzero += int(nz.sum())
-            self.nonfinite += int((~finite).sum())
-            self.max_abs = max(self.max_abs, amax)
+            # Thresholds, counted as "how many values are < threshold":
+            # zero test (< smallest fp32 subnormal), underflow (< smallest normal or the
+            # scaled threshold), overflow (> max, i.e. not < nextafter(max)).
+            wanted: dict[str, tuple[float | None, float | None]] = {}
             for p in precisions:
-                over, under = _over_under(a, nz, amax, FORMATS[p], p in SCALED)
-                self.overflow[p] = self.overflow.get(p, 0) + over
-                self.underflow[p] = self.underflow.get(p, 0) + under
+                fmt = FORMATS[p]
+                if p in SCALED:
+                    under = amax * fmt.smallest_normal / fmt.max if amax > 0 else None
+                    over = None
+                else:
+                    under = fmt.smallest_normal
+                    over = math.nextafter(fmt.max, math.inf) if fmt.max < 3.0e38 else None
+                wanted[p] = (under, over)
+            bounds = sorted({_TINY, *(x for pair in wanted.values() for x in pair if x)})
+            edges = torch.tensor(bounds, dtype=a.dtype, device=a.device)
+            counts = torch.bincount(torch.bucketize(a, edges, right=True),
+                                    minlength=len(bounds) + 1).cumsum(0).tolist()
+            below = dict(zip(bounds, counts))  # threshold -> count of values < threshold
+            zeros = below[_TINY] - bad  # the non-finite values were zeroed above
+            self.numel += a.numel()
+            self.nonzero += a.numel() - zeros - bad
+            self.nonfinite += bad
+            self.max_abs = max(self.max_abs, amax)
+            for p, (under, over) in wanted.items():
+                n_under = below[under] - below[_TINY] if under else 0
+                n_over = a.numel() - below[over] if over else 0
+                self.overflow[p] = self.overflow.get(p, 0) + n_over
+                self.underflow[p] = self.underflow.get(p, 0) + n_under
 
     def underflow_frac(self, precision: str) -> float:
         """Share of nonzero values below the smallest normal of ``precision``."""

@@ -47,6 +47,8 @@ class LocalStats:
 
     @property
     def error(self) -> float:
+        if not self.calls:
+            return math.nan  # the layer did not run on this data
         if self.nonfinite:
             return math.inf
         if self.sq_ref == 0.0:
@@ -177,6 +179,9 @@ class ShadowPass:
         rng["in"].add(_float_list((args, kwargs)), ranged)
         rng["out"].add(refs, ranged)
         call = Call(layer, len(refs), [])
+        # Per reference: fp32 copy, finite mask (None: all finite, the common case, found
+        # with one reduction instead of an isfinite pass per precision) and its sum of squares.
+        ref_info = [_ref_info(ref) for ref in refs]
         for p in layer.precisions:
             with torch.no_grad():
                 lows = _float_list(lowered_call(layer, p, args, kwargs, self.fp8_backend))
@@ -187,15 +192,23 @@ class ShadowPass:
             st = self.local[(layer.path, p)]
             st.calls += 1
             deltas = []
-            for low, ref in zip(lows, refs):
-                ref32, low32 = ref.float(), low.detach().float()
-                ok = torch.isfinite(ref32)
+            for low, (ref32, ok, sq_ref) in zip(lows, ref_info):
+                low32 = low.detach().float()
+                d = low32 - ref32
+                if ok is None:
+                    sq = float(d.pow(2).sum())
+                    if math.isfinite(sq):
+                        st.sq_err += sq
+                        st.sq_ref += sq_ref
+                        deltas.append(d)
+                        continue
+                    ok = torch.ones_like(ref32, dtype=torch.bool)
                 bad = ok & ~torch.isfinite(low32)
                 st.nonfinite += int(bad.sum())
                 # (y_p - y_fp32) where fp32 is finite; inf/NaN stay in (they mean "broken").
-                d = torch.where(ok, low32 - ref32, torch.zeros((), device=ref32.device))
+                d = torch.where(ok, d, torch.zeros((), device=ref32.device))
                 st.sq_err += float(torch.where(bad, 0.0, d).pow(2).sum())
-                st.sq_ref += float(torch.where(ok, ref32, 0.0).pow(2).sum())
+                st.sq_ref += sq_ref
                 deltas.append(d)
             if self.track:
                 call.deltas[p] = deltas
@@ -206,6 +219,16 @@ class ShadowPass:
         output, call.edges = _track_output(output)
         self.calls.append(call)
         return output
+
+
+def _ref_info(ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(fp32 copy, finite mask or None when all finite, sum of squares of finite values)."""
+    ref32 = ref.float()
+    sq = float(ref32.pow(2).sum())
+    if math.isfinite(sq):
+        return ref32, None, sq
+    ok = torch.isfinite(ref32)
+    return ref32, ok, float(torch.where(ok, ref32, 0.0).pow(2).sum())
 
 
 def _track_output(output: Any) -> tuple[Any, list[GradientEdge | None]]:

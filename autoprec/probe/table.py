@@ -14,9 +14,12 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec.precisions import PRECISIONS
+
+if TYPE_CHECKING:  # pandas is imported lazily: it is for the boundary
+    import pandas as pd
 
 #: Bump when rows change meaning: cached tables of another schema are recomputed.
 SCHEMA = 1
@@ -129,14 +132,15 @@ class SensitivityTable:
 
     # -- the boundary ----------------------------------------------------------------------
 
-    def to_frame(self):  # -> pandas.DataFrame (imported lazily: pandas is for the boundary)
+    def to_frame(self) -> pd.DataFrame:
+        """Every row; the DESIGN.md CSV columns first, then the rest."""
         import pandas as pd
 
         names = [f.name for f in dataclasses.fields(ProbeRow)]
         cols = list(CORE_COLUMNS) + [n for n in names if n not in CORE_COLUMNS]
         return pd.DataFrame([dataclasses.asdict(r) for r in self.rows], columns=cols)
 
-    def ranked(self):  # -> pandas.DataFrame
+    def ranked(self) -> pd.DataFrame:
         """Rows worst first: hard exclusions, then by estimated end-to-end effect."""
         df = self.to_frame()
         df["_effect"] = [math.inf if r.hard else r.effect for r in self.rows]
@@ -147,7 +151,7 @@ class SensitivityTable:
         self.to_frame().to_csv(path, index=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "meta": self.meta,
+        return {"schema": SCHEMA, "meta": _jnum(self.meta),
                 "rows": [{k: _jnum(v) for k, v in dataclasses.asdict(r).items()}
                          for r in self.rows]}
 
@@ -165,9 +169,13 @@ class SensitivityTable:
 
 
 def _jnum(v: Any) -> Any:
-    """JSON has no NaN/inf: store them as strings."""
+    """JSON has no NaN/inf: store them as strings (recursively in containers)."""
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
+    if isinstance(v, Mapping):
+        return {str(k): _jnum(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jnum(x) for x in v]
     return v
 
 

@@ -10,6 +10,7 @@ not repeated.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,9 @@ def policy_from_candidate(space: SearchSpace, cand: select.Candidate, *, feasibl
     )
 
 
-def _num(x: float) -> float | str:
-    return float(f"{x:.6g}") if x < float("inf") else "inf"
+def _num(x: float) -> float:
+    """6 significant digits; an infinite error stays inf (YAML writes it as .inf)."""
+    return float(f"{x:.6g}") if math.isfinite(x) else float(x)
 
 
 def export_policy(storage: str, study_name: str, out: str | Path) -> tuple[Policy, bool]:

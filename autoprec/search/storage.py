@@ -19,8 +19,8 @@ Accepted URLs (DESIGN.md, "Studies"):
 
 Heartbeats only run inside ``Study.optimize`` (Optuna starts the thread there); stale
 trials are failed when a worker *starts* a trial. ``reap_stale_trials`` does the same
-sweep on demand (at the end of a run, or in an ask/tell loop) and ``heartbeat`` keeps a
-trial alive in an ask/tell loop.
+sweep on demand (at the end of a run, or before ``ask`` in an ask/tell loop, which gets no
+heartbeats at all).
 
 Every error here is an :class:`~autoprec.errors.InputError` (exit 2) whose one line names
 the URL, with any password replaced by ``***``.
@@ -28,12 +28,11 @@ the URL, with any password replaced by ``***``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -338,12 +337,3 @@ def reap_stale_trials(study: optuna.Study) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
-
-
-@contextlib.contextmanager
-def heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
-    """Keep ``trial`` alive in an ask/tell loop (``Study.optimize`` does this by itself)."""
-    from optuna.storages._heartbeat import get_heartbeat_thread  # no public equivalent
-
-    with get_heartbeat_thread(trial._trial_id, study._storage):
-        yield

@@ -150,6 +150,8 @@ def tune(
     tracker: Tracker | None = None,
     progress: bool = True,
     cache_dir: str | Path | None = None,
+    plan: bool = True,
+    train_aware: bool = False,
 ) -> TuneResult:
     """Find the fastest per-layer assignment within the budget and write it as a policy.
 
@@ -158,6 +160,10 @@ def tune(
     """
     started = time.monotonic()
     budget, budget_name = _check_budget(max_error, max_drop)
+    if train_aware and not isinstance(model, ModelSpec):
+        model = load_model_file(model)
+    if train_aware and model.loss is None:  # type: ignore[union-attr]
+        raise InputError(f"{model.path}: --train-aware needs loss(outputs, batch) in model.py")  # type: ignore[union-attr]
     if trials < 1:
         raise InputError(f"--trials: must be >= 1, got {trials}")
     if timeout is not None and timeout <= 0:
@@ -192,10 +198,15 @@ def tune(
                          f"by {check.error:.3g}); put it in eval mode / fix random ops")
 
     graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
+    if cache_dir is None:  # probe results are reused across tunes of the same model + data
+        cache_dir = out_path.parent / ".autoprec" / "probe-cache"
     use_metric = budget_name == "max_drop"
+    # Gradient probes (model.py's loss) cost ~20 forward-equivalents; only training needs them.
     table = probe(net, calib, precisions=[p for p in wanted if p != "fp32"],
-                  forward=spec.forward, loss=spec.loss, metric=spec.metric if use_metric else None,
-                  graph=graph, cache_dir=cache_dir, progress=progress)
+                  forward=spec.forward, loss=spec.loss if train_aware else None,
+                  metric=spec.metric if use_metric else None,
+                  graph=graph, budget=budget,
+                  cache_dir=cache_dir, progress=progress)
     cost = CostModel(graph, profile, batch_size=deploy_bs)
     space = _space(graph, table, profile, wanted, locked)
     if not use_metric and spec.metric is not None:
@@ -248,7 +259,7 @@ def tune(
                     patience=patience, on_trial=on_trial)
     status = "FAILED"
     try:
-        if n_before == 0:  # the first worker of a study plans; later ones sample
+        if plan and n_before == 0:  # the first worker of a study plans; later ones sample
             _planned(driver, space, cost, table, evaluator)
         driver.run_sampler()
         status = "FINISHED"
@@ -264,6 +275,9 @@ def tune(
     cands = select.completed(study)
     confirm = None if same_data else (
         lambda params: evaluator.error(params, eval_batches, eval_ref, "of eval_data"))
+    fidelity: dict[str, Any] = {}
+    if train_aware:  # a candidate must also train like fp32 (autoprec.train)
+        confirm = _train_confirm(spec, space, evaluator, confirm, fidelity)
     chosen, feasible = select.choose(cands, budget=budget, min_speedup=min_speedup,
                                      confirm=confirm)
     storage_desc = describe_storage(storage or f"sqlite:///{default_db}")
@@ -277,6 +291,9 @@ def tune(
     policy = policy_from_candidate(space, chosen, feasible=feasible,
                                    eval_error=chosen.eval_error, meta=meta,
                                    provenance=provenance)
+    trained = fidelity.get(tuple(sorted(chosen.params.items())))
+    if trained is not None:  # --train-aware: the short training run agreed with fp32
+        policy.metrics["train_fidelity"] = not trained["diverged"]
     eval_error = chosen.eval_error if chosen.eval_error is not None else chosen.calib.error
     policy.save(out_path)
     front_pols, front_paths = [], []
@@ -297,7 +314,8 @@ def tune(
 
     log_tune_artifacts(tracker, policy_path=out_path, sensitivity=sens,
                        trials=pd.DataFrame(rows), layers=policy.layers,
-                       chosen_trial=chosen.number, workdir=out_path.parent / ".autoprec" / study_name)
+                       chosen_trial=chosen.number, budget=budget,
+                       workdir=out_path.parent / ".autoprec" / study_name)
     for p in front_paths:
         tracker.log_artifact(p, "front")
     tracker.finish("FINISHED")
@@ -346,3 +364,23 @@ def _planned(driver: Driver, space: SearchSpace, cost: CostModel, table: Any,
         ev = driver.run_planned(cand, "fill")
         if ev is not None and ev.feasible:
             best, best_time = cand, t
+
+
+def _train_confirm(spec: ModelSpec, space: SearchSpace, evaluator: Evaluator,
+                   confirm: Any, record: dict[str, Any]) -> Any:
+    """Wrap the eval-data confirmation with the training-fidelity check: a candidate whose
+    short fp32-vs-policy training run diverges counts as over budget."""
+    from autoprec.search.objective import policy_for
+    from autoprec.train import fidelity_check_spec
+
+    def check(params: Any) -> float:
+        err = confirm(params) if confirm is not None else evaluator(params).error
+        if not err <= evaluator.budget:
+            return err
+        policy = policy_for(space.assignment(params), space.default, evaluator.fingerprint)
+        report = fidelity_check_spec(spec, policy)
+        key = tuple(sorted(params.items()))
+        record[key] = {"diverged": report.diverged, "reasons": list(report.reasons)}
+        return math.inf if report.diverged else err
+
+    return check

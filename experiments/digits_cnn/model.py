@@ -6,8 +6,8 @@ values 0-16), bundled with scikit-learn. A stratified 75/25 split (seed 0): 1347
 split (450 images, 6 batches of 75).
 
 Weights: trained by ``build_model()`` itself — Adam, 10 epochs of the train split, seeded,
-one thread, ~1-3 s on a CPU — and memoised for the process, so every call returns the same
-weights without a file cache that could go stale. Test accuracy 0.984 (443/450).
+one thread, a few seconds on a CPU — and memoised for the process, so every call returns
+the same weights without a file cache that could go stale. Test accuracy 0.984 (443/450).
 
 Metric: accuracy (a drop of 0.005 is one test image in 450, rounded up). Loss: cross-entropy.
 """

@@ -80,7 +80,7 @@ def _batches(groups: range) -> list[dict[str, torch.Tensor]]:
         sentences = [s for pair in group for s in pair]  # rows 2i, 2i+1 are a pair
         enc = tok(sentences, padding=True, return_tensors="pt")  # padded to the longest
         out.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    return out  # each: input_ids, attention_mask (16, T), T <= 20 here
+    return out  # each: input_ids, attention_mask (16, T), T = 14-15 here
 
 
 def calibration_data() -> list[dict[str, torch.Tensor]]:

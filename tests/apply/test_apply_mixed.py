@@ -75,7 +75,7 @@ MIXED = {
 
 def hand_forward(m: TinyLM, idx: torch.Tensor) -> torch.Tensor:
     """MIXED by hand: every GEMM with explicit casts, no autocast anywhere."""
-    bf, hf = torch.bfloat16, torch.float16
+    bf = torch.bfloat16
     x = m.emb(idx)
     # block 0: region fp32 (the default)
     b = m.blocks[0]

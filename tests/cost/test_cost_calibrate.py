@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from _cost_graphs import TOY
 
 from autoprec.cost import CostModel, Sample, fit
 from autoprec.cost.calibrate import copy_graph, gemm_graph
 from autoprec.errors import InputError
+from tests.cost.graphs import TOY
 
 TRUE = TOY.with_factors(efficiency={"fp32": 0.5, "bf16": 0.7, "fp8": 0.6},
                         memory_efficiency=0.8, launch_overhead_s=3e-6)

@@ -46,3 +46,23 @@ def test_cost_model_cpu_smoke(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Spearman(estimate, measured)" in r.stdout
     assert (tmp_path / "cost_model_cpu.csv").is_file()
+
+
+def test_gpu_latency_analytic_graph_matches_the_tracer():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_latency", ROOT / "experiments" /
+                                                  "gpu_latency.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from autoprec.trace import trace
+
+    d, T, L = 64, 16, 2
+    with torch.no_grad():
+        traced = trace(mod.GPTStack(d, 2, L).eval(), torch.randn(1, T, d))
+    hand = mod.analytic_graph(d, T, L)
+    assert [n.path for n in traced.gemm_nodes] == [n.path for n in hand.gemm_nodes]
+    for n in hand.gemm_nodes:
+        t = traced[n.path]
+        assert (t.flops, t.weight_elems, t.in_elems, t.out_elems) == \
+            (n.flops, n.weight_elems, n.in_elems, n.out_elems), n.path

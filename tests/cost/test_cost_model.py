@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 import pytest
-from _cost_graphs import TOY, chain, graph, lin, other
 
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.calibrate import gemm_graph
 from autoprec.errors import InputError
 from autoprec.precisions import PRECISIONS
+from tests.cost.graphs import TOY, chain, graph, lin, other
 
 L = 1e-6  # TOY launch overhead
 
@@ -241,6 +241,15 @@ def test_bad_batch_size_is_input_error(bad):
 
 
 # ----------------------------------------------------------------- input errors
+
+
+def test_rules_on_non_gemm_or_idle_layers_change_nothing():
+    idle = lin("unused", 4, 16, 16)
+    idle.calls = 0
+    g = graph(lin("fc", 4, 16, 16), other("ln", "norm", 64, inputs_from=["fc"]), idle)
+    cm = CostModel(g, TOY)
+    assert cm.paths == ["fc"]
+    assert cm.estimate({"ln": "bf16", "unused": "fp8"}) == cm.estimate({})
 
 
 def test_unknown_layer_and_precision_are_input_errors():

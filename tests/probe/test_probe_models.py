@@ -125,3 +125,33 @@ def test_layers_argument_and_unknown_path():
         probe(model, batches, ["fp12"], progress=False)
     with pytest.raises(InputError, match="no calibration batches"):
         probe(model, [], ["bf16"], progress=False)
+
+
+def test_metric_makes_e2e_error_a_metric_drop(known_batches):
+    from tests.probe.probe_models import Known
+
+    labels = [torch.arange(len(x)) % 16 for x in known_batches]
+
+    def metric(out, batch) -> float:  # accuracy of the "big" branch against fixed labels
+        i = next(i for i, x in enumerate(known_batches) if x is batch)
+        return float((out["big"].argmax(-1) == labels[i]).float().mean())
+
+    table = probe(Known().eval(), known_batches, ["bf16", "fp16"], metric=metric,
+                  e2e=[("big", "bf16"), ("big", "fp16"), ("robust", "bf16")], budget=0.05,
+                  progress=False)
+    assert table.meta["units"] == "metric_drop"
+    assert table.row("robust", "bf16").e2e_error == 0.0  # the metric ignores that branch
+    assert table.row("robust", "bf16").e2e_output_error > 0.0
+    big16 = table.row("big", "fp16")
+    assert math.isinf(big16.e2e_error) and big16.hard
+    assert "non-finite model output" in big16.reason
+
+
+def test_compiled_wrapper_is_probed_through_the_model_it_wraps():
+    model = TiedInplace()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 32, (4, 6), generator=g)]
+    wrapped = torch.compile(model)  # lazy: nothing compiles unless it is called
+    table = probe(wrapped, batches, ["bf16"], layers=["_orig_mod.head"], e2e="none",
+                  progress=False)
+    assert table.layers == ["head"]

@@ -21,10 +21,7 @@ from autoprec.search.storage import (
     open_storage,
     reap_stale_trials,
 )
-from tests import pg
 from tests.pg import PostgresServer
-
-pg_server, pg_url = pg.pg_server, pg.pg_url  # fixtures, shared with test_workers.py
 
 FP_A = "sha256:" + "ab" * 32
 FP_B = "sha256:" + "cd" * 32

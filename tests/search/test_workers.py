@@ -28,9 +28,6 @@ from autoprec.search.workers import (
     strip_option,
     worker_seed,
 )
-from tests import pg
-
-pg_server, pg_url = pg.pg_server, pg.pg_url
 
 ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT = "sha256:" + "5e" * 32
@@ -45,9 +42,9 @@ ERROR = {"fp32": 0.0, "bf16": 0.004, "fp16": 0.002}
 
 
 def synthetic_objective(trial: optuna.Trial, worker: int, sleep_s: float) -> float:
-    trial.set_user_attr("worker", worker)
-    trial.set_user_attr("pid", os.getpid())
     choices = [trial.suggest_categorical(f"layer{i}", list(TIME)) for i in range(LAYERS)]
+    trial.set_user_attr("worker", worker)  # after the params: a trial seen with it is complete
+    trial.set_user_attr("pid", os.getpid())
     time.sleep(sleep_s)
     est_time = sum(TIME[c] * (1 + i % 3) for i, c in enumerate(choices))
     error = sum(ERROR[c] * (i + 1) for i, c in enumerate(choices))

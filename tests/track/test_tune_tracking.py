@@ -6,8 +6,6 @@ the policy artifact, which loads and applies to the model.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import warnings
 from pathlib import Path
 
@@ -15,28 +13,17 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from autoprec.search.tune import tune
 from autoprec.track import make_tracker
 
 MODEL = Path(__file__).parent / "fixtures" / "mlp3.py"
 TRIALS = 6
 
 
-def _tune():  # type: ignore[no-untyped-def]
-    try:
-        api = importlib.import_module("autoprec.api")
-    except ImportError as err:
-        pytest.skip(f"autoprec.api does not import yet: {err}")
-    tune = getattr(api, "tune", None)
-    if tune is None or "tracker" not in inspect.signature(tune).parameters:
-        pytest.skip("autoprec.api.tune(..., tracker=...) is not there yet")
-    return tune
-
-
 @pytest.mark.slow
 def test_tune_is_tracked_end_to_end(
     mlflow_server_uri: str, experiment: str, tmp_path: Path
 ) -> None:
-    tune = _tune()
     from autoprec.apply.apply import apply_policy
     from autoprec.loading import load_model_file
     from autoprec.policy import load_policy

@@ -187,3 +187,18 @@ def test_fidelity_check_input_errors() -> None:
         fidelity_check(_mlp, _policy(), _batches(), _loss, steps=0)
     with pytest.raises(InputError, match="together"):
         fidelity_check(_mlp, _policy(), _batches(), _loss, steps=1, metric=_acc)
+
+
+def test_fidelity_check_spec_uses_model_py_parts(tmp_path) -> None:
+    from autoprec.loading import ModelSpec
+    from autoprec.train import fidelity_check_spec
+
+    batches = _batches()
+    spec = ModelSpec(path=tmp_path / "model.py", name="mlp", build_model=_mlp,
+                     calibration_data=lambda: batches, eval_data=lambda: batches[:2],
+                     forward=_fwd, metric=_acc, loss=_loss)
+    rep = fidelity_check_spec(spec, _policy(fc1="fp16"), steps=6, lr=1e-2)
+    assert not rep.diverged and rep.fp32_metric is not None and rep.steps == 6
+    with pytest.raises(InputError, match="loss"):
+        fidelity_check_spec(ModelSpec(path=spec.path, name="mlp", build_model=_mlp,
+                                      calibration_data=lambda: batches), _policy(), steps=1)
