@@ -19,9 +19,9 @@ cached under ``policies/.autoprec/probe-cache`` per model, data, precisions and 
 so other targets of a model and later runs reuse them). Studies are in memory: a rerun
 starts afresh and, with the same seed, finds the same policies.
 
-Run: ``.venv/bin/python experiments/run_all.py`` (about 15 minutes on 2 loaded cores,
-probes not cached), ``--quick`` (a 2-4 minute subset, written under
-``experiments/results/quick/``) or ``--models trap,gpt``. Writes
+Run: ``.venv/bin/python experiments/run_all.py`` (5-7 minutes measured on 2 loaded cores
+with no probes cached, less with them cached), ``--quick`` (a 1-3 minute subset, written
+under ``experiments/results/quick/``) or ``--models trap,gpt``. Writes
 ``experiments/results/results.md``, ``results.csv`` and ``speedup.png``.
 """
 
@@ -175,17 +175,16 @@ def load(model: Model) -> Loaded:
 
 
 def best_uniform(loaded: Loaded, run: Run) -> tuple[Uniform | None, float]:
-    """The fastest uniform precision the target runs within the budget, and its speed-up."""
-    cost = CostModel(loaded.graph, get_profile(run.target), loaded.model.batch_size)
-    best: tuple[Uniform | None, float] = (None, 0.0)
-    for u in loaded.uniform:
-        if not get_profile(run.target).supports(u.precision)[0]:
-            continue
-        if u.value(run.kind) <= run.budget:
-            sp = cost.speedup(u.assign)
-            if sp > best[1]:
-                best = (u, sp)
-    return best
+    """The fastest uniform precision the target runs within the budget, and its speed-up;
+    of equally fast ones (bf16 and fp16 often price the same), the more accurate."""
+    profile = get_profile(run.target)
+    cost = CostModel(loaded.graph, profile, loaded.model.batch_size)
+    fits = [(round(cost.speedup(u.assign), 9), -u.value(run.kind), u) for u in loaded.uniform
+            if profile.supports(u.precision)[0] and u.value(run.kind) <= run.budget]
+    if not fits:
+        return None, 0.0
+    speedup, _, u = max(fits, key=lambda f: f[:2])
+    return u, speedup
 
 
 # -- one row -------------------------------------------------------------------------------

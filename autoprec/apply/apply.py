@@ -188,11 +188,22 @@ def _plan(policy: Policy, root: torch.nn.Module) -> tuple[dict[str, Resolved], l
     res = {p: resolve_path(policy, p, m) for p, m in table.items()}
     chosen: dict[int, tuple[torch.nn.Module, Wrapped]] = {}
     for path, mod in table.items():
+        if isinstance(mod, _NEVER_CALLED) and path != "":
+            continue  # its forward never runs: its children carry its rule
         r = res[path]
+        # The region a module is called from: its nearest ancestor whose forward runs
+        # (a ModuleList's children are called by the list's owner).
+        parent = path.rpartition(".")[0]
+        while parent and isinstance(table.get(parent), _NEVER_CALLED):
+            parent = parent.rpartition(".")[0]
         # Aliases of a shared module agree (check_model); wrap it if any alias needs it.
-        if path == "" or r.precision != res[path.rpartition(".")[0]].region:
+        if path == "" or r.precision != res[parent].region:
             chosen.setdefault(id(mod), (mod, Wrapped(path, r.precision, r.rule)))
     return res, list(chosen.values())
+
+
+#: Containers whose own forward is never called (their owner iterates or indexes them).
+_NEVER_CALLED = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None = None,

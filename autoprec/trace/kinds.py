@@ -22,6 +22,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+# One definition of "Linear-like" (nn.Linear, HF Conv1D): the fp8 backends' own.
+from autoprec.apply.fp8 import linear_dims
 from autoprec.precisions import PRECISIONS
 from autoprec.trace.graph import GEMM_KINDS
 
@@ -92,20 +94,6 @@ def _what_runs(module: nn.Module, kind: str, own_ops: Iterable[str]) -> str:
     if len(ops) == 1:
         return f"{ops[0]} runs in its input's dtype under autocast"
     return f"{', '.join(ops[:3])} run in their input's dtype under autocast"
-
-
-def linear_dims(module: nn.Module) -> tuple[int, int] | None:
-    """(in_features, out_features) of a Linear-like module, else None.
-
-    Linear-like: ``nn.Linear`` (and subclasses) and HuggingFace's ``Conv1D`` (GPT-2), whose
-    weight is stored transposed, (in, out), and whose forward is ``addmm(bias, x, W)``.
-    """
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    weight = getattr(module, "weight", None)
-    if type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2:
-        return int(weight.shape[0]), int(weight.shape[1])  # (nx, nf)
-    return None
 
 
 def _is_norm_type(module: nn.Module) -> bool:
