@@ -337,6 +337,10 @@ class CostModel:
             codes[i] = c if c is not None else _CODE[check_precision(prec, f"layer {path!r}")]
         return codes
 
+    def layer_index(self, path: str) -> int | None:
+        """Position of GEMM node ``path`` in the code vectors (None: not a priced GEMM)."""
+        return self._index.get(path)
+
     def estimate_codes(self, codes: np.ndarray) -> np.ndarray | float:
         """Seconds for one code vector (n,) or a batch (T, n) of them (vectorised)."""
         codes = np.asarray(codes, dtype=np.intp)

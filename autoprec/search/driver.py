@@ -45,10 +45,14 @@ class Driver:
         timeout: float | None = None,
         patience: int | None = None,
         on_trial: Callable[[TrialResult], None] | None = None,
+        skip: Callable[[Mapping[str, str], float], tuple[str, float] | None] | None = None,
     ) -> None:
         self.study, self.space, self.evaluator = study, space, evaluator
         self.pareto, self.trials, self.timeout, self.patience = pareto, trials, timeout, patience
         self.on_trial = on_trial
+        # skip(params, best_feasible_time) -> (why, estimated error) for a sampler proposal
+        # not worth a model run (slower than the best feasible, or hopeless by the probes).
+        self.skip = skip
         self.started = time.monotonic()
         self.ran = 0
         self.best_time = math.inf
@@ -56,7 +60,8 @@ class Driver:
         self.stopped = False
         self.results: list[TrialResult] = []
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-            evaluator.remember(t.params, t.user_attrs)
+            if "skipped" not in t.user_attrs:  # a skipped trial's error is an estimate
+                evaluator.remember(t.params, t.user_attrs)
 
     # -- budget ---------------------------------------------------------------------------
     def time_left(self) -> float | None:
@@ -75,15 +80,23 @@ class Driver:
             v.name: str(trial.suggest_categorical(v.name, v.choices))
             for v in self.space.variables
         }
+        skipped = None
+        if self.skip is not None and "phase" not in trial.user_attrs:
+            skipped = self.skip(params, self.best_time)
         try:
-            ev = self.evaluator(params)
+            if skipped is not None:  # no model run: the estimate stands in, never chosen
+                why, estimated = skipped
+                t, speedup = self.evaluator.timing(params)
+                ev = Evaluation(estimated, t, speedup, False, screened=True, cached=True)
+                trial.set_user_attr("skipped", why)
+            else:
+                ev = self.evaluator(params)
         except Exception as err:  # recorded on the trial; Optuna marks it FAIL and goes on
             trial.set_user_attr("fail_reason", f"{type(err).__name__}: {err}"[:500])
             raise
         for k, v in ev.as_attrs().items():
             trial.set_user_attr(k, v)
         trial.set_user_attr("evaluated", not ev.cached)
-        # Optuna constraints: <= 0 means satisfied (used by TPE/NSGA-II constraints_func)
         violation = (min(ev.error, 1e30) - self.evaluator.budget)
         if self.evaluator.min_speedup is not None:
             violation = max(violation, self.evaluator.min_speedup - ev.est_speedup)
@@ -162,7 +175,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         row: dict[str, Any] = {"number": t.number, "state": t.state.name,
                                "phase": t.user_attrs.get("phase", "sampler")}
-        for k in ("error", "est_time", "est_speedup", "feasible", "screened", "fail_reason"):
+        for k in ("error", "est_time", "est_speedup", "feasible", "screened", "skipped",
+                  "fail_reason"):
             row[k] = t.user_attrs.get(k)
         if t.user_attrs.get("nonfinite"):
             row["error"] = math.inf
