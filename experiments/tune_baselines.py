@@ -4,8 +4,10 @@ For each model and error budget, at a deployment batch size where lowering matte
 (estimated on the h100 profile), this reports the speed-up each method reaches within
 budget and the model evaluations it spent:
 
-1. ``tune``: autoprec's default strategy (seeds, probe-ranked bisection, greedy fill,
-   then TPE) with ``--trials`` trials;
+1. ``tune``: autoprec's default strategy (a best-first walk over assignments, fastest
+   first by the cost model, evaluating only those the probes predict within 1.25x the
+   budget; then TPE, skipping proposals slower than the best feasible trial or hopeless
+   by the probes) with ``--trials`` trials;
 2. ``uniform``: tf32 / bf16 / fp16 / fp8 on every layer that may take it; the best
    within budget;
 3. greedy per-layer fallback from everything at its fastest precision, one evaluation per
@@ -17,8 +19,6 @@ budget and the model evaluations it spent:
 6. ``optimum`` (models small enough): every assignment priced, evaluated fastest-first
    until one is within budget on calibration and eval data — the exact optimum;
    cross-checked by brute force over every {fp32, bf16, fp16} assignment;
-7. ``best-first*``: NOT a baseline — a prototype of the search change proposed for
-   ``tune`` (cost-ordered best-first with probe pruning, ``baselines/methods.py``).
 
 The baselines live in ``experiments/baselines/`` (how each is adapted is documented
 there); all methods share autoprec's evaluator, cost model and selection rule
@@ -50,8 +50,7 @@ from pathlib import Path
 
 import torch
 
-from autoprec.cost import get_profile
-from autoprec.search.tune import _space, tune
+from autoprec.search.tune import tune
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import methods  # noqa: E402
@@ -113,7 +112,6 @@ def run_budget(cfg: Config, model: Model, budget: float, args: argparse.Namespac
     probe_seconds = float(table.meta.get("seconds", 0.0))
     problem = Problem(model, budget)
     outs = [t_out]
-    tune_space = _space(model.graph, table, get_profile(model.target), model.precisions, ())
     runs: list[tuple[str, Callable[[Counter], str | None], dict]] = [
         ("uniform", lambda c: methods.uniform(problem, c), {}),
         ("greedy-probe", lambda c: methods.greedy_probe(problem, c, table),
@@ -122,8 +120,6 @@ def run_budget(cfg: Config, model: Model, budget: float, args: argparse.Namespac
         ("bisect", lambda c: methods.segment_bisect(problem, c), {}),
         ("random", lambda c: methods.random_search(problem, c, t_out.evaluations, args.seed),
          {}),
-        ("best-first*", lambda c: methods.best_first(problem, c, table, tune_space),
-         {"probe_cost": probe_cost, "probe_seconds": probe_seconds}),
     ]
     for name, fn, kw in runs:
         c = problem.counter(cap=args.cap)
@@ -282,7 +278,7 @@ def _verdict(name: str, budget: float, outs: list[Outcome],
     by = {o.method: o for o in outs}
     t = by["tune"]
     others = [o for o in outs
-              if o.method not in ("tune", "optimum", "best-first*") and
+              if o.method not in ("tune", "optimum") and
               not o.method.startswith("tune ")]
     best_other = max(others, key=lambda o: o.within_budget_speedup)
     ok_best = t.within_budget_speedup >= best_other.within_budget_speedup * (1 - 1e-9)

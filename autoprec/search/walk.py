@@ -91,7 +91,9 @@ def best_first(
     ``predicted(key)``: the probes' error estimate; only keys with ``predicted <= limit``
     are evaluated. ``evaluate`` returns None when the trial budget is spent.
     """
-    heap: list[tuple[float, int, Key]] = []
+    # (time, predicted error, order, key): among equally fast assignments (bf16 and fp16
+    # cost the same) the one the probes call more accurate is tried first.
+    heap: list[tuple[float, float, int, Key]] = []
     seen: set[Key] = set()
 
     def push(keys: list[Key]) -> None:
@@ -101,14 +103,14 @@ def best_first(
         for k, t in zip(keys, timer.times(keys)):
             seen.add(k)
             if math.isfinite(float(t)):
-                heapq.heappush(heap, (float(t), len(seen), k))
+                heapq.heappush(heap, (float(t), predicted(k), len(seen), k))
 
     push([fastest(space, timer)] + [timer.key(space.uniform(p)) for p in PRECISIONS])
     visits = 0
     while heap and visits < max_visits:
-        _, _, key = heapq.heappop(heap)
+        _, guess, _, key = heapq.heappop(heap)
         visits += 1
-        if predicted(key) <= limit:
+        if guess <= limit:
             params = timer.params(key)
             ev = evaluate(params)
             if ev is None:

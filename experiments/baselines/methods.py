@@ -13,7 +13,6 @@ next more precise choice it has (fp8 -> fp16 -> bf16 -> tf32 -> fp32, the order 
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import random
@@ -24,6 +23,7 @@ import numpy as np
 
 from autoprec.precisions import PRECISIONS
 from autoprec.probe.table import SensitivityTable
+from autoprec.search import walk
 from autoprec.search.space import SearchSpace, Variable
 
 from .problem import Counter, Problem
@@ -39,8 +39,9 @@ def time_of(problem: Problem) -> Callable[[Mapping[str, str]], float]:
 
 
 def fastest(problem: Problem, passes: int = 3) -> dict[str, str]:
-    """The fastest assignment by the cost model (no evaluation)."""
-    return _fastest_in(problem.space, time_of(problem), passes)
+    """The fastest assignment by the cost model (no evaluation): tune's own search."""
+    timer = walk.SpaceTimer(problem.space, problem.model.cost)
+    return timer.params(walk.fastest(problem.space, timer, passes))
 
 
 def next_up(v: Variable, current: str) -> str | None:
@@ -280,71 +281,3 @@ def exhaustive(problem: Problem, count: Counter, *, space: SearchSpace | None = 
 # -- a suggestion for tune, prototyped here ---------------------------------------------------
 
 
-def best_first(problem: Problem, count: Counter, table: SensitivityTable, space: SearchSpace,
-               *, margin: float = 1.25, max_visits: int = 2000) -> str:
-    """Cost-ordered best-first search with probe pruning (proposed for ``tune``'s planned
-    phase; not a baseline).
-
-    ``space`` is tune's space (the probes' hard exclusions removed). Assignments are
-    visited fastest-first by the cost model: a priority queue seeded with the fastest
-    assignment and the uniform ones, each visited assignment pushing its one-variable
-    changes. An assignment is evaluated only when the probes' combined estimate (errors of
-    the lowered layers added in quadrature) is within ``margin`` x the budget; the walk
-    stops at the first one within budget on calibration and eval data. Everything faster
-    that the probes did not reject was evaluated first, so on a small space the answer is
-    the exhaustive optimum whenever the probes never reject a feasible assignment. The
-    frontier grows with (variables x choices) per visit: ``max_visits`` bounds it, and the
-    returned note says when it was reached.
-    """
-    t = time_of(problem)
-    variables = space.variables
-    names = [v.name for v in variables]
-
-    def params_of(key: tuple[str, ...]) -> dict[str, str]:
-        return dict(zip(names, key))
-
-    def predicted(key: tuple[str, ...]) -> float:
-        return math.sqrt(sum(_sensitivity(table, v, p) ** 2
-                             for v, p in zip(variables, key) if p != space.default))
-
-    seeds = [_fastest_in(space, t)] + [space.uniform(p) for p in problem.model.precisions]
-    heap: list[tuple[float, int, tuple[str, ...]]] = []
-    seen: set[tuple[str, ...]] = set()
-
-    def push(key: tuple[str, ...]) -> None:
-        if key not in seen:
-            seen.add(key)
-            heapq.heappush(heap, (t(params_of(key)), len(seen), key))
-
-    for p in seeds:
-        push(tuple(p[n] for n in names))
-    visits = 0
-    while heap and visits < max_visits:
-        _, _, key = heapq.heappop(heap)
-        visits += 1
-        if predicted(key) <= margin * problem.budget:
-            params = params_of(key)
-            if count(params).feasible and problem.eval_error(params) <= problem.budget:
-                return f"{visits} visited"
-        for i, v in enumerate(variables):
-            for c in v.choices:
-                if c != key[i]:
-                    push(key[:i] + (c,) + key[i + 1 :])
-    return f"stopped after {visits} visits" if heap else f"space exhausted ({visits})"
-
-
-def _fastest_in(space: SearchSpace, t: Callable[[Mapping[str, str]], float],
-                passes: int = 3) -> dict[str, str]:
-    precs = [p for p in PRECISIONS if any(p in v.choices for v in space.variables)]
-    params = min((space.uniform(p) for p in precs), key=t)
-    for _ in range(passes):
-        changed = False
-        for v in space.variables:
-            cur = t(params)
-            for c in v.choices:
-                cand = {**params, v.name: c}
-                if t(cand) < cur * (1 - 1e-9):
-                    params, cur, changed = cand, t(cand), True
-        if not changed:
-            break
-    return params
