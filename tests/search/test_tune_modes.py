@@ -1,0 +1,86 @@
+"""tune's other modes: a Pareto front, export from a stored study, --train-aware."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoprec.cli.main import main
+from autoprec.errors import InputError
+from autoprec.policy import load_policy
+from autoprec.search.tune import tune
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAP = ROOT / "experiments" / "trap" / "model.py"
+
+TRAINABLE = '''
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(),
+                         nn.Linear(256, 16))
+
+def _data(seed):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(16, 256, generator=g) for _ in range(4)]
+    return [(x, (x[:, :4].sum(1) > 0).long()) for x in xs]
+
+def calibration_data():
+    return _data(1)
+
+def forward(model, batch):
+    return model(batch[0])
+
+def loss(outputs, batch):
+    return nn.functional.cross_entropy(outputs, batch[1])
+'''
+
+
+def test_pareto_writes_one_policy_per_front_point(tmp_path: Path):
+    out = tmp_path / "trap.yaml"
+    res = tune(TRAP, max_error=0.01, precisions=["bf16", "fp16"], batch_size=65536, trials=8,
+               pareto=True, out=out, progress=False)
+    assert res.front and len(res.front) == len(res.front_paths)
+    points = [(p.metrics["calibration_error"], p.metrics["est_speedup"]) for p in res.front]
+    # non-dominated: sorted by speed-up descending, the error strictly falls
+    points.sort(key=lambda e: -e[1])
+    assert all(a[0] > b[0] for a, b in zip(points, points[1:]))
+    for path in res.front_paths:
+        assert load_policy(path).metrics["budget"] == 0.01
+    assert res.feasible and load_policy(out).metrics["error"] <= 0.01
+
+
+def test_export_writes_the_policy_of_a_stored_study(tmp_path: Path, capsys):
+    db = f"sqlite:///{tmp_path / 'study.db'}"
+    res = tune(TRAP, max_error=0.01, precisions=["bf16", "fp16"], batch_size=65536, trials=6,
+               storage=db, study_name="s", out=tmp_path / "tuned.yaml", progress=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["export", "--storage", db, "--study-name", "s", "--out",
+              str(tmp_path / "exported.yaml")])
+    assert exc.value.code == 0, capsys.readouterr().err
+    exported = load_policy(tmp_path / "exported.yaml")
+    assert exported.layers == res.policy.layers
+    assert exported.model["fingerprint"] == res.policy.model["fingerprint"]
+    with pytest.raises(SystemExit) as exc:
+        main(["export", "--storage", db, "--study-name", "nope", "--out",
+              str(tmp_path / "x.yaml")])
+    assert exc.value.code == 2 and "no study named 'nope'" in capsys.readouterr().err
+
+
+def test_train_aware_checks_training_fidelity(tmp_path: Path):
+    model = tmp_path / "model.py"
+    model.write_text(TRAINABLE)
+    res = tune(model, max_error=0.05, precisions=["bf16", "fp16"], batch_size=65536,
+               trials=4, out=tmp_path / "p.yaml", progress=False, train_aware=True)
+    pol = load_policy(res.path)
+    assert pol.layers  # something was lowered, and a short fp32-vs-policy training run agreed
+    assert pol.metrics["train_fidelity"] is True
+    assert res.feasible
+
+
+def test_train_aware_needs_a_loss():
+    with pytest.raises(InputError, match="needs loss"):
+        tune(TRAP, train_aware=True, trials=1, progress=False)
