@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     cli.current_argv[:] = list(sys.argv[1:] if argv is None else argv)
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        # Non-standalone typer *returns* the code of a typer.Exit (and 130 for Ctrl-C).
+        rc = app(args=argv, standalone_mode=False)
+        if isinstance(rc, int) and rc != 0:
+            if rc == 130:
+                print("autoprec: interrupted", file=sys.stderr)
+            sys.exit(rc)
     except AutoprecError as err:
         print(f"autoprec: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)

@@ -7,11 +7,15 @@ This module orchestrates; the numerics live in the stages it calls.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import math
+import signal
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,10 +275,13 @@ def tune(
                     skip=None if pareto else _skipper(space, evaluator, cost, table, use_metric))
     status = "FAILED"
     try:
-        if plan and n_before == 0:  # the first worker of a study plans; later ones sample
-            _planned(driver, space, cost, table, evaluator, pareto=pareto,
-                     use_metric=use_metric, confirm=confirm)
-        driver.run_sampler()
+        with _graceful_interrupt(driver) as interrupted:
+            if plan and n_before == 0:  # the first worker of a study plans; later ones sample
+                _planned(driver, space, cost, table, evaluator, pareto=pareto,
+                         use_metric=use_metric, confirm=confirm)
+            driver.run_sampler()
+        if interrupted:  # finished trials are in the study; --resume goes on from them
+            raise KeyboardInterrupt
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -337,6 +344,32 @@ def tune(
                       evaluations=evaluator.evaluations, seconds=time.monotonic() - started,
                       front=front_pols, front_paths=front_paths, trials_table=rows,
                       sensitivity=sens, graph=graph)
+
+
+@contextlib.contextmanager
+def _graceful_interrupt(driver: Driver) -> Iterator[list[bool]]:
+    """First Ctrl-C: stop after the running trial (a KeyboardInterrupt inside Optuna's own
+    bookkeeping can leave a trial half-recorded); the second one aborts at once. Yields a
+    list that holds True once interrupted. Only the main thread can take signals."""
+    hit: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield hit
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if hit:
+            raise KeyboardInterrupt
+        hit.append(True)
+        driver.stopped = True
+        driver.study.stop()
+        print("autoprec: interrupted; finishing the running trial (Ctrl-C again to abort)",
+              file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _without_metric(spec: ModelSpec) -> ModelSpec:

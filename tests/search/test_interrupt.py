@@ -1,0 +1,52 @@
+"""Ctrl-C on a running ``autoprec tune``: finished trials are kept, ``--resume`` goes on
+without running any of them again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAP = ROOT / "experiments" / "trap" / "model.py"
+
+
+def _complete(url: str) -> list[optuna.trial.FrozenTrial]:
+    try:
+        study = optuna.load_study(study_name="s", storage=url)
+    except Exception:  # not created yet
+        return []
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+
+def test_ctrl_c_then_resume_reruns_no_finished_trial(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    cmd = [sys.executable, "-m", "autoprec.cli.main", "tune", str(TRAP), "--storage", url,
+           "--study-name", "s", "--no-track", "--quiet", "--batch-size", "65536",
+           "--precisions", "bf16,fp16", "--out", str(tmp_path / "p.yaml")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([*cmd, "--trials", "100000"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(_complete(url)) < 5 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    before = {t.number: t.params for t in _complete(url)}
+    assert len(before) >= 5
+    n = len(before) + 3
+    done = subprocess.run([*cmd, "--trials", str(n), "--resume", "--json"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = {t.number: t.params for t in _complete(url)}
+    assert len(after) == n
+    assert all(after[k] == v for k, v in before.items())  # the finished ones are kept as is
+    assert '"trials": 3' in done.stdout  # and only the missing ones ran
