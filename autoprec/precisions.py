@@ -85,9 +85,11 @@ def check_precision(name: str, where: str = "") -> str:
 
 def parse_precisions(text: str | None) -> tuple[str, ...] | None:
     """Parse a ``--precisions fp16,bf16`` list; ``None`` means 'all the device supports'."""
-    if text is None or text.strip() == "":
+    if text is None:
         return None
     names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise InputError(f"--precisions: give at least one of {', '.join(PRECISIONS)}")
     for n in names:
         check_precision(n, "--precisions")
     # keep the canonical order, drop duplicates

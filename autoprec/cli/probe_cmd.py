@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from autoprec.errors import InputError
+from autoprec.paths import check_out_path
 from autoprec.precisions import parse_precisions
 
 #: What the printed table shows (the CSV / JSON carry every column).
@@ -42,6 +43,8 @@ def probe_cmd(
     for name, value in (("--max-error", max_error), ("--max-drop", max_drop)):
         if value is not None and not value >= 0:
             raise InputError(f"{name}: must be >= 0, got {value}")
+    if out is not None:
+        check_out_path(out)  # before the probes run
     spec = load_model_file(model)
     if max_drop is not None and spec.metric is None:
         raise InputError(f"{spec.path}: --max-drop needs a metric(outputs, batch) in model.py")
@@ -56,7 +59,6 @@ def probe_cmd(
         progress=not quiet and not json_out,
     )
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
         table.to_csv(out)
     if json_out:
         doc = table.to_json()

@@ -18,6 +18,7 @@ import optuna
 
 import autoprec
 from autoprec.errors import InputError
+from autoprec.paths import check_out_path
 from autoprec.policy import Policy
 from autoprec.search import select
 from autoprec.search.space import SearchSpace, Variable
@@ -76,6 +77,12 @@ def _num(x: float) -> float:
 
 def export_policy(storage: str, study_name: str, out: str | Path) -> tuple[Policy, bool]:
     """Choose from the study at ``storage`` and write the policy to ``out``."""
+    check_out_path(Path(out))
+    if storage.startswith(("sqlite:///", "journal:")):  # reading: never create an empty store
+        file = Path(storage.split("sqlite:///", 1)[-1] if storage.startswith("sqlite")
+                    else storage.split("journal:", 1)[-1])
+        if not file.is_file():
+            raise InputError(f"{storage}: no such study storage file")
     store = open_storage(storage, Path(out).with_suffix(".db"))
     try:
         study = optuna.load_study(study_name=study_name, storage=store)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import hashlib
+import json
 import math
 import signal
 import sys
@@ -30,6 +31,7 @@ from autoprec.errors import InputError
 from autoprec.evaluate import reference, score
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
+from autoprec.paths import check_out_path
 from autoprec.policy import Policy
 from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.probe import probe
@@ -81,6 +83,16 @@ def _check_budget(max_error: float | None, max_drop: float | None) -> tuple[floa
     return float(value), name
 
 
+def weights_hash(model: torch.nn.Module) -> str:
+    """sha256 of the parameter and buffer values (the fingerprint covers only shapes)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        t = t.detach().cpu().contiguous()
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
 def data_hash(batches: Sequence[Any]) -> str:
     """sha256 of the tensors in the batches (values, shapes, dtypes): what the probes and
     the search saw, recorded for reproducibility."""
@@ -90,7 +102,7 @@ def data_hash(batches: Sequence[Any]) -> str:
         if isinstance(obj, torch.Tensor):
             t = obj.detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(obj, dict):
             for k in sorted(obj, key=str):
                 h.update(str(k).encode())
@@ -170,6 +182,8 @@ def tune(
         raise InputError(f"{model.path}: --train-aware needs loss(outputs, batch) in model.py")  # type: ignore[union-attr]
     if trials < 1:
         raise InputError(f"--trials: must be >= 1, got {trials}")
+    if study_name is not None and not study_name.strip():
+        raise InputError("--study-name: must not be empty")
     if timeout is not None and timeout <= 0:
         raise InputError(f"--timeout: must be > 0 seconds, got {timeout}")
     if batch_size is not None and batch_size < 1:
@@ -193,6 +207,7 @@ def tune(
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = batch_size or calib_bs
     out_path = Path(out) if out is not None else Path("policies") / f"{spec.name}-{target}.yaml"
+    check_out_path(out_path)  # before any expensive work
 
     ref = reference(spec, net, calib, "of calibration_data")  # also: the model accepts it
     eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
@@ -202,6 +217,9 @@ def tune(
                          f"by {check.error:.3g}); put it in eval mode / fix random ops")
 
     graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
+    unknown = [lk for lk in locked if lk not in graph]
+    if unknown:
+        raise InputError(f"--lock {unknown[0]!r}: {spec.path} has no such module")
     if cache_dir is None:  # probe results are reused across tunes of the same model + data
         cache_dir = out_path.parent / ".autoprec" / "probe-cache"
     use_metric = budget_name == "max_drop"
@@ -213,6 +231,12 @@ def tune(
                   cache_dir=cache_dir, progress=progress)
     cost = CostModel(graph, profile, batch_size=deploy_bs)
     space = _space(graph, table, profile, wanted, locked)
+    if not any(len(v.choices) > 1 for v in space.variables):
+        why = sorted({w for v in space.variables for w in v.excluded.values()})
+        raise InputError(
+            f"nothing to tune: no layer of {spec.name} may take "
+            f"{', '.join(p for p in wanted if p != 'fp32') or 'a precision below fp32'} on "
+            f"{target}" + (f" ({'; '.join(why)[:300]})" if why else ""))
     if not use_metric and spec.metric is not None:
         spec = _without_metric(spec)  # the budget is on relative L2: score that
     evaluator = Evaluator(spec=spec, model=net, batches=calib, ref=ref, cost=cost,
@@ -221,7 +245,16 @@ def tune(
     # -- the study --------------------------------------------------------------------------
     default_db = out_path.parent / "studies" / f"{spec.name}.db"
     store = open_storage(storage, default_db)
-    study_name = study_name or f"{spec.name}-{target}-{budget_name}{budget:g}"
+    # What a study's trials depend on besides the structure (the fingerprint): joining a
+    # study made under other settings would reuse errors and times that do not hold here.
+    settings = json.loads(json.dumps({
+        "target": target, "batch_size": deploy_bs, "budget": budget,
+        "budget_kind": budget_name, "precisions": list(wanted), "locked": sorted(locked),
+        "min_speedup": min_speedup, "data": data_hash(calib), "weights": weights_hash(net),
+    }))
+    tag = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    study_name = study_name if study_name is not None else (
+        f"{spec.name}-{target}-{budget_name}{budget:g}-{tag}")
     study = join_study(store, study_name, fingerprint=graph.fingerprint,
                        directions=["minimize", "minimize"] if pareto else ["minimize"],
                        sampler=make_sampler(pareto, seed))
@@ -230,8 +263,17 @@ def tune(
                       batch_size=deploy_bs, budget=budget, budget_kind=budget_name,
                       min_speedup=min_speedup, seed=seed, data=data_hash(calib),
                       locked_paths=list(locked))
+    meta["settings"] = settings
     if META_KEY not in study.user_attrs:
         study.set_user_attr(META_KEY, meta)
+    else:
+        old = study.user_attrs[META_KEY].get("settings", {})
+        for key, value in settings.items():
+            if old.get(key) != value:
+                raise InputError(
+                    f"study {study_name!r} in {describe_storage(storage or f'sqlite:///{default_db}')} "
+                    f"was tuned with other settings ({key}: {old.get(key)!r} there, "
+                    f"{value!r} now); use another --study-name")
     to_run = max(trials - count_finished(study), 0) if resume else trials
 
     parent = tracker.start(

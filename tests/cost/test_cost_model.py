@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 
+import functools
+
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.calibrate import gemm_graph
 from autoprec.errors import InputError
@@ -15,6 +17,10 @@ from autoprec.precisions import PRECISIONS
 from tests.cost.graphs import TOY, chain, graph, lin, other
 
 L = 1e-6  # TOY launch overhead
+
+# Most cases below price 16-bit activations flowing between layers (the default); the
+# exit casts apply does on per-layer policies (exit_cast=True) have tests at the end.
+_CostModel = functools.partial(CostModel, exit_cast=True)
 
 
 # ----------------------------------------------------------------- hand-computed roofline
@@ -279,3 +285,24 @@ def test_thousands_of_estimates_per_second_on_a_100_layer_graph():
     assert elapsed < 5.0  # loose: ~0.1 s on the team's 2-core machines
     codes = np.stack([cm.encode(a) for a in assignments])
     np.testing.assert_allclose(cm.estimate_codes(codes), times, rtol=1e-12)
+
+
+# ------------------------------------------------------- apply's exit casts (exit_cast=True)
+
+
+def test_exit_cast_option_prices_the_cast_apply_does():
+    flow = CostModel(gemm_graph(1000, 1000, 1000), TOY)
+    wrapped = _CostModel(gemm_graph(1000, 1000, 1000), TOY)
+    exit_cast = 1e6 * (2 + 4) / 1e11 + L  # read the bf16 output, write it back as fp32
+    assert wrapped.estimate({"gemm": "bf16"}) == pytest.approx(
+        flow.estimate({"gemm": "bf16"}) + exit_cast)
+    assert wrapped.estimate({}) == flow.estimate({})  # fp32 pays nothing extra
+
+
+def test_two_bf16_neighbours_recast_between_them_when_wrapped():
+    g = chain(2, 1000, 1000)
+    both = {"fc0": "bf16", "fc1": "bf16"}
+    kinds = [k.what for _, k in _CostModel(g, TOY).kernels(both)]
+    assert kinds.count("exit_cast") == 2 and kinds.count("input_cast") == 2
+    kinds = [k.what for _, k in CostModel(g, TOY).kernels(both)]
+    assert "exit_cast" not in kinds and kinds.count("input_cast") == 1

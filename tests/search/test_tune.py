@@ -125,11 +125,15 @@ def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
         (["--target", "v100"], "v100"),
         (["--precisions", "fp16,fp12"], "unknown precision 'fp12'"),
         (["--trials", "0"], "--trials: must be >= 1"),
+        (["--precisions", ""], "--precisions: give at least one"),
+        (["--precisions", "fp8", "--target", "t4"], "nothing to tune"),
+        (["--lock", "nope"], "--lock 'nope'"),
+        (["--study-name", ""], "--study-name: must not be empty"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path: Path):
-    code, err = _cli(["tune", str(TRAP), "--no-track", "--out", str(tmp_path / "p.yaml"),
-                      *args], capsys)
+    code, err = _cli(["tune", str(TRAP), "--no-track", "--quiet", "--out",
+                      str(tmp_path / "p.yaml"), *args], capsys)
     assert code == 2, err
     assert needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "p.yaml").exists()
@@ -148,3 +152,18 @@ def test_a_study_of_another_model_is_refused(tmp_path: Path, capsys):
     assert code == 0, err
     code, err = _cli(["tune", str(TRAP), "--out", str(tmp_path / "b.yaml"), *common], capsys)
     assert code == 2 and "fingerprint" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_out_that_cannot_be_written_is_refused_before_the_search(tmp_path: Path, capsys):
+    code, err = _cli(["tune", str(TRAP), "--no-track", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "is a directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_study_tuned_with_other_settings_is_refused(tmp_path: Path, capsys):
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    common = ["tune", str(TRAP), "--no-track", "--quiet", "--storage", db, "--study-name",
+              "s", "--trials", "1", "--precisions", "fp16", "--out", str(tmp_path / "p.yaml")]
+    code, err = _cli([*common, "--batch-size", "65536"], capsys)
+    assert code == 0, err
+    code, err = _cli([*common, "--batch-size", "1024"], capsys)
+    assert code == 2 and "other settings (batch_size: 65536 there, 1024 now)" in err, err
