@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
 import numpy as np
 import pytest
-
-import functools
 
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.calibrate import gemm_graph
