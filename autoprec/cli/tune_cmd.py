@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from autoprec.errors import CheckFailed
+from autoprec.errors import CheckFailed, InputError
 from autoprec.precisions import parse_precisions
 
 
@@ -46,6 +46,8 @@ def tune_cmd(
     from autoprec.search.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
 
+    if workers < 1:
+        raise InputError(f"--workers: must be >= 1, got {workers}")
     if workers > 1:
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)

@@ -189,15 +189,31 @@ def load_policy(path: str | Path, model: torch.nn.Module | None = None,
     return policy
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error: a
+    reviewer reading ``layers`` top-down must see the rule that applies."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def loads_policy(text: str, source: str = "<policy>") -> Policy:
     """Parse policy YAML text; ``source`` names it in messages."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # safe_load, duplicates refused
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         what = err.problem or err.context or "syntax error"
-        if isinstance(err, yaml.constructor.ConstructorError):
+        if isinstance(err, yaml.constructor.ConstructorError) and "given twice" not in what:
             what += " (policies are plain YAML, read with yaml.safe_load: no tags)"
         raise PolicyError(f"{where}: not valid YAML: {what}") from None
     except yaml.YAMLError as err:  # e.g. a python/object tag refused by the safe loader

@@ -182,6 +182,8 @@ def tune(
         raise InputError(f"{model.path}: --train-aware needs loss(outputs, batch) in model.py")  # type: ignore[union-attr]
     if trials < 1:
         raise InputError(f"--trials: must be >= 1, got {trials}")
+    if patience is not None and patience < 1:
+        raise InputError(f"--patience: must be >= 1 trial, got {patience}")
     if study_name is not None and not study_name.strip():
         raise InputError("--study-name: must not be empty")
     if timeout is not None and timeout <= 0:

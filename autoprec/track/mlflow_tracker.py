@@ -30,6 +30,7 @@ set here and nowhere else.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import threading
 import time
@@ -437,6 +438,9 @@ def make_tracker(
     workdir = Path.cwd() if workdir is None else Path(workdir)
     if uri is None:
         uri = default_tracking_uri(workdir)
+    # MLflow logs "Creating initial MLflow database tables..." at INFO on a new SQLite
+    # store; the CLI's stderr is for progress and errors.
+    logging.getLogger("mlflow.store").setLevel(logging.WARNING)
     tracker = MlflowTracker(uri, experiment, artifact_location=_artifact_location(uri))
     tracker.connect()
     return tracker

@@ -129,6 +129,8 @@ def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
         (["--precisions", "fp8", "--target", "t4"], "nothing to tune"),
         (["--lock", "nope"], "--lock 'nope'"),
         (["--study-name", ""], "--study-name: must not be empty"),
+        (["--workers", "0"], "--workers: must be >= 1"),
+        (["--patience", "0"], "--patience: must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, needle, capsys, tmp_path: Path):

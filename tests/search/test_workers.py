@@ -291,13 +291,6 @@ MODEL = ROOT / "tests" / "fixtures" / "models" / "mlp.py"
 OTHER_MODEL = ROOT / "tests" / "track" / "fixtures" / "mlp3.py"
 
 
-def _require_tune() -> None:
-    try:
-        from autoprec.search.tune import tune  # noqa: F401
-    except ImportError as err:
-        pytest.skip(f"autoprec tune is not importable yet: {err}")
-
-
 def _tune_cmd(model: Path, url: str, out: Path, trials: int, *extra: str) -> list[str]:
     return [
         sys.executable,
@@ -323,7 +316,6 @@ def _tune_cmd(model: Path, url: str, out: Path, trials: int, *extra: str) -> lis
 
 @pytest.mark.slow
 def test_three_tune_processes_share_one_postgres_study(pg_url: str, tmp_path: Path) -> None:
-    _require_tune()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
@@ -364,7 +356,6 @@ def test_three_tune_processes_share_one_postgres_study(pg_url: str, tmp_path: Pa
 
 @pytest.mark.slow
 def test_tune_with_workers_flag(pg_url: str, tmp_path: Path) -> None:
-    _require_tune()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = _tune_cmd(MODEL, pg_url, tmp_path / "p.yaml", 3, "--workers", "2", "--quiet")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
