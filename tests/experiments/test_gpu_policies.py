@@ -1,0 +1,40 @@
+"""The prepared GPU script for the committed policies: its CPU dry run and its refusal."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_policies", ROOT / "experiments" /
+                                                  "gpu_policies.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_measures_a_committed_policy(tmp_path: Path) -> None:
+    rc = _script().main(["--dry-run", "--only", "trap-h100-err0.01", "--out", str(tmp_path)])
+    assert rc == 0
+    text = (tmp_path / "gpu_policies.md").read_text()
+    assert "trap-h100-err0.01.yaml" in text and "error" not in text
+
+
+def test_enlarge_repeats_rows_to_the_deployment_batch() -> None:
+    mod = _script()
+    batch = {"ids": torch.arange(6).reshape(2, 3), "n": 1}
+    big = mod.enlarge(batch, 5)
+    assert big["ids"].shape == (5, 3) and big["n"] == 1
+    assert torch.equal(big["ids"][2], batch["ids"][0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_without_cuda_it_says_why_and_exits_1(capsys) -> None:
+    assert _script().main([]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
