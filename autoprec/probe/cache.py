@@ -22,43 +22,9 @@ import torch
 from torch import nn
 
 import autoprec
+from autoprec.hashing import data_hash, weights_hash
 from autoprec.probe.table import SCHEMA, SensitivityTable
 from autoprec.trace.graph import fingerprint
-
-
-def _feed(h: Any, obj: Any) -> None:
-    """Hash values, shapes and dtypes of tensors inside nested containers."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, Mapping) or (hasattr(obj, "keys") and hasattr(obj, "values")):
-        h.update(b"{")
-        for k in obj:
-            h.update(repr(k).encode())
-            _feed(h, obj[k])
-        h.update(b"}")
-    elif isinstance(obj, (tuple, list)):
-        h.update(b"[")
-        for v in obj:
-            _feed(h, v)
-        h.update(b"]")
-    else:
-        h.update(repr(obj).encode())
-
-
-def data_hash(batches: Iterable[Any]) -> str:
-    h = hashlib.sha256()
-    _feed(h, list(batches))
-    return h.hexdigest()
-
-
-def weights_hash(model: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in model.state_dict(keep_vars=False).items():
-        h.update(name.encode())
-        _feed(h, t)
-    return h.hexdigest()
 
 
 def code_hash(fn: Callable[..., Any] | None) -> str:

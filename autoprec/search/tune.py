@@ -29,6 +29,7 @@ import autoprec
 from autoprec.cost import CostModel, get_profile
 from autoprec.errors import InputError
 from autoprec.evaluate import reference, score
+from autoprec.hashing import data_hash, weights_hash
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
 from autoprec.paths import check_out_path
@@ -81,40 +82,6 @@ def _check_budget(max_error: float | None, max_drop: float | None) -> tuple[floa
     if value < 0:
         raise InputError(f"--{name.replace('_', '-')}: must be >= 0, got {value}")
     return float(value), name
-
-
-def weights_hash(model: torch.nn.Module) -> str:
-    """sha256 of the parameter and buffer values (the fingerprint covers only shapes)."""
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        t = t.detach().cpu().contiguous()
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return "sha256:" + h.hexdigest()
-
-
-def data_hash(batches: Sequence[Any]) -> str:
-    """sha256 of the tensors in the batches (values, shapes, dtypes): what the probes and
-    the search saw, recorded for reproducibility."""
-    h = hashlib.sha256()
-
-    def feed(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(obj, dict):
-            for k in sorted(obj, key=str):
-                h.update(str(k).encode())
-                feed(obj[k])
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                feed(v)
-        else:
-            h.update(repr(obj).encode())
-
-    feed(list(batches))
-    return "sha256:" + h.hexdigest()
 
 
 def _space(graph: LayerGraph, table: Any, profile: Any, precisions: Sequence[str],
@@ -263,7 +230,7 @@ def tune(
     n_before = len(study.trials)
     meta = study_meta(space, model=spec.name, fingerprint=graph.fingerprint, target=target,
                       batch_size=deploy_bs, budget=budget, budget_kind=budget_name,
-                      min_speedup=min_speedup, seed=seed, data=data_hash(calib),
+                      min_speedup=min_speedup, seed=seed, data=settings["data"],
                       locked_paths=list(locked))
     meta["settings"] = settings
     if META_KEY not in study.user_attrs:
