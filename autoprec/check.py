@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import CostModel, DeviceProfile, get_profile
+from autoprec.cost import Breakdown, CostModel, DeviceProfile, get_profile
 from autoprec.errors import CheckFailed, InputError, PolicyError
 from autoprec.evaluate import reference, score
 from autoprec.loading import ModelSpec, load_model_file
@@ -65,6 +65,7 @@ class CheckResult:
     notes: list[str] = field(default_factory=list)  # warnings that did not fail the gate
     layers: list[dict[str, Any]] = field(default_factory=list)
     eval_batches: int = 0
+    breakdown: dict[str, Any] = field(default_factory=dict)  # where the forward's time goes
 
     @property
     def value(self) -> float | None:
@@ -91,6 +92,7 @@ class CheckResult:
             batch_size=self.batch_size, passed=self.passed, reasons=list(self.reasons),
             notes=list(self.notes), fingerprint_match=self.fingerprint_match,
             nonfinite=self.nonfinite, eval_batches=self.eval_batches, model=self.model,
+            breakdown=dict(self.breakdown),
             policy=self.policy, layers=[{k: _num(v) if isinstance(v, float) else v
                                          for k, v in row.items()} for row in self.layers],
         )
@@ -182,6 +184,9 @@ def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfi
     for path, prec in per_layer.items():
         used.setdefault(prec, []).append(path)
     reasons, layer_why = [], {}
+    ok, why = profile.supports(policy.default)
+    if not ok:
+        reasons.append(f"target {target} cannot run the default region {policy.default}: {why}")
     for prec in PRECISIONS:
         if prec not in used:
             continue
@@ -196,13 +201,15 @@ def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfi
 
 
 def _layer_rows(spec: ModelSpec, net: torch.nn.Module, policy: Policy, batch: Any,
-                profile: DeviceProfile, batch_size: int,
-                layer_why: dict[str, str]) -> tuple[dict[str, dict[str, Any]], float]:
-    """One row per GEMM layer, priced on the fp32 model's trace as tune does; speed-up."""
+                profile: DeviceProfile, batch_size: int, layer_why: dict[str, str]
+                ) -> tuple[dict[str, dict[str, Any]], float, Breakdown]:
+    """One row per GEMM layer, the whole forward priced under the policy's plan as tune
+    prices it; the speed-up over fp32 and the breakdown."""
     graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
     assign = assignment(policy, net, [n.path for n in graph.gemm_nodes])
     cost = CostModel(graph, profile, batch_size=batch_size)
-    times = {r.layer: r.time_s for r in cost.breakdown(assign)}
+    bd = cost.breakdown(policy)
+    times = bd.by_module
     rows = {}
     for node in graph.gemm_nodes:
         r = resolve_path(policy, node.path, net.get_submodule(node.path))
@@ -214,7 +221,7 @@ def _layer_rows(spec: ModelSpec, net: torch.nn.Module, policy: Policy, batch: An
             "est_time_us": None if t is None else t * 1e6,
             "reason": layer_why.get(node.path) or policy.reasons.get(node.path),
         }
-    return rows, cost.speedup(assign)
+    return rows, cost.speedup(policy), bd
 
 
 def check(
@@ -278,8 +285,9 @@ def check(
     dev_reasons, layer_why = _device_reasons(policy, net, profile, tgt)
     reasons.extend(dev_reasons)
 
-    rows, result.est_speedup = _layer_rows(spec, net, policy, calib[0], profile, bs,
-                                           layer_why)
+    rows, result.est_speedup, bd = _layer_rows(spec, net, policy, calib[0], profile, bs,
+                                               layer_why)
+    result.breakdown = bd.to_dict()
 
     # -- evaluate on eval data ------------------------------------------------------------
     batches = spec.eval_batches()
@@ -287,7 +295,8 @@ def check(
     ref = reference(spec, net, batches, "of eval_data")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with apply_policy(net, policy, fp8_backend=fp8_backend, force=True) as handle:
+        with apply_policy(net, policy, fp8_backend=fp8_backend, force=True,
+                          target=tgt) as handle:
             report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
                                   strict=False)
             s = score(spec, net, batches, ref, "of eval_data")

@@ -1,21 +1,15 @@
-"""Install a policy on a model: per-module forward wrappers, removable, auditable.
+"""Install a policy on a model: the plan's wrappers on module forwards, removable, audited.
 
-Where the wrappers go. Every module has a region (fp32/tf32/bf16/fp16) and a precision
-(its region, or fp8 for an eligible leaf; see policy/resolve.py). A module's forward is
-wrapped in ``lower.lowered_forward`` when its precision differs from its parent's region,
-and the root always is (so a default of fp32 holds even when the caller runs the model
-under a global autocast). Children at their parent's region run inside the parent's
-``with`` block and need nothing: a 100-layer bf16 model gets one wrapper, not 100. This
-covers every boundary: a lowered layer, a fp32 island inside a bf16 block (upcasts its
-inputs), a layer left at the default between two lowered siblings, fp16 beside bf16.
+``plan.compile`` decides every module's region and precision and which modules get a
+wrapper (a module whose precision differs from the region it is called from, and the
+root); ``lower.lowered_forward`` enters the region in a ``with`` block. Leaving a wrapped
+module, its 16-bit outputs are cast to fp32 only when the caller's region is fp32/tf32
+(autocast off there): an autocast caller casts at the consumers that need it, as one
+global autocast would. ``plan.schedule`` replays the same rules over a recorded forward,
+so the cost model prices what this installs, and ``audit`` checks a real forward.
 
-Leaving a lowered module, its 16-bit outputs are cast to fp32 unless they already are in
-the caller's autocast dtype: a fp32 region's own code (a residual add, SDPA, a sibling left
-at the default) then never meets a 16-bit tensor, and an autocast region never meets the
-other 16-bit dtype (autocast's promote ops such as ``cat`` refuse bf16 mixed with fp16;
-SDPA refuses q, k, v of different dtypes). The cast is exact (fp16/bf16 -> fp32 is
-lossless) and any GEMM downstream casts again, so numbers match casting each layer by
-hand; it costs one activation pass at an island's exit, which is what runs.
+The target: a policy tuned for a CUDA device and applied on a CPU (to measure accuracy)
+runs the ops CUDA autocast keeps in fp32 in fp32 (``lower`` ``emulate_cuda``).
 
 Weights are never cast in place: autocast casts per call (``cache_enabled=False``, so a
 tied weight or a module called twice in two dtypes gets the right cast each time) and the
@@ -28,7 +22,6 @@ import copy
 import functools
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +31,7 @@ from autoprec.apply.lower import lowered_forward
 from autoprec.capability import FP8_BACKENDS, best_fp8_backend, capability
 from autoprec.errors import CapabilityError, InputError
 from autoprec.paths import unwrap_model
+from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
 from autoprec.policy.resolve import Resolved, assignment, module_table, resolve_path
 from autoprec.policy.schema import Policy
 
@@ -49,22 +43,10 @@ _UNDER_POLICY: weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle] = (
     weakref.WeakKeyDictionary())
 
 
-@dataclass(frozen=True)
-class Wrapped:
-    """One installed wrapper."""
-
-    path: str  # the module's first path
-    precision: str  # what the wrapper computes in (a region, or fp8)
-    rule: str | None  # the rule that decided it (None: the default)
-
-
 def _cast_out(obj: Any) -> Any:
-    """16-bit outputs to fp32 unless already in the caller's autocast dtype (see above)."""
+    """16-bit outputs to fp32 when the caller's region is fp32/tf32 (autocast off)."""
     if isinstance(obj, torch.Tensor):
-        if obj.dtype not in _LOW:
-            return obj
-        dev = obj.device.type
-        if torch.is_autocast_enabled(dev) and obj.dtype == torch.get_autocast_dtype(dev):
+        if obj.dtype not in _LOW or torch.is_autocast_enabled(obj.device.type):
             return obj
         return obj.float()
     if isinstance(obj, tuple):
@@ -88,8 +70,10 @@ def _cast_out(obj: Any) -> Any:
 
 
 def _wrapper(module: torch.nn.Module, precision: str, fp8_backend: str,
-             on_compute: Callable[[str], None] | None, cast_exit: bool) -> Callable[..., Any]:
-    inner = lowered_forward(module, precision, fp8_backend=fp8_backend, on_compute=on_compute)
+             on_compute: Callable[[str], None] | None, cast_exit: bool,
+             emulate_cuda: bool) -> Callable[..., Any]:
+    inner = lowered_forward(module, precision, fp8_backend=fp8_backend, on_compute=on_compute,
+                            emulate_cuda=emulate_cuda)
     if not cast_exit:
         fwd = inner
     else:
@@ -105,11 +89,13 @@ class PolicyHandle:
     Also a context manager: ``with apply_policy(model, policy): ...`` removes on exit.
     """
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, layers: dict[str, Resolved],
-                 wrapped: list[Wrapped], fp8_backend: str | None, fp8_reason: str,
-                 device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, policy: Policy, plan: ExecutionPlan,
+                 layers: dict[str, Resolved], wrapped: list[Wrapped], fp8_backend: str | None,
+                 fp8_reason: str, device: torch.device, target_device_type: str) -> None:
         self.model = model
         self.policy = policy
+        self.plan = plan
+        self.target_device_type = target_device_type  # whose autocast lists run here
         self.layers = layers  # resolution of every module path
         self.wrapped = wrapped
         self.fp8_backend = fp8_backend  # None when no layer computes in fp8
@@ -182,37 +168,28 @@ def _model_device(root: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _plan(policy: Policy, root: torch.nn.Module) -> tuple[dict[str, Resolved], list[tuple[
-        torch.nn.Module, Wrapped]]]:
-    table = module_table(root)
-    res = {p: resolve_path(policy, p, m) for p, m in table.items()}
-    chosen: dict[int, tuple[torch.nn.Module, Wrapped]] = {}
-    for path, mod in table.items():
-        if isinstance(mod, _NEVER_CALLED) and path != "":
-            continue  # its forward never runs: its children carry its rule
-        r = res[path]
-        # The region a module is called from: its nearest ancestor whose forward runs
-        # (a ModuleList's children are called by the list's owner).
-        parent = path.rpartition(".")[0]
-        while parent and isinstance(table.get(parent), _NEVER_CALLED):
-            parent = parent.rpartition(".")[0]
-        # Aliases of a shared module agree (check_model); wrap it if any alias needs it.
-        if path == "" or r.precision != res[parent].region:
-            chosen.setdefault(id(mod), (mod, Wrapped(path, r.precision, r.rule)))
-    return res, list(chosen.values())
-
-
-#: Containers whose own forward is never called (their owner iterates or indexes them).
-_NEVER_CALLED = (torch.nn.ModuleList, torch.nn.ModuleDict)
+def target_device_type(target: str | None, policy: Policy, device: torch.device) -> str:
+    """Whose autocast op lists the plan follows: the target's (a device profile name such
+    as "h100", or a device type), else the policy's target, else the device it runs on."""
+    name = target or policy.target_device
+    if name is None:
+        return device.type
+    if name in ("cuda", "cpu"):
+        return name
+    return "cpu" if name.startswith("cpu") else "cuda"
 
 
 def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None = None,
-                 device: str | torch.device | None = None, force: bool = False) -> PolicyHandle:
+                 device: str | torch.device | None = None, force: bool = False,
+                 target: str | None = None) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
 
     ``fp8_backend``: emulated / torch / te; default: the best this device runs
     (``best_fp8_backend``). ``device``: where the model runs (default: its parameters').
-    ``force`` applies a policy whose fingerprint does not match, with a warning.
+    ``target``: the device the plan is for (a profile name like "h100", or "cuda"/"cpu";
+    default: the policy's ``target``, else ``device``): on a CPU, a CUDA target's autocast
+    op lists are followed. ``force`` applies a policy whose fingerprint does not match,
+    with a warning.
     Raises PolicyError (does not validate), CapabilityError (a precision or backend cannot
     run here, with the reason) or InputError (a policy is already applied); the model is
     untouched when anything is raised.
@@ -225,9 +202,16 @@ def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None
                              "remove that handle first")
     policy.validate(root, force=force)
     dev = torch.device(device) if device is not None else _model_device(root)
-    res, plan = _plan(policy, root)
+    plan = compile_plan(policy, root)
+    table = module_table(root)
+    res = {p: resolve_path(policy, p, m) for p, m in table.items()}
+    modules = dict(root.named_modules())
+    chosen = [(modules[w.path] if w.path in modules else table[w.path], w)
+              for w in plan.wrappers()]
+    target_type = target_device_type(target, policy, dev)
+    emulate = target_type == "cuda" and dev.type != "cuda"
 
-    used = {w.precision for _, w in plan}
+    used = {w.precision for _, w in chosen}
     fp8_reason = ""
     backend: str | None = None
     if "fp8" in used:
@@ -239,18 +223,19 @@ def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None
     for prec in sorted(used):
         ok, why = capability(prec, backend if prec == "fp8" else None, dev)
         if not ok:
-            w = next(w for _, w in plan if w.precision == prec)
+            w = next(w for _, w in chosen if w.precision == prec)
             key = "default" if w.rule is None else f"layers[{w.rule!r}]"
             raise CapabilityError(f"{policy.source}: {key}: {prec} cannot run on {dev}: {why}")
         if prec == "fp8" and not fp8_reason:
             fp8_reason = why
 
-    modules = [(mod, _wrapper(mod, w.precision, backend or "emulated",
-                              notify_compute if w.precision == "fp8" else None,
-                              cast_exit=w.path != ""))
-               for mod, w in plan]
-    handle = PolicyHandle(model, policy, res, [w for _, w in plan], backend, fp8_reason, dev)
-    handle._install(modules)
+    wrappers = [(mod, _wrapper(mod, w.precision, backend or "emulated",
+                               notify_compute if w.precision == "fp8" else None,
+                               cast_exit=w.path != "", emulate_cuda=emulate))
+                for mod, w in chosen]
+    handle = PolicyHandle(model, policy, plan, res, [w for _, w in chosen], backend,
+                          fp8_reason, dev, target_type)
+    handle._install(wrappers)
     return handle
 
 

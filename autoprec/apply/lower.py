@@ -11,6 +11,10 @@ A *region* is the numeric context a module's forward runs in:
   weights, a module called twice) would get the first cast: the cache stays off.
 - fp8: not a region; Linear-like leaves call ``fp8.fp8_linear`` (see fp8.py).
 
+``emulate_cuda``: on a CPU, autocast regions also run the ops CUDA autocast keeps in fp32
+(layer_norm, softmax, sum, exp, ...) in fp32 (``plan.autocast.TargetFp32Ops``), so that
+accuracy measured here is that of a CUDA deployment; fp32/tf32 islands suspend it.
+
 The forward is wrapped in a ``with`` block (not pre-/post-hooks): hooks that enter and
 leave autocast break torch.compile and leave the region open when forward raises.
 """
@@ -26,6 +30,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from autoprec.apply import fp8 as fp8mod
+from autoprec.errors import PolicyError
+from autoprec.plan.autocast import suspend_target_fp32_ops, target_fp32_ops
 from autoprec.precisions import AUTOCAST_DTYPES, check_precision
 
 _LOW_FLOATS = (torch.float16, torch.bfloat16)
@@ -161,7 +167,8 @@ def _cuda_tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def region(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+def region(precision: str, device_type: str,
+           emulate_cuda: bool = False) -> contextlib.AbstractContextManager[Any]:
     """The numeric context for ``precision`` (fp32/tf32/bf16/fp16) on ``device_type``."""
     check_precision(precision)
     if precision == "fp8":
@@ -171,6 +178,7 @@ def region(precision: str, device_type: str) -> contextlib.AbstractContextManage
             device_type, dtype=AUTOCAST_DTYPES[precision], cache_enabled=False)
     else:
         ctx = torch.autocast(device_type, enabled=False)
+    emulate = emulate_cuda and device_type != "cuda"
     # The common case stays one plain autocast object (cheap, and torch.compile traces it
     # without graph breaks); a generator context where tf32 state must change too
     # (dynamo traces @contextmanager, while an ExitStack around autocast graph-breaks).
@@ -178,7 +186,10 @@ def region(precision: str, device_type: str) -> contextlib.AbstractContextManage
         # fp32 keeps full-precision matmuls even if the user enabled tf32 globally.
         return _both(ctx, _cuda_tf32(precision == "tf32"))
     if device_type != "cuda" and precision == "tf32":
-        return _both(ctx, Tf32Emulation())
+        return _both(ctx, Tf32Emulation(), suspend_target_fp32_ops() if emulate else None)
+    if emulate:
+        inner = target_fp32_ops() if precision in AUTOCAST_DTYPES else suspend_target_fp32_ops()
+        return _both(ctx, inner, _suspend_tf32() if _TF32_MODES else None)
     if _TF32_MODES:
         return _both(ctx, _suspend_tf32())
     return ctx
@@ -186,8 +197,9 @@ def region(precision: str, device_type: str) -> contextlib.AbstractContextManage
 
 @contextlib.contextmanager
 def _both(outer: contextlib.AbstractContextManager[Any],
-          inner: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
-    with outer, inner:
+          inner: contextlib.AbstractContextManager[Any],
+          third: contextlib.AbstractContextManager[Any] | None = None) -> Iterator[None]:
+    with outer, inner, third if third is not None else contextlib.nullcontext():
         yield
 
 
@@ -216,11 +228,13 @@ def lowered_forward(
     forward: Callable[..., Any] | None = None,
     fp8_backend: str = "emulated",
     on_compute: Callable[[str], None] | None = None,
+    emulate_cuda: bool = False,
 ) -> Callable[..., Any]:
     """A forward for ``module`` that computes in ``precision``.
 
     ``forward`` is the function to wrap (default: the module's current forward).
     ``on_compute(precision)`` is called on every call (the audit listens to it).
+    ``emulate_cuda``: see the module docstring.
     fp8 requires a Linear-like module with 16-aligned dims (ValueError otherwise).
     """
     check_precision(precision)
@@ -250,8 +264,17 @@ def lowered_forward(
             kwargs = cast_floats(kwargs, torch.float32)
         if on_compute is not None:
             on_compute(precision)
-        with region(precision, _device_type(module, args, kwargs)):
-            return inner(*args, **kwargs)
+        dev = _device_type(module, args, kwargs)
+        try:
+            with region(precision, dev, emulate_cuda):
+                return inner(*args, **kwargs)
+        except RuntimeError as err:
+            if "autocast::prioritize" not in str(err):
+                raise
+            raise PolicyError(
+                f"{type(module).__name__} ({precision} region): autocast on {dev} refuses "
+                "bf16 and fp16 tensors meeting in one promote op (cat, stack, index_copy); "
+                "give the layers whose outputs meet here the same precision") from err
 
     return region_forward
 

@@ -142,7 +142,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     from autoprec.evaluate import reference, score
     from autoprec.loading import load_model_file
     from autoprec.metrics import batch_size_of
-    from autoprec.policy import assignment, load_policy
+    from autoprec.policy import load_policy
     from autoprec.trace import trace
 
     if batch_size is not None and batch_size < 1:
@@ -156,22 +156,22 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     calib0 = spec.calibration_batches()[0]
     ref = reference(spec, net, batches, "of eval_data")
 
-    with apply_policy(net, pol, force=force) as handle:
+    with apply_policy(net, pol, force=force, target=device) as handle:
         sc = score(spec, net, batches, ref, "of eval_data")
         with torch.no_grad():
             report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
                                   strict=False)
         fp8_backend = handle.fp8_backend
 
-    # Priced at the deployment batch size (DESIGN: "price at the deployment shape").
+    # The whole forward priced under the policy's plan at the deployment batch size (DESIGN:
+    # "price at the deployment shape"): GEMMs, casts, norms, activations, fp8 scaling.
     graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
     bs = batch_size or pol.batch_size or batch_size_of(calib0) or graph.batch_size
     cost = CostModel(graph, profile, batch_size=bs)
-    assign = assignment(pol, net, paths=cost.paths)
-    est = cost.speedup(assign)
-    infeasible = cost.infeasible(assign)
-    times = cost.layer_times(assign)
-
+    est = cost.speedup(pol)
+    infeasible = cost.infeasible(pol)
+    bd = cost.breakdown(pol)
+    times = bd.by_module
     use_drop = sc.metric_drop is not None
     value = sc.value
     budget = pol.metrics.get("budget")
@@ -192,8 +192,9 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         out["metric_drop"] = _num(sc.metric_drop)
     out.update({
         "budget": budget, "within_budget": within,
-        "est_speedup": round(est, 4), "feasible": feasible,
+        "est_speedup": round(est, 4) if est > 0 else None, "feasible": feasible,
         "target": device, "batch_size": bs,
+        "breakdown": bd.to_dict(),
         "fp8_backend": fp8_backend,
         "reasons": dict(pol.reasons),
         "infeasible": infeasible,
@@ -240,9 +241,16 @@ def _print_summary(s: dict[str, Any]) -> None:
     what = (f"metric drop {_fmt(s['metric_drop'])} (metric {_fmt(s['metric'])})"
             if "metric_drop" in s else f"error {_fmt(s['error'])}")
     budget = "no budget recorded" if s["budget"] is None else f"budget {_fmt(s['budget'])}"
+    speed = "-" if s["est_speedup"] is None else f"{s['est_speedup']:.2f}x"
     typer.echo(f"{what} vs fp32 on the eval data ({budget}); est. speed-up "
-               f"{s['est_speedup']:.2f}x on {s['target']} at batch size {s['batch_size']}; "
+               f"{speed} on {s['target']} at batch size {s['batch_size']}; "
                f"feasible: {str(s['feasible']).lower()}")
+    b = s["breakdown"]
+    total = b["total_us"] or 1.0
+    typer.echo("est. forward: " + ", ".join(
+        f"{k} {b[k + '_us'] / total:.0%}" for k in ("gemm", "cast", "fp8_scaling", "other"))
+        + f" of {total:.1f} us; {b['casts']} casts + {b['weight_casts']} weight casts per "
+          f"forward, {b['kernels']} kernels")
     if s["fp8_backend"]:
         typer.echo(f"fp8 backend: {s['fp8_backend']}")
     if "measured" in s:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -51,8 +52,7 @@ def tune_cmd(
     if workers > 1:
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
-    # A worker started by --workers: its own sampler seed; only worker 0 runs the planned
-    # trials (seeds, bisection), the others sample (environment read at the CLI boundary).
+    # A worker started by --workers: its own seed (environment read at the CLI boundary).
     index_text = os.environ.get(WORKER_INDEX_ENV)
     worker_index = int(index_text) if index_text and index_text.isdigit() else None
     seed = worker_seed(seed, worker_index) or seed
@@ -63,9 +63,10 @@ def tune_cmd(
         precisions=parse_precisions(precisions), trials=trials, timeout=timeout, seed=seed,
         patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
-        plan=worker_index in (None, 0), train_aware=train_aware,
-        progress=not quiet and not json_out,
+        train_aware=train_aware, progress=not quiet and not json_out,
     )
+    for note in result.notes:
+        print(f"autoprec: note: {note}", file=sys.stderr)
     summary = {
         "policy": str(result.path), "feasible": result.feasible,
         "error": _num(result.eval_error), "calibration_error": _num(result.error),
@@ -75,6 +76,8 @@ def tune_cmd(
         "seconds": round(result.seconds, 1), "study": result.study_name,
         "storage": result.storage, "front": [str(p) for p in result.front_paths],
         "mlflow_run": result.policy.provenance.get("mlflow_run"),
+        "search_complete": result.complete, "candidates": result.method,
+        "est_casts": result.policy.metrics.get("est_casts"), "notes": result.notes,
     }
     if json_out:
         print(json.dumps(summary, indent=2))
@@ -83,9 +86,12 @@ def tune_cmd(
         print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
         for k, v in lowered.items():
             print(f"  {k:<50} {v}")
-        print(f"error {summary['error']} (budget {result.budget}), est. speed-up "
-              f"{result.est_speedup:.2f}x on {target}, {result.trials} trials, "
-              f"{result.evaluations:.1f} evaluations, {result.seconds:.0f}s")
+        err = summary["error"]
+        print(f"error {err if isinstance(err, str) else f'{err:.4g}'} (budget {result.budget}),"
+              f" est. speed-up {result.est_speedup:.2f}x on {target} "
+              f"({summary['est_casts']} casts per forward), {result.trials} trials, "
+              f"{result.evaluations:.1f} evaluations, {result.seconds:.0f}s"
+              + ("; search complete" if result.complete else ""))
     if not result.feasible:
         raise CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
                           f"closest (error {summary['error']}) to {result.path} marked "

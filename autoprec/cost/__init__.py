@@ -7,7 +7,7 @@ measurements into a profile's efficiency factors.
 
 from autoprec.cost.calibrate import FitResult, Sample, fit
 from autoprec.cost.measure import Timing, measure_latency
-from autoprec.cost.model import CostModel, Kernel, LayerCost
+from autoprec.cost.model import Breakdown, CostModel, Kernel
 from autoprec.cost.profiles import (
     Calibration,
     DeviceProfile,
@@ -19,12 +19,13 @@ from autoprec.cost.profiles import (
 )
 
 __all__ = [
+    "Breakdown",
     "Calibration",
     "CostModel",
     "DeviceProfile",
     "FitResult",
     "Kernel",
-    "LayerCost",
+    "Breakdown",
     "Sample",
     "Timing",
     "apply_calibration",

@@ -24,6 +24,7 @@ from autoprec.cost.model import CostModel, Kernel
 from autoprec.cost.profiles import Calibration, DeviceProfile
 from autoprec.errors import InputError
 from autoprec.trace.graph import LayerGraph, LayerNode
+from autoprec.trace.ops import Call, Op, OpTrace, Value
 
 # Bounds keep an ill-determined factor sane: efficiency in [1%, 150%] of the profile's
 # peak (>100% happens on CPUs, whose "peaks" are themselves measured), launch <= 1 ms.
@@ -193,26 +194,45 @@ def _apply(profile: DeviceProfile, cols: Sequence[str], theta: np.ndarray) -> De
 
 # --- single-op graphs for micro-benchmarks (also handy for hand-computed tests) -------
 
+def _graph(path: str, module_type: str, kind: str, values: list[Value], op: Op, calls: int,
+           batch_size: int, allowed: list[str], name: str) -> LayerGraph:
+    """A model of one leaf module ``path`` under a container root, running ``op`` ``calls``
+    times per forward: its layer graph and op trace, as ``trace()`` would record them."""
+    ops = OpTrace(modules=["", path], values=values, batch_size=batch_size)
+    ops.calls.append(Call(0, (0,), ()))
+    ops.events.append((1, 0))
+    for i in range(calls):
+        ops.calls.append(Call(1, op.inputs[:1]))
+        ops.events.append((1, len(ops.calls) - 1))
+        ops.ops.append(op)
+        ops.events += [(0, i), (2, len(ops.calls) - 1)]
+    ops.events.append((2, 0))
+    root = LayerNode(path="", module_type="Sequential", kind="container", is_leaf=False,
+                     depth=0, calls=1, allowed=allowed)
+    leaf = LayerNode(path=path, module_type=module_type, kind=kind, is_leaf=True, depth=1,
+                     calls=calls, flops=int(op.flops) * calls, allowed=allowed)
+    return LayerGraph(nodes={"": root, path: leaf}, tracer="manual", batch_size=batch_size,
+                      model_name=name, ops=ops)
+
 
 def gemm_graph(m: int, k: int, n: int, calls: int = 1, batch_size: int = 1,
                path: str = "gemm") -> LayerGraph:
-    """A graph holding one Linear: (m, k) @ (k, n), ``calls`` times per pass."""
-    node = LayerNode(
-        path=path, module_type="Linear", kind="linear", is_leaf=True, depth=1,
-        input_shapes=[[m, k]], output_shapes=[[m, n]], params=k * n, calls=calls,
-        flops=2 * m * k * n * calls, total_flops=2 * m * k * n * calls,
-        weight_elems=k * n * calls, in_elems=m * k * calls, out_elems=m * n * calls,
-    )
-    return LayerGraph(nodes={path: node}, tracer="manual", batch_size=batch_size,
-                      model_name=f"gemm {m}x{k}x{n}")
+    """A graph holding one Linear (no bias): (m, k) @ (k, n), ``calls`` times per pass."""
+    vals = [Value(m * k, "fp32", 4, "input", True, 2), Value(k * n, "fp32", 4, "param", False, 2),
+            Value(m * n, "fp32", 4, "op", True, 2)]
+    op = Op("linear", "gemm", 1, (0, 1), (2,), 2.0 * m * k * n, weight=1)
+    allowed = ["fp32", "tf32", "bf16", "fp16"] + (["fp8"] if k % 16 == 0 and n % 16 == 0
+                                                  else [])
+    return _graph(path, "Linear", "linear", vals, op, calls, batch_size, allowed,
+                  f"gemm {m}x{k}x{n}")
 
 
 def copy_graph(elems: int, calls: int = 1, path: str = "copy") -> LayerGraph:
     """A graph holding one memory-bound elementwise op reading and writing ``elems``."""
-    node = LayerNode(path=path, module_type="Identity", kind="elementwise", is_leaf=True,
-                     depth=1, calls=calls, flops=0, in_elems=elems * calls,
-                     out_elems=elems * calls)
-    return LayerGraph(nodes={path: node}, tracer="manual", model_name=f"copy {elems}")
+    vals = [Value(elems, "fp32", 4, "input", True, 1), Value(elems, "fp32", 4, "op", True, 1)]
+    op = Op("clone", "pointwise", 1, (0,), (1,))
+    return _graph(path, "Identity", "elementwise", vals, op, calls, 1, ["fp32"],
+                  f"copy {elems}")
 
 
 __all__ = ["FitResult", "Sample", "copy_graph", "fit", "gemm_graph"]

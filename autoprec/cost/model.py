@@ -1,99 +1,62 @@
-"""Roofline cost model: estimated time of a model under a per-layer precision assignment.
+"""Whole-forward roofline cost of an execution plan: every op the applied model runs.
 
-Every layer is a list of kernels; a kernel takes ``max(FLOPs / (peak x eff), bytes /
-bandwidth) + launches x overhead`` (+ a fixed set-up per GEMM call where the profile has
-one, e.g. oneDNN on CPU). Kernels run one after another (eager PyTorch, one stream).
+The graph's op trace (``autoprec.trace.ops``: one recorded forward) is replayed under the
+plan (``autoprec.plan.schedule``: the dtype of every tensor, every cast), and every kernel
+of the replay is priced on the target profile:
 
-What is priced ("price what really runs", DESIGN.md):
+    time = max(FLOPs / (peak(precision) x eff), bytes / bandwidth) + launch (+ GEMM set-up)
 
-- GEMM at precision p reads weights and input and writes output at p's storage width
-  (fp32/tf32: 4 bytes; bf16/fp16: 2; fp8: 1-byte weights and input). By default 16-bit
-  activations flow from layer to layer (OUT_DTYPE), as under one autocast region.
-  KNOWN GAP: apply wraps each lowered layer of a per-layer policy and casts its 16-bit
-  output back to fp32 when it returns to an fp32 caller, so the next layer casts again.
-  ``exit_cast=True`` prices that (WRAPPED_OUT_DTYPE + an exit-cast kernel); on
-  memory-bound layers it costs enough that tf32 often matches 16-bit per-layer policies
-  (experiments/results). Removing those casts between same-precision neighbours in apply
-  is the fix; until then the default prices the cast-free schedule.
-- bf16/fp16 run under ``torch.autocast(cache_enabled=False)`` (``apply.lower``), which
-  casts the fp32 master weights on every call: a weight-cast kernel (read 4, write 2
-  bytes per element). ``autocast_weight_cast="once"`` prices pre-cast weights instead.
-- fp8 with current scaling: per input, an amax pass (read), a scale kernel (launch only)
-  and a cast to fp8 (read 16/32 bits, write 1 byte); weights are cast once, not per call
-  (``fp8_weight_cast="per_call"`` prices an amax + cast of the weights on every call).
-- A cast where a GEMM's input arrives in another dtype than it computes in (read + write
-  the activation). The arrival dtype is the output dtype of the producing GEMM
-  (``LayerNode.inputs_from`` and ``LayerGraph.edges``; fp8 GEMMs emit bf16; the model
-  input is fp32; layers not in the assignment take the default). Several producers
-  mean a merge (residual add, concat) into one tensor, whose dtype follows PyTorch's type
-  promotion: fp32 if any producer emits fp32, bf16 with fp16 gives fp32, else the common
-  16-bit dtype. Without any data-flow information (e.g. the hooks tracer), each GEMM's
-  producer is the previous GEMM in execution order.
-- Non-GEMM nodes (norms, activations, softmax, elementwise, and containers whose own
-  code has FLOPs) are memory-bound: inputs and outputs at the width of the activation
-  flowing through them, found the same way (``inputs_from``, else the nearest earlier
-  GEMM): 4 bytes under fp32/tf32, 2 bytes after a bf16/fp16/fp8 GEMM; parameters at
-  4 bytes. Embeddings read only the rows they gather; dropout is free (identity at
-  inference).
-- Known gap: a residual stream that starts at the fp32 model input stays fp32 after
-  ``x + bf16_out``, but edges between GEMMs do not show the model input, so such a merge
-  of 16-bit producers is priced as 16-bit.
+- GEMMs and SDPA at the precision they compute in (fp8 for an fp8 leaf, tf32 in a tf32
+  region), reading their operands in the dtype they are read in and writing their output;
+  SDPA is one fused kernel (q, k, v, mask in; output out), as on a CUDA target;
+- every other op (norms, softmax, activations, residual adds, copies, the model's own
+  explicit casts where they change the dtype) as memory-bound: the bytes of its inputs and
+  outputs at the dtypes they carry; views cost nothing; an embedding reads the rows it
+  gathers, not its table;
+- every inserted cast (read + write, one launch): autocast's input casts — weights too,
+  on every call, since apply runs autocast with ``cache_enabled=False`` — fp32 islands'
+  input casts, 16-bit outputs cast back to fp32 when they return to a fp32 caller;
+- fp8 current scaling per GEMM input: an amax pass (read), a scale kernel (launch only),
+  the cast to e4m3 (read, write 1 byte); the GEMM reads 1-byte operands and writes the
+  region's 16-bit dtype. Weights are quantised once per weight version (apply caches the
+  e4m3 weight), not per forward.
 
-Activation terms (FLOPs, in/out elements) scale by ``batch_size / graph.batch_size``;
-weight elements, calls and launches do not ("price at the deployment shape").
-
-Hot path: everything that does not depend on the assignment is precomputed into numpy
-tables (GEMM node x precision; consumer x arrival dtype x precision; non-GEMM node x
-arrival dtype), so an estimate is a few gathers, one OR-reduction and three sums.
+Assumptions: eager PyTorch, one kernel per recorded op, one stream (kernels back to back),
+no fusion. Activation terms scale by ``batch_size / graph.batch_size`` (values derived from
+the model input); parameter bytes do not ("price at the deployment shape").
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.errors import InputError
+from autoprec.plan.compile import CODE, ModuleTree, RuleSet
+from autoprec.plan.schedule import OTHER, WIDTH, Schedule, replay
+from autoprec.policy.schema import Policy
 from autoprec.precisions import PRECISIONS, check_precision
-from autoprec.trace.graph import LayerGraph, LayerNode
+from autoprec.trace.graph import LayerGraph
 
-_NP = len(PRECISIONS)
-_CODE = {p: i for i, p in enumerate(PRECISIONS)}
-_FP32 = _CODE["fp32"]
-
-#: dtype an activation leaves a GEMM in when 16-bit activations flow from layer to layer
-#: (``exit_cast=False``: one autocast region around several layers; fp8 GEMMs write bf16).
-OUT_DTYPE = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
-#: With ``exit_cast=True``: apply wraps every lowered layer of a per-layer
-#: policy (what tune writes: default fp32, one rule per GEMM layer) and casts its 16-bit
-#: output back to fp32 when it returns to its fp32 caller, so a bf16 and a fp16 neighbour
-#: never meet in one op. The GEMM writes 16 bits, an exit cast writes fp32, and the next
-#: layer receives fp32 and casts again; fp8 layers fed fp32 write fp32.
-WRAPPED_OUT_DTYPE = {p: "fp32" for p in PRECISIONS}
-WRAPPED_GEMM_OUT_DTYPE = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16",
-                          "fp8": "fp32"}
-#: dtype a GEMM reads its activation input in.
-IN_DTYPE = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-#: Storage width of weights read by the GEMM itself.
-WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-
-_ELEMENTWISE_KINDS = ("norm", "softmax", "activation", "elementwise", "other", "container")
+#: Breakdown categories of a forward's time.
+PARTS = ("gemm", "cast", "fp8_scaling", "other")
+_GEMM, _CAST, _FP8, _OTHER = range(4)
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """One launched kernel (or ``launches`` identical ones), independent of the device."""
+    """One launched kernel, independent of the device."""
 
-    what: str  # gemm, weight_cast, input_cast, amax, fp8_scale, fp8_cast, elementwise
-    bytes: float  # bytes moved in total
+    what: str  # gemm, attention, cast, weight_cast, amax, fp8_scale, fp8_cast, pointwise, ...
+    bytes: float
     flops: float = 0.0
     precision: str = "fp32"  # whose peak prices the FLOPs (and the GEMM set-up)
-    launches: float = 0.0
-    gemm_calls: float = 0.0  # GEMM calls that pay the profile's per-call set-up
+    launches: float = 1.0
+    gemm_calls: float = 0.0
 
     def time(self, profile: DeviceProfile) -> float:
         """Seconds on ``profile`` (inf if the FLOPs need a precision it lacks)."""
@@ -103,116 +66,67 @@ class Kernel:
             if peak <= 0:
                 return math.inf
             compute = self.flops / peak
-        memory = self.bytes / profile.bandwidth
-        return (max(compute, memory) + self.launches * profile.launch_overhead_s
+        return (max(compute, self.bytes / profile.bandwidth)
+                + self.launches * profile.launch_overhead_s
                 + self.gemm_calls * profile.setup(self.precision))
 
     def bound(self, profile: DeviceProfile) -> str:
-        """What dominates this kernel: "compute", "memory" or "launch"."""
+        """What dominates: "compute", "memory" or "launch"."""
         peak = profile.peak(self.precision)
-        parts = {
-            "compute": self.flops / peak if peak > 0 else math.inf,
-            "memory": self.bytes / profile.bandwidth,
-            "launch": self.launches * profile.launch_overhead_s
-            + self.gemm_calls * profile.setup(self.precision),
-        }
+        parts = {"compute": self.flops / peak if peak > 0 else math.inf,
+                 "memory": self.bytes / profile.bandwidth,
+                 "launch": self.launches * profile.launch_overhead_s
+                 + self.gemm_calls * profile.setup(self.precision)}
         return max(parts, key=lambda k: parts[k])
 
 
-@dataclass(frozen=True)
-class LayerCost:
-    """One row of ``CostModel.breakdown``: a priced node under an assignment."""
+@dataclass
+class Breakdown:
+    """Where one plan's forward time goes (seconds), and how many casts it runs."""
 
-    layer: str
-    kind: str
-    precision: str  # GEMM: assigned precision; other nodes: dtype of their activation
-    time_s: float
-    cast_s: float  # part of time_s spent on input casts / fp8 input passes
-    bound: str  # of the main kernel: compute, memory or launch
+    total_s: float
+    parts: dict[str, float]  # PARTS -> seconds
+    casts: int  # activation casts per forward (inserted + the model's own, where real)
+    weight_casts: int  # autocast's per-call weight casts
+    kernels: int  # kernel launches
+    by_module: dict[str, float] = field(default_factory=dict)  # module path -> seconds
+    gemm_precision: dict[str, str] = field(default_factory=dict)  # module -> its GEMMs' precision
+    invalid: str | None = None  # why the plan cannot run
 
-
-def _gemm_kernels(n: LayerNode, p: str, scale: float, autocast_weight_cast: str,
-                  fp8_weight_cast: str, exit_cast: bool) -> list[Kernel]:
-    flops = n.flops * scale
-    i_el, o_el, w_el, calls = n.in_elems * scale, n.out_elems * scale, n.weight_elems, n.calls
-    in_b = DTYPE_BYTES[IN_DTYPE[p]]
-    written = WRAPPED_GEMM_OUT_DTYPE[p] if exit_cast else OUT_DTYPE[p]
-    out_b = DTYPE_BYTES[written]
-    ks = [Kernel("gemm", WEIGHT_BYTES[p] * w_el + in_b * i_el + out_b * o_el, flops, p,
-                 launches=calls, gemm_calls=calls)]
-    if exit_cast and written != WRAPPED_OUT_DTYPE[p] and o_el > 0:  # apply's cast to fp32
-        ks.append(Kernel("exit_cast", (out_b + 4) * o_el, launches=calls))
-    if w_el > 0 and p in ("bf16", "fp16") and autocast_weight_cast == "per_call":
-        ks.append(Kernel("weight_cast", (4 + 2) * w_el, launches=calls))
-    if w_el > 0 and p == "fp8" and fp8_weight_cast == "per_call":
-        ks.append(Kernel("amax", 4 * w_el, launches=calls))
-        ks.append(Kernel("weight_cast", (4 + 1) * w_el, launches=calls))
-    return ks
+    def to_dict(self) -> dict[str, object]:
+        return {"total_us": round(self.total_s * 1e6, 3),
+                **{f"{k}_us": round(v * 1e6, 3) for k, v in self.parts.items()},
+                "casts": self.casts, "weight_casts": self.weight_casts,
+                "kernels": self.kernels}
 
 
-def _input_kernels(elems: float, arrival: str, p: str, calls: int) -> list[Kernel]:
-    """Kernels to bring ``elems`` activation elements arriving in ``arrival`` to ``p``."""
-    if elems <= 0:
-        return []
-    a_b = DTYPE_BYTES[arrival]
-    if p == "fp8":
-        # Current scaling (Transformer Engine's Float8CurrentScaling; torchao's Float8Linear):
-        # an amax reduction over the input, a tiny kernel turning amax into the scale
-        # (448 / amax), then the scaled cast to e4m3. Three launches per input per call.
-        return [Kernel("amax", a_b * elems, launches=calls),
-                Kernel("fp8_scale", 0.0, launches=calls),
-                Kernel("fp8_cast", (a_b + 1) * elems, launches=calls)]
-    want = IN_DTYPE[p]
-    if want == arrival:
-        return []
-    return [Kernel("input_cast", (a_b + DTYPE_BYTES[want]) * elems, launches=calls)]
+@dataclass
+class Priced:
+    """T plans priced at once (rows)."""
+
+    time: np.ndarray  # (T,) seconds; inf when infeasible or invalid
+    parts: np.ndarray  # (T, 4) seconds per PARTS
+    schedule: Schedule
+    reasons: dict[int, str]  # row -> why infeasible / invalid
 
 
-def _other_kernels(n: LayerNode, dtype: str, scale: float) -> list[Kernel]:
-    """A memory-bound non-GEMM node whose activations are stored in ``dtype``."""
-    if n.kind == "dropout":
-        return []
-    if n.kind == "embedding":  # gathers out_elems rows of the fp32 table, writes fp32
-        return [Kernel("elementwise", 8 * n.out_elems * scale, launches=n.calls)]
-    b = DTYPE_BYTES[dtype]
-    nbytes = b * (n.in_elems + n.out_elems) * scale + 4 * n.weight_elems
-    return [Kernel("elementwise", nbytes, n.flops * scale, "fp32", launches=n.calls)]
-
-
-def _time(kernels: Sequence[Kernel], profile: DeviceProfile) -> float:
-    return float(sum(k.time(profile) for k in kernels))
-
-
-#: Activation dtypes between layers, and the code of each precision's output dtype.
-ARRIVALS = ("fp32", "bf16", "fp16")
-# bit mask of producer dtypes -> promoted dtype (PyTorch: bf16 + fp16 -> fp32)
-_PROMOTE = np.array([0, 0, 1, 0, 2, 0, 0, 0], dtype=np.intp)
+def device_type_of(profile: DeviceProfile) -> str:
+    """Whose autocast lists apply: "cpu" for the cpu profile, "cuda" for the GPUs."""
+    return "cpu" if profile.name.startswith("cpu") else "cuda"
 
 
 class CostModel:
-    """Estimated time of ``graph`` on ``profile`` at deployment ``batch_size``.
+    """Estimated time of plans on ``profile`` at deployment ``batch_size``.
 
-    ``estimate(assignment)`` maps GEMM-node paths to precisions (missing: ``default``)
-    and returns seconds per forward pass; a precision the device lacks costs ``inf``
-    (``infeasible`` says why). See the module docstring for what is priced.
+    ``estimate(policy)`` is the seconds of one forward under the policy's plan (inf when the
+    device lacks a precision it uses, or the plan cannot run); ``speedup`` is over the
+    all-fp32 plan. ``price(rules, codes)`` prices many plans at once for the search.
     """
 
-    def __init__(
-        self,
-        graph: LayerGraph,
-        profile: DeviceProfile,
-        batch_size: int | None = None,
-        default: str = "fp32",
-        *,
-        autocast_weight_cast: str = "per_call",
-        fp8_weight_cast: str = "once",
-        exit_cast: bool = False,
-    ) -> None:
-        check_precision(default, "default precision")
-        for name, v in (("autocast_weight_cast", autocast_weight_cast),
-                        ("fp8_weight_cast", fp8_weight_cast)):
-            if v not in ("per_call", "once"):
-                raise InputError(f"{name} must be 'per_call' or 'once', but got {v!r}")
+    def __init__(self, graph: LayerGraph, profile: DeviceProfile,
+                 batch_size: int | None = None, *, device_type: str | None = None) -> None:
+        if graph.ops is None:
+            raise InputError("the layer graph has no op trace; build it with autoprec.trace()")
         if graph.batch_size < 1:
             raise InputError(f"graph.batch_size >= 1 must hold, but got {graph.batch_size}")
         if batch_size is None:
@@ -220,234 +134,227 @@ class CostModel:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"--batch-size must be a positive integer, but got {batch_size!r}")
         self.graph = graph
+        self.trace = graph.ops
         self.profile = profile
         self.batch_size = batch_size
-        self.default = default
         self.scale = batch_size / graph.batch_size
-        self.gemm = graph.gemm_nodes
-        self.paths: list[str] = [n.path for n in self.gemm]
-        self._index = {p: i for i, p in enumerate(self.paths)}
-        n = len(self.paths)
-        self._source = n  # pseudo-producer: the model input (fp32)
-        self._default_codes = np.full(n, _CODE[default], dtype=np.intp)
-        wc = (autocast_weight_cast, fp8_weight_cast, exit_cast)
-        out = WRAPPED_OUT_DTYPE if exit_cast else OUT_DTYPE
-        self._out_code = np.array([ARRIVALS.index(out[p]) for p in PRECISIONS] + [0],
-                                  dtype=np.intp)
-        # GEMM nodes: own kernels per precision; input kernels per arrival x precision
-        self._node_k = [[_gemm_kernels(nd, p, self.scale, *wc) for p in PRECISIONS]
-                        for nd in self.gemm]
-        self._in_k = [[[_input_kernels(nd.in_elems * self.scale, a, p, nd.calls)
-                        for p in PRECISIONS] for a in ARRIVALS] for nd in self.gemm]
-        # non-GEMM nodes: kernels per arrival dtype
-        self._others = self._priced_others()
-        self._other_k = [[_other_kernels(nd, a, self.scale) for a in ARRIVALS]
-                         for nd in self._others]
-        # consumers 0..n-1 are GEMM nodes, n.. the non-GEMM nodes; each has >= 1 producer
-        gemm_prods, self.flow = self._gemm_producers()
-        other_prods = self._other_producers()
-        self._producers = gemm_prods + other_prods
-        self._build_tables()
+        self.device_type = device_type or device_type_of(profile)
+        self.tree = ModuleTree.from_graph(graph)
+        self._rulesets: dict[tuple[str, ...], RuleSet] = {}
+        self._static()
+        self._tables()
+        self._fp32 = float(self.price(self.rules(()), np.array([[CODE["fp32"]]])).time[0])
 
-    # ------------------------------------------------------------------ structure
+    # -- static per-op arrays ------------------------------------------------------------------
+    def _static(self) -> None:
+        vals = self.trace.values
+        s = self.scale
+        self._numel = np.array([v.numel * (s if v.scales else 1.0) for v in vals])
+        self._item = np.array([v.itemsize for v in vals], dtype=float)
+        ran = np.zeros(len(self.tree.paths), dtype=bool)
+        for c in self.trace.calls:
+            if c.module >= 0:
+                ran[c.module] = True
+        self._ran = ran
+        self._op_flops = []
+        for op in self.trace.ops:
+            scaled = any(vals[i].scales for i in op.inputs)
+            self._op_flops.append(op.flops * (s if scaled else 1.0))
 
-    def _gemm_producers(self) -> tuple[list[list[int]], str]:
-        from_edges: dict[str, list[str]] = {}
-        for prod, cons in self.graph.edges:
-            from_edges.setdefault(cons, []).append(prod)
-        has_flow = bool(self.graph.edges) or any(nd.inputs_from for nd in self.gemm)
-        out: list[list[int]] = []
-        for c, nd in enumerate(self.gemm):
-            if not has_flow:
-                out.append([c - 1] if c > 0 else [self._source])
-                continue
-            prods: list[int] = []
-            for name in [*nd.inputs_from, *from_edges.get(nd.path, [])]:
-                i = self._index.get(name, self._source)
-                if i != c and i not in prods:
-                    prods.append(i)
-            out.append(prods or [self._source])
-        return out, "graph" if has_flow else "execution order"
-
-    def _priced_others(self) -> list[LayerNode]:
-        out = []
-        for nd in self.graph:
-            if nd.calls <= 0 or nd.is_gemm:
-                continue
-            if not (nd.is_leaf or nd.flops > 0):
-                continue  # a container's own code costs nothing unless it computes
-            if nd.kind in (*_ELEMENTWISE_KINDS, "embedding", "dropout"):
-                out.append(nd)
-        return out
-
-    def _other_producers(self) -> list[list[int]]:
-        priced = {nd.path for nd in self._others}
-        out: list[list[int]] = []
-        last_gemm = self._source
-        for nd in self.graph:
-            if nd.calls > 0 and nd.is_gemm:
-                last_gemm = self._index.get(nd.path, last_gemm)
-            if nd.path not in priced:
-                continue
-            if nd.inputs_from:
-                gem = [self._index[x] for x in nd.inputs_from if x in self._index]
-                out.append(list(dict.fromkeys(gem)) or [self._source])
-            else:
-                out.append([last_gemm])
-        return out
-
-    def _build_tables(self) -> None:
+    def _tables(self) -> None:
         prof = self.profile
-        n, m = len(self.paths), len(self._others)
-        self._node_tab = np.array([[_time(ks, prof) for ks in row] for row in self._node_k],
-                                  dtype=float).reshape(n, _NP)
-        for j, p in enumerate(PRECISIONS):
-            if not prof.supports(p)[0]:
-                self._node_tab[:, j] = math.inf
-        self._in_tab = np.array([[[_time(ks, prof) for ks in row] for row in c]
-                                 for c in self._in_k], dtype=float).reshape(n, 3, _NP)
-        self._other_tab = np.array([[_time(ks, prof) for ks in row] for row in self._other_k],
-                                   dtype=float).reshape(m, 3)
-        # producer lists flattened in consumer order, for one OR-reduction per consumer
-        prods = [p for ps in self._producers for p in ps]
-        self._e_prod = np.array(prods, dtype=np.intp)
-        lens = [len(ps) for ps in self._producers]
-        self._e_start = np.cumsum([0, *lens[:-1]]).astype(np.intp)
-        self._ar = np.arange(n)
-        self._o_ar = np.arange(m)
-        self._fp32_time = float(self.estimate_codes(np.full(n, _FP32)))
-
-    # ------------------------------------------------------------------ evaluation
-
-    def _arrivals(self, codes: np.ndarray) -> np.ndarray:
-        """Arrival dtype code (index into ARRIVALS) of every consumer, (..., n + m)."""
-        ext = np.concatenate([codes, np.full(codes.shape[:-1] + (1,), len(PRECISIONS),
-                                             np.intp)], -1)  # the source: code 5 -> fp32
-        bits = np.left_shift(1, self._out_code[ext[..., self._e_prod]])
-        if len(self._e_start) == 0:
-            return np.zeros(codes.shape[:-1] + (0,), dtype=np.intp)
-        return _PROMOTE[np.bitwise_or.reduceat(bits, self._e_start, axis=-1)]
-
-    def _parts(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(own GEMM time, GEMM input-cast time, non-GEMM time) per node."""
-        n = len(self.paths)
-        arr = self._arrivals(codes)
-        own = self._node_tab[self._ar, codes]
-        cast = self._in_tab[self._ar, arr[..., :n], codes]
-        other = self._other_tab[self._o_ar, arr[..., n:]]
-        return own, cast, other
-
-    # ------------------------------------------------------------------ public API
-
-    def encode(self, assignment: Mapping[str, str]) -> np.ndarray:
-        """Precision codes (index into PRECISIONS) per GEMM node, in ``self.paths`` order.
-
-        A path of the graph that is no priced GEMM node (a norm, a layer that did not run)
-        changes nothing: autocast leaves such modules as they are. A path the graph does
-        not have is an InputError.
-        """
-        codes = self._default_codes.copy()
-        for path, prec in assignment.items():
-            i = self._index.get(path)
-            if i is None:
-                if path in self.graph:
-                    check_precision(prec, f"layer {path!r}")
-                    continue
-                raise InputError(f"assignment names {path!r}, which is not a layer of "
-                                 f"{self.graph.model_name or 'the model'}")
-            c = _CODE.get(prec)
-            codes[i] = c if c is not None else _CODE[check_precision(prec, f"layer {path!r}")]
-        return codes
-
-    def layer_index(self, path: str) -> int | None:
-        """Position of GEMM node ``path`` in the code vectors (None: not a priced GEMM)."""
-        return self._index.get(path)
-
-    def estimate_codes(self, codes: np.ndarray) -> np.ndarray | float:
-        """Seconds for one code vector (n,) or a batch (T, n) of them (vectorised)."""
-        codes = np.asarray(codes, dtype=np.intp)
-        own, cast, other = self._parts(codes)
-        t = own.sum(-1) + cast.sum(-1) + other.sum(-1)
-        return float(t) if np.ndim(t) == 0 else t
-
-    def estimate(self, assignment: Mapping[str, str]) -> float:
-        """Seconds per forward pass at ``self.batch_size`` (inf: infeasible)."""
-        return float(self.estimate_codes(self.encode(assignment)))
-
-    @property
-    def fp32_time(self) -> float:
-        """Seconds with every layer in fp32 (the reference of ``speedup``)."""
-        return self._fp32_time
-
-    def speedup(self, assignment: Mapping[str, str]) -> float:
-        """All-fp32 time over the assignment's time (0.0 when infeasible)."""
-        t = self.estimate(assignment)
-        return 0.0 if math.isinf(t) else self._fp32_time / t
-
-    def precision_of(self, assignment: Mapping[str, str]) -> dict[str, str]:
-        """Every GEMM node's precision (assignment + default)."""
-        codes = self.encode(assignment)
-        return {p: PRECISIONS[c] for p, c in zip(self.paths, codes, strict=True)}
-
-    def infeasible(self, assignment: Mapping[str, str]) -> list[str]:
-        """Why the assignment cannot run: "path: reason" per layer (empty: feasible).
-
-        Reasons are the device lacking a precision and the layer's own ``disallowed``
-        reasons from the trace (e.g. fp8 on dims not a multiple of 16).
-        """
-        out = []
-        for path, prec in self.precision_of(assignment).items():
-            ok, why = self.profile.supports(prec)
-            if not ok:
-                out.append(f"{path}: {why}")
-                continue
-            nd = self.graph[path]
-            if nd.allowed and prec not in nd.allowed:
-                out.append(f"{path}: {nd.disallowed.get(prec, f'{prec}: not allowed here')}")
-        return out
-
-    def layer_times(self, assignment: Mapping[str, str]) -> dict[str, float]:
-        """Seconds per priced node (casts counted at the consumer), execution order."""
-        return {r.layer: r.time_s for r in self.breakdown(assignment)}
-
-    def breakdown(self, assignment: Mapping[str, str]) -> list[LayerCost]:
-        """Per-node costs under the assignment, in execution order."""
-        codes = self.encode(assignment)
-        own, cast, other = self._parts(codes)
-        arr = self._arrivals(codes)
-        n = len(self.paths)
-        rows: dict[str, LayerCost] = {}
-        for i, nd in enumerate(self.gemm):
-            main = self._node_k[i][codes[i]][0]
-            rows[nd.path] = LayerCost(nd.path, nd.kind, PRECISIONS[codes[i]],
-                                      float(own[i] + cast[i]), float(cast[i]),
-                                      main.bound(self.profile))
-        for j, nd in enumerate(self._others):
-            ks = self._other_k[j][arr[n + j]]
-            rows[nd.path] = LayerCost(nd.path, nd.kind, ARRIVALS[arr[n + j]], float(other[j]),
-                                      0.0, ks[0].bound(self.profile) if ks else "launch")
-        return [rows[nd.path] for nd in self.graph if nd.path in rows]
-
-    def kernels(self, assignment: Mapping[str, str]) -> list[tuple[str, Kernel]]:
-        """Every kernel the assignment launches, as (node path, kernel); for calibration."""
-        codes = self.encode(assignment)
-        arr = self._arrivals(codes)
-        n = len(self.paths)
-        out: list[tuple[str, Kernel]] = []
-        for i, nd in enumerate(self.gemm):
-            out.extend((nd.path, k) for k in self._in_k[i][arr[i]][codes[i]])
-            out.extend((nd.path, k) for k in self._node_k[i][codes[i]])
-        for j, nd in enumerate(self._others):
-            out.extend((nd.path, k) for k in self._other_k[j][arr[n + j]])
-        return out
+        self._peak = np.array([prof.peak(p) for p in PRECISIONS])
+        self._setup = np.array([prof.setup(p) for p in PRECISIONS])
+        self._supported = np.array([prof.supports(p)[0] for p in PRECISIONS])
+        self._bw = prof.bandwidth
+        self._launch = prof.launch_overhead_s
 
     def with_profile(self, profile: DeviceProfile) -> CostModel:
-        """The same graph and options priced on another (e.g. calibrated) profile."""
+        """The same trace priced on another (e.g. calibrated) profile."""
         new = object.__new__(CostModel)
         new.__dict__.update(self.__dict__)
         new.profile = profile
-        new._build_tables()
+        new._tables()
+        new._fp32 = float(new.price(new.rules(()), np.array([[CODE["fp32"]]])).time[0])
         return new
 
+    # -- plans ---------------------------------------------------------------------------------
+    def rules(self, paths: Sequence[str]) -> RuleSet:
+        """The RuleSet for these rule paths (cached)."""
+        key = tuple(paths)
+        rs = self._rulesets.get(key)
+        if rs is None:
+            try:
+                rs = self._rulesets[key] = RuleSet(self.tree, key)
+            except KeyError as err:
+                raise InputError(f"{self.graph.model_name or 'the model'} has no module "
+                                 f"{err.args[0]!r}") from None
+        return rs
 
-__all__ = ["ARRIVALS", "CostModel", "IN_DTYPE", "Kernel", "LayerCost", "OUT_DTYPE"]
+    def _row(self, policy: Policy | Mapping[str, str], default: str) -> tuple[RuleSet, np.ndarray]:
+        if isinstance(policy, Policy):
+            layers, default = dict(policy.layers), policy.default
+        else:
+            layers = dict(policy)
+        check_precision(default, "default")
+        for p, prec in layers.items():
+            check_precision(prec, f"layer {p!r}")
+        rs = self.rules(list(layers))
+        return rs, rs.codes_of(default, layers)[None, :]
+
+    def price(self, rules: RuleSet, codes: np.ndarray) -> Priced:
+        """Price T plans: ``codes`` (T, K) code rows of ``rules`` (see plan.compile)."""
+        region, prec, wrapped = rules.encode(codes)
+        sch = replay(self.trace, region, prec, wrapped, self.device_type)
+        parts = self._price(sch)
+        time = parts.sum(axis=1)
+        reasons = dict(sch.reasons)
+        # a precision the device lacks, used by a module that runs
+        used = np.where(self._ran[None, :], prec, CODE["fp32"])
+        lacks = ~self._supported[used]
+        bad = lacks.any(axis=1)
+        for row in np.flatnonzero(bad):
+            j = int(np.flatnonzero(lacks[row])[0])
+            p = PRECISIONS[int(used[row, j])]
+            reasons.setdefault(int(row), f"{self.tree.paths[j] or '<root>'}: "
+                                         f"{self.profile.supports(p)[1]}")
+        time = np.where(bad | sch.invalid, math.inf, time)
+        return Priced(time, parts, sch, reasons)
+
+    def _bytes(self, ids: Sequence[int], codes: np.ndarray) -> np.ndarray:
+        """Bytes of values ``ids`` carried in dtype ``codes`` (n, T)."""
+        if not len(ids):
+            return np.zeros(codes.shape[-1])
+        idx = np.asarray(ids)
+        w = WIDTH[codes].astype(float)
+        w = np.where(codes == OTHER, self._item[idx][:, None], w)
+        return (w * self._numel[idx][:, None]).sum(axis=0)
+
+    def _price(self, sch: Schedule, collect: list[tuple[int, Kernel]] | None = None
+               ) -> np.ndarray:
+        """(T, 4) seconds per PARTS; ``collect`` receives row 0's kernels (module, kernel)."""
+        t = sch.plans
+        parts = np.zeros((t, 4))
+        bw, launch = self._bw, self._launch
+        tr = self.trace
+        for i, op in enumerate(tr.ops):
+            kern = np.broadcast_to(np.asarray(sch.kernel[i], dtype=bool), (t,))
+            if op.kind == "view" or not kern.any():
+                continue
+            ins = list(op.inputs)
+            reads = sch.reads[i]
+            if op.kind == "embedding":  # the gathered rows, not the whole table
+                nbytes = self._bytes(op.outputs, sch.writes[i]) * 2
+            else:
+                nbytes = self._bytes(ins, reads) + self._bytes(op.outputs, sch.writes[i])
+            comp = sch.compute[i]
+            if comp is not None:
+                flops = self._op_flops[i]
+                peak = self._peak[comp]
+                with np.errstate(divide="ignore"):
+                    ct = np.where(peak > 0, flops / np.where(peak > 0, peak, 1.0), math.inf)
+                tm = np.maximum(ct, nbytes / bw) + launch + self._setup[comp]
+                cat = _GEMM
+            else:
+                tm = nbytes / bw + launch
+                cat = _CAST if op.kind == "cast" else _OTHER
+            parts[:, cat] += np.where(kern, tm, 0.0)
+            if collect is not None and kern[0]:
+                prec = PRECISIONS[int(comp[0])] if comp is not None else "fp32"
+                collect.append((op.module, Kernel(
+                    op.kind if comp is not None else ("cast" if op.kind == "cast" else op.kind),
+                    float(nbytes[0]), float(self._op_flops[i]) if comp is not None else 0.0,
+                    prec, 1.0, 1.0 if comp is not None else 0.0)))
+        for c in sch.casts:
+            n = self._numel[c.value]
+            tm = n * (WIDTH[c.src] + WIDTH[c.dst]) / bw + launch
+            parts[:, _CAST] += np.where(c.on, tm, 0.0)
+            if collect is not None and c.on[0]:
+                collect.append((self._cast_module(sch, c.event), Kernel(
+                    "weight_cast" if c.weight else "cast",
+                    float(n * (WIDTH[c.src[0]] + WIDTH[c.dst[0]])))))
+        for f in sch.fp8_inputs:
+            n = self._numel[f.value]
+            amax = n * WIDTH[f.src] / bw + launch
+            cast = n * (WIDTH[f.src] + 1) / bw + launch
+            parts[:, _FP8] += np.where(f.on, amax + launch + cast, 0.0)
+            if collect is not None and f.on[0]:
+                m = tr.ops[f.op].module
+                w = float(WIDTH[f.src[0]])
+                collect += [(m, Kernel("amax", n * w)), (m, Kernel("fp8_scale", 0.0)),
+                            (m, Kernel("fp8_cast", n * (w + 1)))]
+        return parts
+
+    def _cast_module(self, sch: Schedule, event: int) -> int:
+        what, idx = self.trace.events[event]
+        if what == 0:
+            return self.trace.ops[idx].module
+        return self.trace.calls[idx].module
+
+    # -- one plan --------------------------------------------------------------------------------
+    def schedule(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> Schedule:
+        """The replay of the recorded forward under one plan (row 0)."""
+        rs, row = self._row(policy, default)
+        region, prec, wrapped = rs.encode(row)
+        return replay(self.trace, region, prec, wrapped, self.device_type)
+
+    def estimate(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> float:
+        """Seconds per forward under ``policy`` (a Policy, or rules with ``default``)."""
+        rs, row = self._row(policy, default)
+        return float(self.price(rs, row).time[0])
+
+    @property
+    def fp32_time(self) -> float:
+        """Seconds of the all-fp32 plan (the reference of ``speedup``)."""
+        return self._fp32
+
+    def speedup(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> float:
+        """All-fp32 time over the plan's (0.0 when it cannot run on the target)."""
+        t = self.estimate(policy, default)
+        return 0.0 if not math.isfinite(t) else self._fp32 / t
+
+    def infeasible(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> list[str]:
+        """Why the plan cannot run on the target (empty: it can)."""
+        rs, row = self._row(policy, default)
+        got = self.price(rs, row).reasons.get(0)
+        return [got] if got else []
+
+    def breakdown(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> Breakdown:
+        """Where the forward's time goes under the plan, per part and per module."""
+        sch = self.schedule(policy, default)
+        kernels: list[tuple[int, Kernel]] = []
+        parts = self._price(sch, kernels)[0]
+        by_module: dict[str, float] = {}
+        for m, k in kernels:
+            path = self.tree.paths[m] if m >= 0 else "<outside>"
+            by_module[path] = by_module.get(path, 0.0) + k.time(self.profile)
+        gemm_prec: dict[str, set[str]] = {}
+        for i, op in enumerate(self.trace.ops):
+            comp = sch.compute[i]
+            if comp is not None and op.module >= 0:
+                gemm_prec.setdefault(self.tree.paths[op.module], set()).add(
+                    PRECISIONS[int(comp[0])])
+        total = float(parts.sum())
+        invalid = sch.reasons.get(0)
+        return Breakdown(total if invalid is None else math.inf,
+                         {k: float(v) for k, v in zip(PARTS, parts, strict=True)},
+                         sch.cast_count(0), sch.cast_count(0, weights=True),
+                         sum(int(k.launches) for _, k in kernels), by_module,
+                         {p: ",".join(sorted(v, key=PRECISIONS.index))
+                          for p, v in gemm_prec.items()}, invalid)
+
+    def kernels(self, policy: Policy | Mapping[str, str], default: str = "fp32"
+                ) -> list[tuple[str, Kernel]]:
+        """Every kernel the plan launches, as (module path, kernel); for calibration."""
+        sch = self.schedule(policy, default)
+        out: list[tuple[int, Kernel]] = []
+        self._price(sch, out)
+        return [(self.tree.paths[m] if m >= 0 else "<outside>", k) for m, k in out]
+
+    def layer_times(self, policy: Policy | Mapping[str, str], default: str = "fp32"
+                    ) -> dict[str, float]:
+        """Seconds per module's own code (casts where they run), execution order."""
+        return self.breakdown(policy, default).by_module
+
+
+__all__ = ["Breakdown", "CostModel", "Kernel", "PARTS", "Priced", "device_type_of"]

@@ -1,7 +1,9 @@
-"""The search stage: Optuna over per-layer precision assignments.
+"""The search stage: the fastest plan within an error budget, with Optuna as its engine.
 
-space (which layer may take which precision, and why not) -> walk (best-first over
-assignments, fastest first by the cost model, pruned by the probes; strategy: the
-sensitivity ladder for Pareto fronts) -> objective (error on calibration data, time from
-the cost model) -> driver (Optuna trials) -> select (confirm on eval data) -> a Policy.
+space (the default region and one precision per GEMM layer, and why not the others) ->
+planner (every plan's time from the cost model, its error predicted by the probes:
+enumeration or a Lagrangian descent with block moves, then a walk fastest-first) ->
+sampler (the planner as an Optuna sampler reading the study's storage) -> objective (the
+model run with the plan applied) -> driver (``study.optimize``) -> select -> compact (the
+same plan with the fewest rules) -> a Policy. ``tune`` wires the stages together.
 """

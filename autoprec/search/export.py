@@ -21,7 +21,7 @@ from autoprec.errors import InputError
 from autoprec.paths import check_out_path
 from autoprec.policy import Policy
 from autoprec.search import select
-from autoprec.search.space import SearchSpace, Variable
+from autoprec.search.space import REGION, SearchSpace, Variable
 from autoprec.search.storage import describe_storage, open_storage
 
 META_KEY = "autoprec"
@@ -32,9 +32,9 @@ def study_meta(space: SearchSpace, **fields: Any) -> dict[str, Any]:
     return {
         "variables": {v.name: v.layers for v in space.variables},
         "choices": {v.name: v.choices for v in space.variables},
+        "region_choices": space.region.choices,
         "reasons": space.reasons(),
         "locked": space.locked,
-        "default": space.default,
         **fields,
     }
 
@@ -42,15 +42,21 @@ def study_meta(space: SearchSpace, **fields: Any) -> dict[str, Any]:
 def space_from_meta(meta: dict[str, Any]) -> SearchSpace:
     variables = [Variable(name, list(layers), list(meta.get("choices", {}).get(name, [])))
                  for name, layers in meta["variables"].items()]
-    return SearchSpace(variables, dict(meta.get("locked", {})), meta.get("default", "fp32"))
+    region = Variable(REGION, [""], list(meta.get("region_choices", ["fp32"])))
+    return SearchSpace(variables, region, dict(meta.get("locked", {})))
 
 
 def policy_from_candidate(space: SearchSpace, cand: select.Candidate, *, feasible: bool,
                           eval_error: float | None, meta: dict[str, Any],
-                          provenance: dict[str, Any]) -> Policy:
-    """The policy file of one trial: only the layers that differ from the default."""
-    assignment = space.assignment(cand.params)
-    layers = {k: v for k, v in assignment.items() if v != space.default}
+                          provenance: dict[str, Any],
+                          rules: tuple[str, dict[str, str]] | None = None) -> Policy:
+    """The policy file of one trial: its compact rules (``rules``, else the ones recorded
+    on the trial, else an explicit rule on every layer: the same plan)."""
+    if rules is None and cand.policy:
+        rules = (cand.policy["default"], dict(cand.policy["layers"]))
+    if rules is None:
+        rules = space.rules(space.key(cand.params))
+    default, layers = rules
     reasons = {k: v for k, v in meta.get("reasons", space.reasons()).items()}
     metric_key = "metric_drop" if meta.get("budget_kind") == "max_drop" else "error"
     err = cand.calib.error if eval_error is None else eval_error
@@ -62,7 +68,7 @@ def policy_from_candidate(space: SearchSpace, cand: select.Candidate, *, feasibl
         "feasible": feasible,
     }
     return Policy(
-        default=space.default, layers=layers, locked=list(meta.get("locked_paths", [])),
+        default=default, layers=layers, locked=list(meta.get("locked_paths", [])),
         reasons=reasons, metrics=metrics,
         model={"name": meta.get("model"), "fingerprint": meta.get("fingerprint")},
         target={"device": meta.get("target"), "batch_size": meta.get("batch_size")},
@@ -97,14 +103,14 @@ def export_policy(storage: str, study_name: str, out: str | Path) -> tuple[Polic
     if not cands:
         raise InputError(f"study {study_name!r} has no completed trials yet")
     chosen, feasible = select.choose(cands, budget=float(meta["budget"]),
-                                     min_speedup=meta.get("min_speedup"), confirm=None)
+                                     min_speedup=meta.get("min_speedup"))
     provenance = {
         "autoprec": autoprec.__version__, "optuna": optuna.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "study": study_name, "storage": describe_storage(storage), "exported": True,
         "seed": meta.get("seed"), "data": meta.get("data"),
     }
-    policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=None,
+    policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=meta, provenance=provenance)
     policy.save(Path(out))
     return policy, feasible

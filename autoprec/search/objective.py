@@ -1,44 +1,45 @@
-"""Scoring one assignment: error on the calibration data and estimated time on the target.
+"""Scoring one plan: error on the calibration data, time on the target.
 
-Error comes from really running the model with the assignment applied (the same apply path
-users get), against the fp32 reference computed once. Time comes from the cost model at
-the deployment batch size. Cheap first: an assignment is scored on a subset of the
-calibration batches, and only one that is not hopeless there runs on the rest.
-Assignments already scored (this process, or any finished trial of a shared study) are
-not run again.
+Error comes from really running the model with the plan applied (the same apply path users
+get, for the tune's target: on a CPU a CUDA target's autocast op lists are followed),
+against the fp32 reference computed once; time from the cost model's replay of the plan.
+Cheap first: a plan is scored on a subset of the calibration batches, and only one that is
+not hopeless there runs on the rest. When eval data is separate, a plan within budget on
+the calibration data is confirmed on it at once (the budget binds there). Plans already
+scored (this process, or any finished trial of a shared study) are not run again.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import CostModel
 from autoprec.evaluate import Reference, reference, score
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search.evaluation import Evaluation
-from autoprec.search.space import SearchSpace
+from autoprec.search.planner import PlanSpace
+from autoprec.search.space import Key, SearchSpace
 from autoprec.trace.graph import fingerprint
 
 #: A subset error this many times the budget is hopeless: the full set is not run.
 SCREEN_FACTOR = 3.0
 
 
-def policy_for(assignment: Mapping[str, str], default: str = "fp32",
-               fingerprint: str | None = None) -> Policy:
-    """A minimal policy that sets each listed layer (no target metadata)."""
+def policy_for(default: str, layers: Mapping[str, str], fingerprint: str | None = None,
+               target: str | None = None) -> Policy:
+    """A minimal policy (no metadata besides the fingerprint and target)."""
     model = {"fingerprint": fingerprint} if fingerprint else {}
-    return Policy(default=default, layers={k: v for k, v in assignment.items() if v != default},
-                  model=model)
+    return Policy(default=default, layers=dict(layers), model=model,
+                  target={"device": target} if target else {})
 
 
 class Evaluator:
-    """Scores Optuna params dicts; counts how many model evaluations it really ran."""
+    """Scores plan keys; counts how many model evaluations it really ran."""
 
     def __init__(
         self,
@@ -47,16 +48,22 @@ class Evaluator:
         model: torch.nn.Module,
         batches: Sequence[Any],
         ref: Reference,
-        cost: CostModel,
-        space: SearchSpace,
+        plans: PlanSpace,
         budget: float,
+        target: str,
         min_speedup: float | None = None,
+        eval_batches: Sequence[Any] | None = None,
+        eval_ref: Reference | None = None,
         fp8_backend: str = "emulated",
         screen: bool = True,
     ) -> None:
-        self.spec, self.model, self.cost, self.space = spec, model, cost, space
+        self.spec, self.model, self.plans = spec, model, plans
+        self.space: SearchSpace = plans.space
         self.budget, self.min_speedup, self.fp8_backend = budget, min_speedup, fp8_backend
+        self.target = target
         self.batches, self.ref = list(batches), ref
+        self.eval_batches = list(eval_batches) if eval_batches is not None else None
+        self.eval_ref = eval_ref
         # Screening subset: the first quarter of the batches, when there are >= 4.
         n_sub = len(self.batches) // 4 if screen and len(self.batches) >= 4 else 0
         self.sub_batches = self.batches[:n_sub]
@@ -64,62 +71,73 @@ class Evaluator:
         if n_sub and spec.metric is not None:
             # a metric drop needs the subset's own fp32 metric
             self.sub_ref = reference(spec, model, self.sub_batches, "(calibration subset)")
-        self.fp32_time = cost.estimate({})
+        self.fp32_time = plans.cost.fp32_time
         self.fingerprint = fingerprint(model)
-        self.cache: dict[tuple[str, ...], Evaluation] = {}
+        self.cache: dict[Key, Evaluation] = {}
         self.evaluations = 0.0  # full-set equivalents of model evaluation
+        # --train-aware: policy -> (trains like fp32, details); run on plans within budget
+        self.extra_check: Callable[[Policy], tuple[bool, dict[str, Any]]] | None = None
 
-    def key(self, params: Mapping[str, str]) -> tuple[str, ...]:
-        return tuple(params.get(v.name, self.space.default) for v in self.space.variables)
-
-    def remember(self, params: Mapping[str, str], attrs: Mapping[str, Any]) -> None:
+    def remember(self, key: Key, attrs: Mapping[str, Any]) -> None:
         """Prefill the cache from a finished trial's user attributes (shared studies)."""
         if "error" not in attrs or "est_time" not in attrs:
             return
         err = math.inf if attrs.get("nonfinite") else float(attrs["error"])
-        self.cache[self.key(params)] = Evaluation(
+        eval_err = attrs.get("eval_error")
+        self.cache[key] = Evaluation(
             err, float(attrs["est_time"]), float(attrs.get("est_speedup", 1.0)),
-            bool(attrs.get("feasible", False)), bool(attrs.get("screened", False)), True)
+            bool(attrs.get("feasible", False)), bool(attrs.get("screened", False)), True,
+            None if eval_err is None else float(eval_err))
 
-    def timing(self, params: Mapping[str, str]) -> tuple[float, float]:
-        t = self.cost.estimate(self.space.assignment(params))
-        return t, self.fp32_time / t if t > 0 else 1.0
+    def timing(self, key: Key) -> tuple[float, float]:
+        t = self.plans.time(key)
+        return t, (self.fp32_time / t if 0 < t < math.inf else 0.0)
 
-    def error(self, params: Mapping[str, str], batches: Sequence[Any], ref: Reference,
-              what: str) -> float:
-        assignment = self.space.assignment(params)
-        policy = policy_for(assignment, self.space.default, self.fingerprint)
-        with apply_policy(self.model, policy, fp8_backend=self.fp8_backend):
+    def policy(self, key: Key) -> Policy:
+        default, layers = self.space.rules(key)
+        return policy_for(default, layers, self.fingerprint, self.target)
+
+    def error(self, key: Key, batches: Sequence[Any], ref: Reference, what: str) -> float:
+        with apply_policy(self.model, self.policy(key), fp8_backend=self.fp8_backend):
             return score(self.spec, self.model, batches, ref, what).value
 
-    def feasible(self, error: float, speedup: float) -> bool:
+    def within(self, error: float, speedup: float) -> bool:
         if not error <= self.budget:  # also False for nan
             return False
         return self.min_speedup is None or speedup >= self.min_speedup
 
-    def __call__(self, params: Mapping[str, str]) -> Evaluation:
-        key = self.key(params)
+    def __call__(self, key: Key) -> Evaluation:
         hit = self.cache.get(key)
         if hit is not None:
             return Evaluation(hit.error, hit.est_time, hit.est_speedup, hit.feasible,
-                              hit.screened, cached=True)
-        est_time, speedup = self.timing(params)
+                              hit.screened, True, hit.eval_error)
+        est_time, speedup = self.timing(key)
         n = len(self.batches)
-        if all(p == self.space.default for p in key):
-            ev = Evaluation(0.0, est_time, speedup, self.feasible(0.0, speedup))
-            # nothing lowered: the reference itself (checked once in tune for determinism)
-        elif self.sub_ref is not None:
-            sub_err = self.error(params, self.sub_batches, self.sub_ref, "(screening)")
-            self.evaluations += len(self.sub_batches) / n
-            if not sub_err <= SCREEN_FACTOR * self.budget:
-                ev = Evaluation(sub_err, est_time, speedup, False, screened=True)
-            else:
-                err = self.error(params, self.batches, self.ref, "(calibration)")
-                self.evaluations += 1.0
-                ev = Evaluation(err, est_time, speedup, self.feasible(err, speedup))
+        if not math.isfinite(est_time):
+            ev = Evaluation(math.inf, est_time, 0.0, False, screened=True)
+        elif key == self.space.uniform("fp32"):
+            ev = Evaluation(0.0, est_time, speedup, self.within(0.0, speedup))
         else:
-            err = self.error(params, self.batches, self.ref, "(calibration)")
-            self.evaluations += 1.0
-            ev = Evaluation(err, est_time, speedup, self.feasible(err, speedup))
+            ev = None
+            if self.sub_ref is not None:
+                sub_err = self.error(key, self.sub_batches, self.sub_ref, "(screening)")
+                self.evaluations += len(self.sub_batches) / n
+                if not sub_err <= SCREEN_FACTOR * self.budget:
+                    ev = Evaluation(sub_err, est_time, speedup, False, screened=True)
+            if ev is None:
+                err = self.error(key, self.batches, self.ref, "(calibration)")
+                self.evaluations += 1.0
+                ev = Evaluation(err, est_time, speedup, self.within(err, speedup))
+        if ev.feasible and self.eval_batches is not None and self.eval_ref is not None:
+            eval_err = self.error(key, self.eval_batches, self.eval_ref, "of eval_data")
+            ev = Evaluation(ev.error, ev.est_time, ev.est_speedup,
+                            self.within(eval_err, speedup), ev.screened, False, eval_err)
+        if ev.feasible and self.extra_check is not None:
+            ok, _info = self.extra_check(self.policy(key))
+            ev = Evaluation(ev.error, ev.est_time, ev.est_speedup, ok, ev.screened, False,
+                            ev.eval_error, ok)
         self.cache[key] = ev
         return ev
+
+
+__all__ = ["Evaluator", "SCREEN_FACTOR", "policy_for"]

@@ -1,23 +1,22 @@
-"""Pick the policy from a finished study, and confirm it on held-out data.
+"""Pick the policy from a finished study.
 
-The search scores on the calibration data; the budget binds on the eval data. Candidates
-are tried fastest-first: the first whose eval-data error is within budget wins. When none
-is, the run is infeasible and the closest candidate is reported (optuna#4180: pick by a
-stated rule, say when nothing is feasible, exit non-zero).
+The search scores on the calibration data; the budget binds on the eval data: a trial is
+feasible only once it was also within budget there (objective.py confirms at once). The
+chosen plan is the fastest feasible one. When none is, the run is infeasible and the
+closest plan is reported (optuna#4180: pick by a stated rule, say when nothing is
+feasible, exit non-zero).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import optuna
 
 from autoprec.search.evaluation import Evaluation
-
-#: How many calibration-feasible candidates are confirmed on eval data before giving up.
-MAX_CONFIRM = 5
 
 
 @dataclass
@@ -25,26 +24,34 @@ class Candidate:
     number: int
     params: dict[str, str]
     calib: Evaluation
-    eval_error: float | None = None  # error on the eval data (None: same as calibration)
+    policy: dict[str, Any] = field(default_factory=dict)  # compact {default, layers}
+
+    @property
+    def eval_error(self) -> float | None:
+        return self.calib.eval_error
 
 
 def _evaluation(t: optuna.trial.FrozenTrial) -> Evaluation:
     a = t.user_attrs
     err = math.inf if a.get("nonfinite") else float(a["error"])
+    ev = a.get("eval_error")
     return Evaluation(err, float(a["est_time"]), float(a["est_speedup"]), bool(a["feasible"]),
-                      bool(a.get("screened", False)))
+                      bool(a.get("screened", False)), True,
+                      None if ev is None else float(ev), a.get("train_fidelity"))
 
 
 def completed(study: optuna.Study) -> list[Candidate]:
+    """Every measured trial (COMPLETE with a score), earliest first."""
     out = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        if "est_time" in t.user_attrs:
-            out.append(Candidate(t.number, dict(t.params), _evaluation(t)))
+        if "est_time" in t.user_attrs and "error" in t.user_attrs:
+            out.append(Candidate(t.number, dict(t.params), _evaluation(t),
+                                 dict(t.user_attrs.get("policy") or {})))
     return out
 
 
 def dedupe(cands: Sequence[Candidate]) -> list[Candidate]:
-    """One candidate per distinct assignment (the earliest trial)."""
+    """One candidate per distinct plan (the earliest trial)."""
     seen: dict[tuple[tuple[str, str], ...], Candidate] = {}
     for c in sorted(cands, key=lambda c: c.number):
         seen.setdefault(tuple(sorted(c.params.items())), c)
@@ -65,7 +72,8 @@ def pareto_front(cands: Sequence[Candidate]) -> list[Candidate]:
 
 def closeness(ev: Evaluation, budget: float, min_speedup: float | None) -> float:
     """How far from feasible (0 = feasible): relative budget overshoot + speed shortfall."""
-    over = 0.0 if ev.error <= budget else (ev.error - budget) / max(budget, 1e-12)
+    err = ev.error if ev.eval_error is None else max(ev.error, ev.eval_error)
+    over = 0.0 if err <= budget else (err - budget) / max(budget, 1e-12)
     if not math.isfinite(over):
         over = 1e30
     short = 0.0
@@ -74,29 +82,18 @@ def closeness(ev: Evaluation, budget: float, min_speedup: float | None) -> float
     return over + short
 
 
-def choose(
-    cands: Sequence[Candidate],
-    *,
-    budget: float,
-    min_speedup: float | None,
-    confirm: Callable[[Mapping[str, str]], float] | None,
-) -> tuple[Candidate, bool]:
-    """The fastest candidate feasible on calibration data whose eval error is within
-    budget; else (closest candidate, False). ``confirm(params)`` returns the eval-data error
-    (None: the eval data is the calibration data)."""
+def choose(cands: Sequence[Candidate], *, budget: float, min_speedup: float | None
+           ) -> tuple[Candidate, bool]:
+    """The fastest feasible candidate; else (the closest candidate, False)."""
     cands = dedupe(cands)
-    feasible = sorted((c for c in cands if c.calib.feasible),
-                      key=lambda c: (c.calib.est_time, c.calib.error, c.number))
-    for c in feasible[:MAX_CONFIRM]:
-        if confirm is None:
-            return c, True
-        c.eval_error = confirm(c.params)
-        if c.eval_error <= budget:
-            return c, True
     if not cands:
         raise ValueError("no completed trials to choose from")
+    feasible = [c for c in cands if c.calib.feasible]
+    if feasible:
+        return min(feasible, key=lambda c: (c.calib.est_time, c.calib.error, c.number)), True
     closest = min(cands, key=lambda c: (closeness(c.calib, budget, min_speedup),
                                         c.calib.est_time, c.number))
-    if confirm is not None and closest.eval_error is None:
-        closest.eval_error = confirm(closest.params)
     return closest, False
+
+
+__all__ = ["Candidate", "choose", "closeness", "completed", "dedupe", "pareto_front"]

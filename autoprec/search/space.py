@@ -1,29 +1,43 @@
-"""The search space: one categorical precision per GEMM layer (or per group of layers).
+"""The search space: the default region plus one precision per GEMM layer (or group).
+
+A *plan key* is a tuple of precision codes (index into PRECISIONS): the default region
+first (fp32/tf32/bf16/fp16: where the model's own code runs), then one code per variable
+in execution order. A key is turned into a policy with an explicit rule on every GEMM
+layer (``rules``), so it compiles to exactly one plan: a child never silently inherits a
+container's precision. ``search.compact`` writes the same plan with the fewest rules.
 
 Choices are narrowed by hard facts before any trial runs: the precisions asked for, what
 the target device can run (its profile), what the layer can take (the graph: fp8 only on
-16-aligned Linear-like layers) and what the probes proved impossible (a layer whose
+16-aligned Linear-like leaves) and what the probes proved impossible (a layer whose
 output overflows fp16 never gets fp16). Every removed choice keeps its reason; the policy
-file reports them for the layers that stay higher.
+file reports them for the layers that stay higher. Locked layers stay fp32.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from autoprec.precisions import PRECISIONS, rank
 
 #: Above this many GEMM layers, repeated blocks share a variable (``layers.*.attn.q``).
 DEFAULT_MAX_VARIABLES = 64
+#: Optuna parameter name of the default region.
+REGION = "default"
+#: Precisions a region (the model's own code) can take: fp8 is a GEMM backend only.
+REGIONS = ("fp32", "tf32", "bf16", "fp16")
+
+Key = tuple[int, ...]
 
 
 @dataclass
 class Variable:
     """One decision: the precision of ``layers`` (set together)."""
 
-    name: str  # Optuna parameter name: a layer path, or a group pattern with '*'
+    name: str  # Optuna parameter name: a layer path, a group pattern with '*', or REGION
     layers: list[str]
     choices: list[str]  # most precise first; always starts with fp32
     excluded: dict[str, str] = field(default_factory=dict)  # precision -> why not
@@ -31,41 +45,60 @@ class Variable:
 
 @dataclass
 class SearchSpace:
-    """Variables, plus layers fixed by ``locked`` (they keep ``default``)."""
+    """The region variable, the layer variables, and layers fixed by ``locked`` (fp32)."""
 
     variables: list[Variable]
+    region: Variable = field(default_factory=lambda: Variable(REGION, [""], ["fp32"]))
     locked: dict[str, str] = field(default_factory=dict)  # layer -> fixed precision
-    default: str = "fp32"
 
     @property
     def layers(self) -> list[str]:
         return [lay for v in self.variables for lay in v.layers]
 
-    def assignment(self, params: Mapping[str, str]) -> dict[str, str]:
-        """Layer path -> precision for an Optuna params dict (missing -> default)."""
-        out = dict(self.locked)
-        for v in self.variables:
-            p = params.get(v.name, self.default)
-            for layer in v.layers:
-                out[layer] = p
-        return out
+    @property
+    def all_variables(self) -> list[Variable]:
+        """The region first, then the layer variables (the order of a key)."""
+        return [self.region, *self.variables]
 
-    def params(self, assignment: Mapping[str, str]) -> dict[str, str]:
-        """Optuna params for a layer assignment (a group takes its first layer's value)."""
-        out = {}
-        for v in self.variables:
-            p = assignment.get(v.layers[0], self.default)
-            out[v.name] = p if p in v.choices else self.default
-        return out
+    @property
+    def rule_paths(self) -> list[str]:
+        """Every path a key's policy has a rule on (layers, then locked)."""
+        return [*self.layers, *(p for p in self.locked if p not in set(self.layers))]
 
-    def uniform(self, precision: str) -> dict[str, str]:
-        """Every variable at ``precision`` where allowed, else at its lowest allowed
-        precision that is still more precise than ``precision`` (fp32 at worst)."""
-        params = {}
-        for v in self.variables:
+    def key(self, params: Mapping[str, str]) -> Key:
+        """The plan key of an Optuna params dict (missing variables: fp32)."""
+        return tuple(PRECISIONS.index(params.get(v.name, "fp32")) for v in self.all_variables)
+
+    def params(self, key: Key) -> dict[str, str]:
+        return {v.name: PRECISIONS[c] for v, c in zip(self.all_variables, key, strict=True)}
+
+    def rules(self, key: Key) -> tuple[str, dict[str, str]]:
+        """(default, {path: precision}) with a rule on every GEMM layer and locked path."""
+        default = PRECISIONS[key[0]]
+        layers = {lay: PRECISIONS[c] for v, c in zip(self.variables, key[1:], strict=True)
+                  for lay in v.layers}
+        layers.update({p: "fp32" for p in self.locked})
+        return default, layers
+
+    def codes(self, keys: np.ndarray) -> np.ndarray:
+        """Rule code rows (T, 1 + len(rule_paths)) of keys (T, 1 + len(variables))."""
+        keys = np.atleast_2d(np.asarray(keys, dtype=np.intp))
+        cols = [keys[:, 0]]
+        for j, v in enumerate(self.variables):
+            cols.extend([keys[:, j + 1]] * len(v.layers))
+        fixed = PRECISIONS.index("fp32")
+        cols.extend([np.full(len(keys), fixed, np.intp)] * (len(self.rule_paths)
+                                                            - len(self.layers)))
+        return np.stack(cols, axis=1)
+
+    def uniform(self, precision: str) -> Key:
+        """The default and every variable at ``precision`` where allowed, else at its lowest
+        allowed precision more precise than ``precision`` (fp32 at worst)."""
+        out = []
+        for v in self.all_variables:
             ok = [c for c in v.choices if rank(c) <= rank(precision)]
-            params[v.name] = ok[-1] if ok else v.choices[0]
-        return params
+            out.append(PRECISIONS.index(ok[-1] if ok else v.choices[0]))
+        return tuple(out)
 
     def reasons(self) -> dict[str, str]:
         """Why each layer cannot take some precisions (for the policy's ``reasons``)."""
@@ -81,7 +114,7 @@ class SearchSpace:
     @property
     def size(self) -> float:
         n = 1.0
-        for v in self.variables:
+        for v in self.all_variables:
             n *= len(v.choices)
         return n
 
@@ -98,27 +131,31 @@ def build_space(
     precisions: Iterable[str],
     *,
     locked: Iterable[str] = (),
-    default: str = "fp32",
+    regions: Sequence[str] | None = None,
     max_variables: int = DEFAULT_MAX_VARIABLES,
 ) -> SearchSpace:
     """Build the space for GEMM ``layers`` (execution order).
 
     ``allowed[layer]``: precisions the layer may take (graph, device, probes combined);
     ``excluded[layer]``: precision -> reason for those it may not. ``precisions``: the
-    user's list. Locked layers (or children of a locked path) keep ``default``.
+    user's list (fp32 is always a choice). ``regions``: the default region's choices
+    (default: the user's precisions that are regions). Locked layers (or children of a
+    locked path) stay fp32.
     """
-    wanted = [p for p in PRECISIONS if p in set(precisions) | {default}]
+    wanted = [p for p in PRECISIONS if p in set(precisions) | {"fp32"}]
     locked = list(locked)
     fixed: dict[str, str] = {}
     per_layer: list[tuple[str, list[str], dict[str, str]]] = []
     for layer in layers:
         if any(layer == lk or layer.startswith(lk + ".") for lk in locked):
-            fixed[layer] = default
+            fixed[layer] = "fp32"
             continue
         why_not = dict(excluded.get(layer, {}))
         ok = set(allowed.get(layer, ()))
-        choices = [p for p in wanted if (p in ok and p not in why_not) or p == default]
+        choices = [p for p in wanted if (p in ok and p not in why_not) or p == "fp32"]
         per_layer.append((layer, choices, {p: why_not[p] for p in wanted if p in why_not}))
+    for lk in locked:
+        fixed.setdefault(lk, "fp32")
 
     if len(per_layer) <= max_variables:
         variables = [Variable(lay, [lay], ch, ex) for lay, ch, ex in per_layer]
@@ -134,4 +171,13 @@ def build_space(
                 g.choices = [c for c in g.choices if c in ch]
                 g.excluded.update(ex)
         variables = list(groups.values())
-    return SearchSpace(variables, fixed, default)
+    region_choices = [p for p in (regions if regions is not None else wanted)
+                      if p in REGIONS and p in wanted] or ["fp32"]
+    if "fp32" not in region_choices:
+        region_choices.insert(0, "fp32")
+    region = Variable(REGION, [""], [p for p in REGIONS if p in region_choices])
+    return SearchSpace(variables, region, fixed)
+
+
+__all__ = ["DEFAULT_MAX_VARIABLES", "Key", "REGION", "REGIONS", "SearchSpace", "Variable",
+           "build_space", "group_key"]

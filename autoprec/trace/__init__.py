@@ -23,9 +23,11 @@ from autoprec.paths import unwrap_model
 from autoprec.trace.graph import GEMM_KINDS, KINDS, LayerGraph, LayerNode, fingerprint
 from autoprec.trace.kinds import classify, eligibility, fp8_reason
 from autoprec.trace.measure import Measurement, measure
+from autoprec.trace.ops import OpTrace, record_ops
 from autoprec.trace.structure import GemmLayout, TraceFailed, export_edges, fx_edges
 
-__all__ = ["GEMM_KINDS", "KINDS", "LayerGraph", "LayerNode", "TRACERS", "fingerprint", "trace"]
+__all__ = ["GEMM_KINDS", "KINDS", "LayerGraph", "LayerNode", "OpTrace", "TRACERS", "fingerprint",
+           "trace"]
 
 #: The tracers, in the order they are tried.
 TRACERS = ("fx", "export", "hooks")
@@ -69,6 +71,9 @@ def trace(
             tracer, edges, fallbacks = _data_flow(
                 model, example_batch, forward, layout, meas, leaf_modules, tracers, export_timeout
             )
+            _restore(saved)  # fx/export ran the model's Python on proxies: clean state first
+            model.eval()
+            ops = record_ops(model, example_batch, forward, batch_size_of(example_batch) or 1)
     finally:
         _restore(saved)
     if _versions(model) != versions:
@@ -87,6 +92,7 @@ def trace(
         batch_size=batch_size_of(example_batch) or 1,
         model_name=model_name,
         edges=edges,
+        ops=ops,
     )
 
 

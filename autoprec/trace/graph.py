@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from autoprec.trace.ops import OpTrace
+
 #: Op kinds a node may have. "gemm" kinds can be lowered by autocast / fp8.
 KINDS = (
     "linear",  # nn.Linear and Linear-like (HF Conv1D)
@@ -90,6 +92,8 @@ class LayerGraph:
     model_name: str = ""
     # Data-flow edges between GEMM-bearing nodes: (producer path, consumer path).
     edges: list[tuple[str, str]] = field(default_factory=list)
+    # Every op of one forward (trace/ops.py): what the cost model re-prices under a plan.
+    ops: OpTrace | None = None
 
     def __iter__(self) -> Iterator[LayerNode]:
         return iter(self.nodes.values())

@@ -4,7 +4,8 @@ precision involved.
 
 Hand semantics of one wrapped module (apply.py): a fp32/tf32 module upcasts 16-bit
 inputs; a bf16/fp16 module casts per op (autocast); leaving a wrapped module, 16-bit
-outputs not in the caller's autocast dtype become fp32 (exact); fp8 outputs are in the
+outputs become fp32 (exact) when the caller's region is fp32/tf32 and stay as they are
+in an autocast caller (its consumers cast as autocast decides); fp8 outputs are in the
 caller's autocast dtype (fp32 outside autocast).
 """
 
@@ -79,7 +80,7 @@ class Twice(nn.Module):
 # -- hand forward ------------------------------------------------------------------------
 
 def _exit(y: torch.Tensor, ambient: str) -> torch.Tensor:
-    if y.dtype in DTYPES.values() and y.dtype != _AMBIENT[ambient]:
+    if y.dtype in DTYPES.values() and ambient in ("fp32", "tf32"):
         return y.float()
     return y
 
@@ -228,26 +229,39 @@ def test_global_autocast_does_not_override_the_default() -> None:
     torch.testing.assert_close(got, want, **dtype_tols("fp32"))
 
 
-def test_bf16_then_fp16_outputs_meet_in_cat() -> None:
-    """Outputs of fp16 and bf16 siblings combined by a promote op inside a bf16 region:
-    autocast's ``cat`` refuses bf16 mixed with fp16; the exit cast makes it fp32."""
+class Cat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.x1 = nn.Linear(D, D)
+        self.x2 = nn.Linear(D, D)
 
-    class Cat(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.x1 = nn.Linear(D, D)
-            self.x2 = nn.Linear(D, D)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.x1(x), self.x2(x)], -1)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([self.x1(x), self.x2(x)], -1)
 
+def test_bf16_then_fp16_outputs_meet_in_cat_as_on_cuda() -> None:
+    """Outputs of fp16 and bf16 siblings meet in ``cat`` inside a bf16 region. Nothing is
+    cast when they leave (an autocast caller casts at its consumers); CUDA's cat promotes
+    bf16 with fp16 to fp32, and a CUDA target applied on a CPU runs it that way."""
     m = Cat()
     x = torch.randn(3, D)
-    with apply_policy(m, Policy(default="bf16", layers={"x2": "fp16"})):
+    with apply_policy(m, Policy(default="bf16", layers={"x2": "fp16"}), target="h100"):
         y = m(x)
+    assert y.dtype == torch.float32
     want = torch.cat([ref_linear(x, m.x1, "bf16").float(),
                       ref_linear(x, m.x2, "fp16").float()], -1)
-    torch.testing.assert_close(y.float(), want, **dtype_tols("bf16"))
+    torch.testing.assert_close(y, want, **dtype_tols("bf16"))
+
+
+def test_bf16_and_fp16_in_a_cpu_promote_op_is_one_clear_error() -> None:
+    """CPU autocast's cat refuses bf16 mixed with fp16: a CPU-target plan that does that
+    is refused naming the region (the schedule flags the same plan as invalid)."""
+    from autoprec.errors import PolicyError
+
+    m = Cat()
+    with apply_policy(m, Policy(default="bf16", layers={"x2": "fp16"}), target="cpu"), \
+            pytest.raises(PolicyError, match="same precision"):
+        m(torch.randn(3, D))
 
 
 def test_sdpa_with_q_k_v_from_three_precisions() -> None:

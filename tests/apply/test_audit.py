@@ -135,7 +135,9 @@ def test_zoo_models_rotating_precisions_audit_clean(name: str) -> None:
     model = case.model
     pol = _rotating_policy(model)
     fwd = case.forward or (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
-    with apply_policy(model, pol) as h:
+    # A CUDA target (run here as CUDA would: CPU autocast's cat refuses a fp16 tensor in a
+    # bf16 region, e.g. Llama's rotate_half of a fp16 q_proj output; CUDA's cat does not)
+    with apply_policy(model, pol, target="h100") as h:
         report = h.audit(lambda: fwd(model, case.batch))
         out = fwd(model, case.batch)
         first = out if isinstance(out, torch.Tensor) else next(

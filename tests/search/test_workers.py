@@ -337,7 +337,10 @@ def test_three_tune_processes_share_one_postgres_study(pg_url: str, tmp_path: Pa
     study = load(pg_url)
     counts = by_state(study)
     assert TrialState.RUNNING not in counts and TrialState.WAITING not in counts, counts
-    assert len(study.trials) == sum(r["trials"] for r in results) == 12
+    # each process runs at most --trials 4; the shared walk may complete sooner
+    assert len(study.trials) == sum(r["trials"] for r in results) <= 12
+    measured = [tuple(sorted(t.params.items())) for t in study.trials if "error" in t.user_attrs]
+    assert measured and len(measured) == len(set(measured))  # no plan measured twice
     assert all(Path(r["policy"]).exists() for r in results)
     assert {r["study"] for r in results} == {"S"}
 
@@ -363,7 +366,7 @@ def test_tune_with_workers_flag(pg_url: str, tmp_path: Path) -> None:
     assert "starting 2 workers on postgresql://postgres@127.0.0.1" in done.stderr
     study = load(pg_url)
     assert by_state(study).get(TrialState.RUNNING) is None
-    assert len(study.trials) == 6
+    assert 1 <= len(study.trials) <= 6
 
 
 if __name__ == "__main__" and sys.argv[1] == "worker":

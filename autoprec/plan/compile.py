@@ -1,0 +1,245 @@
+"""Compile a policy and a model into the module level of an execution plan.
+
+A policy is a default plus rules (module path -> precision; the most specific path wins,
+an fp8 rule reaches only fp8-eligible Linear-like leaves, see policy/resolve.py). The plan
+gives every module:
+
+- its *region*: the numeric context its own code runs in (fp32 / tf32: autocast off;
+  bf16 / fp16: ``torch.autocast``). The default is the root's region: the model's own code
+  (norms, activations, residual adds) runs there, so ``default: bf16`` runs like one global
+  bf16 autocast and rules are exceptions;
+- its *precision*: its region, or fp8 for an fp8-eligible leaf under an fp8 rule;
+- whether it is *wrapped*: a module whose precision differs from the region it is called
+  from gets a forward wrapper that enters its region (and the root always does). Children
+  at their caller's region need nothing: same-precision neighbours share one region.
+
+What a wrapper does at the boundary ("a tensor is cast only where its consumer needs
+another dtype"):
+
+- entering a fp32/tf32 region, 16-bit floating inputs are cast to fp32 (a fp32 island's
+  code then never meets a 16-bit tensor: "mat1 and mat2 must have the same dtype");
+- leaving into a fp32/tf32 caller, 16-bit outputs are cast to fp32 (the caller's code
+  computes in fp32, e.g. SDPA refuses q, k, v of mixed dtypes);
+- leaving into an autocast caller, nothing is cast: autocast casts at each consumer that
+  needs another dtype (a GEMM casts to its region's dtype, CUDA's layer_norm to fp32), and
+  pointwise ops read mixed dtypes directly. So a fp16 layer inside a bf16 region costs one
+  cast where its output is consumed, not a cast out and a cast back in;
+- an fp8 leaf takes its input in whatever dtype it arrives and gives the surrounding
+  region's 16-bit dtype (fp32 in a fp32 region).
+
+``encode_rules`` computes regions, precisions and wrappers for many rule assignments at
+once (numpy, for the search); ``compile_plan`` is the same code for one policy. The
+replay of a recorded forward under a plan (dtypes of every tensor, every cast) is
+``autoprec.plan.schedule``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from autoprec.paths import normalize_path, unwrap_model
+from autoprec.policy.resolve import fp8_eligible
+from autoprec.policy.schema import Policy
+from autoprec.precisions import PRECISIONS
+from autoprec.trace.graph import LayerGraph
+
+#: Precision codes (index into PRECISIONS): 0 fp32, 1 tf32, 2 bf16, 3 fp16, 4 fp8.
+CODE = {p: i for i, p in enumerate(PRECISIONS)}
+FP8 = CODE["fp8"]
+NO_RULE = -1
+_AUTOCAST = (CODE["bf16"], CODE["fp16"])
+#: Containers whose own forward is never called (their owner iterates or indexes them).
+NEVER_CALLED = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+@dataclass(frozen=True)
+class ModuleTree:
+    """What compiling needs to know about a model: its modules and how rules reach them."""
+
+    paths: list[str]  # module paths, ``named_modules()`` order (a shared module once)
+    caller: np.ndarray  # (M,) index of the nearest ancestor whose forward runs; -1: root
+    fp8_ok: np.ndarray  # (M,) bool: an fp8-eligible Linear-like leaf
+    never_called: np.ndarray  # (M,) bool: ModuleList / ModuleDict
+    aliases: dict[str, str] = field(default_factory=dict)  # other path of a shared module
+
+    @classmethod
+    def build(cls, paths: Sequence[str], never_called: Sequence[bool],
+              fp8_ok: Sequence[bool], aliases: Mapping[str, str] | None = None) -> ModuleTree:
+        index = {p: i for i, p in enumerate(paths)}
+        never = np.array(never_called, dtype=bool)
+        caller = np.full(len(paths), -1, dtype=np.intp)
+        for i, p in enumerate(paths):
+            if not p:
+                continue
+            parent = p.rpartition(".")[0]
+            while parent and never[index[parent]]:
+                parent = parent.rpartition(".")[0]
+            caller[i] = index.get(parent, 0)
+        return cls(list(paths), caller, np.array(fp8_ok, dtype=bool), never, dict(aliases or {}))
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModuleTree:
+        root = unwrap_model(model)
+        named = list(root.named_modules())
+        first = {id(m): normalize_path(p) for p, m in reversed(named)}
+        aliases = {normalize_path(p): first[id(m)]
+                   for p, m in root.named_modules(remove_duplicate=False)
+                   if normalize_path(p) != first[id(m)]}
+        return cls.build([normalize_path(p) for p, _ in named],
+                         [isinstance(m, NEVER_CALLED) for _, m in named],
+                         [fp8_eligible(m) for _, m in named], aliases)
+
+    @classmethod
+    def from_graph(cls, graph: LayerGraph) -> ModuleTree:
+        """The tree of a traced model (its op trace's module order), without the model."""
+        if graph.ops is None:
+            raise ValueError("the graph has no op trace (trace() records one)")
+        paths = graph.ops.modules
+        nodes = [graph.nodes.get(p) for p in paths]
+        return cls.build(paths,
+                         [n is not None and n.module_type in ("ModuleList", "ModuleDict")
+                          for n in nodes],
+                         [n is not None and n.is_leaf and "fp8" in n.allowed for n in nodes])
+
+    def index(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.paths)}
+
+
+class RuleSet:
+    """Fixed rule paths; an assignment of them is a code row.
+
+    ``encode(codes)`` with ``codes`` (T, K) — slot 0 the default's precision code, then one
+    per rule path (NO_RULE: "no rule here") — returns regions, precisions and wrappers (T, M) of every module. One
+    function resolves every plan: apply, the schedule and the search all call it.
+    """
+
+    def __init__(self, tree: ModuleTree, rule_paths: Sequence[str]) -> None:
+        # slot 0: the default; then the rules ("" too: a rule on the root, e.g. fp8)
+        paths = ["<default>", *dict.fromkeys(tree.aliases.get(p, p) for p in rule_paths)]
+        index = tree.index()
+        unknown = [p for p in paths[1:] if p not in index]
+        if unknown:
+            raise KeyError(unknown[0])
+        self.tree = tree
+        self.rule_paths = paths
+        depth = [-1] + [0 if p == "" else p.count(".") + 1 for p in paths[1:]]
+        # for every module: the rules covering it, shallowest first
+        self._cover: list[list[int]] = []
+        for mp in tree.paths:
+            cov = [k for k, rp in enumerate(paths)
+                   if k == 0 or rp == "" or mp == rp or mp.startswith(rp + ".")]
+            self._cover.append(sorted(cov, key=lambda k: (depth[k], k)))
+
+    def encode(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(region, precision, wrapped), each (T, M); see the class docstring."""
+        codes = np.atleast_2d(np.asarray(codes, dtype=np.intp))
+        t, m = codes.shape[0], len(self.tree.paths)
+        region = np.empty((t, m), dtype=np.intp)
+        prec = np.empty((t, m), dtype=np.intp)
+        for j, cov in enumerate(self._cover):
+            r = codes[:, 0].copy()  # the default (never fp8: schema-checked)
+            first = np.full(t, NO_RULE, dtype=np.intp)
+            for k in cov[1:]:
+                c = codes[:, k]
+                has = c != NO_RULE
+                first = np.where(has, c, first)
+                r = np.where(has & (c != FP8), c, r)
+            region[:, j] = r
+            prec[:, j] = np.where((first == FP8) & self.tree.fp8_ok[j], FP8, r)
+        caller = self.tree.caller
+        parent_region = np.where(caller[None, :] >= 0, region[:, np.maximum(caller, 0)], -1)
+        wrapped = (prec != parent_region) & ~self.tree.never_called[None, :]
+        wrapped[:, 0] = True  # the root: the default holds even under a caller's autocast
+        return region, prec, wrapped
+
+    def codes_of(self, default: str, layers: Mapping[str, str]) -> np.ndarray:
+        """The code row (K,) of one policy whose rules are all among ``rule_paths``."""
+        row = np.full(len(self.rule_paths), NO_RULE, dtype=np.intp)
+        row[0] = CODE[default]
+        pos = {p: k for k, p in enumerate(self.rule_paths) if k}
+        for p, prec in layers.items():
+            row[pos[self.tree.aliases.get(p, p)]] = CODE[prec]
+        return row
+
+
+@dataclass(frozen=True)
+class Wrapped:
+    """One installed wrapper."""
+
+    path: str  # the module's first path
+    precision: str  # what the wrapper computes in (a region, or fp8)
+    rule: str | None  # the rule that decided it (None: the default)
+
+
+@dataclass
+class ExecutionPlan:
+    """The module level of a plan for one policy (``plan.schedule`` adds the tensors)."""
+
+    policy: Policy
+    tree: ModuleTree
+    rules: RuleSet
+    codes: np.ndarray  # (K,) the policy as a code row of ``rules``
+    region: np.ndarray  # (M,) region code of every module
+    precision: np.ndarray  # (M,) precision code
+    wrapped: np.ndarray  # (M,) bool
+
+    def region_of(self, path: str) -> str:
+        return PRECISIONS[int(self.region[self.tree.index()[path]])]
+
+    def precision_of(self, path: str) -> str:
+        return PRECISIONS[int(self.precision[self.tree.index()[path]])]
+
+    def wrappers(self) -> list[Wrapped]:
+        """Where apply installs a wrapper, with the deciding rule (for messages)."""
+        out = []
+        for j in np.flatnonzero(self.wrapped):
+            path = self.tree.paths[j]
+            out.append(Wrapped(path, PRECISIONS[int(self.precision[j])],
+                               _deciding_rule(self.policy, path,
+                                              PRECISIONS[int(self.precision[j])])))
+        return out
+
+    @property
+    def fp8_leaves(self) -> list[str]:
+        return [self.tree.paths[j] for j in np.flatnonzero(self.precision == FP8)]
+
+    def used(self) -> set[str]:
+        """Precisions some module computes in."""
+        return {PRECISIONS[int(c)] for c in np.unique(self.precision)}
+
+
+def _deciding_rule(policy: Policy, path: str, precision: str) -> str | None:
+    """The most specific rule covering ``path`` that gives it ``precision`` (None: default)."""
+    p = path
+    while True:
+        got = policy.layers.get(p)
+        if got is not None and (got == precision or (got != "fp8" and precision != "fp8")):
+            return p
+        if not p:
+            return None
+        p = p.rpartition(".")[0]
+
+
+def compile_plan(policy: Policy, model: torch.nn.Module | ModuleTree) -> ExecutionPlan:
+    """Regions, precisions and wrappers of every module of ``model`` under ``policy``.
+
+    The policy is not validated here (``Policy.validate`` / ``apply_policy`` do that);
+    a rule path the model does not have is a KeyError.
+    """
+    tree = model if isinstance(model, ModuleTree) else ModuleTree.of(model)
+    rules = RuleSet(tree, list(policy.layers))
+    row = rules.codes_of(policy.default, policy.layers)
+    region, prec, wrapped = rules.encode(row[None, :])
+    return ExecutionPlan(policy, tree, rules, row, region[0], prec[0], wrapped[0])
+
+
+def is_autocast(code: int) -> bool:
+    return code in _AUTOCAST
+
+
+__all__ = ["CODE", "ExecutionPlan", "FP8", "ModuleTree", "NO_RULE", "RuleSet", "Wrapped",
+           "compile_plan"]

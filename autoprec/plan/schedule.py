@@ -1,0 +1,311 @@
+"""Replay a recorded forward under plans: the dtype of every tensor, and every cast.
+
+``replay(trace, region, precision, wrapped, device_type)`` walks the ops and module calls
+of one recorded fp32 forward (``autoprec.trace.ops``) for T plans at once (numpy rows) and
+decides, as torch.autocast and apply's wrappers would on ``device_type``:
+
+- the dtype every value carries (``state``: fp32 / bf16 / fp16 / ...);
+- for every op, the dtype each input is read in and each output written in, and for
+  GEMMs the precision they compute in (fp8 for an fp8 leaf's GEMM, tf32 in a tf32 region);
+- every cast that runs: autocast's input casts (``lower`` ops cast every floating input to
+  the region's dtype — weights too, on every call: apply runs autocast with
+  ``cache_enabled=False``; ``fp32`` ops cast 16-bit inputs to fp32), a fp32 island's input
+  casts, the casts of 16-bit outputs returning to a fp32 caller, and the model's own
+  explicit casts (``x.float()``) where they change the dtype;
+- plans that cannot run (a GEMM fed mixed dtypes outside autocast, autocast's promote ops
+  fed bf16 with fp16), with the reason.
+
+The wrapper rules are compile.py's; the cast policies per op are autocast.py's. The cost
+model (``autoprec.cost``) prices the result; the audit compares it with a real forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autoprec.plan.autocast import cast_policy
+from autoprec.plan.compile import FP8
+from autoprec.trace.ops import OpTrace
+
+#: Value dtype codes.
+FP32, BF16, FP16, F8, FP64, OTHER = range(6)
+DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp64", "other")
+_CODE = {n: i for i, n in enumerate(DTYPES)}
+#: Bytes per element of each code (OTHER: the value's own itemsize).
+WIDTH = np.array([4, 2, 2, 1, 8, 0], dtype=np.int64)
+#: Region code (fp32, tf32, bf16, fp16) -> the dtype its autocast produces (fp32: none).
+_REGION_DTYPE = np.array([FP32, FP32, BF16, FP16, FP32], dtype=np.int8)
+#: dtype code -> the precision code a GEMM on it computes in (fp32 -> fp32; tf32 by region).
+_DTYPE_PREC = np.array([0, 2, 3, 4, 0, 0], dtype=np.int8)
+
+
+def _promotion_table() -> np.ndarray:
+    """Result dtype of PyTorch's type promotion over a set of floating dtypes (bit mask)."""
+    out = np.full(64, OTHER, dtype=np.int8)
+    for mask in range(64):
+        has = {c for c in range(6) if mask >> c & 1}
+        floats = has - {OTHER}
+        if FP64 in floats:
+            out[mask] = FP64
+        elif FP32 in floats or {BF16, FP16} <= floats:
+            out[mask] = FP32
+        elif BF16 in floats:
+            out[mask] = BF16
+        elif FP16 in floats:
+            out[mask] = FP16
+        elif F8 in floats:
+            out[mask] = F8
+    return out
+
+
+_PROMOTE = _promotion_table()
+
+
+@dataclass
+class Cast:
+    """A cast the plan inserts (input of an op, fp32 island entry, return to fp32)."""
+
+    site: str  # "input" | "enter" | "exit"
+    event: int  # index into trace.events
+    value: int  # value id
+    src: np.ndarray  # (T,) dtype code before
+    dst: np.ndarray  # (T,) dtype code after
+    on: np.ndarray  # (T,) bool: runs in that plan
+    weight: bool = False  # the value is a parameter (autocast re-casts it every call)
+
+
+@dataclass
+class Fp8Input:
+    """The current-scaling passes of an fp8 GEMM's input: amax, scale, cast to e4m3."""
+
+    op: int
+    value: int
+    src: np.ndarray  # (T,) dtype the input arrives in
+    on: np.ndarray  # (T,) bool
+
+
+@dataclass
+class Schedule:
+    """Per-op dtypes and the inserted casts for T plans (rows)."""
+
+    trace: OpTrace
+    device_type: str
+    plans: int
+    reads: list[np.ndarray] = field(default_factory=list)  # per op: (n_in, T) dtype codes
+    writes: list[np.ndarray] = field(default_factory=list)  # per op: (n_out, T)
+    compute: list[np.ndarray | None] = field(default_factory=list)  # GEMMs: (T,) precision
+    kernel: list[np.ndarray | bool] = field(default_factory=list)  # launches a kernel
+    casts: list[Cast] = field(default_factory=list)
+    fp8_inputs: list[Fp8Input] = field(default_factory=list)
+    invalid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    reasons: dict[int, str] = field(default_factory=dict)  # plan row -> why it cannot run
+
+    def cast_count(self, row: int = 0, weights: bool = False) -> int:
+        """Casts one forward of plan ``row`` runs (weights: autocast's per-call weight casts
+        only; else activation casts, explicit casts of the model's code included)."""
+        n = sum(1 for c in self.casts if c.weight == weights and c.on[row])
+        if not weights:
+            n += sum(1 for i, op in enumerate(self.trace.ops) if op.kind == "cast"
+                     and bool(np.broadcast_to(np.asarray(self.kernel[i]), (self.plans,))[row]))
+        return n
+
+
+def signature(sch: Schedule, row: int = 0) -> tuple:
+    """What plan ``row`` runs, as a hashable value: two policies with the same signature
+    run the same kernels on the same dtypes with the same casts (the same plan)."""
+    ops = tuple((tuple(int(c) for c in sch.reads[i][:, row]),
+                 tuple(int(c) for c in sch.writes[i][:, row]),
+                 None if sch.compute[i] is None else int(sch.compute[i][row]),
+                 bool(np.broadcast_to(np.asarray(sch.kernel[i]), (sch.plans,))[row]))
+                for i in range(len(sch.reads)))
+    casts = tuple(sorted((c.site, c.event, c.value, int(c.src[row]), int(c.dst[row]))
+                         for c in sch.casts if c.on[row]))
+    fp8 = tuple(sorted((f.op, f.value, int(f.src[row])) for f in sch.fp8_inputs if f.on[row]))
+    return ops, casts, fp8, bool(sch.invalid[row])
+
+
+def _fixed(name: str | None) -> int:
+    return _CODE.get(name or "", OTHER)
+
+
+def replay(trace: OpTrace, region: np.ndarray, precision: np.ndarray, wrapped: np.ndarray,
+           device_type: str) -> Schedule:
+    """The schedule of ``trace`` under T plans given as (T, M) module arrays (compile.py)."""
+    region = np.atleast_2d(region)
+    precision = np.atleast_2d(precision)
+    wrapped = np.atleast_2d(wrapped)
+    t = region.shape[0]
+    vals = trace.values
+    state = np.array([[_fixed(v.dtype)] * t for v in vals], dtype=np.int8).reshape(len(vals), t)
+    floating = np.array([_fixed(v.dtype) != OTHER for v in vals], dtype=bool)
+    sch = Schedule(trace, device_type, t, invalid=np.zeros(t, dtype=bool))
+    ac_region = np.isin(region, (2, 3))  # (T, M)
+    outside = np.zeros(t, dtype=np.intp)  # ops outside the model: fp32, autocast off
+    policies = [cast_policy(op.name, device_type) for op in trace.ops]
+    stack: list[tuple[int, int, dict[int, np.ndarray]]] = []  # (call, module, saved state)
+    low = np.array([BF16, FP16], dtype=np.int8)
+
+    def fail(mask: np.ndarray, why: str) -> None:
+        for row in np.flatnonzero(mask & ~sch.invalid):
+            sch.reasons[int(row)] = why
+        sch.invalid |= mask
+
+    def promote(ids: list[int]) -> np.ndarray:
+        flo = [i for i in ids if floating[i]]
+        big = [i for i in flo if vals[i].ndim > 0] or flo
+        if not big:
+            return np.full(t, OTHER, dtype=np.int8)
+        mask = np.zeros(t, dtype=np.int64)
+        for i in big:
+            mask |= np.left_shift(1, state[i].astype(np.int64))
+        return _PROMOTE[mask]
+
+    for ev, (what, idx) in enumerate(trace.events):
+        if what == 1:  # enter a module call
+            call = trace.calls[idx]
+            m = call.module
+            saved: dict[int, np.ndarray] = {}
+            if m >= 0:
+                island = wrapped[:, m] & ~ac_region[:, m] & (precision[:, m] != FP8)
+                for v in call.inputs:
+                    if not floating[v]:
+                        continue
+                    on = island & np.isin(state[v], low)
+                    if on.any():
+                        sch.casts.append(Cast("enter", ev, v, state[v].copy(),
+                                              np.full(t, FP32, np.int8), on))
+                        saved[v] = state[v].copy()
+                        state[v] = np.where(on, FP32, state[v])
+            stack.append((idx, m, saved))
+            continue
+        if what == 2:  # leave a module call
+            cidx, m, saved = stack.pop()
+            call = trace.calls[cidx]
+            for v, old in saved.items():
+                if v not in call.outputs:
+                    state[v] = old
+            caller = stack[-1][1] if stack else -1
+            if m < 0 or caller < 0:
+                continue  # the root returns to the user's code as it is
+            to_fp32 = wrapped[:, m] & ~ac_region[:, caller]
+            for v in call.outputs:
+                if not floating[v]:
+                    continue
+                on = to_fp32 & np.isin(state[v], low)
+                if on.any():
+                    sch.casts.append(Cast("exit", ev, v, state[v].copy(),
+                                          np.full(t, FP32, np.int8), on))
+                    state[v] = np.where(on, FP32, state[v])
+            continue
+
+        op = trace.ops[idx]
+        m = op.module
+        r = region[:, m] if m >= 0 else outside
+        ac = ac_region[:, m] if m >= 0 else np.zeros(t, dtype=bool)
+        tgt = _REGION_DTYPE[r]
+        ins = list(op.inputs)
+        reads = np.array([state[i] for i in ins], dtype=np.int8).reshape(len(ins), t)
+        policy = policies[idx]
+        compute: np.ndarray | None = None
+        kernel: np.ndarray | bool = op.kind != "view"
+        if op.kind == "view":
+            out = state[ins[0]].copy() if ins else np.full(t, OTHER, np.int8)
+        elif op.kind == "cast":
+            out = state[op.like].copy() if op.like is not None else np.full(
+                t, _fixed(op.fixed_dtype), np.int8)
+            if ins and floating[ins[0]]:
+                kernel = out != state[ins[0]]
+            else:  # from a non-floating value (int mask -> bool / float): as traced
+                kernel = not ins or vals[ins[0]].dtype != (op.fixed_dtype or vals[ins[0]].dtype)
+        elif policy == "lower" and op.kind in ("gemm", "attention"):
+            out, compute = _lower(sch, ev, idx, op, ins, reads, state, floating, vals, r, ac,
+                                  tgt, precision[:, m] == FP8 if m >= 0 else None, fail)
+        elif policy in ("fp32", "fp32_opt", "promote") and ac.any():
+            flo = [k for k, i in enumerate(ins) if floating[i]]
+            if policy == "promote":
+                want = promote(ins)
+                # autocast's prioritize(): a 16-bit input other than the region's dtype
+                other = np.zeros(t, dtype=bool)
+                for k in flo:
+                    other |= np.isin(state[ins[k]], low) & (state[ins[k]] != tgt)
+                fail(ac & other, f"{op.name} in {_where(trace, m)} gets a 16-bit input "
+                                 "other than its autocast region's dtype (autocast's promote "
+                                 "ops refuse that)")
+            else:
+                want = np.full(t, FP32, np.int8)
+            plain = op.fixed_dtype is not None and policy != "promote"
+            base = np.full(t, _fixed(op.fixed_dtype), np.int8) if plain else promote(ins)
+            out = np.where(ac, want, base).astype(np.int8)
+            if policy != "fp32_opt":
+                for k in flo:
+                    on = ac & (state[ins[k]] != want) & (state[ins[k]] != OTHER)
+                    if on.any():
+                        sch.casts.append(Cast("input", ev, ins[k], state[ins[k]].copy(),
+                                              want.copy(), on,
+                                              weight=vals[ins[k]].source == "param"))
+                        reads[k] = np.where(on, want, reads[k])
+        else:
+            if op.like is not None:
+                out = state[op.like].copy()
+            elif op.fixed_dtype is not None:
+                out = np.full(t, _fixed(op.fixed_dtype), np.int8)
+            else:
+                out = promote(ins)
+            if policy == "lower" and op.kind == "pointwise":  # e.g. prelu
+                compute = None
+        writes = np.array([out] * len(op.outputs), dtype=np.int8).reshape(len(op.outputs), t)
+        for o in op.outputs:
+            if floating[o] or vals[o].dtype in DTYPES:
+                state[o] = out if floating[o] else state[o]
+        sch.reads.append(reads)
+        sch.writes.append(writes)
+        sch.compute.append(compute)
+        sch.kernel.append(kernel)
+    return sch
+
+
+def _where(trace: OpTrace, m: int) -> str:
+    return repr(trace.modules[m] or "<root>") if m >= 0 else "the forward function"
+
+
+def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, vals, r, ac,
+           tgt, fp8_rows, fail):  # noqa: ANN001 - internal helper of replay
+    """A GEMM/SDPA: autocast casts every floating input to the region's dtype; an fp8
+    leaf's GEMM quantises its activation input (current scaling) and reads the cached e4m3
+    weight; outside autocast every operand must already share one dtype."""
+    t = r.shape[0]
+    flo = [k for k, i in enumerate(ins) if floating[i]]
+    fp8 = fp8_rows if fp8_rows is not None and op.kind == "gemm" else np.zeros(t, dtype=bool)
+    params = {k for k in flo if vals[ins[k]].source == "param"}
+    acts = [k for k in flo if k not in params]
+    for k in flo:
+        on = ac & ~fp8 & (state[ins[k]] != tgt)
+        if on.any():
+            sch.casts.append(Cast("input", ev, ins[k], state[ins[k]].copy(), tgt.copy(), on,
+                                  weight=k in params))
+        reads[k] = np.where(ac & ~fp8, tgt, reads[k])
+    # outside autocast: one common dtype, else the op raises (mat1 and mat2 ...)
+    first = state[ins[flo[0]]] if flo else np.full(t, FP32, np.int8)
+    mixed = np.zeros(t, dtype=bool)
+    for k in flo:
+        mixed |= state[ins[k]] != first
+    fail(~ac & ~fp8 & mixed, f"{op.name} in {_where(sch.trace, op.module)} gets operands of "
+                             "different dtypes outside autocast")
+    plain = np.where((r == 1) & (first == FP32), 1, _DTYPE_PREC[first])  # tf32 region
+    compute = np.where(ac, _DTYPE_PREC[tgt], plain).astype(np.int8)
+    out = np.where(ac, tgt, first).astype(np.int8)
+    if fp8.any():
+        compute = np.where(fp8, FP8, compute).astype(np.int8)
+        x = acts[0] if acts else (flo[0] if flo else 0)
+        for k in flo:
+            reads[k] = np.where(fp8 & (np.array(k in params or k == x)), F8, reads[k])
+        if acts:
+            sch.fp8_inputs.append(Fp8Input(idx, ins[x], state[ins[x]].copy(), fp8.copy()))
+        out = np.where(fp8, np.where(ac, tgt, state[ins[x]]), out).astype(np.int8)
+    return out, compute
+
+
+__all__ = ["BF16", "Cast", "DTYPES", "F8", "FP16", "FP32", "Fp8Input", "OTHER", "Schedule",
+           "WIDTH", "replay", "signature"]

@@ -1,0 +1,253 @@
+"""The cheap part of the search, solved: every plan's time exactly, its error predicted.
+
+A plan's time comes from the cost model's replay of the recorded forward (exact for what
+it models, casts at every boundary included: the cost is not separable by layer). Its
+error is predicted from the probes: each layer's end-to-end estimate, added in quadrature
+(independent rounding errors add in squares). The model is expensive; the cost model and
+the prediction are cheap (tens of microseconds per plan, vectorised). So:
+
+1. **Candidates.** When the space has at most ``ENUMERATE`` plans, every plan is priced
+   and predicted (exact). Otherwise a Lagrangian coordinate descent finds, for a sweep of
+   multipliers λ, plans minimising ``time / t_fp32 + λ (predicted / budget)²``; its moves
+   change the default region, one variable, or a *block* — a run of consecutive layers
+   set to one precision — so it crosses plans where every one-layer step adds a cast
+   boundary (issue 14). Every plan it prices is kept.
+2. **The walk.** Candidates in order of time; the next one to run is the fastest not yet
+   measured (nor being measured by another worker) whose corrected prediction is within
+   ``margin`` x the budget. The search is complete when the fastest remaining candidate
+   is a measured feasible plan.
+3. **Correction.** Measured errors correct the predictions (interactions between layers,
+   the model's own code running in 16-bit): predictions are scaled by the median ratio
+   measured / predicted of the plans measured so far (clipped to [0.5, 4]).
+
+``experiments/tune_baselines.py`` checks the descent against enumeration where both run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+
+from autoprec.cost import CostModel
+from autoprec.precisions import PRECISIONS
+from autoprec.search.space import Key, SearchSpace
+
+#: Spaces with at most this many plans are enumerated (all priced).
+ENUMERATE = 2_000_000
+#: Plans priced per vectorised call.
+CHUNK = 8192
+#: Measured/predicted correction bounds.
+CORRECTION = (0.5, 4.0)
+
+
+class PlanSpace:
+    """Vectorised time and predicted error of plan keys of ``space``."""
+
+    def __init__(self, space: SearchSpace, cost: CostModel,
+                 estimate: Callable[[str, str], float] | None) -> None:
+        self.space = space
+        self.cost = cost
+        self.rules = cost.rules(space.rule_paths)
+        # squared per-variable estimates: (V, len(PRECISIONS)); the region adds nothing
+        sq = np.zeros((len(space.variables), len(PRECISIONS)))
+        for j, v in enumerate(space.variables):
+            for c in v.choices:
+                if c != "fp32" and estimate is not None:
+                    sq[j, PRECISIONS.index(c)] = sum(estimate(lay, c) ** 2 for lay in v.layers)
+        self._sq = sq
+
+    def times(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.atleast_2d(np.asarray(keys, dtype=np.intp))
+        out = np.empty(len(keys))
+        for s in range(0, len(keys), CHUNK):
+            part = keys[s:s + CHUNK]
+            out[s:s + CHUNK] = self.cost.price(self.rules, self.space.codes(part)).time
+        return out
+
+    def time(self, key: Key) -> float:
+        return float(self.times(np.array([key]))[0])
+
+    def predicted(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.atleast_2d(np.asarray(keys, dtype=np.intp))
+        if not self.space.variables:
+            return np.zeros(len(keys))
+        vals = self._sq[np.arange(len(self.space.variables))[None, :], keys[:, 1:]]
+        return np.sqrt(vals.sum(axis=1))
+
+
+def _choice_codes(space: SearchSpace) -> list[list[int]]:
+    return [[PRECISIONS.index(c) for c in v.choices] for v in space.all_variables]
+
+
+def enumerate_keys(space: SearchSpace) -> np.ndarray:
+    """Every plan key of ``space`` (N, 1 + V)."""
+    grids = np.meshgrid(*[np.array(c, dtype=np.int8) for c in _choice_codes(space)],
+                        indexing="ij")
+    return np.stack([g.reshape(-1) for g in grids], axis=1)
+
+
+def _moves(space: SearchSpace, key: Key, choices: list[list[int]]) -> list[Key]:
+    """Region changes, one-variable changes and block moves from ``key``."""
+    out: set[Key] = set()
+    n = len(key)
+    for j in range(n):
+        for c in choices[j]:
+            if c != key[j]:
+                out.add(key[:j] + (c,) + key[j + 1:])
+    lengths = sorted({2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64} & set(range(2, n)) | {n - 1})
+    codes = sorted({c for ch in choices[1:] for c in ch})
+    for length in lengths:
+        for start in range(1, n - length + 1):
+            for c in codes:
+                new = list(key)
+                for j in range(start, start + length):
+                    if c in choices[j]:
+                        new[j] = c
+                new_key = tuple(new)
+                if new_key != key:
+                    out.add(new_key)
+    return sorted(out)
+
+
+def descend(ps: PlanSpace, budget: float, lambdas: Iterable[float] | None = None,
+            max_steps: int = 200) -> dict[Key, tuple[float, float]]:
+    """Plans found by Lagrangian coordinate descent with block moves: {key: (time, pred)}.
+
+    For each λ (increasing, warm-started from the previous solution), repeatedly take the
+    best move while it lowers ``time / t_fp32 + λ (pred / budget)²``.
+    """
+    space = ps.space
+    choices = _choice_codes(space)
+    t32 = ps.cost.fp32_time
+    seen: dict[Key, tuple[float, float]] = {}
+
+    def score(keys: list[Key]) -> list[tuple[float, float]]:
+        new = [k for k in keys if k not in seen]
+        if new:
+            arr = np.array(new, dtype=np.intp)
+            for k, t, p in zip(new, ps.times(arr), ps.predicted(arr), strict=True):
+                seen[k] = (float(t), float(p))
+        return [seen[k] for k in keys]
+
+    starts = sorted({space.uniform(p) for p in PRECISIONS})
+    score(starts)
+    lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 13))
+    scale = max(budget, 1e-12)
+
+    def objective(tp: tuple[float, float], lam: float) -> float:
+        t, p = tp
+        return t / t32 + lam * (p / scale) ** 2 if math.isfinite(t) else math.inf
+
+    current = min(starts, key=lambda k: seen[k][0])
+    for lam in lambdas:
+        cands = [current, *starts]
+        best = min(cands, key=lambda k: objective(seen[k], lam))
+        for _ in range(max_steps):
+            moves = _moves(space, best, choices)
+            vals = score(moves)
+            j = int(np.argmin([objective(v, lam) for v in vals]))
+            if objective(vals[j], lam) >= objective(seen[best], lam) * (1 - 1e-12):
+                break
+            best = moves[j]
+        current = best
+    return seen
+
+
+class Planner:
+    """Candidate plans in order of time, and the rule for which one to measure next."""
+
+    def __init__(self, space: SearchSpace, cost: CostModel,
+                 estimate: Callable[[str, str], float] | None, *, budget: float,
+                 margin: float = 1.25, prune: bool = True) -> None:
+        self.space = space
+        self.ps = PlanSpace(space, cost, estimate)
+        self.budget = budget
+        self.margin = margin
+        self.prune = prune  # False (a metric budget): predictions are in other units
+        if space.size <= ENUMERATE:
+            keys = enumerate_keys(space)
+            times = self.ps.times(keys)
+            preds = self.ps.predicted(keys)
+            self.method = "enumeration"
+        else:
+            found = descend(self.ps, budget)
+            keys = np.array(list(found), dtype=np.int8)
+            times = np.array([v[0] for v in found.values()])
+            preds = np.array([v[1] for v in found.values()])
+            self.method = "descent"
+        finite = np.isfinite(times)
+        keys, times, preds = keys[finite], times[finite], preds[finite]
+        order = np.lexsort((preds, times))
+        self.keys = keys[order].astype(np.int8)
+        self.times = times[order]
+        self.preds = preds[order]
+        self.priced = int(finite.size)
+        self.correction = 1.0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def correct(self, measured: Mapping[Key, float]) -> float:
+        """Update the correction from measured errors (median measured / predicted)."""
+        ratios = []
+        for key, err in measured.items():
+            p = float(self.ps.predicted(np.array([key]))[0])
+            if p > 0 and math.isfinite(err):
+                ratios.append(err / p)
+        if ratios:
+            self.correction = float(np.clip(np.median(ratios), *CORRECTION))
+        return self.correction
+
+    def next(self, measured: Mapping[Key, float], feasible: Mapping[Key, bool],
+             busy: Iterable[Key] = ()) -> Key | None:
+        """The next plan to measure, or None when the search is complete.
+
+        ``measured``: key -> measured error; ``feasible``: key -> within budget (on eval
+        data too); ``busy``: keys other workers are measuring now.
+        """
+        self.correct(measured)
+        busy = set(busy)
+        limit = self.margin * self.budget / self.correction
+        for i in range(len(self.keys)):
+            key = tuple(int(c) for c in self.keys[i])
+            if key in measured:
+                if feasible.get(key):
+                    return None  # the fastest remaining candidate is feasible: done
+                continue
+            if key in busy:
+                continue
+            if self.prune and self.preds[i] > limit:
+                continue
+            return key
+        return None
+
+    def front(self, n: int, measured: Mapping[Key, float], busy: Iterable[Key] = ()
+              ) -> Key | None:
+        """For a Pareto front: the next unmeasured plan of ``n`` spread evenly along the
+        predicted (time, error) front up to 3x the budget, fastest first."""
+        busy = set(busy)
+        best = math.inf
+        front: list[int] = []
+        for i in range(len(self.keys)):  # by time: a point is on the front when it is
+            if self.preds[i] < best:     # more accurate than every faster one
+                front.append(i)
+                best = self.preds[i]
+        if not front:
+            return None
+        front = [i for i in front if self.preds[i] <= 3 * self.budget] or front[-1:]
+        at = np.unique(np.linspace(0, len(front) - 1, max(n, 2)).round().astype(int))
+        for i in (front[j] for j in at):
+            key = tuple(int(c) for c in self.keys[i])
+            if key not in measured and key not in busy:
+                return key
+        return None
+
+
+def uniform_keys(space: SearchSpace) -> dict[str, Key]:
+    """The uniform plans (one global precision), for baselines and reports."""
+    return {p: space.uniform(p) for p in PRECISIONS}
+
+
+__all__ = ["ENUMERATE", "PlanSpace", "Planner", "descend", "enumerate_keys", "uniform_keys"]

@@ -1,0 +1,163 @@
+"""What runs is what is priced: a real forward under ``apply_policy``, counted op by op by a
+dispatch mode written here (not the cost model's code), against the plan the cost model
+prices — every cast, every GEMM's dtype, and the bytes moved.
+
+The count is taken on this CPU for a CUDA target (h100): apply then runs the ops CUDA
+autocast keeps in fp32 (layer_norm, softmax, ...) in fp32, as the plan assumes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autoprec.apply.apply import apply_policy
+from autoprec.cost import CostModel, get_profile
+from autoprec.loading import load_model_file
+from autoprec.plan.compile import compile_plan
+from autoprec.policy import Policy, gemm_leaf_paths
+from autoprec.trace import trace
+from tests import zoo
+
+pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
+ROOT = Path(__file__).resolve().parents[2]
+_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution"}
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class Count(TorchDispatchMode):
+    """Casts (``_to_copy`` changing the dtype), GEMMs by operand dtype and module, bytes."""
+
+    def __init__(self, stack: list[str], skip: list[int]) -> None:
+        super().__init__()
+        self.stack, self.skip = stack, skip
+        self.casts = 0
+        self.gemms: dict[str, Counter[str]] = {}
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.skip[0]:
+            return out
+        name = func.overloadpacket.__name__
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        schema = func._schema
+        if any(r.alias_info is not None for r in schema.returns) and not schema.is_mutable:
+            return out  # a view: no kernel
+        if name == "_to_copy" and ins and outs and ins[0].dtype == outs[0].dtype:
+            return out  # a no-op copy (an explicit .float() of an fp32 tensor)
+        if name == "_to_copy":
+            self.casts += 1
+        if name in _GEMMS or name.startswith("_scaled_dot_product"):
+            dts = {_NAMES.get(t.dtype, str(t.dtype)) for t in ins if t.is_floating_point()}
+            where = self.stack[-1] if self.stack else ""
+            self.gemms.setdefault(where, Counter())[",".join(sorted(dts))] += 1
+        if name == "embedding":  # the rows it gathers, as the plan prices it
+            self.bytes += 2 * sum(t.numel() * t.element_size() for t in outs)
+        else:
+            self.bytes += sum(t.numel() * t.element_size() for t in (*ins, *outs))
+        return out
+
+
+def run_counted(model: torch.nn.Module, policy: Policy, fwd, batch,
+                target: str = "h100") -> Count:
+    stack: list[str] = []
+    skip = [0]
+    fp8 = set(compile_plan(policy, model).fp8_leaves)
+    handles = []
+    for path, mod in model.named_modules():
+        def pre(_m, _a, p=path):
+            stack.append(p)
+            skip[0] += p in fp8  # the emulated fp8 backend's insides are not what a GPU runs
+
+        def post(_m, _a, _o, p=path):
+            stack.pop()
+            skip[0] -= p in fp8
+
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    counter = Count(stack, skip)
+    try:
+        with apply_policy(model, policy, target=target), torch.no_grad(), counter:
+            fwd(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return counter
+
+
+def _cases():
+    out = []
+    for name in ("mixed8", "wide"):
+        spec = load_model_file(ROOT / "experiments" / name / "model.py")
+        out.append((name, spec.model(), spec.forward, spec.calibration_batches()[0]))
+    for name in ("bert", "gpt2", "vit"):
+        case = zoo.ALL[name]()
+        fwd = case.forward or (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
+        out.append((name, case.model, fwd, case.batch))
+    return out
+
+
+def _policies(model: torch.nn.Module) -> dict[str, Policy]:
+    leaves = gemm_leaf_paths(model)
+    half = len(leaves) // 2
+    return {
+        "uniform fp16": Policy(default="fp16"),
+        "uniform tf32": Policy(default="tf32"),
+        "fp32 + a rule per leaf": Policy(default="fp32", layers={k: "bf16" for k in leaves}),
+        "bf16 + fp16 tail": Policy(default="bf16", layers={k: "fp16" for k in leaves[half:]}),
+        "fp16 + fp32 islands": Policy(default="fp16",
+                                      layers={k: "fp32" for k in leaves[::3]}),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_casts_gemm_dtypes_and_bytes_match_an_independent_count(case) -> None:
+    name, model, fwd, batch = case
+    graph = trace(model, batch, forward=fwd, tracers=("hooks",))
+    cost = CostModel(graph, get_profile("h100"))  # priced at the traced (calibration) batch
+    for label, pol in _policies(model).items():
+        bd = cost.breakdown(pol)
+        assert bd.invalid is None, (label, bd.invalid)
+        got = run_counted(model, pol, fwd, batch)
+        assert got.casts == bd.casts + bd.weight_casts, (name, label)
+        # the counter sees dtypes: a tf32 GEMM reads fp32 operands (rounded inside)
+        planned = {m: set(p.replace("tf32", "fp32").split(","))
+                   for m, p in bd.gemm_precision.items()}
+        counted = {m: set(c) for m, c in got.gemms.items()}
+        assert counted == planned, (name, label)
+        if "tf32" in label:
+            continue  # emulated here by rounding kernels a GPU does not run
+        priced = sum(k.bytes for _, k in cost.kernels(pol))
+        assert priced == pytest.approx(got.bytes, rel=0.15), (name, label)
+
+
+def test_one_uniform_policy_runs_like_one_global_autocast() -> None:
+    """``default: bf16`` and no rules runs exactly what a user's one line of
+    ``torch.autocast`` runs: the same casts, GEMM dtypes and bytes (for a CPU target, whose
+    autocast lists this CPU applies). For a CUDA target, layer_norm runs in fp32 as on CUDA:
+    two casts more per LayerNorm (its 16-bit input up, its fp32 output down for the next
+    GEMM), and the plan counts them."""
+    spec = load_model_file(ROOT / "experiments" / "wide" / "model.py")
+    model, batch = spec.model(), spec.calibration_batches()[0]
+    theirs = Count([], [0])
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), theirs:
+        spec.forward(model, batch)
+    mine = run_counted(model, Policy(default="bf16"), spec.forward, batch, target="cpu")
+    assert (mine.casts, mine.bytes) == (theirs.casts, theirs.bytes)
+    assert sum(mine.gemms.values(), Counter()) == sum(theirs.gemms.values(), Counter())
+    cuda = run_counted(model, Policy(default="bf16"), spec.forward, batch, target="h100")
+    norms = sum(1 for m in model.modules() if isinstance(m, torch.nn.LayerNorm))
+    assert cuda.casts == theirs.casts + 2 * norms
+    graph = trace(model, batch, forward=spec.forward, tracers=("hooks",))
+    bd = CostModel(graph, get_profile("h100")).breakdown(Policy(default="bf16"))
+    assert bd.casts + bd.weight_casts == cuda.casts
