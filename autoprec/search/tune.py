@@ -29,10 +29,10 @@ import autoprec
 from autoprec.cost import CostModel, get_profile
 from autoprec.errors import InputError
 from autoprec.evaluate import reference, score
-from autoprec.hashing import data_hash, weights_hash
+from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
-from autoprec.paths import check_out_path
+from autoprec.paths import check_out_path, remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.probe import probe
@@ -45,6 +45,7 @@ from autoprec.search.storage import count_finished, describe_storage, join_study
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, Tracker, log_tune_artifacts
+from autoprec.validate import check_tune_args
 
 DEFAULT_MAX_ERROR = 0.01
 
@@ -142,6 +143,10 @@ def tune(
     study holds that many finished trials). See DESIGN.md for the contract.
     """
     started = time.monotonic()
+    check_tune_args(max_error=max_error, max_drop=max_drop, target=target, batch_size=batch_size,
+                    trials=trials, timeout=timeout, seed=seed, patience=patience,
+                    min_speedup=min_speedup, storage=storage, study_name=study_name, out=out,
+                    cache_dir=cache_dir)  # before any work (autoprec.validate)
     budget, budget_name = _check_budget(max_error, max_drop)
     if train_aware and not isinstance(model, ModelSpec):
         model = load_model_file(model)
@@ -178,7 +183,8 @@ def tune(
     out_path = Path(out) if out is not None else Path("policies") / f"{spec.name}-{target}.yaml"
     check_out_path(out_path)  # before any expensive work
 
-    ref = reference(spec, net, calib, "of calibration_data")  # also: the model accepts it
+    ref = reference(spec, net, calib, "of calibration_data",  # also: the model accepts it
+                    need_outputs=budget_name != "max_drop")
     eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
     check = score(spec, net, calib, ref, "of calibration_data")
     if check.error != 0.0:
@@ -220,6 +226,7 @@ def tune(
         "target": target, "batch_size": deploy_bs, "budget": budget,
         "budget_kind": budget_name, "precisions": list(wanted), "locked": sorted(locked),
         "min_speedup": min_speedup, "data": data_hash(calib), "weights": weights_hash(net),
+        "code": code_hash(spec, net),
     }))
     tag = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     study_name = study_name if study_name is not None else (
@@ -325,6 +332,7 @@ def tune(
         policy.metrics["train_fidelity"] = not trained["diverged"]
     eval_error = chosen.eval_error if chosen.eval_error is not None else chosen.calib.error
     policy.save(out_path)
+    remove_stale_fronts(out_path)  # an earlier --pareto run's front files are not this run's
     front_pols, front_paths = [], []
     if pareto:
         for i, c in enumerate(select.pareto_front(cands)):
@@ -377,10 +385,12 @@ def _graceful_interrupt(driver: Driver) -> Iterator[list[bool]]:
               file=sys.stderr)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
+    previous_term = signal.signal(signal.SIGTERM, on_sigint)  # a kill / scheduler stop
     try:
         yield hit
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
 
 
 def _without_metric(spec: ModelSpec) -> ModelSpec:
