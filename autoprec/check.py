@@ -10,7 +10,10 @@ the CLI exits 1 with the reasons) when:
   unlike ``eval``, which refuses a mismatch with exit 2, ``check`` loads the policy anyway
   to evaluate it and reports the change as a failed gate (``force`` accepts the change);
 - the target device cannot run a precision the policy uses (``profile.supports``);
-- the audit finds a GEMM that did not compute in its rule's precision.
+- the audit finds a GEMM that did not compute in its rule's precision;
+- the policy file itself says ``feasible: false`` (tune wrote the closest candidate when
+  nothing met its budget or its speed target ``--min-speedup``): such a file never passes;
+  the reason says which of the two tune missed.
 
 Bad input (model.py, a policy that does not validate, both budgets) stays InputError (2).
 """
@@ -36,6 +39,7 @@ from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, re
 from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.trace import trace
 from autoprec.trace.graph import fingerprint
+from autoprec.validate import check_batch_size
 
 DEFAULT_MAX_ERROR = 0.01  # DESIGN.md: --max-error 0.01 when nothing else says
 DEFAULT_TARGET = "h100"  # what tune prices for when no target is given (as eval)
@@ -133,6 +137,26 @@ def _budget(policy: Policy, spec: ModelSpec, max_error: float | None,
         why = "the policy's budget is a metric drop" if source == "policy" else flag
         raise InputError(f"{spec.path}: {why} needs a metric(outputs, batch) in model.py")
     return kind, float(value), source
+
+
+def _marked_infeasible(policy: Policy) -> str | None:
+    """Why a policy whose file says ``feasible: false`` fails (None: it does not say so)."""
+    if policy.metrics.get("feasible") is not False:
+        return None
+    kind = "metric_drop" if "metric_drop" in policy.metrics else "error"
+    value, budget = policy.metrics.get(kind), policy.metrics.get("budget")
+    name = kind.replace("_", " ")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                  for x in (value, budget))
+    if numbers and value <= budget:
+        return (f"the policy file says feasible: false: tune missed its speed target "
+                f"(--min-speedup; est. speed-up {policy.metrics.get('est_speedup', '?')}x) "
+                f"although its {name} {value:.4g} was within budget {budget:g}; re-tune "
+                "with a reachable --min-speedup")
+    over = f" ({name} {value:.4g} > budget {budget:g})" if numbers else ""
+    return (f"the policy file says feasible: false: when tuned it was over its budget"
+            f"{over}, the closest candidate tune found; re-tune with a larger budget or "
+            "more trials")
 
 
 def _first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
@@ -242,8 +266,7 @@ def check(
     accepts a changed fingerprint (noted, not failed). Raises InputError/PolicyError
     (exit 2) for bad input.
     """
-    if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
-        raise InputError(f"--batch-size: must be >= 1, got {batch_size}")
+    check_batch_size(batch_size)
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
@@ -329,6 +352,9 @@ def check(
     elif not value <= budget:  # also catches nan
         reasons.append(f"{name} {value:.4g} > budget {budget:g} ({source}) on eval data "
                        f"({len(batches)} batches)")
+    marked = _marked_infeasible(policy)
+    if marked:
+        reasons.append(marked)
     result.feasible = bool(value is not None and value <= budget and not layer_why)
     result.passed = not reasons
     return result

@@ -35,5 +35,11 @@ class CheckFailed(AutoprecError):
     """A gate did not pass: over budget, changed model, or an unrunnable precision. Exit 1."""
 
 
+class OutputError(InputError):
+    """A file autoprec must write cannot be written where it was asked to: the path is not
+    a regular file (a FIFO, a device), its folder cannot be created or written, or the disk
+    is full. Exit code 2; an atomic write leaves the previous file intact."""
+
+
 class TrackingError(InputError):
     """The MLflow tracking server cannot be reached or used (found before expensive work)."""

@@ -1,16 +1,25 @@
-"""Content hashes of data and weights (the fingerprint covers only the structure).
+"""Content hashes of data, weights and code (the fingerprint covers only the structure).
 
 Used for the probe cache key and for what a tuning study depends on (provenance,
-"is this the same study?"): one definition, so both agree.
+"is this the same study?"): one definition, so both agree. ``code_hash`` ties a study to
+the code that produced its numbers: the model.py file, the functions model.py provides
+(wherever they are defined) and the source of the model's own module classes — an edit
+of ``forward()``, ``metric()`` or a module's ``forward`` makes a new study, not a reuse of
+numbers the old code produced.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+import importlib.metadata
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from autoprec.loading import USER_MODULE_PREFIX
 
 
 def _feed(h: Any, obj: Any) -> None:
@@ -47,4 +56,92 @@ def weights_hash(model: torch.nn.Module) -> str:
     for name, t in model.state_dict(keep_vars=False).items():
         h.update(name.encode())
         _feed(h, t)
+    return "sha256:" + h.hexdigest()
+
+
+def _module(obj: Any) -> str:
+    """The module name, with model.py's import name (it holds a hash of the file's
+    path) replaced by "model.py": the same code in another checkout hashes the same."""
+    name = str(getattr(obj, "__module__", "") or "")
+    return "model.py" if name.startswith(USER_MODULE_PREFIX) else name
+
+
+def _code_blob(code: Any) -> str:
+    """Bytecode, constants and names of a code object, nested ones included (their repr
+    carries a memory address, so they are expanded instead)."""
+    parts = [code.co_code.hex(), repr(code.co_names)]
+    for c in code.co_consts:
+        parts.append(_code_blob(c) if inspect.iscode(c) else repr(c))
+    return "|".join(parts)
+
+
+def function_code(fn: Callable[..., Any] | None) -> str:
+    """What identifies a user function: its qualified name and source (bytecode where the
+    source is unavailable); wrappers (functools.wraps) are seen through."""
+    if fn is None:
+        return ""
+    fn = inspect.unwrap(fn)
+    name = f"{_module(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    try:
+        return name + "\n" + inspect.getsource(fn)
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        return name + "\n" + (_code_blob(code) if code is not None else repr(fn))
+
+
+def module_code_hash(model: torch.nn.Module) -> str:
+    """``sha256:…`` of the source of the model's module classes and their bases. torch's
+    own classes are left out (the torch version stands for them), and so are those of
+    installed packages (site-packages): their package's version stands for them (reading
+    transformers' sources would cost a second per call). A class without source (built at
+    run time, a C extension) contributes its name and the bytecode of its ``forward``."""
+    h = hashlib.sha256()
+    classes: dict[str, type] = {}
+    for m in model.modules():
+        for cls in type(m).__mro__:
+            if cls is object or cls.__module__.split(".")[0] == "torch":
+                continue
+            classes.setdefault(f"{_module(cls)}.{cls.__qualname__}", cls)
+    for name in sorted(classes):
+        h.update(name.encode())
+        h.update(_class_code(classes[name]).encode())
+    return "sha256:" + h.hexdigest()
+
+
+def _class_code(cls: type) -> str:
+    try:
+        file = inspect.getsourcefile(cls)
+    except TypeError:  # a built-in or C extension class
+        file = None
+    if file is not None and {"site-packages", "dist-packages"} & set(Path(file).parts):
+        top = cls.__module__.split(".")[0]
+        try:
+            return f"{top}=={importlib.metadata.version(top)}"
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            pass
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return function_code(cls.__dict__.get("forward"))
+
+
+#: A model.py larger than this is not hashed whole (its functions and classes still are).
+_MAX_SOURCE_BYTES = 64 << 20
+
+
+def code_hash(spec: Any, model: torch.nn.Module | None = None) -> str:
+    """``sha256:…`` of what a study's numbers depend on in code: the bytes of ``spec.path``
+    (model.py), the source of the spec's functions (build_model, calibration_data,
+    eval_data, forward, metric, loss) and, given ``model``, of its module classes."""
+    h = hashlib.sha256()
+    path = Path(getattr(spec, "path", ""))
+    try:
+        if path.is_file() and path.stat().st_size <= _MAX_SOURCE_BYTES:
+            h.update(path.read_bytes())
+    except OSError:
+        pass
+    for attr in ("build_model", "calibration_data", "eval_data", "forward", "metric", "loss"):
+        h.update(f"\0{attr}\0{function_code(getattr(spec, attr, None))}".encode())
+    if model is not None:
+        h.update(module_code_hash(model).encode())
     return "sha256:" + h.hexdigest()

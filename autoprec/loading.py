@@ -3,14 +3,30 @@
 Required: ``build_model()`` and ``calibration_data()``. Optional: ``eval_data()``,
 ``forward(model, batch)``, ``metric(outputs, batch)``, ``loss(outputs, batch)``.
 Every failure is a ModelFileError (exit 2) naming the file and, when the user's own code
-raised, showing their error.
+raised, showing their error. ``sys.exit()`` in model.py (at import or in one of its
+functions) is reported the same way, never as a silent exit.
+
+What is checked here, once, for every command:
+
+- the file is a regular ``.py`` file (a FIFO would block the import forever);
+- ``calibration_data()`` / ``eval_data()`` return an iterable of batches: a bare tensor or
+  a dict is refused (iterating it would silently make each row, or each key, a batch); at
+  most ``MAX_BATCHES`` batches and ``MAX_DATA_BYTES`` of tensors are taken (every batch is
+  kept in memory: an endless generator is refused with that message, not followed until
+  memory runs out); a batch with 0 rows is refused;
+- ``metric()`` returns one number and ``loss()`` a scalar tensor, on every call.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
+import numbers
+import os
+import stat
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +34,15 @@ from typing import Any
 import torch
 
 from autoprec.errors import ModelFileError
+from autoprec.fileio import brief, file_kind
+from autoprec.metrics import batch_size_of
+
+#: model.py is imported as a module named this prefix + a hash of its resolved path.
+USER_MODULE_PREFIX = "autoprec_user_model_"
+#: At most this many batches are taken from calibration_data() / eval_data().
+MAX_BATCHES = 1000
+#: At most this many bytes of tensors in one data set (they are all kept in memory).
+MAX_DATA_BYTES = 8 << 30
 
 Batch = Any
 
@@ -37,7 +62,97 @@ def default_forward(model: torch.nn.Module, batch: Batch) -> Any:
 def _describe(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     first = text[0] if text else ""
+    if len(first) > 300:  # the user's message, quoted: bounded like every other value
+        first = first[:300] + "…"
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
+def _failed(what: str, err: BaseException) -> str:
+    """'build_model() raised ValueError: …' or 'build_model() called sys.exit(3)'."""
+    if isinstance(err, SystemExit):
+        return f"{what} called sys.exit({brief(err.code) if err.code is not None else ''})"
+    return f"{what} raised {_describe(err)}"
+
+
+def _nbytes(obj: Any, depth: int = 0) -> int:
+    """Bytes of the tensors inside a batch (tensors, mappings, tuples, lists)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.element_size() * obj.numel()
+    if depth > 8:
+        return 0
+    if isinstance(obj, Mapping):
+        return sum(_nbytes(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(v, depth + 1) for v in obj)
+    return 0
+
+
+def _shape(batch: Any) -> str:
+    if isinstance(batch, torch.Tensor):
+        return str(tuple(batch.shape))
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        for v in batch:
+            if isinstance(v, torch.Tensor):
+                return str(tuple(v.shape))
+    return "?"
+
+
+def as_number(path: Path, value: Any) -> float:
+    """What metric() returned, as a float; ModelFileError unless it is one number."""
+    if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "item")):
+        shape = tuple(getattr(value, "shape", ()))
+        size = 1
+        for d in shape:
+            size *= int(d)
+        if size != 1:
+            raise ModelFileError(f"{path}: metric() must return one number, got a "
+                                 f"{type(value).__name__} of shape {shape} (reduce it, e.g. "
+                                 ".mean().item())")
+        value = value.item()
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError:
+            raise ModelFileError(f"{path}: metric() returned {brief(value)}, too large for "
+                                 "a float") from None
+    raise ModelFileError(f"{path}: metric() must return one number, got "
+                         f"{type(value).__name__} {brief(value)}")
+
+
+def _checked_metric(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], float]:
+    @functools.wraps(fn)
+    def metric(outputs: Any, batch: Any) -> float:
+        try:
+            value = fn(outputs, batch)
+        except (Exception, SystemExit) as err:
+            raise ModelFileError(f"{path}: {_failed('metric()', err)}") from err
+        return as_number(path, value)
+
+    metric.__autoprec_checked__ = True  # type: ignore[attr-defined]
+    return metric
+
+
+def _checked_loss(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    @functools.wraps(fn)
+    def loss(outputs: Any, batch: Any) -> torch.Tensor:
+        try:
+            value = fn(outputs, batch)
+        except (Exception, SystemExit) as err:
+            raise ModelFileError(f"{path}: {_failed('loss()', err)}") from err
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            got = (f"a {value.dtype} tensor" if isinstance(value, torch.Tensor)
+                   else f"{type(value).__name__} {brief(value)}")
+            raise ModelFileError(f"{path}: loss() must return a floating scalar tensor "
+                                 f"(one number to minimise, with gradients), got {got}")
+        if value.numel() != 1:
+            raise ModelFileError(f"{path}: loss() must return a scalar tensor, got shape "
+                                 f"{tuple(value.shape)} (reduce it, e.g. .mean())")
+        return value
+
+    loss.__autoprec_checked__ = True  # type: ignore[attr-defined]
+    return loss
 
 
 @dataclass
@@ -53,12 +168,20 @@ class ModelSpec:
     metric: Callable[[Any, Batch], float] | None = None
     loss: Callable[[Any, Batch], torch.Tensor] | None = None
 
+    def __post_init__(self) -> None:
+        # metric() must give one number and loss() a scalar tensor on every call, the
+        # fp32 reference and the probes' calls included (code_hash sees through the wrap).
+        if self.metric is not None and not getattr(self.metric, "__autoprec_checked__", False):
+            self.metric = _checked_metric(self.path, self.metric)
+        if self.loss is not None and not getattr(self.loss, "__autoprec_checked__", False):
+            self.loss = _checked_loss(self.path, self.loss)
+
     def model(self) -> torch.nn.Module:
         """A fresh fp32 model in eval mode, checked against the contract."""
         try:
             model = self.build_model()
-        except Exception as err:
-            raise ModelFileError(f"{self.path}: build_model() raised {_describe(err)}") from err
+        except (Exception, SystemExit) as err:
+            raise ModelFileError(f"{self.path}: {_failed('build_model()', err)}") from err
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(
                 f"{self.path}: build_model() must return a torch.nn.Module, "
@@ -73,12 +196,42 @@ class ModelSpec:
         return model.eval()
 
     def _batches(self, fn: Callable[[], Iterable[Batch]], what: str) -> list[Batch]:
+        where = f"{self.path}: {what}()"
         try:
-            batches = list(fn())
-        except Exception as err:
-            raise ModelFileError(f"{self.path}: {what}() raised {_describe(err)}") from err
+            data = fn()
+            if isinstance(data, torch.Tensor):
+                raise ModelFileError(
+                    f"{where} returned one tensor of shape {tuple(data.shape)}; return a list "
+                    "of batches, e.g. [x] or list(x.split(32)) (iterating a tensor would make "
+                    "each row a batch)")
+            if isinstance(data, (Mapping, str, bytes)):
+                raise ModelFileError(
+                    f"{where} returned a {type(data).__name__}; return a list of batches, "
+                    "e.g. [batch] (iterating it would make each key a batch)")
+            batches, total = [], 0
+            for batch in data:
+                if len(batches) == MAX_BATCHES:
+                    raise ModelFileError(
+                        f"{where} yields more than {MAX_BATCHES} batches (an endless "
+                        "generator?); autoprec keeps every batch in memory: give at most "
+                        f"{MAX_BATCHES}, e.g. itertools.islice(batches, 64)")
+                total += _nbytes(batch)
+                if total > MAX_DATA_BYTES:
+                    raise ModelFileError(
+                        f"{where} yields more than {MAX_DATA_BYTES >> 30} GiB of tensors "
+                        f"in {len(batches) + 1} batches; autoprec keeps every batch in "
+                        "memory: give fewer or smaller batches")
+                batches.append(batch)
+        except ModelFileError:
+            raise
+        except (Exception, SystemExit) as err:
+            raise ModelFileError(f"{self.path}: {_failed(what + '()', err)}") from err
         if not batches:
-            raise ModelFileError(f"{self.path}: {what}() yielded no batches")
+            raise ModelFileError(f"{where} yielded no batches")
+        for i, batch in enumerate(batches):
+            if batch_size_of(batch) == 0:
+                raise ModelFileError(f"{self.path}: batch {i} of {what}() has 0 rows "
+                                     f"(shape {_shape(batch)}); leave empty batches out")
         return batches
 
     def calibration_batches(self) -> list[Batch]:
@@ -94,10 +247,13 @@ class ModelSpec:
         """Forward one batch; a failure is the user's model rejecting the batch (exit 2)."""
         try:
             return self.forward(model, batch)
-        except Exception as err:
+        except ModelFileError:
+            raise  # metric()/loss() inside a user forward: already named
+        except (Exception, SystemExit) as err:
             src = f" {what}" if what else ""
+            why = _failed("forward()", err) if isinstance(err, SystemExit) else _describe(err)
             raise ModelFileError(
-                f"{self.path}: the model rejected batch {index}{src}: {_describe(err)}"
+                f"{self.path}: the model rejected batch {index}{src}: {why}"
             ) from err
 
 
@@ -109,16 +265,33 @@ def _model_name(module: Any, path: Path) -> str:
     return path.resolve().parent.name if path.stem == "model" else path.stem
 
 
+def _nul_line(path: Path) -> int | None:
+    """The line of the first NUL byte (Python reports none for "cannot contain null bytes")."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    at = blob.find(b"\0")
+    return None if at < 0 else blob.count(b"\n", 0, at) + 1
+
+
 def load_model_file(path: str | Path) -> ModelSpec:
     """Import model.py and return its ModelSpec; ModelFileError on any contract breach."""
     path = Path(path)
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file")
-    if path.is_dir():
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: no such file") from None
+    except OSError as err:
+        raise ModelFileError(f"{path}: cannot read: {err.strerror or err}") from None
+    if stat.S_ISDIR(mode):
         raise ModelFileError(f"{path}: is a directory, expected a model.py file")
     if path.suffix != ".py":
         raise ModelFileError(f"{path}: not a Python file (expected a .py file)")
-    mod_name = f"autoprec_user_model_{abs(hash(str(path.resolve())))}"
+    if not stat.S_ISREG(mode):  # importing a FIFO would block forever
+        raise ModelFileError(f"{path}: is {file_kind(mode)}, not a regular file")
+    # Deterministic (str hash() is salted per process): the name appears in code hashes.
+    mod_name = USER_MODULE_PREFIX + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
         raise ModelFileError(f"{path}: cannot be imported as Python")
@@ -133,10 +306,12 @@ def load_model_file(path: str | Path) -> ModelSpec:
         spec.loader.exec_module(module)
     except SyntaxError as err:
         sys.modules.pop(mod_name, None)
-        raise ModelFileError(f"{path}:{err.lineno}: not valid Python: {err.msg}") from err
-    except Exception as err:
+        line = err.lineno if err.lineno is not None else _nul_line(path)
+        where = f"{path}:{line}" if line is not None else str(path)
+        raise ModelFileError(f"{where}: not valid Python: {err.msg}") from err
+    except (Exception, SystemExit) as err:
         sys.modules.pop(mod_name, None)
-        raise ModelFileError(f"{path}: importing it raised {_describe(err)}") from err
+        raise ModelFileError(f"{path}: {_failed('importing it', err)}") from err
     finally:
         if added:
             sys.path.remove(parent)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
+import re
 from pathlib import Path
 
 import torch
 
-from autoprec.errors import InputError
+from autoprec.errors import InputError, OutputError
 
 #: Prefixes added by wrappers: torch.compile (OptimizedModule), DDP / DataParallel.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
@@ -46,14 +46,77 @@ def covers(rule_path: str, path: str) -> bool:
 
 
 def check_out_path(path: Path) -> None:
-    """An output file can be written at ``path``: InputError (exit 2) naming it otherwise."""
-    if path.is_dir():
-        raise InputError(f"{path}: is a directory; give a file path such as "
-                         f"{path / 'policy.yaml'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise InputError(f"{path}: cannot create {path.parent}: "
-                         f"{err.strerror or err}") from err
-    if not os.access(path.parent, os.W_OK):
-        raise InputError(f"{path}: {path.parent} is not writable")
+    """An output file can be written at ``path``: OutputError (exit 2) naming it otherwise.
+
+    The nearest existing folder is really written to (a temp file made and removed): a
+    read-only file system or /proc is found here, before any long work. An existing
+    ``path`` must be a regular file — a FIFO or a device (``/dev/null``) is refused, never
+    replaced; a symlink is followed (the file it points to is replaced). See fileio.
+    """
+    from autoprec.fileio import check_writable
+
+    check_writable(path)
+
+
+def check_dir(path: Path, what: str) -> None:
+    """``path`` is, or can be created as, a folder autoprec may write in (a cache, the
+    policy folder): OutputError (exit 2) naming it and ``what`` it is for otherwise.
+    Creates nothing."""
+    from autoprec.fileio import check_writable
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path}: exists and is not a directory")
+    check_writable(path / ".autoprec-write-check")
+
+
+_FRONT = r"\.front\d+"
+
+
+def remove_stale_fronts(out: Path) -> list[Path]:
+    """Remove the Pareto front files of an earlier run beside ``out`` (``STEM.frontK.SUFFIX``,
+    what ``tune --pareto`` writes), so that the ones written next are the only ones there.
+    Returns what was removed; a file that cannot be removed is OutputError (exit 2)."""
+    out = Path(out)
+    pattern = re.compile(re.escape(out.stem) + _FRONT + re.escape(out.suffix) + r"\Z")
+    removed = []
+    folder = out.parent
+    if not folder.is_dir():
+        return removed
+    for entry in sorted(folder.iterdir()):
+        if pattern.match(entry.name) and (entry.is_file() or entry.is_symlink()):
+            try:
+                entry.unlink()
+            except FileNotFoundError:
+                continue  # another worker removed it
+            except OSError as err:
+                raise OutputError(f"{entry}: cannot remove this stale Pareto front file: "
+                                  f"{err.strerror or err}") from None
+            removed.append(entry)
+    return removed
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a ``sqlite:///PATH`` URL (None: in memory, or not SQLite)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url[len("sqlite:///"):].split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
+def check_sqlite_url(url: str, flag: str, shown: str | None = None,
+                     error: type[InputError] = InputError) -> None:
+    """One rule for every SQLite URL a user gives (``--storage``, ``--mlflow-uri``): the
+    folder of the database file must exist (autoprec never creates folders a URL names — a
+    typo would silently start a new empty store), and the file must not be a folder.
+    ``error`` (an InputError, exit 2) naming the flag and the folder otherwise."""
+    file = sqlite_file(url)
+    if file is None:
+        return
+    shown = shown or url
+    if not file.parent.is_dir():
+        raise error(f"{flag} '{shown}': directory '{file.parent}' does not exist")
+    if file.is_dir():
+        raise error(f"{flag} '{shown}': '{file}' is a directory, not a database file")
+    if file.exists() and not file.is_file():
+        raise error(f"{flag} '{shown}': '{file}' is not a regular file")

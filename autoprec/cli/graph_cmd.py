@@ -23,7 +23,9 @@ def graph_cmd(
     the precisions it may take (with the reason for the others)."""
     from autoprec.loading import load_model_file
     from autoprec.trace import TRACERS, trace
+    from autoprec.validate import check_seconds
 
+    check_seconds(export_timeout, "--export-timeout", allow_zero=True)
     spec = load_model_file(model)
     net = spec.model()
     batch = spec.calibration_batches()[0]

@@ -2,12 +2,19 @@
 
 Every library error becomes one line on stderr and its exit code (AutoprecError.exit_code:
 1 check failed / nothing feasible, 2 bad input); anything else is a bug and keeps its
-traceback.
+traceback. Library warnings are one ``autoprec: warning: …`` line each. SIGTERM is
+treated like Ctrl-C (``tune`` finishes the running trial, then exits 130).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import typer
 
@@ -31,12 +38,65 @@ def _register() -> None:
         register(app)
 
 
+#: The longest error line printed; messages quote values briefly, this is the last guard.
+MAX_MESSAGE = 2000
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 20] + " … (cut short)"
+
+
+def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    text = str(message).strip().splitlines()
+    print(f"autoprec: warning: {_bounded(text[0]) if text else category.__name__}",
+          file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _cli_signals_and_warnings() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt (as Ctrl-C does); warnings print as one line."""
+    with warnings.catch_warnings():
+        original = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            if issubclass(category, UserWarning):
+                _show_warning(message, category, *args, **kwargs)
+            else:  # DeprecationWarning & co. from libraries: their usual form
+                original(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_term(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the process exit code."""
+    with _cli_signals_and_warnings():
+        _main(argv)
+    return 0  # not reached: _main always exits
+
+
+def _main(argv: list[str] | None) -> None:
     # Kept in the package module: ``python -m autoprec.cli.main`` runs this file as
     # __main__, a different module object from autoprec.cli.main.
     cli.current_argv[:] = list(sys.argv[1:] if argv is None else argv)
     _register()
+    if not cli.current_argv:  # typer prints the help, then raises an empty usage error
+        app(args=["--help"], standalone_mode=False)
+        print("autoprec: error: missing command (one of those above, e.g. autoprec tune "
+              "model.py)", file=sys.stderr)
+        sys.exit(2)
     try:
         # Non-standalone typer *returns* the code of a typer.Exit (and 130 for Ctrl-C).
         rc = app(args=argv, standalone_mode=False)
@@ -45,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("autoprec: interrupted", file=sys.stderr)
             sys.exit(rc)
     except AutoprecError as err:
-        print(f"autoprec: error: {err}", file=sys.stderr)
+        print(f"autoprec: error: {_bounded(str(err))}", file=sys.stderr)
         sys.exit(err.exit_code)
     except typer.Exit as ex:
         sys.exit(ex.exit_code)
@@ -55,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         # typer bundles its own copy of click: match its usage errors by shape, not class.
         if callable(getattr(err, "format_message", None)) and getattr(err, "exit_code", 0) == 2:
-            print(f"autoprec: error: {err.format_message()}", file=sys.stderr)
+            message = err.format_message().strip()
+            if message:  # empty: the help was printed instead (a group without a command)
+                print(f"autoprec: error: {message}", file=sys.stderr)
             sys.exit(2)
         if type(err).__name__ == "Abort":
             print("autoprec: interrupted", file=sys.stderr)

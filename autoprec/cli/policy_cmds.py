@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
-from autoprec.errors import CheckFailed, InputError
+from autoprec.errors import CheckFailed
 
 #: The target tune prices for when neither --target nor the policy names one.
 DEFAULT_TARGET = "h100"
@@ -144,9 +144,9 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     from autoprec.metrics import batch_size_of
     from autoprec.policy import load_policy
     from autoprec.trace import trace
+    from autoprec.validate import check_batch_size
 
-    if batch_size is not None and batch_size < 1:
-        raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
+    check_batch_size(batch_size)  # autoprec.validate: [1, MAX_BATCH_SIZE]
     spec = load_model_file(model)
     net = spec.model()
     pol = load_policy(policy_path, model=net, force=force)

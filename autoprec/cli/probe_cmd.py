@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Annotated, Any
 import typer
 
 from autoprec.errors import InputError
-from autoprec.paths import check_out_path
+from autoprec.fileio import atomic_write, brief
+from autoprec.paths import check_dir, check_out_path
 from autoprec.precisions import parse_precisions
 
 #: What the printed table shows (the CSV / JSON carry every column).
@@ -32,34 +34,39 @@ def probe_cmd(
 ) -> None:
     """Probe MODEL's GEMM layers in each precision: local error, range (overflow /
     underflow), a cheap end-to-end estimate and, where it matters, the measured one."""
+    from autoprec.evaluate import reference
     from autoprec.loading import load_model_file
     from autoprec.probe import probe
+    from autoprec.validate import check_budget
 
     precs = parse_precisions(precisions)  # a bad name: InputError, exit 2
     if e2e not in ("auto", "all", "none"):
-        raise InputError(f"--e2e: expected auto, all or none, got {e2e!r}")
+        raise InputError(f"--e2e: expected auto, all or none, got {brief(e2e)}")
     if max_error is not None and max_drop is not None:
         raise InputError("--max-error and --max-drop are exclusive: give one budget")
-    for name, value in (("--max-error", max_error), ("--max-drop", max_drop)):
-        if value is not None and not value >= 0:
-            raise InputError(f"{name}: must be >= 0, got {value}")
+    check_budget(max_error, max_drop)
     if out is not None:
         check_out_path(out)  # before the probes run
+    if cache_dir is not None:
+        check_dir(cache_dir, "--cache-dir")
     spec = load_model_file(model)
     if max_drop is not None and spec.metric is None:
         raise InputError(f"{spec.path}: --max-drop needs a metric(outputs, batch) in model.py")
     net = spec.model()
     batches = spec.calibration_batches()
-    # A batch the model rejects is the user's error (exit 2), found before probing.
-    spec.run(net, batches[0], 0, "of calibration_data()")
+    # The fp32 reference, as tune computes it: a batch the model rejects, a forward with no
+    # floating output, a non-finite output or metric is the user's error (exit 2), found
+    # before probing (the probes would otherwise blame every layer).
+    used = spec if max_drop is not None else dataclasses.replace(spec, metric=None)
+    reference(used, net, batches, "of calibration_data()")
     table = probe(
         net, batches, precs, forward=spec.forward, loss=spec.loss,
         metric=spec.metric if max_drop is not None else None, e2e=e2e, layers=layer,
         budget=max_drop if max_drop is not None else max_error, cache_dir=cache_dir,
         progress=not quiet and not json_out,
     )
-    if out is not None:
-        table.to_csv(out)
+    if out is not None:  # atomic: a reader never sees half a table
+        atomic_write(out, table.to_frame().to_csv(index=False))
     if json_out:
         doc = table.to_json()
         doc["model"] = spec.name

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from autoprec.errors import CheckFailed, InputError
+from autoprec.errors import CheckFailed
 from autoprec.precisions import parse_precisions
 
 
@@ -46,9 +46,14 @@ def tune_cmd(
     from autoprec.search.tune import tune
     from autoprec.search.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
+    from autoprec.validate import check_tune_args
 
-    if workers < 1:
-        raise InputError(f"--workers: must be >= 1, got {workers}")
+    # Every option is checked before anything runs: workers, tracking, model.py, probes.
+    check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
+                    batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
+                    patience=patience, min_speedup=min_speedup, storage=storage,
+                    study_name=study_name, out=out, workers=workers)
+    parse_precisions(precisions)
     if workers > 1:
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
@@ -93,6 +98,13 @@ def tune_cmd(
               f"{result.evaluations:.1f} evaluations, {result.seconds:.0f}s"
               + ("; search complete" if result.complete else ""))
     if not result.feasible:
+        if (min_speedup is not None and result.eval_error <= result.budget
+                and result.est_speedup < min_speedup):
+            raise CheckFailed(
+                f"no policy reaches the speed target --min-speedup {min_speedup:g} within "
+                f"budget {result.budget}: the closest is est. {result.est_speedup:.2f}x "
+                f"(error {summary['error']}, within budget); wrote it to {result.path} "
+                "marked feasible: false")
         raise CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
                           f"closest (error {summary['error']}) to {result.path} marked "
                           "feasible: false")

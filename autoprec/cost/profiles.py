@@ -254,13 +254,11 @@ class Calibration:
         return out
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically (temp file + rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        tmp.replace(path)
-        return path
+        """Write atomically: a unique temp file in the same folder, fsync, ``os.replace``
+        (autoprec.fileio); OutputError (exit 2) if it cannot be written, the old file kept."""
+        from autoprec.fileio import atomic_write
+
+        return atomic_write(Path(path), yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -12,9 +12,7 @@ that need the model (paths, fingerprint, fp8 eligibility) live in resolve.py and
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,8 +23,10 @@ import torch
 import yaml
 
 from autoprec.errors import PolicyError
+from autoprec.fileio import MiB, atomic_write, brief, read_regular
 from autoprec.paths import normalize_path
 from autoprec.precisions import PRECISIONS
+from autoprec.validate import MAX_BATCH_SIZE
 
 #: The schema version this autoprec reads and writes.
 SCHEMA_VERSION = 1
@@ -40,6 +40,16 @@ _TARGET_KEYS = ("device", "batch_size")
 #: Metrics with a fixed type; others may be any scalar.
 _NUMBER_METRICS = ("error", "metric_drop", "budget", "est_speedup")
 _BOOL_METRICS = ("feasible",)
+
+#: A policy is a reviewed artifact that CI gates load: its size and shape are bounded
+#: before anything is built from it. A policy of a 10,000-layer model with reasons is
+#: about 1.2 MiB (PyYAML reads ~1 MiB/s); it nests 3 levels (provenance mappings 4).
+MAX_POLICY_BYTES = 4 * MiB
+MAX_DEPTH = 16
+#: Integers in a policy are versions, batch sizes and counts: a 40-digit one is a typo,
+#: and a 5000-digit one would hit Python's int/str conversion limit.
+MAX_INT_DIGITS = 40
+_FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}\Z")
 
 
 class PolicyWarning(UserWarning):
@@ -122,26 +132,12 @@ class Policy:
     def save(self, path: str | Path) -> Path:
         """Write atomically: a temp file in the same folder, fsync, then ``os.replace``.
 
-        A reader never sees a half-written policy, and a crash leaves the old file intact.
+        A reader never sees a half-written policy, and a crash or a full disk leaves the
+        old file intact (OutputError, exit 2). ``path`` must be a regular file or absent
+        (a FIFO or a device is refused); a symlink is followed (see autoprec.fileio).
         """
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = self.dumps()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            # mkstemp makes the file private (0600); a policy is for review: keep the old
-            # file's mode, else the usual rw-r--r--.
-            mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-            os.chmod(tmp, mode)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, self.dumps())
         self.source = str(path)
         return path
 
@@ -175,49 +171,97 @@ def load_policy(path: str | Path, model: torch.nn.Module | None = None,
     one raises FingerprintMismatch unless ``force``, which downgrades it to a warning.
     """
     path = Path(path)
+    blob = read_regular(path, MAX_POLICY_BYTES, "policy file", PolicyError)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PolicyError(f"{path}: no such policy file") from None
-    except IsADirectoryError:
-        raise PolicyError(f"{path}: is a directory, expected a policy YAML file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise PolicyError(f"{path}: cannot read: {err}") from err
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = blob.count(b"\n", 0, err.start) + 1
+        raise PolicyError(f"{path}:{line}: not UTF-8 text (byte {err.start}): a policy is a "
+                          "YAML text file") from None
     policy = loads_policy(text, source=str(path))
     if model is not None:
         policy.validate(model, force=force)
     return policy
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load, except that a key given twice in one mapping is an error: a
-    reviewer reading ``layers`` top-down must see the rule that applies."""
+class _PolicyLoader(yaml.SafeLoader):
+    """yaml.safe_load, bounded and strict: no aliases (``*name`` — an alias bomb of a few
+    hundred bytes expands to gigabytes), at most MAX_DEPTH levels of nesting (deeper ones
+    would exhaust the recursion of PyYAML's composer), integers of at most MAX_INT_DIGITS
+    digits, keys that are scalars, and no key given twice in one mapping (a reviewer
+    reading ``layers`` top-down must see the rule that applies)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"alias *{brief(event.anchor)[1:-1]}: a policy may not use YAML "
+                "aliases (write the value out)", event.start_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {MAX_DEPTH} levels",
+                    self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                kind = "a list" if isinstance(key_node, yaml.SequenceNode) else "a mapping"
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"a key is {kind}; keys must be plain names (module paths are strings)",
+                    key_node.start_mark)
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark,
-                    f"key {key!r} given twice", key_node.start_mark)
+                    f"key {brief(key)} given twice", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):  # type: ignore[no-untyped-def]
+        digits = sum(c.isdigit() for c in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {digits} digits (at most {MAX_INT_DIGITS})",
+                node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_PolicyLoader.add_constructor("tag:yaml.org,2002:int", _PolicyLoader.construct_yaml_int)
 
 
 def loads_policy(text: str, source: str = "<policy>") -> Policy:
     """Parse policy YAML text; ``source`` names it in messages."""
+    if len(text) > MAX_POLICY_BYTES:
+        raise PolicyError(f"{source}: larger than a policy may be "
+                          f"({MAX_POLICY_BYTES // MiB} MiB)")
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # safe_load, duplicates refused
+        data = yaml.load(text, Loader=_PolicyLoader)  # safe_load, bounded (see the loader)
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         what = err.problem or err.context or "syntax error"
-        if isinstance(err, yaml.constructor.ConstructorError) and "given twice" not in what:
+        if isinstance(err, yaml.constructor.ConstructorError) and err.problem and \
+                "could not determine a constructor" in err.problem:
             what += " (policies are plain YAML, read with yaml.safe_load: no tags)"
         raise PolicyError(f"{where}: not valid YAML: {what}") from None
-    except yaml.YAMLError as err:  # e.g. a python/object tag refused by the safe loader
-        raise PolicyError(f"{source}: not valid YAML: {err}") from None
+    except yaml.reader.ReaderError as err:  # a NUL byte, a control character
+        line = text.count("\n", 0, err.position) + 1
+        col = err.position - (text.rfind("\n", 0, err.position) + 1) + 1
+        char = f"#x{err.character:04x}" if isinstance(err.character, int) else \
+            brief(err.character)
+        raise PolicyError(f"{source}:{line}:{col}: not valid YAML: character {char} is not "
+                          "allowed in a YAML file") from None
+    except yaml.YAMLError as err:
+        raise PolicyError(f"{source}: not valid YAML: {brief(str(err))}") from None
     return _parse(data, source)
 
 
@@ -229,6 +273,11 @@ def _type_name(value: Any) -> str:
         type(value), type(value).__name__)
 
 
+def _name(key: Any) -> str:
+    """A key as it appears in a message: unquoted, at most about 80 characters."""
+    return brief(key)[1:-1] if isinstance(key, str) else brief(key)
+
+
 def _fail(source: str, key: str, rule: str) -> PolicyError:
     return PolicyError(f"{source}: {key}: {rule}")
 
@@ -236,9 +285,9 @@ def _fail(source: str, key: str, rule: str) -> PolicyError:
 def _precision(source: str, key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise _fail(source, key, f"must be a precision name (one of {', '.join(PRECISIONS)}), "
-                                 f"got {_type_name(value)} {value!r}")
+                                 f"got {_type_name(value)} {brief(value)}")
     if value not in PRECISIONS:
-        raise _fail(source, key, f"unknown precision {value!r}; expected one of "
+        raise _fail(source, key, f"unknown precision {brief(value)}; expected one of "
                                  f"{', '.join(PRECISIONS)}")
     return value
 
@@ -247,8 +296,8 @@ def _path_key(source: str, section: str, key: Any) -> str:
     # YAML reads an unquoted `0:` (an nn.Sequential child) as the integer 0: accept ints,
     # refuse floats (`1.10` would silently become "1.1").
     if isinstance(key, bool) or not isinstance(key, (str, int)):
-        raise _fail(source, f"{section}[{key!r}]",
-                    f"a module path must be a string; quote it ('{key}')")
+        raise _fail(source, f"{section}[{brief(key)}]",
+                    f"a module path must be a string; quote it ('{_name(key)}')")
     return normalize_path(str(key))
 
 
@@ -264,7 +313,7 @@ def _unknown_keys(source: str, where: str, got: Mapping[Any, Any],
                   known: tuple[str, ...]) -> None:
     for k in got:
         if k not in known:
-            loc = f"{where}.{k}" if where else str(k)
+            loc = f"{where}.{_name(k)}" if where else _name(k)
             raise _fail(source, loc, f"unknown key; expected one of {', '.join(known)}")
 
 
@@ -279,7 +328,7 @@ def _parse(data: Any, source: str) -> Policy:
     version = data["autoprec_policy"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise _fail(source, "autoprec_policy", f"must be the schema version (an integer), "
-                                               f"got {_type_name(version)} {version!r}")
+                                               f"got {_type_name(version)} {brief(version)}")
     if version != SCHEMA_VERSION:
         raise _fail(source, "autoprec_policy", f"unknown schema version {version}; this "
                                                f"autoprec reads version {SCHEMA_VERSION}")
@@ -296,8 +345,9 @@ def _parse(data: Any, source: str) -> Policy:
                 raise _fail(source, f"model.{k}", f"must be a string, got {_type_name(v)}")
             model[k] = v
         fp = model.get("fingerprint")
-        if fp is not None and not fp.startswith("sha256:"):
-            raise _fail(source, "model.fingerprint", f"must look like 'sha256:<hex>', got {fp!r}")
+        if fp is not None and not _FINGERPRINT.match(fp):
+            raise _fail(source, "model.fingerprint", "must look like 'sha256:<hex>' (64 "
+                                                     f"lowercase hex digits), got {brief(fp)}")
 
     target = _parse_target(source, data.get("target"))
 
@@ -312,9 +362,9 @@ def _parse(data: Any, source: str) -> Policy:
     seen: dict[str, Any] = {}
     for raw, prec in _mapping(source, "layers", data["layers"], allow_empty=True).items():
         path = _path_key(source, "layers", raw)
-        key = f"layers[{str(raw)!r}]"
+        key = f"layers[{brief(str(raw))}]"
         if path in layers:
-            raise _fail(source, key, f"duplicates layers[{seen[path]!r}] once wrapper "
+            raise _fail(source, key, f"duplicates layers[{brief(seen[path])}] once wrapper "
                                      "prefixes (_orig_mod., module.) are removed")
         layers[path] = _precision(source, key, prec)
         seen[path] = str(raw)
@@ -332,7 +382,7 @@ def _parse(data: Any, source: str) -> Policy:
     for raw, why in _mapping(source, "reasons", data.get("reasons"), allow_empty=True).items():
         path = _path_key(source, "reasons", raw)
         if not isinstance(why, str):
-            raise _fail(source, f"reasons[{str(raw)!r}]",
+            raise _fail(source, f"reasons[{brief(str(raw))}]",
                         f"must be a string, got {_type_name(why)}")
         reasons[path] = why
 
@@ -343,9 +393,9 @@ def _parse(data: Any, source: str) -> Policy:
     provenance = _mapping(source, "provenance", data.get("provenance"), allow_empty=True)
     for k, v in provenance.items():
         if not isinstance(k, str):
-            raise _fail(source, f"provenance[{k!r}]", "keys must be strings")
+            raise _fail(source, f"provenance[{brief(k)}]", "keys must be strings")
         if not _is_plain(v):
-            raise _fail(source, f"provenance.{k}", f"must be a scalar, list or mapping of "
+            raise _fail(source, f"provenance.{_name(k)}", f"must be a scalar, list or mapping of "
                                                    f"scalars, got {_type_name(v)}")
 
     policy = Policy.__new__(Policy)  # already checked: skip __post_init__'s re-parse
@@ -376,22 +426,25 @@ def _parse_target(source: str, value: Any) -> dict[str, Any]:
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
                               or batch < 1):
         raise _fail(source, "target.batch_size",
-                    f"must be a positive integer, got {batch!r}")
+                    f"must be a positive integer, got {brief(batch)}")
+    if batch is not None and batch > MAX_BATCH_SIZE:
+        raise _fail(source, "target.batch_size",
+                    f"must be at most {MAX_BATCH_SIZE}, got {brief(batch)}")
     return {k: v for k, v in (("device", device), ("batch_size", batch)) if v is not None}
 
 
 def _check_metric(source: str, key: Any, value: Any) -> None:
     if not isinstance(key, str):
-        raise _fail(source, f"metrics[{key!r}]", "keys must be strings")
-    where = f"metrics.{key}"
+        raise _fail(source, f"metrics[{brief(key)}]", "keys must be strings")
+    where = f"metrics.{_name(key)}"
     if key in _NUMBER_METRICS:
         # .inf is how YAML writes an infeasible error; null means "not measured".
         if value is not None and (isinstance(value, bool)
                                   or not isinstance(value, (int, float))):
-            raise _fail(source, where, f"must be a number, got {_type_name(value)} {value!r}")
+            raise _fail(source, where, f"must be a number, got {_type_name(value)} {brief(value)}")
     elif key in _BOOL_METRICS:
         if value is not None and not isinstance(value, bool):
-            raise _fail(source, where, f"must be true or false, got {value!r}")
+            raise _fail(source, where, f"must be true or false, got {brief(value)}")
     elif not _is_scalar(value):
         raise _fail(source, where, f"must be a scalar, got {_type_name(value)}")
 

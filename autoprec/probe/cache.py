@@ -2,17 +2,18 @@
 
 The key covers everything a table depends on: the model's structure fingerprint *and*
 its weight values (a fine-tuned model keeps its fingerprint), the calibration data, the
-precisions and probe options, the user's forward/loss/metric code, and the versions of
+precisions and probe options, the user's forward/loss/metric code and the source of the
+model's module classes (an edited ``Module.forward`` is a new key), and the versions of
 autoprec, torch and the table schema. Files are JSON (no pickle: a cache directory may be
-shared), written atomically (temp file + rename) so a killed run leaves no torn file.
+shared), written atomically (temp file, fsync, rename) so a killed run leaves no torn
+file. The cache is an optimisation: a cache that cannot be written (a full disk, a
+read-only folder) is a warning, and the probe's result is returned all the same.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -22,20 +23,18 @@ import torch
 from torch import nn
 
 import autoprec
-from autoprec.hashing import data_hash, weights_hash
+from autoprec.errors import OutputError
+from autoprec.fileio import MiB, atomic_write, read_regular
+from autoprec.hashing import data_hash, function_code, module_code_hash, weights_hash
 from autoprec.probe.table import SCHEMA, SensitivityTable
 from autoprec.trace.graph import fingerprint
 
 
 def code_hash(fn: Callable[..., Any] | None) -> str:
-    """Identity of a user function: its qualified name and bytecode (None -> "")."""
+    """Identity of a user function: its qualified name and source (None -> "")."""
     if fn is None:
         return ""
-    code = getattr(fn, "__code__", None)
-    blob = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
-    if code is not None:
-        blob += code.co_code.hex() + repr(code.co_consts)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return hashlib.sha256(function_code(fn).encode()).hexdigest()[:16]
 
 
 def cache_key(model: nn.Module, batches: Iterable[Any], options: Mapping[str, Any]) -> str:
@@ -43,6 +42,7 @@ def cache_key(model: nn.Module, batches: Iterable[Any], options: Mapping[str, An
     parts = {
         "fingerprint": fingerprint(model),
         "weights": weights_hash(model),
+        "modules": module_code_hash(model),
         "data": data_hash(batches),
         "options": {k: options[k] for k in sorted(options)},
         "versions": {"autoprec": autoprec.__version__, "torch": torch.__version__,
@@ -55,31 +55,32 @@ def cache_path(cache_dir: str | Path, key: str) -> Path:
     return Path(cache_dir) / f"probe-{key[:40]}.json"
 
 
+#: A cached table larger than this is ignored (a table of 10,000 layers is a few MiB).
+MAX_CACHE_BYTES = 256 * MiB
+
+
 def load(cache_dir: str | Path, key: str) -> SensitivityTable | None:
     """The cached table for ``key``, or None (missing, other schema, unreadable)."""
     path = cache_path(cache_dir, key)
-    if not path.exists():
-        return None
     try:
-        data = json.loads(path.read_text())
+        if not path.exists():
+            return None
+        data = json.loads(read_regular(path, MAX_CACHE_BYTES, "probe cache file",
+                                       OutputError))
         if data.get("meta", {}).get("cache_key") != key:
             return None
         return SensitivityTable.from_json(data)
-    except (OSError, ValueError, TypeError, KeyError) as err:
+    except (OutputError, OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         warnings.warn(f"{path}: ignoring unreadable probe cache ({err})", stacklevel=2)
         return None
 
 
-def store(cache_dir: str | Path, key: str, table: SensitivityTable) -> Path:
-    """Write ``table`` under ``key`` atomically; returns the file."""
+def store(cache_dir: str | Path, key: str, table: SensitivityTable) -> Path | None:
+    """Write ``table`` under ``key`` atomically; returns the file (None: not written — a
+    warning says why; the table is still good)."""
     path = cache_path(cache_dir, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".probe-", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(table.dumps())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+        return atomic_write(path, table.dumps())
+    except OutputError as err:
+        warnings.warn(f"probe cache not written: {err}", stacklevel=2)
+        return None

@@ -89,7 +89,12 @@ def enumerate_keys(space: SearchSpace) -> np.ndarray:
 
 
 def _moves(space: SearchSpace, key: Key, choices: list[list[int]]) -> list[Key]:
-    """Region changes, one-variable changes and block moves from ``key``."""
+    """Region changes, one-variable changes and block moves from ``key``.
+
+    A block move sets a run of consecutive layer variables to one precision, alone or
+    together with a change of the default region: from a tf32 plan, every one-layer step to
+    fp16 adds a cast in and out and is slower, while the whole run in fp16 is faster.
+    """
     out: set[Key] = set()
     n = len(key)
     for j in range(n):
@@ -105,10 +110,21 @@ def _moves(space: SearchSpace, key: Key, choices: list[list[int]]) -> list[Key]:
                 for j in range(start, start + length):
                     if c in choices[j]:
                         new[j] = c
-                new_key = tuple(new)
-                if new_key != key:
-                    out.add(new_key)
+                for r in choices[0]:
+                    new[0] = r
+                    new_key = tuple(new)
+                    if new_key != key:
+                        out.add(new_key)
     return sorted(out)
+
+
+def _starts(space: SearchSpace, choices: list[list[int]]) -> list[Key]:
+    """Every region with every layer at one precision (where allowed, else fp32)."""
+    out = set()
+    for r in choices[0]:
+        for c in sorted({c for ch in choices[1:] for c in ch}):
+            out.add((r, *[c if c in ch else ch[0] for ch in choices[1:]]))
+    return sorted(out | {space.uniform(p) for p in PRECISIONS})
 
 
 def descend(ps: PlanSpace, budget: float, lambdas: Iterable[float] | None = None,
@@ -131,7 +147,7 @@ def descend(ps: PlanSpace, budget: float, lambdas: Iterable[float] | None = None
                 seen[k] = (float(t), float(p))
         return [seen[k] for k in keys]
 
-    starts = sorted({space.uniform(p) for p in PRECISIONS})
+    starts = _starts(space, choices)
     score(starts)
     lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 13))
     scale = max(budget, 1e-12)

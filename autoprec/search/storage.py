@@ -42,6 +42,7 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 
 from autoprec.errors import InputError
+from autoprec.paths import check_sqlite_url, sqlite_file
 
 #: Seconds between heartbeats of a running trial (RDB storages only).
 HEARTBEAT_INTERVAL = 10
@@ -93,7 +94,14 @@ def open_storage(
     """
     if url is None:
         default_path = Path(default_path)
-        default_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            default_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise InputError(f"cannot create the study folder {default_path.parent}: "
+                             f"{err.strerror or err}") from None
+        if default_path.is_file() and not _looks_like_sqlite(default_path):
+            raise InputError(f"{default_path}: is not a SQLite database (the default study "
+                             "storage); move it away or give --storage")
         return _open_rdb(
             f"sqlite:///{default_path}",
             {},
@@ -102,29 +110,46 @@ def open_storage(
             max_retry,
             shown=describe_storage(None, default_path),
         )
+    check_storage_url(url)
     shown = describe_storage(url)
     if url in ("memory", ":memory:"):
         return None
     if url.startswith("journal:"):
         return _open_journal(url[len("journal:") :], shown)
+    scheme, rest = url.split("://", 1)
+    if scheme.lower() == "sqlite":
+        return _open_rdb(url, {}, heartbeat_interval, grace_period, max_retry, shown=shown)
+    if scheme.lower() in ("postgresql", "postgres"):
+        url = f"{_default_pg_scheme()}://{rest}"
+    engine_kwargs: dict[str, Any] = {
+        "pool_pre_ping": True,  # a connection dropped by the server is replaced, not an error
+        "connect_args": {"connect_timeout": connect_timeout},
+    }
+    return _open_rdb(url, engine_kwargs, heartbeat_interval, grace_period, max_retry,
+                     shown=shown)
+
+
+def check_storage_url(url: str) -> None:
+    """What can be told about ``--storage URL`` without connecting: the scheme, and for a
+    file (SQLite, journal) that its folder exists and that an existing file is of the
+    right kind. InputError (exit 2) naming the URL otherwise. ``open_storage`` runs it
+    first; ``validate.check_tune_args`` runs it before any work."""
+    if not isinstance(url, str) or not url.strip():
+        raise InputError(f"--storage: must be a storage URL; {_RULE}")
+    shown = describe_storage(url)
+    if url in ("memory", ":memory:"):
+        return
+    if url.startswith("journal:"):
+        _check_journal_path(url[len("journal:") :], shown)
+        return
     if "://" not in url:
         raise InputError(f"--storage '{shown}': not a storage URL; {_RULE}")
     scheme, rest = url.split("://", 1)
     scheme = scheme.lower()
     if scheme == "sqlite":
         _check_sqlite_path(rest, shown)
-        return _open_rdb(url, {}, heartbeat_interval, grace_period, max_retry, shown=shown)
-    if scheme in _PG_SCHEMES:
-        if scheme in ("postgresql", "postgres"):
-            url = f"{_default_pg_scheme()}://{rest}"
-        engine_kwargs: dict[str, Any] = {
-            "pool_pre_ping": True,  # a connection dropped by the server is replaced, not an error
-            "connect_args": {"connect_timeout": connect_timeout},
-        }
-        return _open_rdb(
-            url, engine_kwargs, heartbeat_interval, grace_period, max_retry, shown=shown
-        )
-    raise InputError(f"--storage '{shown}': unsupported scheme '{scheme}'; {_RULE}")
+    elif scheme not in _PG_SCHEMES:
+        raise InputError(f"--storage '{shown}': unsupported scheme '{scheme}'; {_RULE}")
 
 
 def _default_pg_scheme() -> str:
@@ -139,17 +164,24 @@ def _check_sqlite_path(rest: str, shown: str) -> None:
     # sqlite:///rel.db -> rest '/rel.db'; sqlite:////abs.db -> rest '//abs.db'
     if not rest.startswith("/"):
         raise InputError(f"--storage '{shown}': a SQLite URL has three slashes: sqlite:///PATH")
-    path = rest[1:].split("?", 1)[0]
-    if path in ("", ":memory:"):
-        return
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise InputError(f"--storage '{shown}': directory '{parent}' does not exist")
-    if Path(path).is_dir():
-        raise InputError(f"--storage '{shown}': '{path}' is a directory, not a database file")
+    check_sqlite_url("sqlite://" + rest, "--storage", shown)  # the same rule as --mlflow-uri
+    file = sqlite_file("sqlite://" + rest)
+    if file is not None and file.is_file() and not _looks_like_sqlite(file):
+        raise InputError(f"--storage '{shown}': '{file}' is not a SQLite database; point "
+                         "sqlite:/// at a new file or an existing study database")
 
 
-def _open_journal(path: str, shown: str) -> JournalStorage:
+#: The first 16 bytes of every SQLite 3 database file (sqlite.org/fileformat.html).
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _looks_like_sqlite(file: Path) -> bool:
+    with file.open("rb") as fh:
+        head = fh.read(len(_SQLITE_MAGIC))
+    return head in (b"", _SQLITE_MAGIC)  # an empty file is a new database
+
+
+def _check_journal_path(path: str, shown: str) -> None:
     if not path:
         raise InputError(f"--storage '{shown}': journal needs a file: journal:PATH")
     file = Path(path)
@@ -157,13 +189,19 @@ def _open_journal(path: str, shown: str) -> JournalStorage:
         raise InputError(f"--storage '{shown}': '{file}' is a directory, not a journal file")
     if not file.parent.is_dir():
         raise InputError(f"--storage '{shown}': directory '{file.parent}' does not exist")
+    if file.exists() and not file.is_file():
+        raise InputError(f"--storage '{shown}': '{file}' is not a regular file")
     if file.is_file() and not _looks_like_journal(file):
         raise InputError(
             f"--storage '{shown}': '{file}' is not an Optuna journal (its first line is not "
             "a journal record); point journal: at a new file or an existing journal"
         )
+
+
+def _open_journal(path: str, shown: str) -> JournalStorage:
+    _check_journal_path(path, shown)
     try:
-        return JournalStorage(JournalFileBackend(str(file)))
+        return JournalStorage(JournalFileBackend(str(path)))
     except (OSError, ValueError) as err:  # ValueError: a file that is not a journal (JSON)
         raise InputError(
             f"--storage '{shown}': not a usable journal file ({_first_line(err)})"
@@ -196,9 +234,10 @@ def _open_rdb(
     import sqlalchemy.exc
 
     last: Exception | None = None
-    # Several workers initialising one empty database race on CREATE TABLE (PostgreSQL
-    # raises a unique violation on pg_type); the loser retries and finds the tables.
-    for attempt in range(3):
+    # Several workers initialising one empty database race on CREATE TABLE: PostgreSQL
+    # raises a unique violation on pg_type, SQLite "table … already exists" or "database is
+    # locked"; the loser retries and finds the tables.
+    for attempt in range(_INIT_ATTEMPTS):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -220,12 +259,29 @@ def _open_rdb(
             last = err
             time.sleep(0.2 * (attempt + 1))
         except sqlalchemy.exc.OperationalError as err:
+            if not _is_init_race(err):
+                raise InputError(
+                    f"--storage '{shown}': cannot open the database "
+                    f"({_first_line(err.orig or err)})"
+                ) from err
+            last = err
+            time.sleep(0.2 * (attempt + 1))
+        except sqlalchemy.exc.DatabaseError as err:  # e.g. "file is not a database"
             raise InputError(
-                f"--storage '{shown}': cannot open the database ({_first_line(err.orig or err)})"
+                f"--storage '{shown}': not a usable database ({_first_line(err.orig or err)})"
             ) from err
         except sqlalchemy.exc.ArgumentError as err:
             raise InputError(f"--storage '{shown}': {_first_line(err)}; {_RULE}") from err
     raise InputError(f"--storage '{shown}': cannot initialise the database ({_first_line(last)})")
+
+
+#: Tries to open a database that other workers are initialising at the same moment.
+_INIT_ATTEMPTS = 6
+
+
+def _is_init_race(err: BaseException) -> bool:
+    text = str(getattr(err, "orig", None) or err).lower()
+    return "already exists" in text or "database is locked" in text
 
 
 def _first_line(err: BaseException | None) -> str:

@@ -17,7 +17,6 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
-import math
 import signal
 import sys
 import threading
@@ -35,10 +34,10 @@ import autoprec
 from autoprec.cost import CostModel, get_profile
 from autoprec.errors import InputError
 from autoprec.evaluate import Reference, reference, score
-from autoprec.hashing import data_hash, weights_hash
+from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
-from autoprec.paths import check_out_path
+from autoprec.paths import check_out_path, remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.probe import probe
@@ -53,6 +52,7 @@ from autoprec.search.storage import count_finished, describe_storage, join_study
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, Tracker, log_tune_artifacts
+from autoprec.validate import check_tune_args
 
 DEFAULT_MAX_ERROR = 0.01
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
@@ -89,7 +89,8 @@ class TuneResult:
 
 @dataclass
 class TuneConfig:
-    """Every option of a tune, validated (``TuneConfig.make``)."""
+    """Every option of a tune, validated (``TuneConfig.make``: autoprec.validate's rules,
+    before any work)."""
 
     budget: float
     budget_name: str  # "max_error" or "max_drop"
@@ -118,28 +119,12 @@ class TuneConfig:
              min_speedup: float | None, storage: str | None, study_name: str | None,
              resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
              progress: bool, cache_dir: str | Path | None, train_aware: bool) -> TuneConfig:
-        if max_error is not None and max_drop is not None:
-            raise InputError("give --max-error or --max-drop, not both")
+        check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
+                        batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
+                        patience=patience, min_speedup=min_speedup, storage=storage,
+                        study_name=study_name, out=out, cache_dir=cache_dir)
         value, name = (max_drop, "max_drop") if max_drop is not None else (
             DEFAULT_MAX_ERROR if max_error is None else max_error, "max_error")
-        flag = f"--{name.replace('_', '-')}"
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise InputError(f"{flag}: must be a finite number, got {value!r}")
-        if value < 0:
-            raise InputError(f"{flag}: must be >= 0, got {value}")
-        if trials < 1:
-            raise InputError(f"--trials: must be >= 1, got {trials}")
-        if patience is not None and patience < 1:
-            raise InputError(f"--patience: must be >= 1 trial, got {patience}")
-        if study_name is not None and not study_name.strip():
-            raise InputError("--study-name: must not be empty")
-        if timeout is not None and not timeout > 0:
-            raise InputError(f"--timeout: must be > 0 seconds, got {timeout}")
-        if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
-            raise InputError(f"--batch-size: must be >= 1, got {batch_size}")
-        if min_speedup is not None and not min_speedup > 0:
-            raise InputError(f"--min-speedup: must be > 0, got {min_speedup}")
-        get_profile(target)  # an unknown target is exit 2 before any work
         wanted = tuple(check_precision(p, "--precisions") for p in (precisions or PRECISIONS))
         wanted = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
         return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
@@ -185,7 +170,8 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
     calib = spec.calibration_batches()
     eval_batches = spec.eval_batches()
     same_data = spec.eval_data is None
-    ref = reference(spec, net, calib, "of calibration_data")  # also: the model accepts it
+    ref = reference(spec, net, calib, "of calibration_data",  # also: the model accepts it
+                    need_outputs=not cfg.use_metric)
     eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
     check = score(spec, net, calib, ref, "of calibration_data")
     if check.error != 0.0:
@@ -265,7 +251,8 @@ def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
         "target": cfg.target, "batch_size": prep.deploy_bs, "budget": cfg.budget,
         "budget_kind": cfg.budget_name, "precisions": list(cfg.precisions),
         "locked": sorted(cfg.locked), "min_speedup": cfg.min_speedup,
-        "data": data_hash(prep.calib), "weights": weights_hash(prep.net), "search": 2,
+        "data": data_hash(prep.calib), "weights": weights_hash(prep.net),
+        "code": code_hash(prep.spec, prep.net), "search": 2,
     }))
 
 
@@ -451,6 +438,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     if chosen.calib.train_fidelity is not None:
         policy.metrics["train_fidelity"] = chosen.calib.train_fidelity
     policy.save(prep.out_path)
+    remove_stale_fronts(prep.out_path)  # an earlier --pareto run's front files are not this run's
     front_pols, front_paths = _write_front(prep, space, search, cfg, cands, provenance)
     eval_error = chosen.eval_error if chosen.eval_error is not None else chosen.calib.error
     rows = trial_rows(search.study)
@@ -486,8 +474,6 @@ def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
     if not cfg.pareto:
         return [], []
     out = prep.out_path
-    for old in out.parent.glob(f"{out.stem}.front*{out.suffix}"):  # a front of an earlier run
-        old.unlink()
     pols, paths = [], []
     for i, c in enumerate(select.pareto_front(cands)):
         default, layers = space.rules(space.key(c.params))

@@ -14,6 +14,7 @@ Stores (``make_tracker``):
   ``sqlite:///WORKDIR/mlflow.db``, artifacts in ``WORKDIR/mlruns`` (MLflow's own default
   layout, so ``mlflow ui --backend-store-uri sqlite:///mlflow.db`` run there shows it).
 - ``sqlite:///PATH``: the same, artifacts in an ``mlruns`` folder beside the database.
+  PATH's folder must exist (the rule ``--storage`` follows; ``paths.check_sqlite_url``).
 - ``http(s)://HOST:PORT``: a tracking server; artifacts go where the server puts them.
 - anything else MLflow accepts (``postgresql://``, ``databricks``...) is passed through.
 
@@ -42,6 +43,7 @@ from urllib.parse import urlparse
 
 from autoprec import __version__
 from autoprec.errors import TrackingError
+from autoprec.paths import check_sqlite_url
 from autoprec.track.base import NullTracker, Tracker, TrackingWarning, check_status
 
 #: Seconds the reachability check waits for a tracking server to answer.
@@ -438,6 +440,8 @@ def make_tracker(
     workdir = Path.cwd() if workdir is None else Path(workdir)
     if uri is None:
         uri = default_tracking_uri(workdir)
+    # The rule --storage follows: a SQLite file's folder must exist (MLflow would create it).
+    check_sqlite_url(uri, "--mlflow-uri", _redact(uri), TrackingError)
     # MLflow logs "Creating initial MLflow database tables..." at INFO on a new SQLite
     # store; the CLI's stderr is for progress and errors.
     logging.getLogger("mlflow.store").setLevel(logging.WARNING)

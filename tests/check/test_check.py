@@ -4,6 +4,7 @@ overflowing model, a changed model, an unrunnable precision and a tighter budget
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -93,7 +94,8 @@ def test_fails_when_a_rule_no_longer_fits_the_changed_model(model_py: Path, caps
     policy = _policy(model_py, layers={"fc1": "fp16", "fc2": "fp16"})
     text = policy.read_text().replace("fc2: fp16", "fc3: fp16")  # a layer "renamed" since
     # ... with the fingerprint of a model that had fc3: the model changed, exit 1.
-    policy.write_text(text.replace("fingerprint: sha256:", "fingerprint: sha256:0"))
+    # (a well-formed fingerprint, 64 hex digits, of another model)
+    policy.write_text(re.sub(r"fingerprint: sha256:[0-9a-f]{64}", "fingerprint: sha256:" + "0" * 64, text))
     code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy))
     assert code == 1
     assert any("no longer fits" in r and "fc3" in r for r in out["reasons"])

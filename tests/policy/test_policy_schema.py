@@ -72,7 +72,8 @@ def test_atomic_save_keeps_the_old_file_on_failure(tmp_path: Path, monkeypatch) 
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="disk full"):
+    # one line, exit 2 (OutputError is an InputError), the old file named as intact
+    with pytest.raises(InputError, match="disk full; the previous file is unchanged"):
         Policy(default="fp16", layers={"a": "fp32"}).save(path)
     assert path.read_text() == old
     assert sorted(x.name for x in tmp_path.iterdir()) == ["p.yaml"]  # no temp file left

@@ -1,0 +1,144 @@
+"""Argument checks that run before any work: a bad value is exit 2 in milliseconds, not
+after minutes of probing (and never after a study database was created).
+
+Each check raises :class:`~autoprec.errors.InputError` stating the rule and the value,
+``--seed: must be an integer in [0, 4294967295], got -5``. The CLI and the Python API
+(``tune``) call the same functions; the flag names are the CLI's.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from autoprec.errors import InputError
+from autoprec.fileio import brief
+
+#: numpy's RandomState (Optuna's samplers) takes seeds in [0, 2**32 - 1].
+MAX_SEED = 2**32 - 1
+#: The largest deployment batch size (leading dimension) the cost model prices; a bigger
+#: number is a typo (a token count?) and 10**400 would overflow its float arithmetic.
+MAX_BATCH_SIZE = 2**31 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_seed(seed: Any, flag: str = "--seed", workers: int = 1) -> int:
+    """An integer in [0, MAX_SEED]; with N workers (seeds seed..seed+N-1) all of them."""
+    top = MAX_SEED - max(workers - 1, 0)
+    if not _is_int(seed) or not 0 <= seed <= top:
+        extra = f" ({workers} workers use seed .. seed+{workers - 1})" if workers > 1 else ""
+        raise InputError(f"{flag}: must be an integer in [0, {top}]{extra}, got {brief(seed)}")
+    return seed
+
+
+def check_batch_size(value: Any, flag: str = "--batch-size") -> int | None:
+    """None, or an integer in [1, MAX_BATCH_SIZE]."""
+    if value is None:
+        return None
+    if not _is_int(value) or not 1 <= value <= MAX_BATCH_SIZE:
+        raise InputError(f"{flag}: must be an integer in [1, {MAX_BATCH_SIZE}], "
+                         f"got {brief(value)}")
+    return value
+
+
+def check_seconds(value: Any, flag: str, allow_zero: bool = False) -> float | None:
+    """None, or a finite number of seconds > 0 (>= 0 with ``allow_zero``: 0 = no limit).
+
+    ``nan`` and ``inf`` are refused: neither is a time limit (leave the option out)."""
+    if value is None:
+        return None
+    ok = _is_number(value) and math.isfinite(value) and (value >= 0 if allow_zero
+                                                         else value > 0)
+    if not ok:
+        rule = ">= 0 (0: no limit)" if allow_zero else "> 0"
+        raise InputError(f"{flag}: must be a finite number of seconds {rule}, "
+                         f"got {brief(value)}")
+    return float(value)
+
+
+def check_count(value: Any, flag: str, optional: bool = False) -> int | None:
+    """An integer >= 1 (None allowed with ``optional``)."""
+    if value is None and optional:
+        return None
+    if not _is_int(value):
+        raise InputError(f"{flag}: must be an integer, got {brief(value)}")
+    if value < 1:
+        raise InputError(f"{flag}: must be >= 1, got {value}")
+    return value
+
+
+def check_budget(max_error: Any, max_drop: Any) -> None:
+    """At most one budget, a finite number >= 0."""
+    if max_error is not None and max_drop is not None:
+        raise InputError("give --max-error or --max-drop, not both")
+    for flag, value in (("--max-error", max_error), ("--max-drop", max_drop)):
+        if value is None:
+            continue
+        if not (_is_number(value) and math.isfinite(value)):
+            raise InputError(f"{flag}: must be a finite number, got {brief(value)}")
+        if value < 0:
+            raise InputError(f"{flag}: must be >= 0, got {value}")
+
+
+def check_tune_args(
+    *,
+    max_error: Any = None,
+    max_drop: Any = None,
+    target: Any = "h100",
+    batch_size: Any = None,
+    trials: Any = 40,
+    timeout: Any = None,
+    seed: Any = 0,
+    patience: Any = None,
+    min_speedup: Any = None,
+    storage: Any = None,
+    study_name: Any = None,
+    out: Any = None,
+    cache_dir: Any = None,
+    workers: int = 1,
+) -> None:
+    """Every check of ``tune``'s arguments that needs neither the model nor the data.
+
+    Called by ``autoprec tune`` before anything else (tracking, workers) and by
+    ``autoprec.tune`` first thing, so that no probe runs and no study database is made for
+    a value that was wrong from the start.
+    """
+    from autoprec.cost import get_profile
+    from autoprec.paths import check_dir, check_out_path
+    from autoprec.search.storage import check_storage_url
+
+    check_budget(max_error, max_drop)
+    check_count(workers, "--workers")
+    check_count(trials, "--trials")
+    check_count(patience, "--patience", optional=True)
+    check_seed(seed, workers=workers)
+    check_seconds(timeout, "--timeout")
+    check_batch_size(batch_size)
+    if min_speedup is not None and not (_is_number(min_speedup) and math.isfinite(min_speedup)
+                                        and min_speedup > 0):
+        raise InputError(f"--min-speedup: must be a finite number > 0, got {brief(min_speedup)}")
+    if study_name is not None and (not isinstance(study_name, str) or not study_name.strip()):
+        raise InputError("--study-name: must not be empty")
+    if not isinstance(target, str):
+        raise InputError(f"--target: must be a device name, got {brief(target)}")
+    get_profile(target)  # an unknown device: InputError naming the known ones
+    if storage is not None:
+        check_storage_url(storage)
+    if out is not None:
+        check_out_path(Path(out))
+    else:  # tune's default: policies/<model>-<target>.yaml
+        check_dir(Path("policies"), "the policy folder")
+    if cache_dir is not None:
+        check_dir(Path(cache_dir), "--cache-dir")
+
+
+__all__ = ["MAX_BATCH_SIZE", "MAX_SEED", "check_batch_size", "check_budget", "check_count",
+           "check_seconds", "check_seed", "check_tune_args"]
