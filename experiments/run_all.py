@@ -1,28 +1,30 @@
-"""Tune every experiment model for its budgets and targets: the results table (issue 10).
+"""Tune every experiment model for its budgets and targets, and set each tuned policy beside
+what a user would do instead: one line of ``torch.autocast`` (issues 10, 13).
 
-For each model x target x budget below, ``autoprec.search.tune.tune`` finds a per-layer
-policy at a deployment batch size where lowering matters on a GPU, and the policy is
-written to ``policies/<model>-<target>[-<budget>].yaml`` (the budget tag when the model is
-tuned for several budgets). Each row compares it with the **best uniform precision that
-meets the same budget**: tf32 / bf16 / fp16 on every GEMM node that may take it (what
-``torch.autocast`` around the whole model gives), fp8 on every fp8-eligible GEMM leaf with
-the rest in fp32, each scored on the eval data (as the tuned policy is confirmed there)
-and priced by the same cost model at the same batch size; "none" when no uniform
-precision the target runs is within budget.
+For each model x target x budget below, ``autoprec.search.tune.tune`` finds a plan at a
+deployment batch size where lowering matters on a GPU, and writes the compact policy to
+``policies/<model>-<target>[-<budget>].yaml``. Every row is priced the same way — the
+cost model's replay of the whole forward under the plan (GEMMs, every cast, norms,
+activations, residual adds, fp8 scaling passes; ``autoprec/cost/model.py``) at the same
+batch size on the same target profile — and compared with:
 
-Speed-ups are estimates (roofline + casts on the target's datasheet profile, over all-fp32
-on that target); errors are measured here on the CPU with the real low-precision
-arithmetic (fp8 emulated). ``held-out`` is the tuned policy's error (relative L2 of the
-outputs) or metric drop on the eval data; ``tuning s`` is wall time on this (shared, 2-core)
-machine and includes the probes when they were not cached (``probes`` column: probes are
-cached under ``policies/.autoprec/probe-cache`` per model, data, precisions and budget,
-so other targets of a model and later runs reuse them). Studies are in memory: a rerun
-starts afresh and, with the same seed, finds the same policies.
+- **one global autocast**: ``default: bf16`` or ``default: fp16`` and no rules (what
+  ``with torch.autocast(dtype=...)`` around the model runs), the faster of the two whose
+  eval-data error is within the budget ("none" when neither is);
+- **uniform tf32** (``default: tf32``), always within a few-percent budget;
+- **fp8 everywhere**: ``default: bf16`` with fp8 on every eligible Linear (what converting
+  every Linear to a float8 one gives), when within budget.
 
-Run: ``.venv/bin/python experiments/run_all.py`` (5-7 minutes measured on 2 loaded cores
-with no probes cached, less with them cached), ``--quick`` (a 1-3 minute subset, written
-under ``experiments/results/quick/``) or ``--models trap,gpt``. Writes
-``experiments/results/results.md``, ``results.csv`` and ``speedup.png``.
+Speed-ups are estimates (over all-fp32 on the target); errors are measured here on the CPU
+with the real low-precision arithmetic (fp8 emulated), following the target's autocast op
+lists (a CUDA target's layer_norm/softmax in fp32). ``held-out`` is the tuned policy's error
+(relative L2 of the outputs) or metric drop on the eval data. ``casts`` is per forward
+(activation casts + autocast's per-call weight casts).
+
+Run: ``.venv/bin/python experiments/run_all.py`` (about 10 minutes on 2 cores with no
+probes cached), ``--quick`` (a subset, under ``experiments/results/quick/``) or
+``--models trap,gpt``. Writes ``experiments/results/results.md``, ``results.csv`` and
+``speedup.png``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class Model:
 # transformers.
 MODELS = {
     "trap": Model("trap", 65536, "65536 rows"),
+    "mixed8": Model("mixed8", 65536, "65536 rows"),
+    "wide": Model("wide", 32768, "32768 rows"),
     # Sentences are ~15 tokens: 1024 of them are ~15k tokens, as the other transformers.
     "minilm": Model("minilm", 1024, "1024 sentences"),
     "digits_cnn": Model("digits_cnn", 4096, "4096 images"),
@@ -97,19 +101,21 @@ class Run:
 
 E, D = "max_error", "max_drop"
 RUNS = [
-    # trap: no uniform low precision meets 1%; a100 has no fp8, t4 only fp16.
-    Run("trap", "h100", E, 0.01), Run("trap", "h100", E, 0.05),
-    Run("trap", "a100", E, 0.01), Run("trap", "t4", E, 0.01),
-    # minilm: the embeddings within 1% (relative L2), or not one retrieval lost.
-    Run("minilm", "h100", E, 0.01), Run("minilm", "h100", D, 0.0),
+    # trap / mixed8: no uniform 16-bit precision meets the budget (fp16 overflows one
+    # layer, bf16 drowns another); a100 has no fp8, t4 only fp16.
+    Run("trap", "h100", E, 0.01), Run("trap", "a100", E, 0.01), Run("trap", "t4", E, 0.01),
+    Run("mixed8", "h100", E, 0.03), Run("mixed8", "a100", E, 0.03),
+    # wide: 2048-wide GEMMs where fp8 pays
+    Run("wide", "h100", E, 0.05), Run("wide", "h100", E, 0.01),
+    # minilm: real weights; the embeddings within 3% / 1% (relative L2), or no retrieval lost
+    Run("minilm", "h100", E, 0.03), Run("minilm", "h100", E, 0.01), Run("minilm", "h100", D, 0.0),
     # digits_cnn: at most one test image in 450 lost (accuracy drop 0.005).
     Run("digits_cnn", "h100", D, 0.005),
-    Run("gpt", "h100", E, 0.01), Run("gpt", "h100", E, 0.03),
-    Run("gpt", "a100", E, 0.01), Run("gpt", "t4", E, 0.01),
+    Run("gpt", "h100", E, 0.01), Run("gpt", "h100", E, 0.03), Run("gpt", "t4", E, 0.01),
     Run("vit", "h100", E, 0.01),
 ]
-QUICK = [Run("trap", "h100", E, 0.01), Run("trap", "t4", E, 0.01),
-         Run("digits_cnn", "h100", D, 0.005), Run("gpt", "h100", E, 0.03)]
+QUICK = [Run("trap", "h100", E, 0.01), Run("mixed8", "h100", E, 0.03),
+         Run("gpt", "h100", E, 0.03)]
 
 
 def policy_path(run: Run, policies: Path) -> Path:
@@ -117,16 +123,17 @@ def policy_path(run: Run, policies: Path) -> Path:
     return policies / f"{run.model}-{run.target}{f'-{run.tag}' if several else ''}.yaml"
 
 
-# -- the uniform baseline ----------------------------------------------------------------
+# -- what a user would do instead -------------------------------------------------------
+
+#: The baselines, as policies: one global autocast per dtype, uniform tf32, fp8 everywhere.
+BASELINES = ("autocast bf16", "autocast fp16", "tf32", "fp8 everywhere")
 
 
 @dataclass
-class Uniform:
-    """One uniform precision on one model: its eval-data score and its assignment."""
-
-    precision: str
-    score: Score
-    assign: dict[str, str]  # GEMM node path -> precision (what the cost model prices)
+class Baseline:
+    name: str
+    policy: Policy
+    score: Score  # on the eval data, applied for a CUDA target (its autocast op lists)
 
     def value(self, kind: str) -> float:
         return self.score.value if kind == "max_drop" else self.score.error
@@ -134,28 +141,26 @@ class Uniform:
 
 @dataclass
 class Loaded:
-    """One model, loaded once: spec (passed to tune), net, graph, uniform scores."""
+    """One model, loaded once: spec (passed to tune), net, graph, baseline scores."""
 
     model: Model
     spec: ModelSpec
     net: torch.nn.Module  # fp32, for resolving policies (never left lowered)
     graph: LayerGraph
-    uniform: list[Uniform]
+    baselines: list[Baseline]
     seconds: float
 
-    def gemm_assignment(self, policy: Policy) -> dict[str, str]:
+    def gemm_precisions(self, policy: Policy) -> dict[str, str]:
         return assignment(policy, self.net, [n.path for n in self.graph.gemm_nodes])
 
 
-def uniform_policy(precision: str, net: torch.nn.Module, graph: LayerGraph) -> Policy:
-    """``precision`` on every GEMM node that may take it (fp8: eligible leaves), else fp32."""
-    if precision == "fp8":
-        paths = [p for p in gemm_leaf_paths(net) if fp8_eligible(net.get_submodule(p))]
-    else:
-        paths = [n.path for n in graph.gemm_nodes if precision in n.allowed]
-    return Policy(default="fp32", layers=dict.fromkeys(paths, precision),
-                  model={"name": graph.model_name, "fingerprint": graph.fingerprint},
-                  source=f"<uniform {precision}>")
+def baseline_policy(name: str, net: torch.nn.Module) -> Policy:
+    if name.startswith("autocast "):
+        return Policy(default=name.split()[1])
+    if name == "tf32":
+        return Policy(default="tf32")
+    paths = [p for p in gemm_leaf_paths(net) if fp8_eligible(net.get_submodule(p))]
+    return Policy(default="bf16", layers=dict.fromkeys(paths, "fp8"))
 
 
 def load(model: Model) -> Loaded:
@@ -165,26 +170,36 @@ def load(model: Model) -> Loaded:
     calib, eval_batches = spec.calibration_batches(), spec.eval_batches()
     graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
     ref = reference(spec, net, eval_batches, "of eval_data")
-    uniform = []
-    for p in PRECISIONS[1:]:
-        pol = uniform_policy(p, net, graph)
-        with apply_policy(net, pol):
-            s = score(spec, net, eval_batches, ref, "of eval_data")
-        uniform.append(Uniform(p, s, assignment(pol, net, [n.path for n in graph.gemm_nodes])))
-    return Loaded(model, spec, net, graph, uniform, time.monotonic() - t0)
+    out = []
+    for name in BASELINES:
+        pol = baseline_policy(name, net)
+        with apply_policy(net, pol, target="h100"):
+            out.append(Baseline(name, pol, score(spec, net, eval_batches, ref, "of eval_data")))
+    return Loaded(model, spec, net, graph, out, time.monotonic() - t0)
 
 
-def best_uniform(loaded: Loaded, run: Run) -> tuple[Uniform | None, float]:
-    """The fastest uniform precision the target runs within the budget, and its speed-up;
-    of equally fast ones (bf16 and fp16 often price the same), the more accurate."""
-    profile = get_profile(run.target)
-    cost = CostModel(loaded.graph, profile, loaded.model.batch_size)
-    fits = [(round(cost.speedup(u.assign), 9), -u.value(run.kind), u) for u in loaded.uniform
-            if profile.supports(u.precision)[0] and u.value(run.kind) <= run.budget]
+def priced(loaded: Loaded, run: Run, policy: Policy) -> tuple[float, int]:
+    """(est. speed-up over fp32, casts per forward) of ``policy`` for ``run``'s target."""
+    cost = CostModel(loaded.graph, get_profile(run.target), loaded.model.batch_size)
+    bd = cost.breakdown(policy)
+    speed = cost.fp32_time / bd.total_s if math.isfinite(bd.total_s) and not \
+        cost.infeasible(policy) else 0.0
+    return speed, bd.casts + bd.weight_casts
+
+
+def best_autocast(loaded: Loaded, run: Run) -> tuple[Baseline | None, float]:
+    """The faster global autocast (bf16 / fp16) the target runs within the budget."""
+    fits = []
+    for b in loaded.baselines:
+        if not b.name.startswith("autocast") or b.value(run.kind) > run.budget:
+            continue
+        speed, _ = priced(loaded, run, b.policy)
+        if speed > 0:
+            fits.append((round(speed, 9), -b.value(run.kind), b))
     if not fits:
         return None, 0.0
-    speedup, _, u = max(fits, key=lambda f: f[:2])
-    return u, speedup
+    speed, _, b = max(fits, key=lambda f: f[:2])
+    return b, speed
 
 
 # -- one row -------------------------------------------------------------------------------
@@ -199,17 +214,28 @@ def run_one(loaded: Loaded, run: Run, args: argparse.Namespace) -> dict[str, Any
         batch_size=loaded.model.batch_size, trials=args.trials, seed=args.seed, out=out,
         storage="memory", tracker=None, progress=False, cache_dir=args.cache_dir)
     probed = bool(set(args.cache_dir.glob("*")) - cached_before)
-    uni, uni_speedup = best_uniform(loaded, run)
-    counts = Counter(loaded.gemm_assignment(r.policy).values())
+    auto, auto_speed = best_autocast(loaded, run)
+    tuned_speed, casts = priced(loaded, run, r.policy)
+    tf32 = next(b for b in loaded.baselines if b.name == "tf32")
+    fp8 = next(b for b in loaded.baselines if b.name == "fp8 everywhere")
+    tf32_speed, _ = priced(loaded, run, tf32.policy)
+    fp8_speed, _ = priced(loaded, run, fp8.policy)
+    counts = Counter(loaded.gemm_precisions(r.policy).values())
     return {
         "model": run.model, "target": run.target, "budget_kind": run.kind,
         "budget": run.budget, "batch_size": loaded.model.batch_size,
-        "batch": loaded.model.batch_note, "tuned_speedup": round(r.est_speedup, 4),
-        "uniform_best": uni.precision if uni else "none",
-        "uniform_speedup": round(uni_speedup, 4) if uni else "",
+        "batch": loaded.model.batch_note, "tuned_speedup": round(tuned_speed, 4),
+        "printed_speedup": round(r.est_speedup, 4), "casts": casts,
+        "autocast_best": auto.name.split()[1] if auto else "none",
+        "autocast_speedup": round(auto_speed, 4) if auto else "",
+        "vs_autocast": round(tuned_speed / auto_speed, 3) if auto else "",
+        "tf32_speedup": round(tf32_speed, 4),
+        "vs_tf32": round(tuned_speed / tf32_speed, 3) if tf32_speed else "",
+        "fp8_everywhere": round(fp8_speed, 4) if fp8.value(run.kind) <= run.budget else "",
         "eval_error": r.eval_error, "calib_error": r.error, "feasible": r.feasible,
         "seconds": round(r.seconds, 1), "probes": "ran" if probed else "cached",
         "trials": r.trials, "evaluations": round(r.evaluations, 2),
+        "rules": len(r.policy.layers), "default": r.policy.default,
         "layers": " ".join(f"{p}x{counts[p]}" for p in reversed(PRECISIONS) if counts[p]),
         "policy": str(out.resolve().relative_to(ROOT)) if out.resolve().is_relative_to(ROOT)
         else str(out),
@@ -224,37 +250,42 @@ def _num(x: float) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | target | budget | batch | tuned est. speed-up | best uniform (speed-up) "
-            "| held-out error / drop | feasible | tuning s | probes | trials | evaluations "
-            "| policy |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| model | target | budget | batch | tuned (plan) | one autocast within budget "
+            "| tuned / autocast | tf32 | tuned / tf32 | fp8 everywhere | policy | casts "
+            "| held-out | evals | tuning s |")
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
-        uni = ("none" if r["uniform_best"] == "none"
-               else f"{r['uniform_best']} ({r['uniform_speedup']:.2f}x)")
+        auto = ("none" if r["autocast_best"] == "none"
+                else f"{r['autocast_best']} {r['autocast_speedup']:.2f}x")
         budget = f"{'error' if r['budget_kind'] == E else 'drop'} <= {r['budget']:g}"
+        fp8 = f"{r['fp8_everywhere']:.2f}x" if r["fp8_everywhere"] != "" else "over budget"
+        ratio = f"{r['vs_autocast']:.2f}" if r["vs_autocast"] != "" else "-"
+        flag = "" if r["feasible"] else " (NOT feasible)"
         lines.append(
             f"| {r['model']} | {r['target']} | {budget} | {r['batch']} "
-            f"| **{r['tuned_speedup']:.2f}x** | {uni} | {_num(r['eval_error'])} "
-            f"| {'yes' if r['feasible'] else 'NO'} | {r['seconds']:.0f} | {r['probes']} "
-            f"| {r['trials']} | {r['evaluations']:.1f} | `{r['policy']}` |")
+            f"| **{r['tuned_speedup']:.2f}x**{flag} | {auto} | {ratio} "
+            f"| {r['tf32_speedup']:.2f}x | {r['vs_tf32']:.2f} | {fp8} "
+            f"| default {r['default']} + {r['rules']} rules | {r['casts']} "
+            f"| {_num(r['eval_error'])} | {r['evaluations']:.1f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
-def uniform_table(models: list[Loaded]) -> str:
-    """Every uniform precision per model: eval-data error (and drop), est. speed-up on h100."""
-    lines = ["| model | precision | eval error (rel. L2) | metric drop | h100 est. speed-up |",
-             "|---|---|---|---|---|"]
+def baseline_table(models: list[Loaded]) -> str:
+    """Every baseline per model: eval-data error (and drop), est. speed-up on h100."""
+    lines = ["| model | baseline | eval error (rel. L2) | metric drop | h100 est. speed-up "
+             "| casts |", "|---|---|---|---|---|---|"]
     for lo in models:
-        cost = CostModel(lo.graph, get_profile("h100"), lo.model.batch_size)
-        for u in lo.uniform:
-            drop = "" if u.score.metric_drop is None else _num(u.value("max_drop"))
-            lines.append(f"| {lo.model.name} | {u.precision} | {_num(u.score.error)} | {drop} "
-                         f"| {cost.speedup(u.assign):.2f}x |")
+        run = Run(lo.model.name, "h100", E, 0.0)
+        for b in lo.baselines:
+            drop = "" if b.score.metric_drop is None else _num(b.value("max_drop"))
+            speed, casts = priced(lo, run, b.policy)
+            lines.append(f"| {lo.model.name} | {b.name} | {_num(b.score.error)} | {drop} "
+                         f"| {speed:.2f}x | {casts} |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Grouped bars: tuned vs best-uniform est. speed-up per row (no bar: no uniform fits)."""
+    """Grouped bars: tuned vs one global autocast per row (no bar: none within budget)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -264,21 +295,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     x = list(range(len(rows)))
     w = 0.38
     tuned = [r["tuned_speedup"] if r["feasible"] else 0.0 for r in rows]
-    uni = [r["uniform_speedup"] or 0.0 for r in rows]
+    uni = [r["autocast_speedup"] or 0.0 for r in rows]
     ax.bar([i - w / 2 for i in x], tuned, w, label="tuned (autoprec)", color="#1f77b4")
-    ax.bar([i + w / 2 for i in x], uni, w, label="best uniform within budget", color="#bbbbbb")
+    ax.bar([i + w / 2 for i in x], uni, w, label="one global autocast within budget",
+           color="#bbbbbb")
     for i, r in enumerate(rows):
         ax.annotate(f"{tuned[i]:.2f}", (i - w / 2, tuned[i]), ha="center", va="bottom",
                     fontsize=7)
-        label = r["uniform_best"] if r["uniform_best"] == "none" else \
-            f"{r['uniform_best']}\n{uni[i]:.2f}"
+        label = r["autocast_best"] if r["autocast_best"] == "none" else \
+            f"{r['autocast_best']}\n{uni[i]:.2f}"
         ax.annotate(label, (i + w / 2, uni[i]), ha="center", va="bottom", fontsize=7)
     ax.axhline(1.0, color="black", lw=0.8, ls="--", label="fp32")
     ax.set_xticks(x, [f"{r['model']}\n{r['target']}\n"
                       f"{'err' if r['budget_kind'] == E else 'drop'}<={r['budget']:g}"
                       for r in rows], fontsize=7)
-    ax.set_ylabel("est. speed-up over fp32 (cost model)")
-    ax.set_title("tuned policy vs best uniform precision meeting the same budget")
+    ax.set_ylabel("est. speed-up over fp32 (whole forward, cost model)")
+    ax.set_title("tuned plan vs one global autocast meeting the same budget")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, max([*tuned, *uni, 1.0]) * 1.2)
     fig.savefig(path, dpi=120)
@@ -291,7 +323,8 @@ def report(rows: list[dict[str, Any]], models: list[Loaded], args: argparse.Name
     doc = __doc__.split("\n\n")
     details = [f"- {r['model']} {r['target']} {r['budget_kind']} {r['budget']:g}: "
                f"{r['layers']} (calibration {_num(r['calib_error'])}, held-out "
-               f"{_num(r['eval_error'])})" for r in rows]
+               f"{_num(r['eval_error'])}; tune printed {r['printed_speedup']:.2f}x)"
+               for r in rows]
     return "\n\n".join([
         "# autoprec results",
         f"Generated by `.venv/bin/python {cmd}` (seed {args.seed}, {args.trials} trials per "
@@ -300,8 +333,8 @@ def report(rows: list[dict[str, Any]], models: list[Loaded], args: argparse.Name
         "batch size, over all-fp32 on the same target.",
         "\n\n".join(doc[1:3]),
         markdown(rows),
-        "![tuned vs best uniform](speedup.png)",
-        "## Uniform precisions on the eval data\n\n" + uniform_table(models),
+        "![tuned vs one global autocast](speedup.png)",
+        "## The baselines on the eval data\n\n" + baseline_table(models),
         "## Tuned policies: GEMM nodes per precision\n\n" + "\n".join(details),
     ]) + "\n"
 
@@ -351,14 +384,15 @@ def main(argv: list[str] | None = None) -> int:
         models.append(lo)
         print(f"# {name}: {len(lo.graph.gemm_nodes)} GEMM nodes, calibration batch "
               f"{batch_size_of(lo.spec.calibration_batches()[0])}, deployment "
-              f"{lo.model.batch_note}; uniform scored in {lo.seconds:.0f}s", flush=True)
+              f"{lo.model.batch_note}; baselines scored in {lo.seconds:.0f}s", flush=True)
         for run in (r for r in runs if r.model == name):
             row = run_one(lo, run, args)
             rows.append(row)
             print(f"  {run.target:<5} {run.budget_text:<15} tuned {row['tuned_speedup']:.2f}x "
-                  f"uniform {row['uniform_best']} {row['uniform_speedup'] or ''} held-out "
-                  f"{_num(row['eval_error'])} feasible={row['feasible']} {row['seconds']:.0f}s "
-                  f"(probes {row['probes']}) -> {row['policy']}", flush=True)
+                  f"autocast {row['autocast_best']} {row['autocast_speedup'] or ''} tf32 "
+                  f"{row['tf32_speedup']:.2f}x held-out {_num(row['eval_error'])} "
+                  f"feasible={row['feasible']} {row['seconds']:.0f}s (probes {row['probes']})"
+                  f" -> {row['policy']}", flush=True)
     if not rows:
         print("nothing to run", file=sys.stderr)
         return 2

@@ -385,8 +385,8 @@ def _graceful_interrupt(driver: Driver, hit: list[bool]) -> Iterator[None]:
         hit.append(True)
         driver.stopped = True
         driver.study.stop()
-        what = "interrupted" if signum == signal.SIGINT else "terminated"
-        print(f"autoprec: {what}; finishing the running trial (again to abort)",
+        what = "" if signum == signal.SIGINT else " (SIGTERM)"
+        print(f"autoprec: interrupted{what}; finishing the running trial (again to abort)",
               file=sys.stderr)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

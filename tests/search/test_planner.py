@@ -94,13 +94,14 @@ def test_enumeration_prices_every_plan_and_the_walk_goes_fastest_first() -> None
     _, cost, space, est = _setup(n=3)
     pl = Planner(space, cost, est, budget=0.003, margin=1.0)
     assert pl.method == "enumeration" and len(pl) == space.size == 4**4
-    assert np.all(np.diff(pl.times) >= 0)
+    # in order of time, plans within 1 % of each other most accurate first
+    assert np.all(pl.times[1:] >= pl.times[:-1] / (1 + planner_mod.TIE) ** 2)
     first = pl.next({}, {})
-    # the fastest plan whose predicted error is within the budget
+    # the fastest plan whose predicted error is within the budget (or one within 1 %)
     keys = enumerate_keys(space)
     t, e = pl.ps.times(keys), pl.ps.predicted(keys)
     ok = e <= 0.003
-    assert pl.ps.time(first) == pytest.approx(t[ok].min())
+    assert t[ok].min() <= pl.ps.time(first) <= t[ok].min() * (1 + planner_mod.TIE)
 
 
 def test_the_walk_skips_measured_and_busy_plans_and_stops_at_a_feasible_one() -> None:
