@@ -65,6 +65,9 @@ def capability(
     dev = _device(device)
     if precision == "fp32":
         return True, "fp32: always available"
+    if dev.type == "cuda" and not torch.cuda.is_available() and precision != "fp8":
+        return False, (f"{precision}: CUDA is not available here (torch {torch.__version__}"
+                       f"{', a CPU build' if torch.version.cuda is None else ''})")
     if precision == "tf32":
         if dev.type == "cuda":
             sm = _cuda_sm(dev)

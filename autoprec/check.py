@@ -329,6 +329,10 @@ def check(
         if row.layer in rows:
             rows[row.layer]["computed"] = row.computed
     reasons.extend(f"audit: {e}" for e in report.errors)
+    planned = bd.casts + bd.weight_casts
+    result.breakdown["audited_casts"] = report.casts
+    if report.casts != planned:  # priced from the calibration batch's trace
+        notes.append(f"the audited forward ran {report.casts} casts, the plan prices {planned}")
     result.layers = list(rows.values())
     result.error, result.nonfinite = s.error, s.nonfinite
     result.metric, result.metric_drop = s.metric, s.metric_drop

@@ -83,6 +83,7 @@ class AuditReport:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     result: Any = None  # what ``run()`` returned
+    casts: int = 0  # dtype conversions the forward ran (outside fp8 leaves), weights included
 
     @property
     def ok(self) -> bool:
@@ -190,6 +191,7 @@ class _Recorder(TorchDispatchMode):
         self.seen: dict[str, Counter[str]] = defaultdict(Counter)  # path -> GEMM precisions
         self.ran: set[str] = set()
         self.inside_sdpa = 0
+        self.casts = 0
 
     def credit(self, precision: str) -> None:
         if self.stack:
@@ -199,6 +201,11 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         name = func.overloadpacket.__name__
+        if name == "_to_copy" and not (self.stack and self.stack[-1][1]):
+            out = func(*args, **(kwargs or {}))
+            if args and isinstance(args[0], torch.Tensor) and args[0].dtype != out.dtype:
+                self.casts += 1  # what the plan's schedule counts (casts + weight casts)
+            return out
         if self.stack and not self.stack[-1][1] and not self.inside_sdpa and (
                 name in _GEMM_OPS or name.startswith("_scaled_dot_product")):
             prec = _classify(name, args, _first_device(args))
@@ -251,6 +258,7 @@ def audit_run(model: torch.nn.Module, layers: dict[str, Resolved], policy: Polic
             h.remove()
     report = build_report(root, layers, policy, rec.seen, rec.ran)
     report.result = result
+    report.casts = rec.casts
     for w in report.warnings:
         warnings.warn(w, PolicyWarning, stacklevel=2)
     if strict:

@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from autoprec.apply import fp8 as fp8mod
-from autoprec.errors import PolicyError
+from autoprec.errors import CapabilityError, PolicyError
 from autoprec.plan.autocast import suspend_target_fp32_ops, target_fp32_ops
 from autoprec.precisions import AUTOCAST_DTYPES, check_precision
 
@@ -158,6 +158,14 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 @contextlib.contextmanager
 def _cuda_tf32(enabled: bool) -> Iterator[None]:
+    if torch.compiler.is_compiling() and torch.backends.cuda.matmul.allow_tf32 != enabled:
+        # A flag flip inside a compiled graph is not traced: the graph's aten.mm runs with
+        # whatever the global flag says (seen: a tf32 region compiled to plain fp32).
+        raise CapabilityError(
+            f"a {'tf32' if enabled else 'fp32'} region needs torch.backends.cuda.matmul."
+            f"allow_tf32={enabled} inside a torch.compile graph, which does not hold there; "
+            "set the flag globally to match, or use a policy without tf32 regions under "
+            "torch.compile")
     old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled

@@ -172,6 +172,11 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     infeasible = cost.infeasible(pol)
     bd = cost.breakdown(pol)
     times = bd.by_module
+    planned_casts = bd.casts + bd.weight_casts
+    warns = list(report.warnings)
+    if report.casts != planned_casts:  # e.g. dtype-dependent model code, or another batch
+        warns.append(f"the audited forward ran {report.casts} casts, the plan prices "
+                     f"{planned_casts}")
     use_drop = sc.metric_drop is not None
     value = sc.value
     budget = pol.metrics.get("budget")
@@ -194,12 +199,12 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         "budget": budget, "within_budget": within,
         "est_speedup": round(est, 4) if est > 0 else None, "feasible": feasible,
         "target": device, "batch_size": bs,
-        "breakdown": bd.to_dict(),
+        "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
         "fp8_backend": fp8_backend,
         "reasons": dict(pol.reasons),
         "infeasible": infeasible,
         "audit_errors": report.errors,
-        "warnings": report.warnings,
+        "warnings": warns,
         "layers": layers,
     })
     if measure:

@@ -72,3 +72,37 @@ def test_compile_then_apply_and_remove() -> None:
     assert {r.computed for r in report.rows if r.layer.startswith("blocks.1.")} == {"bf16"}
     assert not torch.equal(lowered, plain)  # recompiled for the new forwards
     torch.testing.assert_close(compiled(idx), plain, rtol=0, atol=0)  # and back again
+
+
+def _cuda_reason() -> str:
+    from autoprec.capability import capability
+
+    ok, why = capability("tf32", None, "cuda")
+    return "" if ok else why
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(_cuda_reason()), reason=_cuda_reason() or "tf32 on CUDA")
+def test_tf32_region_under_compile_on_cuda_holds_or_is_refused_clearly() -> None:
+    """A tf32 region flips torch.backends.cuda.matmul.allow_tf32 around its code; inside a
+    compiled graph that flip is not traced. Either the compiled model computes as the eager
+    tf32 one does, or applying it under compile is one clear CapabilityError."""
+    from autoprec.errors import CapabilityError
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)).cuda()
+    x = torch.randn(256, 1024, device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with apply_policy(m, Policy(default="tf32")):
+        eager = m(x)
+        fp32 = None
+        try:
+            compiled = torch.compile(m)(x)
+        except CapabilityError as err:
+            assert "torch.compile" in str(err)
+            return
+    with torch.no_grad():
+        fp32 = m(x)
+    # tf32 rounds the operands: the eager tf32 result differs from fp32; compiled must match it
+    assert not torch.equal(eager, fp32)
+    torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-3)
