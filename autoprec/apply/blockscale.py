@@ -1,0 +1,330 @@
+"""Block-scaled Linear backends (issue 17): MXFP8 and NVFP4 GEMMs for Linear-like layers.
+
+``blockscaled_linear(module, x, fmt)`` computes ``y = q(x) q(W)^T + b``: x (..., K) and the
+weight (N, K) are both quantised along K (the reduction dim) with the format's blocks
+(MXFP8: 32 elements, E8M0 scale; NVFP4: 16 elements, E4M3 scale x per-tensor fp32; see
+``autoprec.formats``), multiplied with fp32 accumulation (as the tensor cores do), the
+bias added in fp32, and the result returned in the input's dtype (or the autocast dtype
+when one is active), as ``fp8.fp8_linear`` does.
+
+Backends:
+- ``emulated``: quantise-dequantise and an fp32 matmul. Runs anywhere; for accuracy.
+- ``torch``: ``torch.nn.functional.scaled_mm`` (torch >= 2.10's public scaled GEMM) with
+  ``ScalingType.BlockWise1x32`` + E8M0 scales (MXFP8) or ``BlockWise1x16`` E4M3 scales plus
+  a ``TensorWise`` fp32 scale (NVFP4), scales in the cuBLAS 128x4 swizzle
+  (``SwizzleType.SWIZZLE_32_4_4``). Needs CUDA SM >= 10.0 (Blackwell) and CUDA >= 12.8
+  (``blockscale_capability`` says why not).
+
+Training (gradient recipes):
+- mxfp8: the MXFP8 recipe of Transformer Engine (``MXFP8BlockScaling``, E4M3 for every
+  tensor) and torchao's MXLinear: each backward GEMM re-quantises its operands from the
+  saved high-precision tensors along *its own* reduction dim — dX = q_N(dY) q_N(W)
+  (blocks along N), dW = q_M(dY^T) q_M(X) (blocks along the tokens M) — fp32 accumulate;
+  the bias gradient is the fp32 sum of dY. A dim that is not a multiple of 32 is padded
+  with zeros (zeros do not change a block's amax: a partial last block).
+- nvfp4: forward-only. NVIDIA's NVFP4 training recipe needs stochastic rounding of the
+  gradients, random Hadamard transforms on the wgrad GEMM and 16x16 weight blocks (TE
+  docs, "NVFP4"); none is implemented here, so a backward through an nvfp4 layer raises
+  :class:`NoGradientRecipe` and ``mx_ineligible_reason(..., training=True)`` says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoprec.apply.fp8 import linear_dims, linear_weight
+from autoprec.errors import CapabilityError
+from autoprec.formats import BLOCK_FORMATS, BLOCK_SIZE, BlockShapeError
+from autoprec.formats.elements import pack_e2m1
+from autoprec.formats.layout import to_blocked
+from autoprec.formats.mx import MXTensor, dequantize_mx, fake_quant_mxfp8, quantize_mx
+from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
+
+BLOCK_BACKENDS = ("emulated", "torch")
+
+#: Which formats can be trained through, and how (see the module docstring).
+GRADIENT_RECIPES: dict[str, str | None] = {
+    "mxfp8": "MXFP8 (TE MXFP8BlockScaling / torchao MXLinear): E4M3 + E8M0 per 32 along "
+             "each backward GEMM's reduction dim, re-quantised from high precision",
+    "nvfp4": None,
+}
+
+
+class NoGradientRecipe(CapabilityError, RuntimeError):
+    """A backward pass reached a format that autoprec runs forward-only (nvfp4)."""
+
+
+def _check_fmt(fmt: str) -> str:
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of "
+                         f"{', '.join(BLOCK_FORMATS)}")
+    return fmt
+
+
+def mx_ineligible_reason(module: torch.nn.Module, fmt: str, training: bool = False) -> str | None:
+    """Why ``module`` cannot run in ``fmt`` ("mxfp8" / "nvfp4"); None when it can.
+
+    Rules (K = in_features, N = out_features):
+    - K a multiple of the block (32 for mxfp8, 16 for nvfp4): scales are per block along K.
+    - nvfp4: K a multiple of 32 — the fp4 GEMM reads two elements per byte and
+      ``torch._scaled_mm`` requires the packed K (K / 2) to be a multiple of 16.
+    - N a multiple of 16: ``torch._scaled_mm`` requires both dims of its second operand
+      (K, N) to be multiples of 16 (``_check_scaled_mm_sizes`` in torch 2.13's
+      ``_meta_registrations.py``, the same check as ``ScaledBlas.cpp``).
+    - training: nvfp4 has no gradient recipe; mxfp8 also needs N a multiple of 32 (the
+      input-gradient GEMM reduces over N in 32-blocks).
+    """
+    _check_fmt(fmt)
+    dims = linear_dims(module)
+    if dims is None:
+        return f"{fmt}: {type(module).__name__} is not a Linear-like GEMM"
+    k, n = dims
+    block = BLOCK_SIZE[fmt]
+    if k % block:
+        return (f"{fmt}: in_features {k} not a multiple of the block size {block} "
+                f"(one scale per {block} elements along K)")
+    if fmt == "nvfp4" and k % 32:
+        return (f"nvfp4: in_features {k} not a multiple of 32 (fp4 packs two elements per "
+                f"byte; torch._scaled_mm needs the packed K {k // 2} to be a multiple of 16)")
+    if n % 16:
+        return (f"{fmt}: out_features {n} not a multiple of 16 "
+                f"(torch._scaled_mm needs both dims of the weight operand divisible by 16)")
+    if training:
+        if GRADIENT_RECIPES[fmt] is None:
+            return (f"{fmt}: forward-only in autoprec (no gradient recipe: NVIDIA's needs "
+                    f"stochastic rounding and Hadamard transforms); train in mxfp8, fp8 or "
+                    f"a 16-bit precision")
+        if n % 32:
+            return (f"{fmt}: out_features {n} not a multiple of 32 (training: the input "
+                    f"gradient GEMM reduces over N in blocks of 32)")
+    return None
+
+
+def blockscale_capability(fmt: str, backend: str = "emulated",
+                          device: str | torch.device | None = None) -> tuple[bool, str]:
+    """``(ok, reason)``: can ``fmt`` run with ``backend`` on ``device`` (default: cuda if any)?"""
+    _check_fmt(fmt)
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "emulated":
+        need = ["float8_e4m3fn"] + (["float8_e8m0fnu"] if fmt == "mxfp8" else [])
+        missing = [d for d in need if not hasattr(torch, d)]
+        if missing:
+            return False, f"emulated {fmt}: torch {torch.__version__} lacks {', '.join(missing)}"
+        return True, f"emulated {fmt}: quantise-dequantise in fp32 (accuracy only)"
+    if backend != "torch":
+        return False, (f"unknown {fmt} backend {backend!r}; expected one of "
+                       f"{', '.join(BLOCK_BACKENDS)}")
+    F = torch.nn.functional
+    scaling = getattr(F, "ScalingType", None)
+    recipe = "BlockWise1x32" if fmt == "mxfp8" else "BlockWise1x16"
+    if not hasattr(F, "scaled_mm") or scaling is None or not hasattr(scaling, recipe):
+        return False, (f"torch {fmt}: torch {torch.__version__} has no "
+                       f"torch.nn.functional.scaled_mm with ScalingType.{recipe}")
+    if fmt == "nvfp4" and not hasattr(torch, "float4_e2m1fn_x2"):
+        return False, f"torch nvfp4: torch {torch.__version__} has no float4_e2m1fn_x2"
+    if dev.type != "cuda":
+        return False, f"torch {fmt}: needs a CUDA device, this is {dev.type}"
+    if not torch.cuda.is_available():
+        return False, f"torch {fmt}: CUDA is not available"
+    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    if cuda < (12, 8):
+        return False, f"torch {fmt}: needs CUDA >= 12.8 (block-scaled cuBLAS), torch has {cuda}"
+    sm = torch.cuda.get_device_capability(dev.index or 0)
+    if sm < (10, 0):
+        return False, (f"torch {fmt}: block-scaled GEMMs need Blackwell (SM >= 10.0), "
+                       f"this is SM {sm[0]}.{sm[1]}")
+    return True, f"torch {fmt}: scaled_mm {recipe} on SM {sm[0]}.{sm[1]}"
+
+
+# --- the GEMMs ------------------------------------------------------------------------
+
+
+def _fake_quant(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    return fake_quant_mxfp8(t) if fmt == "mxfp8" else fake_quant_nvfp4(t)
+
+
+def _fq_mx_padded(t: torch.Tensor) -> torch.Tensor:
+    """MXFP8 fake-quant along the last dim, zero-padding it to a multiple of 32 first."""
+    pad = (-t.shape[-1]) % 32
+    if not pad:
+        return fake_quant_mxfp8(t)
+    return fake_quant_mxfp8(torch.nn.functional.pad(t, (0, pad)))[..., : t.shape[-1]]
+
+
+def _pad_rows(x2: torch.Tensor, multiple: int = 16) -> tuple[torch.Tensor, int]:
+    m = x2.shape[0]
+    pad = (-m) % multiple
+    return (torch.cat([x2, x2.new_zeros(pad, x2.shape[1])]) if pad else x2), m
+
+
+def scaled_mm_call(xq: Any, wq: Any, fmt: str,
+                   out_dtype: torch.dtype) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Arguments of ``torch.nn.functional.scaled_mm`` for quantised (M, K) x (N, K) operands.
+
+    MXFP8: e4m3 data, E8M0 scales swizzled, ``BlockWise1x32`` both sides. NVFP4: packed
+    fp4x2 data, [E4M3 block scales swizzled, fp32 tensor scale] with [``BlockWise1x16``,
+    ``TensorWise``] (torch 2.13's ``is_nv`` case in ``_check_scaled_mm_sizes_v2``). The
+    second operand is the weight transposed (column-major), as cuBLAS wants. Scales are
+    decode factors (dequantised = data x scale), which is what scaled_mm takes.
+    """
+    F = torch.nn.functional
+    st, sw = F.ScalingType, F.SwizzleType
+    if fmt == "mxfp8":
+        return ((xq.data, wq.data.t(), to_blocked(xq.scale), st.BlockWise1x32,
+                 to_blocked(wq.scale), st.BlockWise1x32),
+                {"swizzle_a": sw.SWIZZLE_32_4_4, "swizzle_b": sw.SWIZZLE_32_4_4,
+                 "output_dtype": out_dtype})
+    recipe = [st.BlockWise1x16, st.TensorWise]
+    swz = [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
+    return ((pack_e2m1(xq.codes), pack_e2m1(wq.codes).t(),
+             [to_blocked(xq.block_scale), xq.tensor_scale.reshape(1)], recipe,
+             [to_blocked(wq.block_scale), wq.tensor_scale.reshape(1)], recipe),
+            {"swizzle_a": swz, "swizzle_b": swz, "output_dtype": out_dtype})
+
+
+def _real_mm(x2: torch.Tensor, wq: Any, fmt: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """(M, K) fp32 activations @ a quantised (N, K) weight via ``F.scaled_mm`` -> (M, N).
+
+    Rows are zero-padded to a multiple of 16 (zero rows quantise to zero and leave every
+    other block's scale unchanged); the swizzled scales pad themselves to 128 rows.
+    """
+    xp, m = _pad_rows(x2)
+    xq = quantize_mx(xp) if fmt == "mxfp8" else quantize_nvfp4(xp)
+    args, kwargs = scaled_mm_call(xq, wq, fmt, out_dtype)
+    return torch.nn.functional.scaled_mm(*args, **kwargs)[:m]
+
+
+def _forward(x2: torch.Tensor, wcache: Any, fmt: str, backend: str,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """The forward GEMM in fp32 (M, N): emulated reads the fake-quantised weight."""
+    if backend == "torch":
+        gemm_out = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
+        return _real_mm(x2, wcache, fmt, gemm_out).float()
+    return _fake_quant(x2, fmt) @ wcache.t()  # fp32 accumulate, like the GEMM
+
+
+class _MXFP8LinearFn(torch.autograd.Function):
+    """y = q32(x) q32(W)^T (+ b); backward re-quantises along each GEMM's reduction dim."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                backend: str, out_dtype: torch.dtype, wcache: Any) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()  # (M, K)
+        y = _forward(x2, wcache, "mxfp8", backend, out_dtype)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        ctx.in_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        return y.to(out_dtype).reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        x2, weight = ctx.saved_tensors  # (M, K), (N, K)
+        g = grad_out.reshape(-1, grad_out.shape[-1]).float()  # (M, N)
+        w = weight.float()
+        grad_x = _fq_mx_padded(g) @ _fq_mx_padded(w.t()).t()  # dX (M, K): reduce over N
+        grad_w = _fq_mx_padded(g.t()) @ _fq_mx_padded(x2.t()).t()  # dW (N, K): reduce over M
+        grad_b = g.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
+        return (grad_x.to(ctx.in_dtype).reshape(*grad_out.shape[:-1], -1),
+                grad_w.to(ctx.w_dtype), grad_b, None, None, None)
+
+
+class _NVFP4LinearFn(torch.autograd.Function):
+    """y = q16(x) q16(W)^T (+ b), forward-only: backward raises NoGradientRecipe."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                backend: str, out_dtype: torch.dtype, wcache: Any) -> torch.Tensor:
+        shape = x.shape
+        y = _forward(x.reshape(-1, shape[-1]).float(), wcache, "nvfp4", backend, out_dtype)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype).reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        raise NoGradientRecipe(
+            "nvfp4 is forward-only in autoprec: no gradient recipe is implemented (NVIDIA's "
+            "needs stochastic rounding and Hadamard transforms); train this layer in mxfp8, "
+            "fp8 or a 16-bit precision")
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The surrounding compute dtype: the autocast dtype if one is active, else x's."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype if x.is_floating_point() else torch.float32
+
+
+def _quantize_weight(weight: torch.Tensor, fmt: str, backend: str) -> Any:
+    """The weight as the GEMM reads it: fake-quantised fp32 (emulated) or quantised (torch)."""
+    w = weight.detach().float()
+    if backend == "torch":
+        return quantize_mx(w) if fmt == "mxfp8" else quantize_nvfp4(w)
+    return _fake_quant(w, fmt)
+
+
+def _weight_cache(module: torch.nn.Module, weight: torch.Tensor, fmt: str, backend: str) -> Any:
+    """The quantised weight, cached on the module until the weight changes (its version
+    moves at every optimizer step), as ``fp8._weight_fp8`` does."""
+    if torch.compiler.is_compiling():
+        with torch.no_grad():
+            return _quantize_weight(weight, fmt, backend)
+    key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape), fmt, backend)
+    cached = module.__dict__.get("_autoprec_block_weight")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        value = _quantize_weight(weight, fmt, backend)
+    module.__dict__["_autoprec_block_weight"] = (key, value)
+    return value
+
+
+def blockscaled_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
+                       backend: str = "emulated") -> torch.Tensor:
+    """Run a Linear-like ``module`` on ``x`` (..., K) in ``fmt`` ("mxfp8" / "nvfp4").
+
+    Raises ``BlockShapeError`` (a ValueError) when K is not a multiple of the block,
+    ``CapabilityError`` when ``backend`` cannot run here (with the reason).
+    """
+    _check_fmt(fmt)
+    if backend != "emulated":
+        ok, why = blockscale_capability(fmt, backend, x.device)
+        if not ok:
+            raise CapabilityError(why)
+    weight = linear_weight(module)
+    if weight.shape[-1] % BLOCK_SIZE[fmt]:
+        why = mx_ineligible_reason(module, fmt)
+        raise BlockShapeError(why or f"{fmt}: weight {tuple(weight.shape)} not block-aligned")
+    bias = getattr(module, "bias", None)
+    out_dtype = _out_dtype(x)
+    fn = _MXFP8LinearFn if fmt == "mxfp8" else _NVFP4LinearFn
+    with torch.autocast(x.device.type, enabled=False):
+        return fn.apply(x, weight, bias, backend, out_dtype,
+                        _weight_cache(module, weight, fmt, backend))
+
+
+def reference_blockscaled_linear(x: torch.Tensor, weight: torch.Tensor,
+                                 bias: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    """Hand reference for tests: explicit quantise/dequantise, no autograd.Function."""
+    x2 = x.float().reshape(-1, x.shape[-1])
+    if fmt == "mxfp8":
+        xq, wq = dequantize_mx(quantize_mx(x2)), dequantize_mx(quantize_mx(weight.float()))
+    else:
+        xq = dequantize_nvfp4(quantize_nvfp4(x2))
+        wq = dequantize_nvfp4(quantize_nvfp4(weight.float()))
+    y = xq @ wq.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*x.shape[:-1], -1)
+
+
+__all__ = ["BLOCK_BACKENDS", "GRADIENT_RECIPES", "MXTensor", "NVFP4Tensor", "NoGradientRecipe",
+           "blockscale_capability", "blockscaled_linear", "mx_ineligible_reason",
+           "reference_blockscaled_linear", "scaled_mm_call"]

@@ -1,0 +1,51 @@
+"""Block-scaled number formats (issue 17): MXFP8 (OCP MX v1.0) and NVFP4, by emulation.
+
+Pure numerics: quantise, dequantise and fake-quantise along the last dim (the GEMM's
+reduction dim K). The Linear backends that use them live in ``autoprec.apply.blockscale``.
+
+- ``mx``: :func:`quantize_mx`, :func:`dequantize_mx`, :func:`fake_quant_mxfp8`.
+- ``nvfp4``: :func:`quantize_nvfp4`, :func:`dequantize_nvfp4`, :func:`fake_quant_nvfp4`.
+- ``elements``: the E4M3/E5M2/E2M1/E8M0 codecs, all RNE with saturation.
+- ``layout``: the cuBLAS block-scale swizzle (128x4 tiles) the real kernels read.
+"""
+
+import torch
+
+from autoprec.formats.elements import BlockShapeError
+from autoprec.formats.mx import (
+    MX_BLOCK,
+    MXTensor,
+    dequantize_mx,
+    fake_quant_mx,
+    fake_quant_mxfp8,
+    quantize_mx,
+)
+from autoprec.formats.nvfp4 import (
+    NVFP4_BLOCK,
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    fake_quant_nvfp4,
+    nvfp4_tensor_scale,
+    quantize_nvfp4,
+)
+
+#: Block size along K of each block-scaled precision.
+BLOCK_SIZE: dict[str, int] = {"mxfp8": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
+BLOCK_FORMATS: tuple[str, ...] = ("mxfp8", "nvfp4")
+
+
+def fake_quant_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` rounded through ``fmt`` ("mxfp8" or "nvfp4") along its last dim, fp32."""
+    if fmt == "mxfp8":
+        return fake_quant_mxfp8(x)
+    if fmt == "nvfp4":
+        return fake_quant_nvfp4(x)
+    raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of {BLOCK_FORMATS}")
+
+
+__all__ = [
+    "BLOCK_FORMATS", "BLOCK_SIZE", "MX_BLOCK", "NVFP4_BLOCK", "BlockShapeError", "MXTensor",
+    "NVFP4Tensor", "dequantize_mx", "dequantize_nvfp4", "fake_quant_block", "fake_quant_mx",
+    "fake_quant_mxfp8", "fake_quant_nvfp4", "nvfp4_tensor_scale", "quantize_mx",
+    "quantize_nvfp4",
+]
