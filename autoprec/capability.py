@@ -11,7 +11,7 @@ import platform
 
 import torch
 
-from autoprec.precisions import PRECISIONS, check_precision
+from autoprec.precisions import BLOCK_SCALED, PRECISIONS, check_precision, is_gemm_format
 
 FP8_BACKENDS = ("emulated", "torch", "te")
 
@@ -60,11 +60,17 @@ def capability(
 
     For fp8, ``backend`` picks one of ``emulated``/``torch``/``te``; ``None`` means the
     fastest real backend (te, then torch) and does not count emulation as running fp8.
+    mxfp8 / nvfp4: ``emulated`` or ``torch`` (block-scaled ``scaled_mm``, SM >= 10.0);
+    ``None`` means torch.
     """
     check_precision(precision)
     dev = _device(device)
     if precision == "fp32":
         return True, "fp32: always available"
+    if precision in BLOCK_SCALED:
+        from autoprec.apply.blockscale import blockscale_capability
+
+        return blockscale_capability(precision, backend or "torch", dev)
     if dev.type == "cuda" and not torch.cuda.is_available() and precision != "fp8":
         return False, (f"{precision}: CUDA is not available here (torch {torch.__version__}"
                        f"{', a CPU build' if torch.version.cuda is None else ''})")
@@ -115,7 +121,7 @@ def runnable_precisions(device: str | torch.device | None = None) -> tuple[str, 
     """Precisions that run here (fp8 counts when at least emulation works)."""
     out = []
     for p in PRECISIONS:
-        ok, _ = capability(p, "emulated" if p == "fp8" else None, device)
+        ok, _ = capability(p, "emulated" if is_gemm_format(p) else None, device)
         if ok:
             out.append(p)
     return tuple(out)

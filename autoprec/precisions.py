@@ -7,6 +7,14 @@ Format limits are the IEEE/OCP definitions:
 - fp8 e4m3fn: max 448, smallest normal 2**-6, 3 mantissa bits;
   fp8 e5m2: max 57344, smallest normal 2**-14, 2 mantissa bits
   (OCP 8-bit Floating Point Specification, 2023).
+- mxfp8: e4m3 elements sharing one E8M0 (power-of-two) scale per 32 along K (OCP
+  Microscaling Formats spec v1.0); nvfp4: E2M1 elements (max 6, 1 mantissa bit), one E4M3
+  scale per 16 along K times a per-tensor fp32 scale (NVIDIA). Both are block-scaled: their
+  FORMATS entries describe the elements; the scales give them fp32's range.
+
+Regions and GEMM formats: fp32/tf32/bf16/fp16 are *regions* (what a module's own code
+runs in: autocast or not); fp8/mxfp8/nvfp4 are *GEMM formats* (a module backend for
+Linear-like leaves; the leaf takes and gives its region's dtype).
 """
 
 from __future__ import annotations
@@ -18,10 +26,16 @@ import torch
 
 from autoprec.errors import InputError
 
-Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"]
 
 #: Ordered from most to least precise; the search and reports use this order.
-PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
+#: What a module's own code can run in.
+REGIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+#: Module backends for Linear-like leaves (not autocast regions).
+GEMM_FORMATS: tuple[str, ...] = ("fp8", "mxfp8", "nvfp4")
+#: Block-scaled formats (a scale per block of K): no overflow, no per-tensor underflow.
+BLOCK_SCALED: tuple[str, ...] = ("mxfp8", "nvfp4")
 
 #: Precisions expressible by ``torch.autocast``.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,11 +63,15 @@ FORMATS: dict[str, NumericFormat] = {
     "fp16": NumericFormat("fp16", 65504.0, 2.0**-14, 10),
     # Forward activations/weights; gradients use e5m2 (FP8_E5M2 below).
     "fp8": NumericFormat("fp8", 448.0, 2.0**-6, 3),
+    "mxfp8": NumericFormat("mxfp8", 448.0, 2.0**-6, 3),  # elements (e4m3)
+    "nvfp4": NumericFormat("nvfp4", 6.0, 1.0, 1),  # elements (e2m1)
 }
 FP8_E5M2 = NumericFormat("fp8_e5m2", 57344.0, 2.0**-14, 2)
 
-#: Bytes per element as stored/moved on the device (tf32 is stored as fp32).
-BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+#: Bytes per element as stored/moved on the device (tf32 is stored as fp32); block formats
+#: include their scales (mxfp8: 1 + 1/32, nvfp4: 1/2 + 1/16).
+BYTES: dict[str, float] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1,
+                           "mxfp8": 1.03125, "nvfp4": 0.5625}
 
 #: One tolerance table for every numerics test (after Transformer Engine's dtype_tols):
 #: (rtol, atol) for comparing a single lowered op against a reference computed by hand
@@ -64,6 +82,8 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bf16": (1.6e-2, 1e-3),
     "fp16": (1e-3, 1e-4),
     "fp8": (1.25e-1, 2e-2),
+    "mxfp8": (1.25e-1, 2e-2),
+    "nvfp4": (5e-1, 1e-1),
 }
 
 
@@ -97,5 +117,10 @@ def parse_precisions(text: str | None) -> tuple[str, ...] | None:
 
 
 def rank(precision: str) -> int:
-    """0 for fp32 (most precise) … 4 for fp8."""
+    """0 for fp32 (most precise) … 6 for nvfp4."""
     return PRECISIONS.index(precision)
+
+
+def is_gemm_format(precision: str) -> bool:
+    """fp8 / mxfp8 / nvfp4: a Linear backend, not a region."""
+    return precision in GEMM_FORMATS

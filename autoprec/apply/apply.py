@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from autoprec.apply.audit import AuditReport, audit_run, notify_compute
+from autoprec.apply.blockscale import blockscale_capability
 from autoprec.apply.lower import lowered_forward
 from autoprec.capability import FP8_BACKENDS, best_fp8_backend, capability
 from autoprec.errors import CapabilityError, InputError
@@ -34,6 +35,7 @@ from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
 from autoprec.policy.resolve import Resolved, assignment, module_table, resolve_path
 from autoprec.policy.schema import Policy
+from autoprec.precisions import BLOCK_SCALED, is_gemm_format
 
 _LOW = (torch.float16, torch.bfloat16)
 _MISSING = object()
@@ -220,8 +222,13 @@ def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None
                              f"{', '.join(FP8_BACKENDS)}")
         backend, fp8_reason = ((fp8_backend, "") if fp8_backend is not None
                                else best_fp8_backend(dev))
+    format_backend = {"fp8": backend or "emulated"}
+    for fmt in BLOCK_SCALED:  # the real block-scaled kernels where they run, else emulation
+        if fmt in used:
+            format_backend[fmt] = ("torch" if blockscale_capability(fmt, "torch", dev)[0]
+                                   else "emulated")
     for prec in sorted(used):
-        ok, why = capability(prec, backend if prec == "fp8" else None, dev)
+        ok, why = capability(prec, format_backend.get(prec), dev)
         if not ok:
             w = next(w for _, w in chosen if w.precision == prec)
             key = "default" if w.rule is None else f"layers[{w.rule!r}]"
@@ -229,8 +236,8 @@ def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None
         if prec == "fp8" and not fp8_reason:
             fp8_reason = why
 
-    wrappers = [(mod, _wrapper(mod, w.precision, backend or "emulated",
-                               notify_compute if w.precision == "fp8" else None,
+    wrappers = [(mod, _wrapper(mod, w.precision, format_backend.get(w.precision, "emulated"),
+                               notify_compute if is_gemm_format(w.precision) else None,
                                cast_exit=w.path != "", emulate_cuda=emulate))
                 for mod, w in chosen]
     handle = PolicyHandle(model, policy, plan, res, [w for _, w in chosen], backend,

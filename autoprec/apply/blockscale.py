@@ -44,6 +44,13 @@ from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvf
 
 BLOCK_BACKENDS = ("emulated", "torch")
 
+#: How MXFP8 scales are chosen here: NVIDIA's "rceil" (X = 2^ceil(log2(amax / 448)): the
+#: block max never saturates), what cuBLAS and Transformer Engine compute on Blackwell, so
+#: the emulation matches the kernels a B200 runs. The OCP spec's "floor" rule (the
+#: ``autoprec.formats.mx`` default) saturates a block's largest values by up to 12.5 %:
+#: experiments/results/blockscale_error.md measured it 1.1-2x fp8's error on outlier layers.
+MX_SCALE_MODE = "rceil"
+
 #: Which formats can be trained through, and how (see the module docstring).
 GRADIENT_RECIPES: dict[str, str | None] = {
     "mxfp8": "MXFP8 (TE MXFP8BlockScaling / torchao MXLinear): E4M3 + E8M0 per 32 along "
@@ -143,15 +150,16 @@ def blockscale_capability(fmt: str, backend: str = "emulated",
 
 
 def _fake_quant(t: torch.Tensor, fmt: str) -> torch.Tensor:
-    return fake_quant_mxfp8(t) if fmt == "mxfp8" else fake_quant_nvfp4(t)
+    return fake_quant_mxfp8(t, MX_SCALE_MODE) if fmt == "mxfp8" else fake_quant_nvfp4(t)
 
 
 def _fq_mx_padded(t: torch.Tensor) -> torch.Tensor:
     """MXFP8 fake-quant along the last dim, zero-padding it to a multiple of 32 first."""
     pad = (-t.shape[-1]) % 32
     if not pad:
-        return fake_quant_mxfp8(t)
-    return fake_quant_mxfp8(torch.nn.functional.pad(t, (0, pad)))[..., : t.shape[-1]]
+        return fake_quant_mxfp8(t, MX_SCALE_MODE)
+    return fake_quant_mxfp8(torch.nn.functional.pad(t, (0, pad)),
+                            MX_SCALE_MODE)[..., : t.shape[-1]]
 
 
 def _pad_rows(x2: torch.Tensor, multiple: int = 16) -> tuple[torch.Tensor, int]:
@@ -192,7 +200,7 @@ def _real_mm(x2: torch.Tensor, wq: Any, fmt: str, out_dtype: torch.dtype) -> tor
     other block's scale unchanged); the swizzled scales pad themselves to 128 rows.
     """
     xp, m = _pad_rows(x2)
-    xq = quantize_mx(xp) if fmt == "mxfp8" else quantize_nvfp4(xp)
+    xq = quantize_mx(xp, scale_mode=MX_SCALE_MODE) if fmt == "mxfp8" else quantize_nvfp4(xp)
     args, kwargs = scaled_mm_call(xq, wq, fmt, out_dtype)
     return torch.nn.functional.scaled_mm(*args, **kwargs)[:m]
 
@@ -266,7 +274,7 @@ def _quantize_weight(weight: torch.Tensor, fmt: str, backend: str) -> Any:
     """The weight as the GEMM reads it: fake-quantised fp32 (emulated) or quantised (torch)."""
     w = weight.detach().float()
     if backend == "torch":
-        return quantize_mx(w) if fmt == "mxfp8" else quantize_nvfp4(w)
+        return quantize_mx(w, scale_mode=MX_SCALE_MODE) if fmt == "mxfp8" else quantize_nvfp4(w)
     return _fake_quant(w, fmt)
 
 
@@ -315,7 +323,8 @@ def reference_blockscaled_linear(x: torch.Tensor, weight: torch.Tensor,
     """Hand reference for tests: explicit quantise/dequantise, no autograd.Function."""
     x2 = x.float().reshape(-1, x.shape[-1])
     if fmt == "mxfp8":
-        xq, wq = dequantize_mx(quantize_mx(x2)), dequantize_mx(quantize_mx(weight.float()))
+        xq = dequantize_mx(quantize_mx(x2, scale_mode=MX_SCALE_MODE))
+        wq = dequantize_mx(quantize_mx(weight.float(), scale_mode=MX_SCALE_MODE))
     else:
         xq = dequantize_nvfp4(quantize_nvfp4(x2))
         wq = dequantize_nvfp4(quantize_nvfp4(weight.float()))

@@ -9,7 +9,8 @@ A *region* is the numeric context a module's forward runs in:
 - bf16 / fp16: ``torch.autocast(dtype=…, cache_enabled=False)``. The weight-cast cache is
   keyed on the weight, so a weight used in two low dtypes in one outer region (tied
   weights, a module called twice) would get the first cast: the cache stays off.
-- fp8: not a region; Linear-like leaves call ``fp8.fp8_linear`` (see fp8.py).
+- fp8 / mxfp8 / nvfp4: not regions; Linear-like leaves call their GEMM backend
+  (``backends.linear``: fp8.py, blockscale.py).
 
 ``emulate_cuda``: on a CPU, autocast regions also run the ops CUDA autocast keeps in fp32
 (layer_norm, softmax, sum, exp, ...) in fp32 (``plan.autocast.TargetFp32Ops``), so that
@@ -29,10 +30,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autoprec.apply import fp8 as fp8mod
+from autoprec.apply import backends
 from autoprec.errors import CapabilityError, PolicyError
 from autoprec.plan.autocast import suspend_target_fp32_ops, target_fp32_ops
-from autoprec.precisions import AUTOCAST_DTYPES, check_precision
+from autoprec.precisions import AUTOCAST_DTYPES, check_precision, is_gemm_format
 
 _LOW_FLOATS = (torch.float16, torch.bfloat16)
 
@@ -179,8 +180,8 @@ def region(precision: str, device_type: str,
            emulate_cuda: bool = False) -> contextlib.AbstractContextManager[Any]:
     """The numeric context for ``precision`` (fp32/tf32/bf16/fp16) on ``device_type``."""
     check_precision(precision)
-    if precision == "fp8":
-        raise ValueError("fp8 is a module backend, not an autocast region")
+    if is_gemm_format(precision):
+        raise ValueError(f"{precision} is a module backend, not an autocast region")
     if precision in AUTOCAST_DTYPES:
         ctx: contextlib.AbstractContextManager[Any] = torch.autocast(
             device_type, dtype=AUTOCAST_DTYPES[precision], cache_enabled=False)
@@ -242,26 +243,27 @@ def lowered_forward(
 
     ``forward`` is the function to wrap (default: the module's current forward).
     ``on_compute(precision)`` is called on every call (the audit listens to it).
-    ``emulate_cuda``: see the module docstring.
-    fp8 requires a Linear-like module with 16-aligned dims (ValueError otherwise).
+    ``emulate_cuda``: see the module docstring. ``fp8_backend``: the backend of a GEMM
+    format (fp8: emulated/torch/te; mxfp8/nvfp4: emulated/torch).
+    A GEMM format requires a Linear-like module it is eligible for (ValueError otherwise).
     """
     check_precision(precision)
     inner = forward if forward is not None else module.forward
-    if precision == "fp8":
-        why = fp8mod.fp8_ineligible_reason(module)
+    if is_gemm_format(precision):
+        why = backends.ineligible_reason(module, precision)
         if why is not None:
             raise ValueError(why)
 
         @functools.wraps(inner)
-        def fp8_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def format_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if args or kwargs:  # a Linear-like forward takes one input; never drop arguments
-                raise TypeError(f"fp8 {type(module).__name__}.forward takes one input, got "
-                                f"{1 + len(args)} positional and {sorted(kwargs)} keyword")
+                raise TypeError(f"{precision} {type(module).__name__}.forward takes one input,"
+                                f" got {1 + len(args)} positional and {sorted(kwargs)} keyword")
             if on_compute is not None:
-                on_compute("fp8")
-            return fp8mod.fp8_linear(module, x, fp8_backend)
+                on_compute(precision)
+            return backends.linear(module, x, precision, fp8_backend)
 
-        return fp8_forward
+        return format_forward
 
     upcast = precision in ("fp32", "tf32")
 

@@ -64,7 +64,7 @@ def graph_cmd(
 
 def _why_not(disallowed: dict[str, str]) -> str:
     """A non-GEMM layer's four reasons say one thing: show it once."""
-    if set(disallowed) >= {"tf32", "bf16", "fp16", "fp8"}:
+    if set(disallowed) >= {"tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"}:
         return f"all but fp32: {disallowed['bf16']}"
     return "; ".join(f"{k}: {v}" for k, v in disallowed.items())
 

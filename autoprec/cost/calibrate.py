@@ -221,8 +221,10 @@ def gemm_graph(m: int, k: int, n: int, calls: int = 1, batch_size: int = 1,
     vals = [Value(m * k, "fp32", 4, "input", True, 2), Value(k * n, "fp32", 4, "param", False, 2),
             Value(m * n, "fp32", 4, "op", True, 2)]
     op = Op("linear", "gemm", 1, (0, 1), (2,), 2.0 * m * k * n, weight=1)
-    allowed = ["fp32", "tf32", "bf16", "fp16"] + (["fp8"] if k % 16 == 0 and n % 16 == 0
-                                                  else [])
+    aligned = k % 16 == 0 and n % 16 == 0
+    allowed = ["fp32", "tf32", "bf16", "fp16"] + (["fp8"] if aligned else []) + (
+        ["mxfp8"] if aligned and k % 32 == 0 else []) + (
+        ["nvfp4"] if aligned and k % 32 == 0 else [])
     return _graph(path, "Linear", "linear", vals, op, calls, batch_size, allowed,
                   f"gemm {m}x{k}x{n}")
 

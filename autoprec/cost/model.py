@@ -39,12 +39,20 @@ from autoprec.errors import InputError
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import OTHER, WIDTH, Schedule, replay
 from autoprec.policy.schema import Policy
-from autoprec.precisions import PRECISIONS, check_precision
+from autoprec.precisions import BYTES, PRECISIONS, check_precision
 from autoprec.trace.graph import LayerGraph
 
-#: Breakdown categories of a forward's time.
+#: Breakdown categories of a forward's time ("fp8_scaling": every GEMM format's).
 PARTS = ("gemm", "cast", "fp8_scaling", "other")
 _GEMM, _CAST, _FP8, _OTHER = range(4)
+#: Quantisation passes of a GEMM format's activation input: (per-tensor amax passes,
+#: bytes written per element by the quantise pass). fp8: amax, a scale kernel, the cast to
+#: e4m3 (Transformer Engine's Float8CurrentScaling); mxfp8: one fused pass (block amax,
+#: E8M0 scale, cast: a 32-block is one row's, no global reduction); nvfp4: the tensor amax
+#: (for the fp32 scale), then one fused block pass writing E2M1 + E4M3 scales
+#: (experiments/results/b200_profile.yaml, from TE's and torchao's quantisers).
+_QUANT_PASSES = {CODE["fp8"]: (1, 1.0), CODE["mxfp8"]: (0, BYTES["mxfp8"]),
+                 CODE["nvfp4"]: (1, BYTES["nvfp4"])}
 
 
 @dataclass(frozen=True)
@@ -273,16 +281,25 @@ class CostModel:
                 collect.append((self._cast_module(sch, c.event), Kernel(
                     "weight_cast" if c.weight else "cast",
                     float(n * (WIDTH[c.src[0]] + WIDTH[c.dst[0]])))))
-        for f in sch.fp8_inputs:
+        for f in sch.quant_inputs:
             n = self._numel[f.value]
-            amax = n * WIDTH[f.src] / bw + launch
-            cast = n * (WIDTH[f.src] + 1) / bw + launch
-            parts[:, _FP8] += np.where(f.on, amax + launch + cast, 0.0)
-            if collect is not None and f.on[0]:
-                m = tr.ops[f.op].module
-                w = float(WIDTH[f.src[0]])
-                collect += [(m, Kernel("amax", n * w)), (m, Kernel("fp8_scale", 0.0)),
-                            (m, Kernel("fp8_cast", n * (w + 1)))]
+            read = n * WIDTH[f.src] / bw
+            for code, (amaxes, written) in _QUANT_PASSES.items():
+                on = f.on & (f.fmt == code)
+                if not on.any():
+                    continue
+                # per-tensor amax passes (read), then the cast/quantise pass (read + write)
+                tm = amaxes * (read + launch) + read + n * written / bw + launch
+                tm = tm + (launch if code == CODE["fp8"] else 0.0)  # fp8: amax -> scale
+                parts[:, _FP8] += np.where(on, tm, 0.0)
+                if collect is not None and on[0]:
+                    m = tr.ops[f.op].module
+                    w = float(WIDTH[f.src[0]])
+                    fmt = PRECISIONS[code]
+                    collect.extend([(m, Kernel("amax", n * w))] * amaxes)
+                    if code == CODE["fp8"]:
+                        collect.append((m, Kernel("fp8_scale", 0.0)))
+                    collect.append((m, Kernel(f"{fmt}_cast", n * (w + written))))
         return parts
 
     def _cast_module(self, sch: Schedule, event: int) -> int:

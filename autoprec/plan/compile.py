@@ -24,8 +24,8 @@ another dtype"):
   needs another dtype (a GEMM casts to its region's dtype, CUDA's layer_norm to fp32), and
   pointwise ops read mixed dtypes directly. So a fp16 layer inside a bf16 region costs one
   cast where its output is consumed, not a cast out and a cast back in;
-- an fp8 leaf takes its input in whatever dtype it arrives and gives the surrounding
-  region's 16-bit dtype (fp32 in a fp32 region).
+- a GEMM-format leaf (fp8, mxfp8, nvfp4) takes its input in whatever dtype it arrives
+  and gives the surrounding region's 16-bit dtype (fp32 in a fp32 region).
 
 ``encode_rules`` computes regions, precisions and wrappers for many rule assignments at
 once (numpy, for the search); ``compile_plan`` is the same code for one policy. The
@@ -42,16 +42,18 @@ import numpy as np
 import torch
 
 from autoprec.paths import normalize_path, unwrap_model
-from autoprec.policy.resolve import fp8_eligible
+from autoprec.policy.resolve import format_eligible
 from autoprec.policy.schema import Policy
-from autoprec.precisions import PRECISIONS
+from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import LayerGraph
 
-#: Precision codes (index into PRECISIONS): 0 fp32, 1 tf32, 2 bf16, 3 fp16, 4 fp8.
+#: Precision codes (index into PRECISIONS): 0 fp32, 1 tf32, 2 bf16, 3 fp16, 4 fp8, 5 mxfp8,
+#: 6 nvfp4.
 CODE = {p: i for i, p in enumerate(PRECISIONS)}
 FP8 = CODE["fp8"]
+#: Codes of the GEMM formats (module backends, never a region), in GEMM_FORMATS order.
+FORMAT_CODES = np.array([CODE[f] for f in GEMM_FORMATS], dtype=np.intp)
 NO_RULE = -1
-_AUTOCAST = (CODE["bf16"], CODE["fp16"])
 #: Containers whose own forward is never called (their owner iterates or indexes them).
 NEVER_CALLED = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -62,13 +64,14 @@ class ModuleTree:
 
     paths: list[str]  # module paths, ``named_modules()`` order (a shared module once)
     caller: np.ndarray  # (M,) index of the nearest ancestor whose forward runs; -1: root
-    fp8_ok: np.ndarray  # (M,) bool: an fp8-eligible Linear-like leaf
+    format_ok: np.ndarray  # (M, len(GEMM_FORMATS)) bool: a leaf eligible for each format
     never_called: np.ndarray  # (M,) bool: ModuleList / ModuleDict
     aliases: dict[str, str] = field(default_factory=dict)  # other path of a shared module
 
     @classmethod
     def build(cls, paths: Sequence[str], never_called: Sequence[bool],
-              fp8_ok: Sequence[bool], aliases: Mapping[str, str] | None = None) -> ModuleTree:
+              format_ok: Sequence[Sequence[bool]],
+              aliases: Mapping[str, str] | None = None) -> ModuleTree:
         index = {p: i for i, p in enumerate(paths)}
         never = np.array(never_called, dtype=bool)
         caller = np.full(len(paths), -1, dtype=np.intp)
@@ -79,7 +82,8 @@ class ModuleTree:
             while parent and never[index[parent]]:
                 parent = parent.rpartition(".")[0]
             caller[i] = index.get(parent, 0)
-        return cls(list(paths), caller, np.array(fp8_ok, dtype=bool), never, dict(aliases or {}))
+        ok = np.array(format_ok, dtype=bool).reshape(len(paths), len(GEMM_FORMATS))
+        return cls(list(paths), caller, ok, never, dict(aliases or {}))
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModuleTree:
@@ -91,7 +95,8 @@ class ModuleTree:
                    if normalize_path(p) != first[id(m)]}
         return cls.build([normalize_path(p) for p, _ in named],
                          [isinstance(m, NEVER_CALLED) for _, m in named],
-                         [fp8_eligible(m) for _, m in named], aliases)
+                         [[format_eligible(m, f) for f in GEMM_FORMATS] for _, m in named],
+                         aliases)
 
     @classmethod
     def from_graph(cls, graph: LayerGraph) -> ModuleTree:
@@ -103,7 +108,8 @@ class ModuleTree:
         return cls.build(paths,
                          [n is not None and n.module_type in ("ModuleList", "ModuleDict")
                           for n in nodes],
-                         [n is not None and n.is_leaf and "fp8" in n.allowed for n in nodes])
+                         [[n is not None and n.is_leaf and f in n.allowed for f in GEMM_FORMATS]
+                          for n in nodes])
 
     def index(self) -> dict[str, int]:
         return {p: i for i, p in enumerate(self.paths)}
@@ -147,9 +153,12 @@ class RuleSet:
                 c = codes[:, k]
                 has = c != NO_RULE
                 first = np.where(has, c, first)
-                r = np.where(has & (c != FP8), c, r)
+                r = np.where(has & ~np.isin(c, FORMAT_CODES), c, r)
             region[:, j] = r
-            prec[:, j] = np.where((first == FP8) & self.tree.fp8_ok[j], FP8, r)
+            p = r
+            for fi, fc in enumerate(FORMAT_CODES):
+                p = np.where((first == fc) & self.tree.format_ok[j, fi], fc, p)
+            prec[:, j] = p
         caller = self.tree.caller
         parent_region = np.where(caller[None, :] >= 0, region[:, np.maximum(caller, 0)], -1)
         wrapped = (prec != parent_region) & ~self.tree.never_called[None, :]
@@ -204,8 +213,10 @@ class ExecutionPlan:
         return out
 
     @property
-    def fp8_leaves(self) -> list[str]:
-        return [self.tree.paths[j] for j in np.flatnonzero(self.precision == FP8)]
+    def format_leaves(self) -> list[str]:
+        """Leaves that run a GEMM format (fp8 / mxfp8 / nvfp4)."""
+        return [self.tree.paths[j] for j in np.flatnonzero(np.isin(self.precision,
+                                                                   FORMAT_CODES))]
 
     def used(self) -> set[str]:
         """Precisions some module computes in."""
@@ -217,7 +228,8 @@ def _deciding_rule(policy: Policy, path: str, precision: str) -> str | None:
     p = path
     while True:
         got = policy.layers.get(p)
-        if got is not None and (got == precision or (got != "fp8" and precision != "fp8")):
+        if got is not None and (got == precision or (
+                got not in GEMM_FORMATS and precision not in GEMM_FORMATS)):
             return p
         if not p:
             return None
@@ -237,9 +249,5 @@ def compile_plan(policy: Policy, model: torch.nn.Module | ModuleTree) -> Executi
     return ExecutionPlan(policy, tree, rules, row, region[0], prec[0], wrapped[0])
 
 
-def is_autocast(code: int) -> bool:
-    return code in _AUTOCAST
-
-
-__all__ = ["CODE", "ExecutionPlan", "FP8", "ModuleTree", "NO_RULE", "RuleSet", "Wrapped",
-           "compile_plan"]
+__all__ = ["CODE", "ExecutionPlan", "FORMAT_CODES", "FP8", "ModuleTree", "NO_RULE", "RuleSet",
+           "Wrapped", "compile_plan"]

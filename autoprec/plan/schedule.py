@@ -26,19 +26,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoprec.plan.autocast import cast_policy
-from autoprec.plan.compile import FP8
+from autoprec.plan.compile import CODE, FORMAT_CODES
+from autoprec.precisions import BYTES
 from autoprec.trace.ops import OpTrace
 
-#: Value dtype codes.
-FP32, BF16, FP16, F8, FP64, OTHER = range(6)
-DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp64", "other")
-_CODE = {n: i for i, n in enumerate(DTYPES)}
-#: Bytes per element of each code (OTHER: the value's own itemsize).
-WIDTH = np.array([4, 2, 2, 1, 8, 0], dtype=np.int64)
+#: Value dtype codes (MX8 / NV4: only as what a block-scaled GEMM reads its operands in).
+FP32, BF16, FP16, F8, FP64, OTHER, MX8, NV4 = range(8)
+DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp64", "other", "mxfp8", "nvfp4")
+_CODE = {n: i for i, n in enumerate(DTYPES[:6])}
+#: Bytes per element of each code (OTHER: the value's own itemsize); block formats with
+#: their scales (precisions.BYTES).
+WIDTH = np.array([4, 2, 2, 1, 8, 0, BYTES["mxfp8"], BYTES["nvfp4"]], dtype=float)
 #: Region code (fp32, tf32, bf16, fp16) -> the dtype its autocast produces (fp32: none).
-_REGION_DTYPE = np.array([FP32, FP32, BF16, FP16, FP32], dtype=np.int8)
+_REGION_DTYPE = np.array([FP32, FP32, BF16, FP16, FP32, FP32, FP32], dtype=np.int8)
 #: dtype code -> the precision code a GEMM on it computes in (fp32 -> fp32; tf32 by region).
-_DTYPE_PREC = np.array([0, 2, 3, 4, 0, 0], dtype=np.int8)
+_DTYPE_PREC = np.array([0, 2, 3, 4, 0, 0, 5, 6], dtype=np.int8)
+#: GEMM format precision code -> the dtype code its quantised operands are read in.
+_OPERAND = {CODE["fp8"]: F8, CODE["mxfp8"]: MX8, CODE["nvfp4"]: NV4}
 
 
 def _promotion_table() -> np.ndarray:
@@ -77,13 +81,16 @@ class Cast:
 
 
 @dataclass
-class Fp8Input:
-    """The current-scaling passes of an fp8 GEMM's input: amax, scale, cast to e4m3."""
+class QuantInput:
+    """The quantisation of a GEMM-format GEMM's activation input: fp8 current scaling
+    (amax, scale, cast to e4m3), MXFP8 (one fused block pass), NVFP4 (tensor amax, then a
+    fused block pass). The cost model prices each format's passes."""
 
     op: int
     value: int
     src: np.ndarray  # (T,) dtype the input arrives in
     on: np.ndarray  # (T,) bool
+    fmt: np.ndarray  # (T,) GEMM format precision code (where on)
 
 
 @dataclass
@@ -98,7 +105,7 @@ class Schedule:
     compute: list[np.ndarray | None] = field(default_factory=list)  # GEMMs: (T,) precision
     kernel: list[np.ndarray | bool] = field(default_factory=list)  # launches a kernel
     casts: list[Cast] = field(default_factory=list)
-    fp8_inputs: list[Fp8Input] = field(default_factory=list)
+    quant_inputs: list[QuantInput] = field(default_factory=list)
     invalid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     reasons: dict[int, str] = field(default_factory=dict)  # plan row -> why it cannot run
 
@@ -122,7 +129,8 @@ def signature(sch: Schedule, row: int = 0) -> tuple:
                 for i in range(len(sch.reads)))
     casts = tuple(sorted((c.site, c.event, c.value, int(c.src[row]), int(c.dst[row]))
                          for c in sch.casts if c.on[row]))
-    fp8 = tuple(sorted((f.op, f.value, int(f.src[row])) for f in sch.fp8_inputs if f.on[row]))
+    fp8 = tuple(sorted((f.op, f.value, int(f.src[row]), int(f.fmt[row]))
+                       for f in sch.quant_inputs if f.on[row]))
     return ops, casts, fp8, bool(sch.invalid[row])
 
 
@@ -168,7 +176,8 @@ def replay(trace: OpTrace, region: np.ndarray, precision: np.ndarray, wrapped: n
             m = call.module
             saved: dict[int, np.ndarray] = {}
             if m >= 0:
-                island = wrapped[:, m] & ~ac_region[:, m] & (precision[:, m] != FP8)
+                island = wrapped[:, m] & ~ac_region[:, m] & ~np.isin(precision[:, m],
+                                                                      FORMAT_CODES)
                 for v in call.inputs:
                     if not floating[v]:
                         continue
@@ -221,7 +230,7 @@ def replay(trace: OpTrace, region: np.ndarray, precision: np.ndarray, wrapped: n
                 kernel = not ins or vals[ins[0]].dtype != (op.fixed_dtype or vals[ins[0]].dtype)
         elif policy == "lower" and op.kind in ("gemm", "attention"):
             out, compute = _lower(sch, ev, idx, op, ins, reads, state, floating, vals, r, ac,
-                                  tgt, precision[:, m] == FP8 if m >= 0 else None, fail)
+                                  tgt, precision[:, m] if m >= 0 else None, fail)
         elif policy in ("fp32", "fp32_opt", "promote") and ac.any():
             flo = [k for k, i in enumerate(ins) if floating[i]]
             if policy == "promote":
@@ -271,41 +280,46 @@ def _where(trace: OpTrace, m: int) -> str:
 
 
 def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, vals, r, ac,
-           tgt, fp8_rows, fail):  # noqa: ANN001 - internal helper of replay
-    """A GEMM/SDPA: autocast casts every floating input to the region's dtype; an fp8
-    leaf's GEMM quantises its activation input (current scaling) and reads the cached e4m3
-    weight; outside autocast every operand must already share one dtype."""
+           tgt, prec, fail):  # noqa: ANN001 - internal helper of replay
+    """A GEMM/SDPA: autocast casts every floating input to the region's dtype; a GEMM-format
+    leaf's GEMM (``prec`` fp8/mxfp8/nvfp4) quantises its activation input and reads the
+    weight quantised once (cached); outside autocast every operand must share one dtype."""
     t = r.shape[0]
     flo = [k for k, i in enumerate(ins) if floating[i]]
-    fp8 = fp8_rows if fp8_rows is not None and op.kind == "gemm" else np.zeros(t, dtype=bool)
+    fmt = (np.isin(prec, FORMAT_CODES) if prec is not None and op.kind == "gemm"
+           else np.zeros(t, dtype=bool))
     params = {k for k in flo if vals[ins[k]].source == "param"}
     acts = [k for k in flo if k not in params]
     for k in flo:
-        on = ac & ~fp8 & (state[ins[k]] != tgt)
+        on = ac & ~fmt & (state[ins[k]] != tgt)
         if on.any():
             sch.casts.append(Cast("input", ev, ins[k], state[ins[k]].copy(), tgt.copy(), on,
                                   weight=k in params))
-        reads[k] = np.where(ac & ~fp8, tgt, reads[k])
+        reads[k] = np.where(ac & ~fmt, tgt, reads[k])
     # outside autocast: one common dtype, else the op raises (mat1 and mat2 ...)
     first = state[ins[flo[0]]] if flo else np.full(t, FP32, np.int8)
     mixed = np.zeros(t, dtype=bool)
     for k in flo:
         mixed |= state[ins[k]] != first
-    fail(~ac & ~fp8 & mixed, f"{op.name} in {_where(sch.trace, op.module)} gets operands of "
+    fail(~ac & ~fmt & mixed, f"{op.name} in {_where(sch.trace, op.module)} gets operands of "
                              "different dtypes outside autocast")
     plain = np.where((r == 1) & (first == FP32), 1, _DTYPE_PREC[first])  # tf32 region
     compute = np.where(ac, _DTYPE_PREC[tgt], plain).astype(np.int8)
     out = np.where(ac, tgt, first).astype(np.int8)
-    if fp8.any():
-        compute = np.where(fp8, FP8, compute).astype(np.int8)
+    if fmt.any():
+        compute = np.where(fmt, prec, compute).astype(np.int8)
+        operand = np.array([_OPERAND.get(int(c), F8) for c in prec], dtype=np.int8)
         x = acts[0] if acts else (flo[0] if flo else 0)
         for k in flo:
-            reads[k] = np.where(fp8 & (np.array(k in params or k == x)), F8, reads[k])
+            quantised = k == x or (k in params and vals[ins[k]].ndim >= 2)  # not the bias
+            if quantised:
+                reads[k] = np.where(fmt, operand, reads[k])
         if acts:
-            sch.fp8_inputs.append(Fp8Input(idx, ins[x], state[ins[x]].copy(), fp8.copy()))
-        out = np.where(fp8, np.where(ac, tgt, state[ins[x]]), out).astype(np.int8)
+            sch.quant_inputs.append(QuantInput(idx, ins[x], state[ins[x]].copy(), fmt.copy(),
+                                               np.where(fmt, prec, -1)))
+        out = np.where(fmt, np.where(ac, tgt, state[ins[x]]), out).astype(np.int8)
     return out, compute
 
 
-__all__ = ["BF16", "Cast", "DTYPES", "F8", "FP16", "FP32", "Fp8Input", "OTHER", "Schedule",
+__all__ = ["BF16", "Cast", "DTYPES", "F8", "FP16", "FP32", "OTHER", "QuantInput", "Schedule",
            "WIDTH", "replay", "signature"]

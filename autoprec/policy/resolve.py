@@ -1,11 +1,12 @@
 """Which precision each module computes in under a policy, and checks against a model.
 
 Precedence (DESIGN.md): a rule covers its module and every child; the most specific path
-wins; ``default`` covers what no rule does. fp8 is not an autocast region but a module
-backend, so an fp8 rule only reaches fp8-eligible Linear-like *leaves*: every other module
-it covers takes the nearest enclosing non-fp8 rule, or the default. Each module therefore
-has a *region* (fp32/tf32/bf16/fp16: the numeric context its own code runs in) and a
-*precision* (its region, or fp8 for an eligible leaf under an fp8 rule).
+wins; ``default`` covers what no rule does. A GEMM format (fp8, mxfp8, nvfp4) is not an
+autocast region but a module backend, so such a rule only reaches Linear-like *leaves*
+eligible for it: every other module it covers takes the nearest enclosing region rule, or
+the default. Each module therefore has a *region* (fp32/tf32/bf16/fp16: the numeric
+context its own code runs in) and a *precision* (its region, or the format for an
+eligible leaf under a format rule).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autoprec.apply.fp8 import fp8_ineligible_reason
+from autoprec.apply import backends
 from autoprec.errors import PolicyError
 from autoprec.paths import normalize_path, unwrap_model
+from autoprec.precisions import is_gemm_format
 from autoprec.trace.graph import fingerprint
 
 if TYPE_CHECKING:
@@ -57,8 +59,13 @@ def is_gemm_leaf(module: torch.nn.Module) -> bool:
                                 or type(module).__name__ in _GEMM_LEAF_NAMES)
 
 
+def format_eligible(module: torch.nn.Module, precision: str) -> bool:
+    """A leaf that can run GEMM format ``precision`` (fp8 / mxfp8 / nvfp4)."""
+    return backends.eligible(module, precision)
+
+
 def fp8_eligible(module: torch.nn.Module) -> bool:
-    return is_leaf(module) and fp8_ineligible_reason(module) is None
+    return format_eligible(module, "fp8")
 
 
 def _ancestors(path: str) -> Iterator[str]:
@@ -79,11 +86,11 @@ def resolve_path(policy: Policy, path: str, module: torch.nn.Module) -> Resolved
             continue
         if first is None:
             first = (anc, prec)
-        if prec != "fp8":
+        if not is_gemm_format(prec):
             region, region_rule = prec, anc
             break
-    if first is not None and first[1] == "fp8" and fp8_eligible(module):
-        return Resolved(path, "fp8", region, first[0])
+    if first is not None and is_gemm_format(first[1]) and format_eligible(module, first[1]):
+        return Resolved(path, first[1], region, first[0])
     return Resolved(path, region, region, region_rule)
 
 
@@ -165,17 +172,17 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
 
     res = {p: resolve_path(policy, p, m) for p, m in table.items()}
     for p, prec in policy.layers.items():
-        if prec != "fp8":
+        if not is_gemm_format(prec):
             continue
         m = table[p]
         if is_leaf(m):
-            why = fp8_ineligible_reason(m)
+            why = backends.ineligible_reason(m, prec)
             if why is not None:
-                raise PolicyError(f"{src}: layers[{p!r}]: fp8 rule on an ineligible layer: {why}")
-        elif not any(r.precision == "fp8" and r.rule == p for r in res.values()):
-            warn(f"{src}: layers[{p!r}]: the fp8 rule reaches no fp8-eligible Linear layer "
-                 f"(Linear-like leaves with dims multiple of 16); everything inside takes "
-                 f"{res[p].region}")
+                raise PolicyError(f"{src}: layers[{p!r}]: {prec} rule on an ineligible layer: "
+                                  f"{why}")
+        elif not any(r.precision == prec and r.rule == p for r in res.values()):
+            warn(f"{src}: layers[{p!r}]: the {prec} rule reaches no {prec}-eligible Linear "
+                 f"layer; everything inside takes {res[p].region}")
 
     # One module object computes in one precision: its aliases must agree.
     first: dict[int, Resolved] = {}
@@ -189,5 +196,6 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
                 f"{r.precision} here; give both paths the same precision")
 
 
-__all__ = ["Resolved", "assignment", "check_model", "fp8_eligible", "gemm_leaf_paths",
+__all__ = ["Resolved", "assignment", "check_model", "format_eligible", "fp8_eligible",
+           "gemm_leaf_paths",
            "is_gemm_leaf", "module_table", "resolve", "resolve_path"]

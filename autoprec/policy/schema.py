@@ -25,7 +25,7 @@ import yaml
 from autoprec.errors import PolicyError
 from autoprec.fileio import MiB, atomic_write, brief, read_regular
 from autoprec.paths import normalize_path
-from autoprec.precisions import PRECISIONS
+from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.validate import MAX_BATCH_SIZE
 
 #: The schema version this autoprec reads and writes.
@@ -352,11 +352,11 @@ def _parse(data: Any, source: str) -> Policy:
     target = _parse_target(source, data.get("target"))
 
     default = _precision(source, "default", data["default"])
-    if default == "fp8":
+    if default in GEMM_FORMATS:
         raise _fail(source, "default",
-                    "fp8 cannot be the default: it applies only to fp8-eligible Linear "
-                    "layers; set the default for everything else and add a rule "
-                    "'': fp8 (the root) to put every eligible layer in fp8")
+                    f"{default} cannot be the default: it applies only to {default}-eligible "
+                    "Linear layers; set the default for everything else and add a rule "
+                    f"'': {default} (the root) to put every eligible layer in {default}")
 
     layers: dict[str, str] = {}
     seen: dict[str, Any] = {}

@@ -205,6 +205,8 @@ class GradProbes:
                 return
             ref_sq = sum(float(r.pow(2).sum()) for r in ref)
             for p in layer.precisions:
+                if p == "nvfp4":  # forward-only: no gradient recipe (apply/blockscale.py)
+                    continue
                 st = self.stats[(layer.path, p)]
                 st.sq_ref += ref_sq
                 scales = (1.0, self.loss_scale) if p == "fp16" else (1.0,)

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.apply import fp8 as fp8mod
+from autoprec.apply import backends
 from autoprec.apply.lower import cast_floats, lowered_forward
 from autoprec.errors import InputError
+from autoprec.precisions import GEMM_FORMATS
 from autoprec.trace.graph import LayerGraph
 
 _MISSING = object()
@@ -80,10 +81,11 @@ def select_layers(model: nn.Module, graph: LayerGraph, precisions: Sequence[str]
     for node in chosen:
         module = modules[node.path]
         disallowed = {p: f"{p}: {node.disallowed[p]}" for p in precisions if p in node.disallowed}
-        if "fp8" in precisions and "fp8" not in disallowed:
-            why = fp8mod.fp8_ineligible_reason(module)
-            if why is not None:
-                disallowed["fp8"] = (f"{why}; an fp8 rule here lowers the Linear layers inside"
+        for f in GEMM_FORMATS:
+            if f in precisions and f not in disallowed:
+                why = backends.ineligible_reason(module, f)
+                if why is not None:
+                    disallowed[f] = (f"{why}; a {f} rule here lowers the Linear layers inside"
                                      if node.kind in ("attention", "matmul") else why)
         prefix = node.path + "." if node.path else ""
         inner = [modules[p] for p in gemm_paths if p != node.path and p.startswith(prefix)]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autoprec.precisions import FORMATS, FP8_E5M2, NumericFormat
+from autoprec.precisions import BLOCK_SCALED, FORMATS, FP8_E5M2, NumericFormat
 
 #: Formats the gradients of a lowered layer flow in (fp8 trains with e5m2 gradients).
 GRAD_FORMATS: dict[str, NumericFormat] = {**FORMATS, "fp8": FP8_E5M2}
@@ -32,6 +32,9 @@ _TINY = 1.4e-45
 
 #: Formats that scale each tensor by its amax before the cast (current scaling).
 SCALED = frozenset({"fp8"})
+#: Block-scaled formats: a scale per 16/32 elements, so nothing overflows and a per-tensor
+#: underflow count says little (the floor moves per block); their errors are measured.
+BLOCK = frozenset(BLOCK_SCALED)
 
 
 @dataclass
@@ -67,6 +70,9 @@ class TensorRange:
             wanted: dict[str, tuple[float | None, float | None]] = {}
             for p in precisions:
                 fmt = FORMATS[p]
+                if p in BLOCK:
+                    wanted[p] = (None, None)
+                    continue
                 if p in SCALED:
                     under = amax * fmt.smallest_normal / fmt.max if amax > 0 else None
                     over = None
@@ -120,11 +126,17 @@ def grad_flush(g: torch.Tensor, precision: str, scale: float = 1.0) -> tuple[int
     n = int(nz.sum())
     if precision in ("fp32", "tf32") or n == 0:
         return n, 0, 0
+    if precision == "nvfp4":  # forward-only: no gradients flow in nvfp4
+        return n, 0, 0
     gs = g * scale
     if precision == "fp8":
         from autoprec.apply.fp8 import E5M2, fake_quant
 
         low = fake_quant(torch.where(nz, gs, torch.zeros_like(gs)), E5M2)
+    elif precision == "mxfp8":  # dY in e4m3 blocks of 32 (the MXFP8 recipe)
+        from autoprec.apply.blockscale import _fq_mx_padded
+
+        low = _fq_mx_padded(torch.where(nz, gs, torch.zeros_like(gs)))
     else:
         low = gs.to(torch.float16 if precision == "fp16" else torch.bfloat16).float()
     flushed = int((nz & (low == 0)).sum())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from autoprec.precisions import FORMATS
+from autoprec.precisions import FORMATS, is_gemm_format
 from autoprec.probe.grads import GradStats
 from autoprec.probe.layers import ProbeLayer
 from autoprec.probe.ranges import TensorRange, fmt_num
@@ -40,7 +40,7 @@ def build_row(layer: ProbeLayer, precision: str, local: LocalStats | None,
     r.w_underflow_frac = rw.underflow_frac(precision)
     # An fp8 GEMM reads e4m3 operands but writes 16-bit output (DESIGN.md): its output is
     # not held in e4m3, so output underflow is not counted against fp8.
-    r.out_underflow_frac = 0.0 if precision == "fp8" else rout.underflow_frac(precision)
+    r.out_underflow_frac = 0.0 if is_gemm_format(precision) else rout.underflow_frac(precision)
     r.underflow_frac = max(r.in_underflow_frac, r.w_underflow_frac, r.out_underflow_frac)
     if precision in layer.disallowed:
         r.allowed, r.hard = False, True

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoprec.precisions import PRECISIONS, rank
+from autoprec.precisions import REGIONS as _REGIONS
 
 #: Above this many GEMM layers, repeated blocks share a variable (``layers.*.attn.q``).
 DEFAULT_MAX_VARIABLES = 64
 #: Optuna parameter name of the default region.
 REGION = "default"
-#: Precisions a region (the model's own code) can take: fp8 is a GEMM backend only.
-REGIONS = ("fp32", "tf32", "bf16", "fp16")
+#: Precisions a region (the model's own code) can take: the GEMM formats are backends only.
+REGIONS = _REGIONS
 
 Key = tuple[int, ...]
 

@@ -20,8 +20,9 @@ from autoprec.errors import AutoprecError
 from autoprec.loading import default_forward
 from autoprec.metrics import batch_size_of
 from autoprec.paths import unwrap_model
+from autoprec.precisions import GEMM_FORMATS
 from autoprec.trace.graph import GEMM_KINDS, KINDS, LayerGraph, LayerNode, fingerprint
-from autoprec.trace.kinds import classify, eligibility, fp8_reason
+from autoprec.trace.kinds import classify, eligibility, format_reason
 from autoprec.trace.measure import Measurement, measure
 from autoprec.trace.ops import OpTrace, record_ops
 from autoprec.trace.structure import GemmLayout, TraceFailed, export_edges, fx_edges
@@ -163,20 +164,22 @@ def _build_nodes(model: nn.Module, meas: Measurement) -> dict[str, LayerNode]:
         nodes[path] = node
     # Eligibility needs the GEMMs below each module.
     gemm_below: dict[str, int] = dict.fromkeys(nodes, 0)
-    fp8_below: dict[str, int] = dict.fromkeys(nodes, 0)
+    formats_below: dict[str, dict[str, int]] = {p: dict.fromkeys(GEMM_FORMATS, 0) for p in nodes}
     for node in nodes.values():
         if not node.is_gemm or node.path == "":
             continue
-        fp8_ok = node.is_leaf and fp8_reason(modules[node.path], node.kind) is None
+        ok = {f: node.is_leaf and format_reason(modules[node.path], node.kind, f) is None
+              for f in GEMM_FORMATS}
         for anc in _ancestors(node.path):
             if anc in gemm_below:
                 gemm_below[anc] += 1
-                fp8_below[anc] += int(fp8_ok)
+                for f in GEMM_FORMATS:
+                    formats_below[anc][f] += int(ok[f])
     for path, node in nodes.items():
         st = meas.stats.get(path)
         node.allowed, node.disallowed = eligibility(
-            modules[path], node.kind, st.own_ops if st else (), gemm_below[path], fp8_below[path]
-        )
+            modules[path], node.kind, st.own_ops if st else (), gemm_below[path],
+            formats_below[path])
     return nodes
 
 

@@ -18,13 +18,15 @@ Eligibility follows DESIGN.md "Precisions":
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
+from autoprec.apply import backends
+
 # One definition of "Linear-like" (nn.Linear, HF Conv1D): the fp8 backends' own.
 from autoprec.apply.fp8 import linear_dims
-from autoprec.precisions import PRECISIONS
+from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import GEMM_KINDS
 
 #: aten op names (``OpOverloadPacket.__name__``) and torch/fx function names of GEMMs.
@@ -157,19 +159,25 @@ def classify(module: nn.Module, own_ops: Iterable[str], has_children: bool) -> s
     return "other"  # Identity, Flatten, pooling...
 
 
-def fp8_reason(module: nn.Module, kind: str) -> str | None:
-    """Why a leaf may not take fp8 (None when it may)."""
+def format_reason(module: nn.Module, kind: str, precision: str = "fp8") -> str | None:
+    """Why a leaf may not take GEMM format ``precision`` (fp8/mxfp8/nvfp4; None: it may)."""
     dims = linear_dims(module)
     if dims is None:
         if kind in ("conv", "attention", "matmul"):
-            return f"{kind} is not Linear-like (fp8 backends run nn.Linear / Conv1D GEMMs only)"
+            return (f"{kind} is not Linear-like ({precision} backends run nn.Linear / Conv1D "
+                    "GEMMs only)")
         return "not a GEMM"
-    bad = [
-        f"{n} {v} not a multiple of 16"
-        for n, v in zip(("in_features", "out_features"), dims)
-        if v % 16
-    ]
-    return ", ".join(bad) if bad else None
+    if precision == "fp8":  # torch._scaled_mm: K and N multiples of 16
+        bad = [f"{n} {v} not a multiple of 16"
+               for n, v in zip(("in_features", "out_features"), dims, strict=True) if v % 16]
+        return ", ".join(bad) if bad else None
+    why = backends.ineligible_reason(module, precision)
+    return why.removeprefix(f"{precision}: ") if why else None
+
+
+def fp8_reason(module: nn.Module, kind: str) -> str | None:
+    """Why a leaf may not take fp8 (None when it may)."""
+    return format_reason(module, kind, "fp8")
 
 
 def eligibility(
@@ -177,23 +185,27 @@ def eligibility(
     kind: str,
     own_ops: Iterable[str],
     subtree_gemms: int = 0,
-    subtree_fp8: int = 0,
+    subtree_formats: Mapping[str, int] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """(allowed precisions, {precision: reason}) for one module.
 
-    ``subtree_gemms`` / ``subtree_fp8``: GEMM nodes and fp8-eligible Linear leaves among the
-    module's descendants (used for containers).
+    ``subtree_gemms`` / ``subtree_formats``: GEMM nodes, and per GEMM format the Linear
+    leaves eligible for it, among the module's descendants (used for containers).
     """
     disallowed: dict[str, str] = {}
     is_leaf = not any(True for _ in module.children())
+    below = subtree_formats or {}
     if not is_leaf and (subtree_gemms or kind in GEMM_KINDS):
-        # An fp8 rule here applies to the eligible Linear leaves inside (DESIGN.md).
-        if not subtree_fp8:
-            disallowed["fp8"] = "no fp8-eligible Linear inside (both dims multiples of 16)"
+        # A format rule here applies to the eligible Linear leaves inside (DESIGN.md).
+        for f in GEMM_FORMATS:
+            if not below.get(f):
+                dims = "both dims multiples of 16" if f == "fp8" else "block-aligned dims"
+                disallowed[f] = f"no {f}-eligible Linear inside ({dims})"
     elif kind in GEMM_KINDS:
-        why = fp8_reason(module, kind)
-        if why is not None:
-            disallowed["fp8"] = why
+        for f in GEMM_FORMATS:
+            why = format_reason(module, kind, f)
+            if why is not None:
+                disallowed[f] = why
     else:
         # Show the op as users know it: aten's native_layer_norm is F.layer_norm.
         if is_leaf:
@@ -203,6 +215,7 @@ def eligibility(
         disallowed["tf32"] = "tf32 only changes matmul/conv inputs; none runs here"
         disallowed["bf16"] = reason
         disallowed["fp16"] = reason
-        disallowed["fp8"] = "not a GEMM"
+        for f in GEMM_FORMATS:
+            disallowed[f] = "not a GEMM"
     allowed = [p for p in PRECISIONS if p not in disallowed]
     return allowed, disallowed

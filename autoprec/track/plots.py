@@ -21,9 +21,12 @@ PRECISION_COLORS: dict[str, str] = {
     "bf16": "#2ca02c",
     "fp16": "#ff7f0e",
     "fp8": "#d62728",
+    "mxfp8": "#8c564b",
+    "nvfp4": "#e377c2",
 }
 #: Bits a value carries in compute (sign + exponent + mantissa); the layer chart's bar length.
-PRECISION_BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8}
+PRECISION_BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8,
+                                  "mxfp8": 8, "nvfp4": 4}
 _OTHER_COLOR = "#9467bd"
 
 

@@ -63,6 +63,11 @@ def ref_linear(x: torch.Tensor, lin: nn.Linear, p: str, out_dtype: torch.dtype |
     if p == "fp8":
         y = Fp8Ref.apply(x, w, b)
         return y if out_dtype is None else y.to(out_dtype)
+    if p in ("mxfp8", "nvfp4"):  # forward only (the backends' own hand reference)
+        from autoprec.apply.blockscale import reference_blockscaled_linear
+
+        y = reference_blockscaled_linear(x.float(), w, b, p)
+        return y if out_dtype is None else y.to(out_dtype)
     raise ValueError(p)
 
 

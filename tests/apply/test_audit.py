@@ -54,12 +54,13 @@ def _x() -> torch.Tensor:
 def test_every_gemm_reports_its_precision(p: str) -> None:
     torch.manual_seed(0)
     m, x = Net(), _x()
-    pol = Policy(default="fp32", layers={"fc": p, "conv": "fp32" if p == "fp8" else p})
+    fmt = p in ("fp8", "mxfp8", "nvfp4")  # Linear backends: a conv keeps fp32
+    pol = Policy(default="fp32", layers={"fc": p, "conv": "fp32" if fmt else p})
     with apply_policy(m, pol) as h, torch.no_grad():
         report = h.audit(lambda: m(x))
     rows = {r.layer: r for r in report.rows}
     assert rows["fc"].computed == p and rows["fc"].ok
-    assert rows["conv"].computed == ("fp32" if p == "fp8" else p)
+    assert rows["conv"].computed == ("fp32" if fmt else p)
     assert rows["router"].computed == "fp32"  # the functional GEMM in the router's code
     assert rows["router.gate"].computed == "-"  # never called as a module
     assert report.ok and report.result.shape == (2, 8, 16)

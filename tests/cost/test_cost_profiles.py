@@ -44,10 +44,18 @@ def test_cpu_profile_is_measured_and_lacks_tf32_and_fp8():
 
 
 def test_unknown_device_lists_known_ones():
-    with pytest.raises(InputError, match="unknown target device 'b200'.*a100, cpu, h100"):
-        get_profile("b200")
+    with pytest.raises(InputError, match="unknown target device 'gb300'.*a100, b200, cpu, h100"):
+        get_profile("gb300")
     assert get_profile(" H100 ").name == "h100"
-    assert {"h100", "h200", "a100", "l4", "t4", "cpu"} <= set(known_devices())
+    assert {"h100", "h200", "a100", "l4", "t4", "b200", "cpu"} <= set(known_devices())
+
+
+def test_block_scaled_formats_only_on_blackwell_with_the_reason():
+    b200 = get_profile("b200")
+    assert b200.peak("nvfp4") == 2 * b200.peak("mxfp8") == 2 * b200.peak("fp8")
+    for name in ("h100", "a100", "t4", "cpu"):
+        ok, why = get_profile(name).supports("mxfp8")
+        assert not ok and ("SM >= 10.0" in why or "cpu has no" in why), (name, why)
 
 
 def test_supports_rejects_unknown_precision():

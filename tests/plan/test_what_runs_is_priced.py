@@ -70,7 +70,7 @@ def run_counted(model: torch.nn.Module, policy: Policy, fwd, batch,
                 target: str = "h100") -> Count:
     stack: list[str] = []
     skip = [0]
-    fp8 = set(compile_plan(policy, model).fp8_leaves)
+    fp8 = set(compile_plan(policy, model).format_leaves)
     handles = []
     for path, mod in model.named_modules():
         def pre(_m, _a, p=path):

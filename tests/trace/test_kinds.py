@@ -79,9 +79,12 @@ def test_hf_conv1d_is_linear_like() -> None:
 
 def test_container_eligibility() -> None:
     only_bad = nn.Sequential(nn.Linear(100, 10))
-    allowed, why = eligibility(only_bad, "container", set(), subtree_gemms=1, subtree_fp8=0)
+    allowed, why = eligibility(only_bad, "container", set(), subtree_gemms=1,
+                               subtree_formats={"fp8": 0})
     assert allowed == ["fp32", "tf32", "bf16", "fp16"]
-    assert why == {"fp8": "no fp8-eligible Linear inside (both dims multiples of 16)"}
+    assert why == {"fp8": "no fp8-eligible Linear inside (both dims multiples of 16)",
+                   "mxfp8": "no mxfp8-eligible Linear inside (block-aligned dims)",
+                   "nvfp4": "no nvfp4-eligible Linear inside (block-aligned dims)"}
     no_gemm = nn.Sequential(nn.LayerNorm(4), nn.ReLU())
     allowed, why = eligibility(no_gemm, "container", set(), subtree_gemms=0)
     assert allowed == ["fp32"]

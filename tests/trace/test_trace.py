@@ -72,10 +72,11 @@ def test_mlp_fx_kinds_flops_and_reasons() -> None:
         "fc2": "linear", "drop": "dropout", "head": "linear",
     }  # fmt: skip
     # fp8 only for Linear leaves with both dims multiples of 16.
-    assert g["fc1"].disallowed == {"fp8": "in_features 100 not a multiple of 16"}
-    assert g["head"].disallowed == {"fp8": "out_features 10 not a multiple of 16"}
-    assert g["fc2"].allowed == ["fp32", "tf32", "bf16", "fp16", "fp8"]
-    assert g[""].allowed == ["fp32", "tf32", "bf16", "fp16", "fp8"]  # fc2 inside takes fp8
+    assert g["fc1"].disallowed["fp8"] == "in_features 100 not a multiple of 16"
+    assert "block size 32" in g["fc1"].disallowed["mxfp8"]
+    assert g["head"].disallowed["fp8"] == "out_features 10 not a multiple of 16"
+    assert g["fc2"].allowed == ["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"]
+    assert g[""].allowed == ["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"]  # via fc2
     norm = g["norm"]
     assert norm.allowed == ["fp32"]
     assert (
@@ -178,7 +179,7 @@ def test_bert() -> None:
     assert g[f"{p}.self"].inputs_from == [f"{p}.self.key", f"{p}.self.query", f"{p}.self.value"]
     assert g["embeddings.LayerNorm"].allowed == ["fp32"]
     assert g["embeddings"].kind == "container" and g["embeddings"].allowed == ["fp32"]
-    assert g["encoder"].allowed == ["fp32", "tf32", "bf16", "fp16", "fp8"]
+    assert g["encoder"].allowed == ["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"]
 
 
 def test_gpt2_conv1d_and_tied_lm_head() -> None:
@@ -189,7 +190,7 @@ def test_gpt2_conv1d_and_tied_lm_head() -> None:
     assert g["transformer.h.0.attn.c_attn"].module_type == "Conv1D"
     assert g["transformer.h.0.attn.c_attn"].flops == linear(B * T, C, 3 * C)
     assert g["transformer.h.0.attn"].flops == attention(B, H, T, T, C // H)
-    assert g["lm_head"].disallowed == {"fp8": "out_features 100 not a multiple of 16"}
+    assert g["lm_head"].disallowed["fp8"] == "out_features 100 not a multiple of 16"
     per_layer = (
         linear(B * T, C, 3 * C) + linear(B * T, C, C) + 2 * linear(B * T, C, 4 * C)
         + attention(B, H, T, T, C // H)
@@ -344,4 +345,4 @@ def test_to_frame_and_json() -> None:
     assert list(frame["layer"]) == ["<root>", "fc1", "act", "norm", "fc2", "drop", "head"]
     data = g.to_json()
     assert data["tracer"] == "fx" and data["total_flops"] == g.total_flops
-    assert data["layers"][1]["disallowed"] == {"fp8": "in_features 100 not a multiple of 16"}
+    assert data["layers"][1]["disallowed"]["fp8"] == "in_features 100 not a multiple of 16"
