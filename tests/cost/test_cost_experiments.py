@@ -66,3 +66,20 @@ def test_gpu_latency_analytic_graph_matches_the_tracer():
         t = traced[n.path]
         assert (t.flops, t.weight_elems, t.in_elems, t.out_elems) == \
             (n.flops, n.weight_elems, n.in_elems, n.out_elems), n.path
+
+
+@pytest.mark.slow
+def test_apply_overhead_smoke_labels_the_issue_row(tmp_path):
+    r = _run("experiments/apply_overhead.py", "--smoke", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "ISSUE 13: default: fp16 (no rules) / global autocast fp16" in r.stdout
+    assert "thread CPU time" in r.stdout and "issue 13 target: ratio <= 1.03" in r.stdout
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "apply_overhead.csv")
+    assert (df["ratio"] > 0).all() and df["comparison"].str.startswith("ISSUE 13").sum() == 1
+    # the cost model counts the same plans: the uniform policy runs the casts one global
+    # autocast runs, the per-leaf islands two more per layer
+    issue = df[df["comparison"].str.startswith("ISSUE 13")].iloc[0]
+    assert issue["policy_casts"] == issue["baseline_casts"]
+    assert "apply_overhead.py --smoke" in (tmp_path / "apply_overhead.md").read_text()
