@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.dry_run:
         device = torch.device("cpu")
+        torch.set_num_threads(1)  # toy sizes: threads only add noise on a shared machine
         args.d_model, args.heads, args.seq, args.batch, args.layers = 64, 2, 16, 2, 2
         args.warmup, args.repeats = 1, 2
     elif not torch.cuda.is_available():
