@@ -1,29 +1,37 @@
-"""Measured vs estimated latency of a GPT-style stack on a GPU, per precision.
+"""Measured vs estimated latency of a GPT-style stack on a GPU: policies, global autocast.
 
-One go on a lent GPU (made for an H200; ~1-2 min after CUDA start-up):
+One go on a lent GPU (made for an H200; a few minutes including CUDA start-up):
 
 1. builds a pre-LN GPT stack (default d_model 4096, 32 heads, seq 2048, batch 8, 4 blocks;
-   fp32 master weights) and traces it at batch 1 with ``autoprec.trace`` (the cost model
-   rescales to the measured batch: "price at the deployment shape");
-2. micro-benchmarks single GEMMs per precision, a copy and a tiny op, and fits the
-   profile's efficiency factors, bandwidth factor and launch overhead on them
-   (``autoprec.cost.calibrate``; the whole-model runs are never used for fitting);
-3. measures the stack all-fp32, all-tf32, all-bf16, all-fp16, all-fp8 (Linear layers; the
-   attention core stays bf16, as DESIGN.md's fp8 rule says) and a mixed assignment, with
-   CUDA events after warm-up;
-4. reports the prediction error per run, datasheet vs calibrated profile (target: within
-   15% calibrated), and writes results.csv, results.md and <profile>.calibration.yaml
-   under the output directory (--out, else $OUT, else ./gpu_latency_out).
+   fp32 master weights) and traces it at batch 1 with ``autoprec.trace`` (the graph carries
+   the op trace of one real forward; the cost model replays it under each plan and scales
+   activations to the measured batch: "price at the deployment shape");
+2. micro-benchmarks single GEMMs at several shapes per precision (fp32, tf32, bf16, fp16,
+   and fp8 through the ``torch`` backend when ``capability("fp8", "torch")`` says ok), a
+   copy and a tiny add, each run as autoprec runs it (``apply_policy`` on a one-GEMM
+   container: ``calibrate.gemm_graph`` / ``copy_graph`` price the same kernels), and fits
+   the profile's efficiency factors, bandwidth factor and launch overhead on them
+   (``calibrate.fit``; the whole-model runs are never used for fitting);
+3. times the stack with CUDA events after warm-up (``autoprec.cost.measure_latency``):
+   all-fp32 (tf32 off), all-tf32 (``torch.backends.cuda.matmul.allow_tf32``), one global
+   ``torch.autocast`` in bf16 and in fp16, ``Policy(default="bf16")``,
+   ``Policy(default="fp16")``, an fp8 mix (``default: bf16`` + fp8 on the big Linear
+   leaves — qkv, fc1, fc2 — through ``torch._scaled_mm``) and the old per-leaf islands
+   (``default: fp32`` + one bf16 rule per GEMM leaf); every policy is audited on a real
+   forward first (each GEMM computed in its planned precision);
+4. prints measured vs estimated (``CostModel.estimate``) speed-up over fp32, the ratio
+   policy / global autocast of the same dtype, casts per forward, and the prediction error
+   with the datasheet and the calibrated profile; writes results.csv, results.md,
+   micro.csv and <profile>.calibration.yaml (``Calibration.save``) under --out (else $OUT,
+   else ./gpu_latency_out).
 
-fp8 runs without Transformer Engine: ``torch._scaled_mm`` (no backward; K, N % 16 == 0;
-second operand column-major), weights quantised once, the input per call with current
-scaling (amax -> scale -> scaled cast; the cast fused by ``torch.compile`` on CUDA, as the
-cost model and Transformer Engine assume, else two eager passes). ``--fp8-impl autoprec`` times
-``autoprec.apply.fp8.fp8_linear(backend="torch")`` instead (weights re-quantised per call).
+A global autocast is priced as ``Policy(default=...)``, which runs the same kernels (its
+weight-cast cache saves nothing when each weight is read once per forward). The all-tf32
+run flips the global flag, priced as ``Policy(default="tf32")``.
 
-``--dry-run`` runs everything on the CPU at toy sizes (wall clock, profile still the GPU's):
-it checks the script, not the numbers. Without CUDA and without --dry-run it says why and
-exits 1.
+``--dry-run`` runs everything on the CPU at toy sizes (wall clock; the profile stays the
+GPU's, policies applied for that target, fp8 through the emulated backend): it checks the
+script, not the numbers. Without CUDA and without --dry-run it says why and exits 1.
 """
 
 from __future__ import annotations
@@ -34,7 +42,10 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,65 +53,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autoprec.apply.apply import apply_policy
+from autoprec.capability import capability
 from autoprec.cost import CostModel, Sample, fit, get_profile, measure_latency
 from autoprec.cost.calibrate import copy_graph, gemm_graph
-from autoprec.trace.graph import LayerGraph, LayerNode
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # OCP FP8 spec, e4m3 max normal
-RUN_PRECS = ("fp32", "tf32", "bf16", "fp16", "fp8")
-
+from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
+from autoprec.trace import trace
 
 # --------------------------------------------------------------------------- model
-
-
-class Fp8Cache:
-    """A Linear's weight quantised once to e4m3 (per-tensor scale), column-major for
-    ``torch._scaled_mm``'s second operand."""
-
-    def __init__(self, lin: nn.Linear) -> None:
-        w = lin.weight.detach()  # (N, K)
-        amax = w.abs().amax().float().clamp(min=1e-12)
-        scale = E4M3_MAX / amax
-        self.wq_t = (w.float() * scale).to(E4M3).t()  # (K, N), column-major view
-        self.inv_scale = (1.0 / scale).reshape(())
-        self.bias = None if lin.bias is None else lin.bias.detach().to(torch.bfloat16)
-
-
-def _quantize_eager(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Current scaling: (x * 448 / amax(x)) in e4m3, and the dequantisation factor."""
-    amax = torch.linalg.vector_norm(x2, ord=math.inf).float()  # one reduction kernel
-    scale = E4M3_MAX / amax.clamp(min=1e-12)
-    return (x2 * scale).to(E4M3), (1.0 / scale).reshape(())
-
-
-#: The quantiser in use: eager (mul and cast are two passes) or torch.compile'd (fused).
-_QUANT: dict[str, Any] = {"fn": _quantize_eager, "how": "eager"}
-
-
-def setup_quantizer(mode: str, device: torch.device) -> str:
-    """Compile the input quantiser once per input dtype (outside any timed region)."""
-    if mode != "compiled":
-        return "eager (mul and cast: two passes over the input)"
-    t0 = time.perf_counter()
-    try:
-        fn = torch.compile(_quantize_eager, dynamic=True)
-        for dt in (torch.float32, torch.bfloat16, torch.float16):
-            fn(torch.randn(64, 128, device=device, dtype=dt))
-    except Exception as err:  # report and measure the eager path instead
-        return f"eager (torch.compile failed: {type(err).__name__}: {str(err)[:200]})"
-    _QUANT["fn"], _QUANT["how"] = fn, "compiled"
-    return f"compiled (fused scaled cast; compile {time.perf_counter() - t0:.0f}s)"
-
-
-def fp8_cached_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """y = x W^T + b with e4m3 operands; x scaled per tensor on every call; bf16 out."""
-    cache: Fp8Cache = lin._fp8_cache  # type: ignore[attr-defined]
-    shape = x.shape
-    xq, inv_sx = _QUANT["fn"](x.reshape(-1, shape[-1]))  # (M, K) e4m3
-    y = torch._scaled_mm(xq, cache.wq_t, scale_a=inv_sx, scale_b=cache.inv_scale,
-                         bias=cache.bias, out_dtype=torch.bfloat16)
-    return y.reshape(*shape[:-1], y.shape[-1])
 
 
 class AttentionCore(nn.Module):
@@ -167,122 +127,102 @@ class GPTStack(nn.Module):
         return self.ln_f(x)
 
 
-def analytic_graph(d: int, T: int, n_layer: int) -> LayerGraph:
-    """The stack's LayerGraph for one sequence, by hand (a cross-check of the tracer).
+class OneGemm(nn.Module):
+    """A container holding one GEMM leaf ``gemm`` (no bias): what ``gemm_graph`` records."""
 
-    Unlike the traced graph it records what the tracer cannot see: the residual adds in
-    each block's own code (fp32: the stream starts at the fp32 input and ``x + y``
-    promotes), and that qkv / fc1 read the fp32 stream through a LayerNorm.
-    ``inputs_from=[""]`` names no GEMM: the fp32 stream.
-    """
-    nodes: list[LayerNode] = []
+    def __init__(self, k: int, n: int, device: torch.device) -> None:
+        super().__init__()
+        self.gemm = nn.Linear(k, n, bias=False, device=device)
 
-    def add(path: str, kind: str, flops: int = 0, w: int = 0, i: int = 0, o: int = 0,
-            src: list[str] | None = None, leaf: bool = True) -> None:
-        nodes.append(LayerNode(path=path, module_type=kind, kind=kind, is_leaf=leaf, depth=1,
-                               calls=1, flops=flops, weight_elems=w, in_elems=i, out_elems=o,
-                               inputs_from=src or []))
-
-    def linear(path: str, k: int, n: int, src: list[str]) -> None:
-        add(path, "linear", 2 * T * k * n, k * n + n, T * k, T * n, src)
-
-    Td = T * d
-    edges = []
-    for b in range(n_layer):
-        p = f"blocks.{b}"
-        add(p, "container", 2 * Td, 0, 4 * Td, 2 * Td, [""], leaf=False)  # two residual adds
-        add(f"{p}.ln1", "norm", 0, 2 * d, Td, Td, [""])
-        linear(f"{p}.attn.qkv", d, 3 * d, [])
-        add(f"{p}.attn.core", "attention", 4 * T * T * d, 0, 3 * Td, Td, [f"{p}.attn.qkv"])
-        linear(f"{p}.attn.proj", d, d, [f"{p}.attn.core"])
-        add(f"{p}.ln2", "norm", 0, 2 * d, Td, Td, [""])
-        linear(f"{p}.mlp.fc1", d, 4 * d, [])
-        add(f"{p}.mlp.act", "activation", 0, 0, 4 * Td, 4 * Td, [f"{p}.mlp.fc1"])
-        linear(f"{p}.mlp.fc2", 4 * d, d, [f"{p}.mlp.fc1"])
-        edges += [(f"{p}.attn.qkv", f"{p}.attn.core"), (f"{p}.attn.core", f"{p}.attn.proj"),
-                  (f"{p}.mlp.fc1", f"{p}.mlp.fc2")]
-    add("ln_f", "norm", 0, 2 * d, Td, Td, [""])
-    return LayerGraph(nodes={n.path: n for n in nodes}, tracer="manual", batch_size=1,
-                      edges=edges, model_name="gpt-stack (analytic)")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x)
 
 
-# --------------------------------------------------------------------------- policies
+# --------------------------------------------------------------------------- runs
 
 
-def install(model: nn.Module, assignment: Mapping[str, str], fp8_impl: str) -> None:
-    """Give every assigned module a forward computing in its precision."""
-    from autoprec.apply.lower import lowered_forward
+@dataclass
+class Run:
+    """One way of running the stack, and the plan the cost model prices for it."""
 
-    mods = dict(model.named_modules())
-    for path, prec in assignment.items():
-        mod = mods[path]
-        mod.__dict__.pop("forward", None)
-        if prec == "fp8" and fp8_impl == "cached":
-            if not hasattr(mod, "_fp8_cache"):
-                mod._fp8_cache = Fp8Cache(mod)  # once, outside the timed region
-            mod.forward = (lambda m: lambda x: fp8_cached_linear(m, x))(mod)
-        elif prec == "fp8":
-            mod.forward = lowered_forward(mod, "fp8", fp8_backend="torch")
-        else:
-            mod.forward = lowered_forward(mod, prec)
+    name: str
+    priced: Policy  # what the cost model prices
+    applied: Policy | None = None  # apply_policy'd around the forward (None: bare model)
+    ctx: Callable[[], AbstractContextManager[Any]] = nullcontext  # entered per forward
+    tf32: bool = False  # torch.backends.{cuda.matmul,cudnn}.allow_tf32 during the run
+    versus: str | None = None  # the global-autocast run it is compared with
 
 
-def uninstall(model: nn.Module) -> None:
-    for mod in model.modules():
-        mod.__dict__.pop("forward", None)
+def big_linears(model: nn.Module, d: int) -> list[str]:
+    """fp8 targets: Linear leaves with at least 3 d^2 weights (qkv, fc1, fc2; not proj)."""
+    return [p for p, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m.weight.numel() >= 3 * d * d]
 
 
-def uniform(graph_paths: list[str], kinds: Mapping[str, str], prec: str) -> dict[str, str]:
-    """Every GEMM node in ``prec``; fp8 only on Linear leaves (attention core -> bf16)."""
-    return {p: ("bf16" if prec == "fp8" and kinds[p] != "linear" else prec)
-            for p in graph_paths}
+def runs(model: nn.Module, d: int, device: str, fp8_ok: bool) -> list[Run]:
+    leaves = gemm_leaf_paths(model)
 
+    def autocast(dtype: torch.dtype) -> Callable[[], Any]:
+        return lambda: torch.autocast(device, dtype=dtype)
 
-def mixed(graph_paths: list[str], kinds: Mapping[str, str], n_layer: int) -> dict[str, str]:
-    """A plausible tuned policy: first and last block bf16, big MLP GEMMs fp8 elsewhere,
-    attention projections fp16, attention core bf16, one block tf32."""
-    out = {}
-    for p in graph_paths:
-        blk = int(p.split(".")[1]) if p.startswith("blocks.") else 0
-        if kinds[p] != "linear" or blk in (0, n_layer - 1):
-            out[p] = "bf16"
-        elif blk == 1 and n_layer > 3:
-            out[p] = "tf32"
-        elif ".mlp." in p:
-            out[p] = "fp8"
-        else:
-            out[p] = "fp16"
+    out = [
+        Run("all-fp32", Policy(default="fp32")),
+        Run("all-tf32 (global flag)", Policy(default="tf32"), tf32=True),
+        Run("global autocast bf16", Policy(default="bf16"), ctx=autocast(torch.bfloat16)),
+        Run("global autocast fp16", Policy(default="fp16"), ctx=autocast(torch.float16)),
+        Run("default: bf16", Policy(default="bf16"), Policy(default="bf16"),
+            versus="global autocast bf16"),
+        Run("default: fp16", Policy(default="fp16"), Policy(default="fp16"),
+            versus="global autocast fp16"),
+    ]
+    if fp8_ok:
+        mix = Policy(default="bf16", layers=dict.fromkeys(big_linears(model, d), "fp8"))
+        out.append(Run("fp8 mix (bf16 + fp8 qkv/fc1/fc2)", mix, mix,
+                       versus="global autocast bf16"))
+    islands = Policy(default="fp32", layers=dict.fromkeys(leaves, "bf16"))
+    out.append(Run("per-leaf islands (fp32 + bf16 per leaf)", islands, islands,
+                   versus="global autocast bf16"))
     return out
 
 
-# --------------------------------------------------------------------------- helpers
+@contextmanager
+def tf32_flags(on: bool) -> Iterator[None]:
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def fp8_reason(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None  # _scaled_mm runs on the CPU in recent torch (dry run)
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 9):
-        return f"fp8: torch._scaled_mm needs SM >= 8.9, this GPU is SM {cap[0]}.{cap[1]}"
-    return None
+# --------------------------------------------------------------------------- calibration
 
 
-def micro_samples(profile, device: torch.device, dims: tuple[int, int, int, int],
-                  precs: tuple[str, ...], fp8_impl: str, timer: Callable) -> list[Sample]:
-    """Single-GEMM, copy and tiny-op measurements for the calibration fit."""
-    d, tokens, _, _ = dims
-    shapes = {(tokens, d, d), (tokens, d, 4 * d), (tokens, 4 * d, d), (max(16, tokens // 64), d, d)}
+def micro_samples(profile, device: torch.device, d: int, tokens: int, target: str,
+                  fp8_backend: str | None, timer: Callable[[Callable[[], Any]], float]
+                  ) -> list[Sample]:
+    """Single GEMMs per precision, a copy and a tiny add, for the calibration fit.
+
+    Each GEMM runs as autoprec runs it: ``apply_policy`` on a one-GEMM container with
+    ``default: prec`` (input and weight cast at the GEMM, output left in prec: the kernels
+    gemm_graph's plan prices); fp8 as a rule under ``default: bf16``.
+    """
+    shapes = sorted({(tokens, d, d), (tokens, d, 3 * d), (tokens, d, 4 * d),
+                     (tokens, 4 * d, d), (max(16, tokens // 16), d, d),
+                     (max(16, tokens // 256), d, 4 * d)})
+    plans = {p: Policy(default=p) for p in ("fp32", "tf32", "bf16", "fp16")}
+    if fp8_backend is not None:
+        plans["fp8"] = Policy(default="bf16", layers={"gemm": "fp8"})
     out = []
-    for m, k, n in sorted(shapes):
-        lin = nn.Sequential(nn.Linear(k, n, device=device))
+    for m, k, n in shapes:
+        one = OneGemm(k, n, device).eval()
         x = torch.randn(m, k, device=device)
         cm = CostModel(gemm_graph(m, k, n), profile)
-        for prec in precs:
-            install(lin, {"0": prec}, fp8_impl)
-            out.append(Sample(cm, {"gemm": prec}, timer(lambda lin=lin, x=x: lin(x)),
-                              f"gemm {m}x{k}x{n} {prec}"))
-            uninstall(lin)
-        del lin, x
+        for prec, pol in plans.items():
+            with apply_policy(one, pol, target=target, fp8_backend=fp8_backend):
+                t = timer(lambda one=one, x=x: one(x))
+            out.append(Sample(cm, pol, t, f"gemm {m}x{k}x{n} {prec}"))
+        del one, x
     elems = tokens * d
     x = torch.randn(elems, device=device)
     out.append(Sample(CostModel(copy_graph(elems), profile), {}, timer(lambda: x.clone()),
@@ -293,23 +233,42 @@ def micro_samples(profile, device: torch.device, dims: tuple[int, int, int, int]
     return out
 
 
+# --------------------------------------------------------------------------- output
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = ["run", "measured ms", "est ms", "est ms (cal)", "speed-up measured",
+            "speed-up est", "speed-up est (cal)", "/ autocast measured", "/ autocast est",
+            "casts + weight casts", "err", "err (cal)"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def f(v: Any, spec: str) -> str:
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+    for r in rows:
+        out.append("| " + " | ".join([
+            r["run"], f(r["measured_ms"], ".3f"), f(r["est_ms"], ".3f"),
+            f(r["est_cal_ms"], ".3f"), f(r["speedup_measured"], ".2f") + "x",
+            f(r["speedup_est"], ".2f") + "x", f(r["speedup_est_cal"], ".2f") + "x",
+            f(r["vs_autocast_measured"], ".3f"), f(r["vs_autocast_est"], ".3f"),
+            f"{r['casts']} + {r['weight_casts']}", f(r["err"], "+.1%"),
+            f(r["err_cal"], "+.1%")]) + " |")
+    return "\n".join(out)
+
+
 def write_results(out_dir: Path, rows: list[dict[str, Any]], header: list[str],
                   calib_text: str, micro_rows: list[dict[str, Any]]) -> None:
     import pandas as pd
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    df = pd.DataFrame(rows)
-    df.to_csv(out_dir / "results.csv", index=False)
+    pd.DataFrame(rows).to_csv(out_dir / "results.csv", index=False)
     pd.DataFrame(micro_rows).to_csv(out_dir / "micro.csv", index=False)
-    lines = ["# gpu_latency results", "", *[f"- {h}" for h in header], "",
-             "| run | measured ms | p10 | p90 | est (datasheet) ms | err | est (calibrated) ms "
-             "| err | analytic graph, calibrated: err |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['run']} | {r['measured_ms']:.3f} | {r['p10_ms']:.3f} | "
-                     f"{r['p90_ms']:.3f} | {r['est_datasheet_ms']:.3f} | "
-                     f"{r['err_datasheet']:+.1%} | {r['est_calibrated_ms']:.3f} | "
-                     f"{r['err_calibrated']:+.1%} | {r['err_analytic_calibrated']:+.1%} |")
-    lines += ["", "## calibration", "", "```yaml", calib_text.rstrip(), "```", ""]
+    micro = ["| sample | measured ms | fitted ms | err |", "|---|---|---|---|"]
+    micro += [f"| {r['sample']} | {r['measured_ms']:.4f} | {r['fit_ms']:.4f} | "
+              f"{r['err']:+.1%} |" for r in micro_rows]
+    lines = ["# gpu_latency results", "", *[f"- {h}" for h in header], "", table(rows), "",
+             "## calibration (fitted on the micro-benchmarks only)", "", "```yaml",
+             calib_text.rstrip(), "```", "", *micro, ""]
     (out_dir / "results.md").write_text("\n".join(lines))
 
 
@@ -329,15 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--fp8-impl", choices=("cached", "autoprec"), default="cached")
-    ap.add_argument("--fp8-cast", choices=("compiled", "eager"), default=None,
-                    help="input quantiser of the cached fp8 path (default: compiled on CUDA, "
-                         "eager on CPU; falls back to eager if torch.compile fails)")
     args = ap.parse_args(argv)
     out_dir = args.out or Path(os.environ.get("OUT") or "gpu_latency_out")  # CLI boundary
 
     if args.dry_run:
         device = torch.device("cpu")
+        torch.set_num_threads(1)  # toy sizes: threads only add noise on a shared machine
         args.d_model, args.heads, args.seq, args.batch, args.layers = 64, 2, 16, 2, 2
         args.warmup, args.repeats = 1, 2
     elif not torch.cuda.is_available():
@@ -348,14 +304,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     else:
         device = torch.device("cuda")
+    warnings.simplefilter("ignore", PolicyWarning)  # hand-made policies: no fingerprint
     t_start = time.perf_counter()
     profile = get_profile(args.profile)
-    clock = "cuda" if device.type == "cuda" else "cpu"
+    clock = device.type
+    dev_name = (torch.cuda.get_device_name() if device.type == "cuda"
+                else f"cpu ({platform.processor() or platform.machine()})")
 
-    def timer(run: Callable[[], Any], warmup: int = args.warmup,
-              repeats: int = args.repeats) -> float:
+    def timer(run: Callable[[], Any]) -> float:
         with torch.no_grad():
-            return measure_latency(run, clock, warmup, repeats).median_s
+            return measure_latency(run, clock, args.warmup, args.repeats).median_s
 
     torch.manual_seed(0)
     d, H, T, B, L = args.d_model, args.heads, args.seq, args.batch, args.layers
@@ -365,94 +323,98 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with device:  # initialise on the device: 0.8 G parameters at the default size
         model = GPTStack(d, H, L).eval()
+    with torch.no_grad(), tf32_flags(False):
+        graph = trace(model, torch.randn(1, T, d, device=device), tracers=("hooks",))
+    cm = CostModel(graph, profile, batch_size=B)
 
-    fp8_wc = "per_call" if args.fp8_impl == "autoprec" else "once"
-    cm_hand = CostModel(analytic_graph(d, T, L), profile, batch_size=B, fp8_weight_cast=fp8_wc)
-    try:
-        from autoprec.trace import trace
-
-        with torch.no_grad():
-            graph = trace(model, torch.randn(1, T, d, device=device))  # traced at batch 1
-        cm = CostModel(graph, profile, batch_size=B, fp8_weight_cast=fp8_wc)
-        if cm.paths != cm_hand.paths:
-            raise RuntimeError(f"traced GEMM nodes {cm.paths} differ from the model's")
-    except Exception as err:  # the analytic graph still lets the run report something
-        print(f"tracing failed ({type(err).__name__}: {err}); using the analytic graph",
-              flush=True)
-        graph, cm = cm_hand.graph, cm_hand
-    kinds = {n.path: n.kind for n in cm.gemm}
-    paths = cm.paths
-
-    why_no_fp8 = fp8_reason(device)
-    precs = tuple(p for p in RUN_PRECS if not (p == "fp8" and why_no_fp8))
-    quant = "n/a"
-    if "fp8" in precs and args.fp8_impl == "cached":
-        quant = setup_quantizer(args.fp8_cast or ("compiled" if device.type == "cuda"
-                                                  else "eager"), device)
-        print(f"fp8 input quantiser: {quant}", flush=True)
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
-          f"torch {torch.__version__}; model d={d} heads={H} seq={T} batch={B} layers={L}; "
-          f"graph: {len(paths)} GEMM nodes via {graph.tracer}, flow: {cm.flow}"
-          + (f"; skipped {why_no_fp8}" if why_no_fp8 else ""), flush=True)
+    ok, why = capability("fp8", "torch", device)
+    fp8_backend: str | None = "torch" if ok else None
+    fp8_note = f"fp8 backend torch ({why})" if ok else f"fp8 torch backend unavailable: {why}"
+    if not ok and args.dry_run:  # check the code path anyway; numbers meaningless
+        fp8_backend, fp8_note = "emulated", f"fp8 backend emulated (dry run; {why})"
+    print(f"device: {dev_name}; torch {torch.__version__}; model d={d} heads={H} seq={T} "
+          f"batch={B} layers={L}; op trace: {len(graph.ops.ops)} ops at batch 1, priced at "
+          f"batch {B} on {profile.name}; {fp8_note}", flush=True)
 
     # 1. calibrate on micro-benchmarks
-    micro = micro_samples(profile, device, (d, B * T, H, L), precs, args.fp8_impl, timer)
-    fitres = fit(profile, micro, note=f"gpu_latency.py micro-benchmarks on "
-                 f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
-                 f"torch {torch.__version__}")
+    with tf32_flags(False):
+        micro = micro_samples(profile, device, d, B * T, args.profile, fp8_backend, timer)
+    fitres = fit(profile, micro, note=f"gpu_latency.py micro-benchmarks on {dev_name}, "
+                                      f"torch {torch.__version__}")
     cal_path = fitres.calibration.save(out_dir / f"{profile.name}.calibration.yaml")
     cm_cal = cm.with_profile(fitres.profile)
-    cm_hand_cal = cm_hand.with_profile(fitres.profile)
-    micro_rows = [{"sample": s.label, "measured_ms": s.seconds * 1e3,
-                   "fit_ms": p * 1e3, "err": (p - s.seconds) / s.seconds}
+    micro_rows = [{"sample": s.label, "measured_ms": s.seconds * 1e3, "fit_ms": p * 1e3,
+                   "err": (p - s.seconds) / s.seconds}
                   for s, p in zip(micro, fitres.predicted, strict=True)]
     print(f"calibrated on {len(micro)} micro-benchmarks (rel. RMSE "
           f"{fitres.calibration.rel_rmse:.1%}): {fitres.calibration.to_dict()}", flush=True)
 
     # 2. whole-model runs
-    runs = [(f"all-{p}", uniform(paths, kinds, p)) for p in precs]
-    runs.append(("mixed", mixed(paths, kinds, L) if "fp8" in precs
-                 else {k: ("bf16" if v == "fp8" else v)
-                       for k, v in mixed(paths, kinds, L).items()}))
     x = torch.randn(B, T, d, device=device)
-    rows = []
-    for name, assignment in runs:
-        install(model, assignment, args.fp8_impl)
-        with torch.no_grad():
-            timing = measure_latency(lambda: model(x), clock, args.warmup, args.repeats)
-        uninstall(model)
-        est, est_c = cm.estimate(assignment), cm_cal.estimate(assignment)
-        m = timing.median_s
-        rows.append({"run": name, "measured_ms": m * 1e3, "p10_ms": timing.p10 * 1e3,
-                     "p90_ms": timing.p90 * 1e3, "est_datasheet_ms": est * 1e3,
-                     "err_datasheet": (est - m) / m, "est_calibrated_ms": est_c * 1e3,
-                     "err_calibrated": (est_c - m) / m,
-                     "est_analytic_calibrated_ms": cm_hand_cal.estimate(assignment) * 1e3,
-                     "err_analytic_calibrated": (cm_hand_cal.estimate(assignment) - m) / m,
-                     "n_by_precision": ",".join(f"{p}:{sum(v == p for v in assignment.values())}"
-                                                for p in RUN_PRECS)})
-        print(f"{name:<10} measured {m * 1e3:9.3f} ms  datasheet {est * 1e3:9.3f} ms "
-              f"({(est - m) / m:+.1%})  calibrated {est_c * 1e3:9.3f} ms "
-              f"({(est_c - m) / m:+.1%})  analytic graph, calibrated "
-              f"{rows[-1]['err_analytic_calibrated']:+.1%}", flush=True)
+    plan = runs(model, d, device.type, fp8_backend is not None)
+    measured: dict[str, float] = {}
+    audits: dict[str, str] = {}
+    for r in plan:
+        def fwd(r: Run = r) -> Any:
+            with r.ctx():
+                return model(x)
 
-    worst = max(abs(r["err_calibrated"]) for r in rows)
-    header = [f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+        with tf32_flags(r.tf32):
+            if r.applied is None:
+                measured[r.name] = timer(fwd)
+            else:
+                with apply_policy(model, r.applied, target=args.profile,
+                                  fp8_backend=fp8_backend) as h:
+                    with torch.no_grad():
+                        rep = h.audit(fwd, strict=False)
+                    audits[r.name] = ("ok" if rep.ok else
+                                      "MISMATCH: " + "; ".join(rep.errors)[:200])
+                    measured[r.name] = timer(fwd)
+        print(f"{r.name:<44} {measured[r.name] * 1e3:9.3f} ms", flush=True)
+
+    fp32_m = measured["all-fp32"]
+    rows = []
+    for r in plan:
+        bd = cm.breakdown(r.priced)
+        est, est_c, m = bd.total_s, cm_cal.estimate(r.priced), measured[r.name]
+        vs_m = vs_e = float("nan")
+        if r.versus is not None:
+            vs_m = m / measured[r.versus]
+            vs_e = est / cm.estimate(next(p.priced for p in plan if p.name == r.versus))
+        rows.append({"run": r.name, "measured_ms": m * 1e3, "est_ms": est * 1e3,
+                     "est_cal_ms": est_c * 1e3, "speedup_measured": fp32_m / m,
+                     "speedup_est": cm.fp32_time / est,
+                     "speedup_est_cal": cm_cal.fp32_time / est_c,
+                     "vs_autocast_measured": vs_m, "vs_autocast_est": vs_e,
+                     "casts": bd.casts, "weight_casts": bd.weight_casts,
+                     "err": (est - m) / m, "err_cal": (est_c - m) / m,
+                     "audit": audits.get(r.name, ""), "policy": r.priced.to_dict()})
+
+    def summary(key: str) -> str:
+        e = sorted(abs(r[key]) for r in rows)
+        return f"median {e[len(e) // 2]:.1%}, worst {e[-1]:.1%}"
+
+    header = [f"device: {dev_name}"
               f"{' (DRY RUN: toy sizes on CPU, numbers meaningless)' if args.dry_run else ''}",
-              f"torch {torch.__version__}, python {platform.python_version()}",
-              f"model: GPT stack d={d} heads={H} seq={T} batch={B} layers={L}; "
-              f"{len(paths)} GEMM nodes traced at batch 1 ({graph.tracer}), priced at batch {B}",
-              f"fp8: {args.fp8_impl}, input quantiser {quant}"
-              + (f" (skipped: {why_no_fp8})" if why_no_fp8 else ""),
-              f"profile: {profile.name}; calibration: {cal_path.name}",
-              f"worst calibrated error: {worst:.1%} (target 15%)",
+              f"torch {torch.__version__}, python {platform.python_version()}; CUDA events "
+              f"after {args.warmup} warm-up runs, median of {args.repeats}"
+              if device.type == "cuda" else f"torch {torch.__version__}; wall clock",
+              f"model: GPT stack d={d} heads={H} seq={T} batch={B} layers={L}; op trace "
+              f"recorded at batch 1, priced at batch {B}; policies applied with "
+              f"target={args.profile!r}",
+              fp8_note, f"profile: {profile.name}; calibration: {cal_path.name} "
+              f"(rel. RMSE on its micro-benchmarks {fitres.calibration.rel_rmse:.1%})",
+              f"prediction error |est/measured - 1|: datasheet {summary('err')}; "
+              f"calibrated {summary('err_cal')}",
+              "audits: " + ", ".join(f"{k}: {v}" for k, v in audits.items()),
               f"wall time: {time.perf_counter() - t_start:.0f}s"]
     import yaml
 
     write_results(out_dir, rows, header, yaml.safe_dump(fitres.calibration.to_dict(),
                                                         sort_keys=False), micro_rows)
-    print(f"worst calibrated error {worst:.1%} (target 15%); wrote {out_dir}/results.csv, "
-          f"results.md, micro.csv, {cal_path.name}")
+    print("\n".join(header))
+    print(table(rows))
+    print(f"wrote {out_dir}/results.csv, results.md, micro.csv, {cal_path.name}")
     return 0
 
 

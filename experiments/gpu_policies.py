@@ -1,15 +1,24 @@
-"""Measured speed-up of the committed tuned policies on a GPU (issue 10).
+"""Measured speed-up of the committed tuned policies on a GPU, against one global autocast.
 
 For each ``policies/*.yaml`` (not ``examples/``) whose model is under ``experiments/``:
 build the model on the GPU, enlarge its first calibration batch to the policy's
-deployment batch size (repeating rows; capped by ``--max-batch``), and time with CUDA
-events after warm-up (``autoprec.cost.measure_latency``):
+deployment batch size (``target.batch_size``; repeating rows, capped by ``--max-batch``),
+and time with CUDA events after warm-up (``autoprec.cost.measure_latency``):
 
-- fp32 (tf32 off), the tuned policy (``apply_policy``; fp8 through the best backend the
-  capability check finds), and one global ``torch.autocast(bfloat16)`` (uniform bf16);
+- fp32 (tf32 off): the reference of every speed-up;
+- the policy, installed with ``apply_policy(..., target=<the policy's target>)``: its
+  ``default`` is the region of the model's own code, its rules are exceptions; fp8 through
+  the best backend the capability check finds (the audit of one real forward says whether
+  every GEMM computed in its planned precision);
+- one global ``torch.autocast`` in bf16 and in fp16 (what a user would write instead);
 
-then print the measured speed-ups next to the cost model's estimate recorded in the policy,
-and write ``gpu_policies.csv`` / ``.md`` under ``--out`` (else $OUT, else ./gpu_policies_out).
+then print the measured speed-ups, the ratio policy / global autocast, and the cost
+model's estimates of the same three plans on ``--profile`` (default h200, the lent GPU) at
+the measured batch size — plus the estimate recorded in the policy file (for its own
+target) — and write ``gpu_policies.csv`` / ``.md`` under ``--out`` (else $OUT, else
+./gpu_policies_out). Only speed is measured here, not the error: which global autocast
+meets the policy's budget is ``experiments/run_all.py``'s question.
+
 Without CUDA it says why and exits 1; ``--dry-run`` runs on the CPU at the calibration
 batch size to check the script (numbers meaningless there).
 """
@@ -17,8 +26,10 @@ batch size to check the script (numbers meaningless there).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,21 +62,24 @@ def enlarge(batch: Any, rows: int) -> Any:
     return batch
 
 
-def measure_policy(policy_path: Path, device: str, max_batch: int, dry_run: bool
-                   ) -> dict[str, Any]:
+def measure_policy(policy_path: Path, device: str, max_batch: int, dry_run: bool,
+                   profile_name: str = "h200") -> dict[str, Any]:
     from autoprec.apply.apply import apply_policy
+    from autoprec.capability import capability
+    from autoprec.cost import CostModel, get_profile
     from autoprec.cost.measure import measure_latency
     from autoprec.loading import load_model_file
-    from autoprec.policy import load_policy
+    from autoprec.metrics import batch_size_of
+    from autoprec.policy import Policy, load_policy
+    from autoprec.trace import trace
 
     pol = load_policy(policy_path)
     model_py = ROOT / "experiments" / str(pol.model_name) / "model.py"
     spec = load_model_file(model_py)
     net = spec.model().to(device)
-    batch = to_device(spec.calibration_batches()[0], device)
+    calib = to_device(spec.calibration_batches()[0], device)
     rows = 0 if dry_run else min(int(pol.batch_size or 0), max_batch)
-    if rows:
-        batch = enlarge(batch, rows)
+    batch = enlarge(calib, rows) if rows else calib
 
     def run() -> Any:
         with torch.no_grad():
@@ -75,19 +89,53 @@ def measure_policy(policy_path: Path, device: str, max_batch: int, dry_run: bool
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     reps = 3 if dry_run else 20
+    target = pol.target_device or device
+    out: dict[str, Any] = {"policy": policy_path.name, "model": pol.model_name,
+                           "target": target, "default": pol.default, "rules": len(pol.layers),
+                           "batch": batch_size_of(batch)}
     fp32 = measure_latency(run, device, warmup=2, repeats=reps).median_s
-    with apply_policy(net, pol):
+    with apply_policy(net, pol, target=target) as handle:
+        report = handle.audit(run, strict=False)
+        out["audit"] = "ok" if report.ok else "MISMATCH: " + "; ".join(report.errors)[:160]
+        out["fp8_backend"] = handle.fp8_backend or ""
         tuned = measure_latency(run, device, warmup=2, repeats=reps).median_s
+    out.update(fp32_ms=fp32 * 1e3, tuned_ms=tuned * 1e3, tuned_speedup=fp32 / tuned)
 
-    def run_bf16() -> Any:
-        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
-            return spec.forward(net, batch)
+    # the cost model's view of the same plans, on the machine measured here
+    with torch.no_grad():
+        graph = trace(net, calib, forward=spec.forward, tracers=("hooks",))
+    cost = CostModel(graph, get_profile(profile_name), batch_size=out["batch"])
+    out["est_tuned_speedup"] = cost.speedup(pol)
+    bd = cost.breakdown(pol)
+    out["casts"] = bd.casts + bd.weight_casts
+    for prec, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        ok, why = capability(prec, device=device)
+        if not ok:
+            out[f"autocast_{prec}_ms"] = math.nan
+            out[f"note_{prec}"] = why
+            continue
 
-    bf16 = measure_latency(run_bf16, device, warmup=2, repeats=reps).median_s
-    return {"policy": policy_path.name, "model": pol.model_name, "target": pol.target_device,
-            "batch": rows or "calibration", "fp32_ms": fp32 * 1e3, "tuned_ms": tuned * 1e3,
-            "bf16_ms": bf16 * 1e3, "tuned_speedup": fp32 / tuned,
-            "bf16_speedup": fp32 / bf16, "est_speedup": pol.metrics.get("est_speedup")}
+        def run_global(dtype: torch.dtype = dtype) -> Any:
+            with torch.no_grad(), torch.autocast(device, dtype=dtype):
+                return spec.forward(net, batch)
+
+        t = measure_latency(run_global, device, warmup=2, repeats=reps).median_s
+        out[f"autocast_{prec}_ms"] = t * 1e3
+        out[f"{prec}_speedup"] = fp32 / t
+        out[f"tuned_over_{prec}"] = tuned / t  # <= 1: the policy is at least as fast
+        out[f"est_{prec}_speedup"] = cost.speedup(Policy(default=prec))
+    out["recorded_est_speedup"] = pol.metrics.get("est_speedup")
+    return out
+
+
+def _markdown(frame) -> str:  # noqa: ANN001 - a pandas DataFrame
+    cols = list(frame.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in frame.iterrows():
+        lines.append("| " + " | ".join("" if isinstance(v, float) and math.isnan(v)
+                                       else f"{v:.3g}" if isinstance(v, float) else str(v)
+                                       for v in r.tolist()) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, calibration batch size")
     ap.add_argument("--max-batch", type=int, default=4096, help="cap on rows per batch")
     ap.add_argument("--only", default="", help="comma list of policy file stems")
+    ap.add_argument("--profile", default="h200",
+                    help="device profile for the estimates (the GPU measured here)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -102,15 +152,19 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     device = "cpu" if args.dry_run else "cuda"
-    out = args.out or Path(os.environ.get("OUT") or "gpu_policies_out")
+    out = args.out or Path(os.environ.get("OUT") or "gpu_policies_out")  # CLI boundary
     out.mkdir(parents=True, exist_ok=True)
     wanted = {s for s in args.only.split(",") if s}
+    from autoprec.policy import PolicyWarning
+
+    warnings.simplefilter("ignore", PolicyWarning)
     rows = []
     for path in sorted((ROOT / "policies").glob("*.yaml")):
         if wanted and path.stem not in wanted:
             continue
         try:
-            rows.append(measure_policy(path, device, args.max_batch, args.dry_run))
+            rows.append(measure_policy(path, device, args.max_batch, args.dry_run,
+                                       args.profile))
         except Exception as err:  # one model failing must not lose the others' figures
             rows.append({"policy": path.name, "error": f"{type(err).__name__}: {err}"[:200]})
         print(rows[-1], flush=True)
@@ -118,12 +172,15 @@ def main(argv: list[str] | None = None) -> int:
 
     frame = pd.DataFrame(rows)
     frame.to_csv(out / "gpu_policies.csv", index=False)
-    cols = list(frame.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in frame.iterrows():
-        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v)
-                                       for v in r.tolist()) + " |")
-    (out / "gpu_policies.md").write_text("\n".join(lines) + "\n")
+    where = (torch.cuda.get_device_name() if device == "cuda"
+             else "cpu (DRY RUN: calibration batch, numbers meaningless)")
+    head = [f"# committed policies on {where}", "",
+            f"Speed-ups over fp32 measured with {'CUDA events' if device == 'cuda' else 'wall time'}"
+            f"; est_*: the cost model on the {args.profile} profile at the measured batch; "
+            "recorded_est_speedup: the figure in the policy file (its own target); "
+            "tuned_over_*: policy time / one global autocast's (<= 1: the policy is at "
+            "least as fast).", ""]
+    (out / "gpu_policies.md").write_text("\n".join(head) + _markdown(frame) + "\n")
     print(frame.to_string(index=False))
     return 0
 

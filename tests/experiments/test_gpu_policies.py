@@ -19,11 +19,19 @@ def _script():
     return mod
 
 
+@pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
 def test_dry_run_measures_a_committed_policy(tmp_path: Path) -> None:
     rc = _script().main(["--dry-run", "--only", "trap-h100-err0.01", "--out", str(tmp_path)])
     assert rc == 0
     text = (tmp_path / "gpu_policies.md").read_text()
     assert "trap-h100-err0.01.yaml" in text and "error" not in text
+    import pandas as pd
+
+    row = pd.read_csv(tmp_path / "gpu_policies.csv").iloc[0]
+    assert row["audit"] == "ok" and row["target"] == "h100"
+    for col in ("tuned_speedup", "tuned_over_bf16", "tuned_over_fp16", "est_tuned_speedup",
+                "est_bf16_speedup", "casts"):
+        assert row[col] > 0, col
 
 
 def test_enlarge_repeats_rows_to_the_deployment_batch() -> None:
@@ -38,3 +46,16 @@ def test_enlarge_repeats_rows_to_the_deployment_batch() -> None:
 def test_without_cuda_it_says_why_and_exits_1(capsys) -> None:
     assert _script().main([]) == 1
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="cuda: torch.cuda.is_available() is False")
+@pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
+def test_a_committed_policy_runs_on_a_gpu(tmp_path: Path) -> None:
+    assert _script().main(["--only", "trap-h100-err0.01", "--max-batch", "1024",
+                           "--out", str(tmp_path)]) == 0
+    import pandas as pd
+
+    row = pd.read_csv(tmp_path / "gpu_policies.csv").iloc[0]
+    assert row["audit"] == "ok" and row["tuned_ms"] > 0
