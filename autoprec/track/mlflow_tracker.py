@@ -42,6 +42,7 @@ from urllib.parse import urlparse
 
 from autoprec import __version__
 from autoprec.errors import TrackingError
+from autoprec.extras import require
 from autoprec.track.base import NullTracker, Tracker, TrackingWarning, check_status
 
 #: Seconds the reachability check waits for a tracking server to answer.
@@ -435,6 +436,7 @@ def make_tracker(
     """
     if not enabled:
         return NullTracker()
+    require("mlflow", "MLflow tracking", "turn it off: --no-track")
     workdir = Path.cwd() if workdir is None else Path(workdir)
     if uri is None:
         uri = default_tracking_uri(workdir)
