@@ -83,17 +83,22 @@ def tune_cmd(
         print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
         for k, v in lowered.items():
             print(f"  {k:<50} {v}")
-        print(f"error {summary['error']} (budget {result.budget}), est. speed-up "
+        print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
               f"{result.est_speedup:.2f}x on {target}, {result.trials} trials, "
               f"{result.evaluations:.1f} evaluations, {result.seconds:.0f}s")
     if not result.feasible:
         raise CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
-                          f"closest (error {summary['error']}) to {result.path} marked "
+                          f"closest (error {_sig(result.eval_error)}) to {result.path} marked "
                           "feasible: false")
 
 
 def _num(x: float) -> float | str:
     return x if math.isfinite(x) else "inf"
+
+
+def _sig(x: float) -> str:
+    """4 significant digits for people (the policy file and --json keep more)."""
+    return f"{x:.4g}" if math.isfinite(x) else "inf"
 
 
 
