@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +26,7 @@ def _complete(url: str) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
 
+@pytest.mark.slow
 def test_ctrl_c_then_resume_reruns_no_finished_trial(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'study.db'}"
     cmd = [sys.executable, "-m", "autoprec.cli.main", "tune", str(TRAP), "--storage", url,
