@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 
 
-def test_export_writes_calibration_error_only_and_the_torch_version(
+def test_tune_then_export(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = f"sqlite:///{tmp_path / 'study.db'}"
     tuned_path = tmp_path / "tuned.yaml"
@@ -25,7 +25,12 @@ def test_export_writes_calibration_error_only_and_the_torch_version(
         main(["tune", str(TRAP), "--max-error", "0.01", "--precisions", "bf16,fp16",
               "--batch-size", "65536", "--trials", "6", "--storage", db, "--study-name", "s",
               "--out", str(tuned_path), "--no-track", "--quiet"])
-    assert exc.value.code == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert exc.value.code == 0, out
+    # The summary is for people: the error rounded (the policy file keeps 6 digits).
+    (line,) = [x for x in out.splitlines() if x.startswith("error ")]
+    assert line.split()[1] == f"{load_policy(tuned_path).metrics['error']:.4g}", line
+    assert "(budget 0.01)" in line
     with pytest.raises(SystemExit) as exc:
         main(["export", "--storage", db, "--study-name", "s", "--out",
               str(tmp_path / "exported.yaml")])
