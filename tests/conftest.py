@@ -2,8 +2,9 @@
 ``from tests.zoo import bert`` whether pytest is run from the root or elsewhere.
 
 ``pytest`` runs the quick suite; ``pytest --slow`` (what CI runs) adds the tests marked
-``slow``: those that start servers or processes (PostgreSQL, MLflow, tune workers, Ctrl-C),
-run the experiment scripts, or take more than ~3 s on a 2-core machine. Each one skipped
+``slow``: those that start an MLflow server or tune processes (workers, Ctrl-C and resume),
+run the experiment scripts or the README's snippets, check the committed policies of the
+transformer and CNN examples, or take more than ~3 s on a 2-core machine. Each one skipped
 says so, with the flag that runs it.
 """
 

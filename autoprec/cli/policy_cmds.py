@@ -73,8 +73,8 @@ def show_cmd(
 ) -> None:
     """Print a policy for review: rules, reasons, metrics, provenance.
 
-    Rules are listed in the order the file gives them (tune writes them in model order);
-    with ``--model`` in the order of ``model.named_modules()``.
+    Rules are listed in the file's order (tune writes them in model order); with --model
+    in the order of the model's named_modules().
     """
     from autoprec.policy import load_policy
 

@@ -298,6 +298,7 @@ def test_no_track_is_a_null_tracker(tmp_path: Path) -> None:
         tracker.finish("DONE")
 
 
+@pytest.mark.slow
 def test_tracker_context_manager_marks_a_crash_failed(
     mlflow_server_uri: str, experiment: str
 ) -> None:
