@@ -37,6 +37,7 @@ from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of, iter_floats
 from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, resolve_path
 from autoprec.precisions import FORMATS, PRECISIONS
+from autoprec.report_json import Reason, audit_reasons, feasible, number, reasons_json, speedup
 from autoprec.trace import trace
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
@@ -52,7 +53,7 @@ class CheckResult:
     model: str
     policy: str
     passed: bool
-    reasons: list[str]  # why it failed; empty when it passed
+    reasons: list[str]  # why it failed (Reason: .layer names the layer); empty: passed
     budget_kind: str  # "max_error" or "max_drop"
     budget: float
     budget_source: str  # "policy", "argument" or "default"
@@ -61,8 +62,8 @@ class CheckResult:
     fp32_metric: float | None = None
     metric_drop: float | None = None
     nonfinite: int = 0
-    feasible: bool = False  # within budget and runnable on the target
-    est_speedup: float | None = None  # over all-fp32 on the target at batch_size
+    feasible: bool = False  # within budget, runnable on the target, audit clean
+    est_speedup: float | None = None  # over all-fp32 on the target; None: cannot run there
     target: str = DEFAULT_TARGET
     batch_size: int | None = None
     fingerprint_match: bool | None = None  # None: the policy has no fingerprint
@@ -83,31 +84,28 @@ class CheckResult:
             raise CheckFailed(f"check failed: {self.reasons[0]}{more}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``check --json`` object: the summary at the top level, then the layers."""
+        """The ``check --json`` object: the summary at the top level, then the layers.
+
+        ``reasons``, ``feasible`` and ``est_speedup`` mean what they mean in ``eval --json``
+        (autoprec.report_json): reasons are ``{"layer", "reason"}`` objects.
+        """
         out: dict[str, Any] = {}
         if self.budget_kind == "max_drop":
-            out.update(metric_drop=_num(self.metric_drop), metric=_num(self.metric),
-                       fp32_metric=_num(self.fp32_metric), output_error=_num(self.error))
+            out.update(metric_drop=number(self.metric_drop), metric=number(self.metric),
+                       fp32_metric=number(self.fp32_metric), output_error=number(self.error))
         else:
-            out["error"] = _num(self.error)
+            out["error"] = number(self.error)
         out.update(
             budget=self.budget, budget_kind=self.budget_kind, budget_source=self.budget_source,
-            est_speedup=_num(self.est_speedup), feasible=self.feasible, target=self.target,
-            batch_size=self.batch_size, passed=self.passed, reasons=list(self.reasons),
-            notes=list(self.notes), fingerprint_match=self.fingerprint_match,
-            nonfinite=self.nonfinite, eval_batches=self.eval_batches, model=self.model,
+            est_speedup=number(self.est_speedup), feasible=self.feasible, target=self.target,
+            batch_size=self.batch_size, passed=self.passed,
+            reasons=reasons_json(self.reasons), notes=list(self.notes),
+            fingerprint_match=self.fingerprint_match, nonfinite=self.nonfinite,
+            eval_batches=self.eval_batches, model=self.model, policy=self.policy,
             breakdown=dict(self.breakdown),
-            policy=self.policy, layers=[{k: _num(v) if isinstance(v, float) else v
-                                         for k, v in row.items()} for row in self.layers],
+            layers=[{k: number(v) for k, v in row.items()} for row in self.layers],
         )
         return out
-
-
-def _num(x: float | None) -> float | str | None:
-    """JSON has no inf/nan: write them as strings (as the policy file does)."""
-    if x is None or math.isfinite(x):
-        return x
-    return str(x)
 
 
 def _short(fp: str) -> str:
@@ -123,7 +121,8 @@ def _budget(policy: Policy, spec: ModelSpec, max_error: float | None,
         kind, value, source = (("max_drop", max_drop, "argument") if max_drop is not None
                                else ("max_error", max_error, "argument"))
     else:
-        kind = "max_drop" if "metric_drop" in policy.metrics else "max_error"
+        drop = ("metric_drop" in policy.metrics or "calibration_metric_drop" in policy.metrics)
+        kind = "max_drop" if drop else "max_error"  # an export writes calibration_* only
         value = policy.metrics.get("budget")
         source = "policy"
         if value is None:
@@ -219,7 +218,8 @@ def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfi
             continue
         paths = used[prec]
         more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
-        reasons.append(f"target {target} cannot run {prec} (layer {paths[0]!r}{more}): {why}")
+        reasons.append(Reason(f"target {target} cannot run {prec} (layer {paths[0]!r}{more}): "
+                              f"{why}", paths[0]))
         layer_why.update(dict.fromkeys(paths, why))
     return reasons, layer_why
 
@@ -328,7 +328,7 @@ def check(
     for row in report.rows:
         if row.layer in rows:
             rows[row.layer]["computed"] = row.computed
-    reasons.extend(f"audit: {e}" for e in report.errors)
+    reasons.extend(audit_reasons(report))
     planned = bd.casts + bd.weight_casts
     result.breakdown["audited_casts"] = report.casts
     if report.casts != planned:  # priced from the calibration batch's trace
@@ -341,9 +341,10 @@ def check(
 
     name = "metric drop" if kind == "max_drop" else "error"
     if s.nonfinite:
-        where = ""
+        where, bad_layer = "", None
         if bad is not None:  # the policy is removed by now: _max_abs measures fp32
             path, i = bad
+            bad_layer = path
             r = handle.layers.get(path)
             prec = r.precision if r is not None else "?"
             fmt = FORMATS.get(prec)
@@ -351,15 +352,17 @@ def check(
             limit = f" > {fmt.max:g}, the {prec} maximum" if fmt and peak > fmt.max else ""
             where = (f"; first at layer {path!r} ({prec}) on eval batch {i}: its fp32 output "
                      f"reaches max|y| {peak:.3g}{limit}")
-        reasons.append(f"{name} inf: {s.nonfinite} non-finite output values under the policy"
-                       f"{where}")
+        reasons.append(Reason(f"{name} inf: {s.nonfinite} non-finite output values under the "
+                              f"policy{where}", bad_layer))
     elif not value <= budget:  # also catches nan
         reasons.append(f"{name} {value:.4g} > budget {budget:g} ({source}) on eval data "
                        f"({len(batches)} batches)")
     marked = _marked_infeasible(policy)
     if marked:
         reasons.append(marked)
-    result.feasible = bool(value is not None and value <= budget and not layer_why)
+    result.feasible = bool(feasible(value, budget, runnable=not layer_why,
+                                    audit_ok=not report.errors))
+    result.est_speedup = speedup(result.est_speedup, runnable=not layer_why)
     result.passed = not reasons
     return result
 

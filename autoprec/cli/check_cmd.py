@@ -27,9 +27,11 @@ def check_cmd(
                    target=target, batch_size=batch_size)
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
+        result.raise_if_failed()  # exit 1 with the first reason on stderr
     else:
-        _print(result.to_dict())
-    result.raise_if_failed()  # exit 1 with the first reason on stderr
+        _print(result.to_dict())  # the reasons, once, under FAILED
+        if not result.passed:
+            raise typer.Exit(1)
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:
@@ -65,7 +67,7 @@ def _print(d: dict[str, Any]) -> None:
     else:
         typer.echo("FAILED")
         for r in d["reasons"]:
-            typer.echo(f"  - {r}")
+            typer.echo(f"  - {r['reason']}")
 
 
 def register(app: typer.Typer) -> None:

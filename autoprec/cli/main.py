@@ -32,6 +32,10 @@ app = typer.Typer(
 
 def _register() -> None:
     # Each command lives in its own module (autoprec/cli/<name>.py) exposing `register(app)`.
+    # Once per process: main() called again (tests, embedding) must not add every command a
+    # second time (typer rebuilds all registered commands on each call).
+    if app.registered_commands:
+        return
     from autoprec.cli import commands
 
     for register in commands.REGISTRY:

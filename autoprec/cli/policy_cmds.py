@@ -67,11 +67,27 @@ def _fmt(x: Any) -> str:
 
 def show_cmd(
     policy: Annotated[Path, typer.Argument(help="Policy file (YAML, schema 1).")],
+    model: Annotated[Path | None, typer.Option(
+        "--model", help="model.py: list the rules in the model's module order and check "
+                        "that every path exists (default: the order of the file).")] = None,
 ) -> None:
-    """Print a policy for review: rules, reasons, metrics, provenance."""
+    """Print a policy for review: rules, reasons, metrics, provenance.
+
+    Rules are listed in the file's order (tune writes them in model order); with --model
+    in the order of the model's named_modules().
+    """
     from autoprec.policy import load_policy
 
-    pol = load_policy(policy)
+    with _warnings_to_stderr():
+        if model is None:
+            pol = load_policy(policy)
+            order: dict[str, int] = {}
+        else:
+            from autoprec.loading import load_model_file
+
+            net = load_model_file(model).model()
+            pol = load_policy(policy, model=net, force=True)  # review: a mismatch is a warning
+            order = {name: i for i, name in enumerate(n for n, _ in net.named_modules())}
     typer.echo(f"policy: {policy}  (schema 1)")
     if pol.model:
         typer.echo(f"model: {pol.model_name or '-'}   fingerprint: {pol.fingerprint or '-'}")
@@ -81,7 +97,7 @@ def show_cmd(
         bs = f", batch size {pol.batch_size}" if pol.batch_size else ""
         typer.echo(f"target: {pol.target_device or '-'}{bs}")
     typer.echo(f"default: {pol.default}")
-    paths = sorted(set(pol.layers) | set(pol.locked) | set(pol.reasons))
+    paths = show_order(pol, order)
     if paths:
         rows = [(p or "<root>", pol.layers.get(p, f"({pol.default})"),
                  "yes" if p in pol.locked else "", pol.reasons.get(p, "")) for p in paths]
@@ -97,6 +113,16 @@ def show_cmd(
     if pol.provenance:
         typer.echo("provenance: " + ", ".join(f"{k} {_fmt(v)}"
                                               for k, v in pol.provenance.items()))
+
+
+def show_order(pol: Any, order: dict[str, int] | None = None) -> list[str]:
+    """Every path ``show`` lists: rules in file order, then locked and reasoned paths not
+    ruled on; with ``order`` (module path -> index in ``named_modules()``) in model order,
+    ties kept in file order."""
+    paths = list(dict.fromkeys([*pol.layers, *pol.locked, *pol.reasons]))
+    if order:
+        paths.sort(key=lambda p: order.get(p, len(order)))
+    return paths
 
 
 # -- eval ---------------------------------------------------------------------------------
@@ -143,6 +169,8 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     from autoprec.loading import load_model_file
     from autoprec.metrics import batch_size_of
     from autoprec.policy import load_policy
+    from autoprec.report_json import feasible as feasible_rule
+    from autoprec.report_json import reasons_json, speedup, verdict_reasons
     from autoprec.trace import trace
     from autoprec.validate import check_batch_size
 
@@ -181,13 +209,16 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     value = sc.value
     budget = pol.metrics.get("budget")
     within = None if budget is None else bool(value <= float(budget))
-    feasible = (within is not False) and not infeasible and report.ok
+    feasible = feasible_rule(value, budget, runnable=not infeasible, audit_ok=report.ok)
+    why_not = verdict_reasons(value, budget, name="metric drop" if use_drop else "error",
+                              infeasible=infeasible, audit=report)
     layers = []
     for row in report.rows:
         t = times.get(row.layer)
         layers.append({"layer": row.layer, "rule": row.rule, "precision": row.expected,
                        "computed": row.computed, "ok": row.ok,
-                       "est_time_us": None if t is None else round(t * 1e6, 4)})
+                       "est_time_us": None if t is None else round(t * 1e6, 4),
+                       "reason": pol.reasons.get(row.layer)})
     out: dict[str, Any] = {
         "model": spec.name, "policy": str(policy_path),
         "error": _num(sc.error),
@@ -197,11 +228,11 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         out["metric_drop"] = _num(sc.metric_drop)
     out.update({
         "budget": budget, "within_budget": within,
-        "est_speedup": round(est, 4) if est > 0 else None, "feasible": feasible,
+        "est_speedup": speedup(est, runnable=not infeasible), "feasible": feasible,
         "target": device, "batch_size": bs,
         "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
         "fp8_backend": fp8_backend,
-        "reasons": dict(pol.reasons),
+        "reasons": reasons_json(why_not),
         "infeasible": infeasible,
         "audit_errors": report.errors,
         "warnings": warns,
@@ -246,10 +277,11 @@ def _print_summary(s: dict[str, Any]) -> None:
     what = (f"metric drop {_fmt(s['metric_drop'])} (metric {_fmt(s['metric'])})"
             if "metric_drop" in s else f"error {_fmt(s['error'])}")
     budget = "no budget recorded" if s["budget"] is None else f"budget {_fmt(s['budget'])}"
-    speed = "-" if s["est_speedup"] is None else f"{s['est_speedup']:.2f}x"
+    est = "-" if s["est_speedup"] is None else f"{s['est_speedup']:.2f}x"
+    feasible = "unknown (no budget)" if s["feasible"] is None else str(s["feasible"]).lower()
     typer.echo(f"{what} vs fp32 on the eval data ({budget}); est. speed-up "
-               f"{speed} on {s['target']} at batch size {s['batch_size']}; "
-               f"feasible: {str(s['feasible']).lower()}")
+               f"{est} on {s['target']} at batch size {s['batch_size']}; "
+               f"feasible: {feasible}")
     b = s["breakdown"]
     total = b["total_us"] or 1.0
     typer.echo("est. forward: " + ", ".join(
@@ -264,8 +296,9 @@ def _print_summary(s: dict[str, Any]) -> None:
                    f"{m['policy_ms']} ms per calibration batch ({m['speedup']}x)")
     for why in s["infeasible"]:
         typer.echo(f"infeasible on {s['target']}: {why}")
-    for layer, why in s["reasons"].items():
-        typer.echo(f"reason {layer}: {why}")
+    for r in s["layers"]:
+        if r.get("reason"):
+            typer.echo(f"reason {r['layer']}: {r['reason']}")
 
 
 def register(app: typer.Typer) -> None:

@@ -91,12 +91,10 @@ def tune_cmd(
         print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
         for k, v in lowered.items():
             print(f"  {k:<50} {v}")
-        err = summary["error"]
-        print(f"error {err if isinstance(err, str) else f'{err:.4g}'} (budget {result.budget}),"
-              f" est. speed-up {result.est_speedup:.2f}x on {target} "
-              f"({summary['est_casts']} casts per forward), {result.trials} trials, "
-              f"{result.evaluations:.1f} evaluations, {result.seconds:.0f}s"
-              + ("; search complete" if result.complete else ""))
+        print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
+              f"{result.est_speedup:.2f}x on {target} ({summary['est_casts']} casts per "
+              f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "
+              f"{result.seconds:.0f}s" + ("; search complete" if result.complete else ""))
     if not result.feasible:
         if (min_speedup is not None and result.eval_error <= result.budget
                 and result.est_speedup < min_speedup):
@@ -106,12 +104,17 @@ def tune_cmd(
                 f"(error {summary['error']}, within budget); wrote it to {result.path} "
                 "marked feasible: false")
         raise CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
-                          f"closest (error {summary['error']}) to {result.path} marked "
+                          f"closest (error {_sig(result.eval_error)}) to {result.path} marked "
                           "feasible: false")
 
 
 def _num(x: float) -> float | str:
     return x if math.isfinite(x) else "inf"
+
+
+def _sig(x: float) -> str:
+    """4 significant digits for people (the policy file and --json keep more)."""
+    return f"{x:.4g}" if math.isfinite(x) else "inf"
 
 
 

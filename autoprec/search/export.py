@@ -3,8 +3,9 @@
 ``tune`` records what a study needs to be read back on its own (study user attribute
 ``autoprec``): the variables (parameter name -> module paths), default, model name and
 fingerprint, target, batch size and budget. Export picks the fastest trial feasible on
-the calibration data — the rule tune uses — and marks that the eval-data confirmation was
-not repeated.
+the calibration data — the rule tune uses — and writes its calibration error only
+(``metrics.calibration_error``; ``metrics.error`` is the held-out figure tune confirms),
+with a note that the eval-data confirmation was not repeated.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import torch
 
 import autoprec
 from autoprec.errors import InputError
@@ -25,6 +27,10 @@ from autoprec.search.space import REGION, SearchSpace, Variable
 from autoprec.search.storage import describe_storage, open_storage
 
 META_KEY = "autoprec"
+
+#: provenance.note of an exported policy: what export did not do.
+EXPORT_NOTE = ("exported from the study: chosen on the calibration data; the eval-data "
+               "confirmation was not repeated (run autoprec check MODEL.py --policy …)")
 
 
 def study_meta(space: SearchSpace, **fields: Any) -> dict[str, Any]:
@@ -49,9 +55,16 @@ def space_from_meta(meta: dict[str, Any]) -> SearchSpace:
 def policy_from_candidate(space: SearchSpace, cand: select.Candidate, *, feasible: bool,
                           eval_error: float | None, meta: dict[str, Any],
                           provenance: dict[str, Any],
-                          rules: tuple[str, dict[str, str]] | None = None) -> Policy:
+                          rules: tuple[str, dict[str, str]] | None = None,
+                          confirmed: bool = True) -> Policy:
     """The policy file of one trial: its compact rules (``rules``, else the ones recorded
-    on the trial, else an explicit rule on every layer: the same plan)."""
+    on the trial, else an explicit rule on every layer: the same plan).
+
+    ``metrics.error`` (``metric_drop`` with a metric) is the figure the budget binds: the
+    eval-data error, or the calibration error when the eval data *is* the calibration data
+    (``eval_error`` None). ``confirmed=False`` (an unconfirmed Pareto point, an export of a
+    trial never measured on eval data) writes only ``calibration_error``.
+    """
     if rules is None and cand.policy:
         rules = (cand.policy["default"], dict(cand.policy["layers"]))
     if rules is None:
@@ -59,14 +72,16 @@ def policy_from_candidate(space: SearchSpace, cand: select.Candidate, *, feasibl
     default, layers = rules
     reasons = {k: v for k, v in meta.get("reasons", space.reasons()).items()}
     metric_key = "metric_drop" if meta.get("budget_kind") == "max_drop" else "error"
-    err = cand.calib.error if eval_error is None else eval_error
-    metrics: dict[str, Any] = {
-        metric_key: _num(err),
+    metrics: dict[str, Any] = {}
+    if confirmed:
+        err = cand.calib.error if eval_error is None else eval_error
+        metrics[metric_key] = _num(err)
+    metrics.update({
         f"calibration_{metric_key}": _num(cand.calib.error),
         "budget": meta.get("budget"),
         "est_speedup": round(cand.calib.est_speedup, 4),
         "feasible": feasible,
-    }
+    })
     return Policy(
         default=default, layers=layers, locked=list(meta.get("locked_paths", [])),
         reasons=reasons, metrics=metrics,
@@ -105,12 +120,18 @@ def export_policy(storage: str, study_name: str, out: str | Path) -> tuple[Polic
     chosen, feasible = select.choose(cands, budget=float(meta["budget"]),
                                      min_speedup=meta.get("min_speedup"))
     provenance = {
-        "autoprec": autoprec.__version__, "optuna": optuna.__version__,
+        "autoprec": autoprec.__version__, "torch": str(torch.__version__),
+        "optuna": optuna.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "study": study_name, "storage": describe_storage(storage), "exported": True,
-        "seed": meta.get("seed"), "data": meta.get("data"),
+        "note": EXPORT_NOTE, "seed": meta.get("seed"), "data": meta.get("data"),
     }
-    policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
-                                   meta=meta, provenance=provenance)
+    confirmed = chosen.eval_error is not None  # the search confirms within-budget trials
+    if confirmed:
+        provenance["note"] = (f"exported from the study: trial {chosen.number}, confirmed on "
+                              "the eval data during the search")
+    policy = policy_from_candidate(space, chosen, feasible=feasible,
+                                   eval_error=chosen.eval_error, meta=meta,
+                                   provenance=provenance, confirmed=confirmed)
     policy.save(Path(out))
     return policy, feasible

@@ -43,6 +43,7 @@ from urllib.parse import urlparse
 
 from autoprec import __version__
 from autoprec.errors import TrackingError
+from autoprec.extras import require
 from autoprec.paths import check_sqlite_url
 from autoprec.track.base import NullTracker, Tracker, TrackingWarning, check_status
 
@@ -437,6 +438,7 @@ def make_tracker(
     """
     if not enabled:
         return NullTracker()
+    require("mlflow", "MLflow tracking", "turn it off: --no-track")
     workdir = Path.cwd() if workdir is None else Path(workdir)
     if uri is None:
         uri = default_tracking_uri(workdir)

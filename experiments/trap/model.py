@@ -4,7 +4,8 @@
   inf and the next LayerNorm to NaN; bf16 (fp32's range) is fine.
 - ``offset`` writes a small signal riding a +256 offset that the next LayerNorm removes:
   bf16 keeps 8 significant bits, so at 256 its spacing is 2 and the signal is lost; fp16's
-  spacing there is 0.25 (1.5% error seen here, DESIGN.md) — within a few-percent budget.
+  spacing there is 0.25 (1.46% error after the next LayerNorm with CPU autocast, as
+  docs/DESIGN.md records under "Facts seen") — within a few-percent budget.
 - the other layers are ordinary and take any precision.
 So the tuned policy must put ``blow`` in bf16 (or fp32) and ``offset`` in fp16 (or fp32).
 """

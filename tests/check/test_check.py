@@ -72,6 +72,8 @@ def test_fails_when_edited_weights_overflow_fp16(model_py: Path, capsys) -> None
     assert out["passed"] is False and out["error"] == "inf" and out["feasible"] is False
     assert out["fingerprint_match"] is True  # the structure did not change: the values did
     (reason,) = out["reasons"]
+    assert reason["layer"] == "fc1"
+    reason = reason["reason"]
     assert "non-finite" in reason and "'fc1' (fp16)" in reason and "65504" in reason
     assert "check failed" in err and "'fc1'" in err
 
@@ -82,7 +84,8 @@ def test_fails_on_a_structurally_changed_model(model_py: Path, capsys) -> None:
     code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy))
     assert code == 1 and out["passed"] is False
     assert out["fingerprint_match"] is False
-    assert any("model changed" in r and "fingerprint" in r for r in out["reasons"])
+    assert any("model changed" in r["reason"] and "fingerprint" in r["reason"]
+               and r["layer"] is None for r in out["reasons"])
     assert isinstance(out["error"], float)  # evaluated anyway (loaded with force)
     # --force accepts the change: the gate then judges the numbers only.
     code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy), "--force")
@@ -98,7 +101,7 @@ def test_fails_when_a_rule_no_longer_fits_the_changed_model(model_py: Path, caps
     policy.write_text(re.sub(r"fingerprint: sha256:[0-9a-f]{64}", "fingerprint: sha256:" + "0" * 64, text))
     code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy))
     assert code == 1
-    assert any("no longer fits" in r and "fc3" in r for r in out["reasons"])
+    assert any("no longer fits" in r["reason"] and "fc3" in r["reason"] for r in out["reasons"])
     assert out["error"] is None  # nothing to evaluate
 
 
@@ -106,8 +109,10 @@ def test_fails_when_the_target_cannot_run_a_precision(model_py: Path, capsys) ->
     policy = _policy(model_py, target="t4", layers={"fc1": "bf16"})
     code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy))
     assert code == 1 and out["feasible"] is False
+    assert out["est_speedup"] is None  # no speed to estimate where it cannot run
     (reason,) = out["reasons"]
-    assert "t4 cannot run bf16" in reason and "'fc1'" in reason
+    assert reason["layer"] == "fc1"
+    assert "t4 cannot run bf16" in reason["reason"] and "'fc1'" in reason["reason"]
     assert {r["layer"]: r["supported"] for r in out["layers"]}["fc1"] is False
     # The same policy on a device with bf16 passes.
     code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy), "--target", "a100")
@@ -118,7 +123,7 @@ def test_budget_given_overrides_the_policys(model_py: Path, capsys) -> None:
     policy = _policy(model_py)
     code, out, _ = _cli(capsys, str(model_py), "--policy", str(policy), "--max-error", "1e-7")
     assert code == 1 and out["budget"] == 1e-7 and out["budget_source"] == "argument"
-    assert "> budget 1e-07" in out["reasons"][0]
+    assert "> budget 1e-07" in out["reasons"][0]["reason"]
 
 
 def test_bad_input_is_exit_2(model_py: Path, capsys) -> None:
@@ -154,3 +159,23 @@ def test_passes_a_freshly_tuned_policy(model_py: Path, capsys) -> None:
     assert code == 0, out["reasons"]
     assert out["budget"] == 0.01 and out["budget_source"] == "policy"
     assert out["fingerprint_match"] is True
+
+
+
+def test_text_output_says_each_reason_and_note_once(model_py: Path) -> None:
+    """As a user sees it: a real process, Python's own warning display included."""
+    import subprocess
+    import sys
+
+    path = model_py.parent / "hand.yaml"  # hand-written: no fingerprint, a note
+    path.write_text("autoprec_policy: 1\ndefault: fp32\nlayers: {fc1: fp16}\n")
+    _variant(model_py, "overflow")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "autoprec.cli.main", "check", str(model_py),
+                          "--policy", str(path), "--target", "t4"], capture_output=True,
+                         text=True, cwd=model_py.parent, timeout=120,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    both = run.stdout + run.stderr
+    assert run.returncode == 1, both
+    assert "FAILED" in run.stdout and both.count("non-finite output values") == 1
+    assert both.count("fingerprint") == 1, both

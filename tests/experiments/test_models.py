@@ -100,6 +100,7 @@ def _fp32_metric(name: str) -> float:
     return mean_metric(spec.metric, outs, batches)
 
 
+@pytest.mark.slow
 def test_minilm_real_weights_retrieve_paraphrases() -> None:
     # Chance is 1/15 (16 sentences a batch). A randomly initialised BERT of this config
     # scores 0.53 here (pairs share words); the real weights 0.984.

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +26,7 @@ def _complete(url: str) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
 
+@pytest.mark.slow
 def test_ctrl_c_then_resume_reruns_no_finished_trial(tmp_path: Path) -> None:
     """A Pareto tune (several front points to measure) of a slow model, interrupted after
     two measured trials, then resumed: the stored trials stay as they are and no plan is

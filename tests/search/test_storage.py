@@ -203,6 +203,7 @@ def test_count_finished_counts_complete_and_pruned(pg_url: str) -> None:
     assert count_finished(study) == 3
 
 
+@pytest.mark.slow
 def test_reap_fails_and_requeues_a_stale_trial(pg_url: str) -> None:
     storage = open_storage(pg_url, Path("unused.db"), heartbeat_interval=1, grace_period=1)
     study = join_study(storage, "S", fingerprint=FP_A, directions=["minimize"])

@@ -69,7 +69,7 @@ def fake_sensitivity() -> pd.DataFrame:
     )
 
 
-@pytest.fixture(params=["server", "sqlite"])
+@pytest.fixture(params=[pytest.param("server", marks=pytest.mark.slow), "sqlite"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str | None, Path]:
     """(uri for make_tracker, workdir): the shared loopback server, or the SQLite default."""
     if request.param == "server":
@@ -174,6 +174,7 @@ def test_full_run_round_trips(store: tuple[str | None, Path], experiment: str) -
         assert any((workdir / "mlruns").rglob("mlp.yaml"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["server", "sqlite"])
 def test_parallel_processes_keep_their_trials_apart(
     where: str, request: pytest.FixtureRequest, experiment: str, tmp_path: Path
@@ -241,6 +242,7 @@ def test_unusable_store_is_a_tracking_error(tmp_path: Path, experiment: str) -> 
         make_tracker(uri, experiment)
 
 
+@pytest.mark.slow
 def test_server_dying_mid_run_never_raises(
     throwaway_mlflow_server, experiment: str, tmp_path: Path
 ) -> None:
@@ -296,6 +298,7 @@ def test_no_track_is_a_null_tracker(tmp_path: Path) -> None:
         tracker.finish("DONE")
 
 
+@pytest.mark.slow
 def test_tracker_context_manager_marks_a_crash_failed(
     mlflow_server_uri: str, experiment: str
 ) -> None:

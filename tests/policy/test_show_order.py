@@ -1,0 +1,64 @@
+"""``autoprec show`` lists rules in the file's order (tune writes model order), or with
+``--model`` in the model's module order — never alphabetically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoprec.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAP = ROOT / "experiments" / "trap" / "model.py"
+
+# trap's modules run inp, blow, norm1, mid1, offset, norm2, mid2, head; the file says
+# otherwise, and alphabetical order would be a third order.
+POLICY = """autoprec_policy: 1
+default: fp32
+layers: {mid2: fp16, head: fp16, inp: bf16, blow: bf16}
+locked: [offset]
+reasons: {blow: "fp16: overflow"}
+"""
+
+
+def _rows(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("layer")) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        rows.append(line.split()[0])
+    return rows
+
+
+def _show(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["show", *args])
+    out = capsys.readouterr()
+    assert exc.value.code == 0, out.err
+    return out.out
+
+
+def test_show_keeps_the_file_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(POLICY)
+    assert _rows(_show([str(path)], capsys)) == ["mid2", "head", "inp", "blow", "offset"]
+
+
+def test_show_with_model_uses_module_order(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(POLICY)
+    rows = _rows(_show([str(path), "--model", str(TRAP)], capsys))
+    assert rows == ["inp", "blow", "offset", "mid2", "head"]
+
+
+def test_show_with_model_refuses_a_path_the_model_lacks(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("autoprec_policy: 1\ndefault: fp32\nlayers: {nope: bf16}\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["show", str(path), "--model", str(TRAP)])
+    assert exc.value.code == 2 and "nope" in capsys.readouterr().err
