@@ -78,7 +78,7 @@ def fake_quant(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
 
 
 def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) fp8 @ (N, K)^T fp8 -> (M, N) via torch._scaled_mm, padding M to 16."""
     m = xq.shape[0]
     pad = (-m) % 16
@@ -87,7 +87,7 @@ def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.T
     # _scaled_mm takes the inverse scales (dequantisation factors); w.t() is column-major.
     y = torch._scaled_mm(
         xq, wq.t(), scale_a=(1.0 / sx).reshape(()), scale_b=(1.0 / sw).reshape(()),
-        out_dtype=out_dtype,
+        bias=bias, out_dtype=out_dtype,
     )
     return y[:m] if pad else y
 
@@ -104,12 +104,16 @@ class _Fp8LinearFn(torch.autograd.Function):
         xq, sx = quantize(x2, E4M3)
         wq, sw = wq_sw  # (N, K) e4m3 and its scale, cast once per weight version
         if backend == "torch":
-            y = _scaled_mm(xq, sx, wq, sw, torch.bfloat16 if out_dtype != torch.float32
-                           else torch.float32).float()
+            # straight to the region's dtype (an fp16 region was rounded through bf16 before),
+            # the bias in the GEMM's epilogue where the output is 16-bit
+            fused = bias is not None and out_dtype != torch.float32
+            y = _scaled_mm(xq, sx, wq, sw, out_dtype, bias.to(out_dtype) if fused else None)
+            if bias is not None and not fused:
+                y = y + bias
         else:
             y = dequantize(xq, sx) @ dequantize(wq, sw).t()  # fp32 accumulate, like the GEMM
-        if bias is not None:
-            y = y + bias.float()
+            if bias is not None:
+                y = y + bias.float()
         ctx.save_for_backward(xq, sx, wq, sw)
         ctx.has_bias = bias is not None
         ctx.in_dtype = x.dtype

@@ -25,7 +25,6 @@ __all__ = [
     "DeviceProfile",
     "FitResult",
     "Kernel",
-    "Breakdown",
     "Sample",
     "Timing",
     "apply_calibration",

@@ -65,6 +65,10 @@ def _promotion_table() -> np.ndarray:
 
 
 _PROMOTE = _promotion_table()
+#: Norms whose output has their input's dtype whatever the dtype of their weight and bias
+#: (aten's mixed-type norm kernels on a CPU: bf16 input, fp32 affine -> bf16 output).
+_MIXED_NORMS = frozenset({"native_layer_norm", "native_group_norm", "native_batch_norm",
+                          "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"})
 
 
 @dataclass
@@ -260,10 +264,10 @@ def replay(trace: OpTrace, region: np.ndarray, precision: np.ndarray, wrapped: n
                 out = state[op.like].copy()
             elif op.fixed_dtype is not None:
                 out = np.full(t, _fixed(op.fixed_dtype), np.int8)
+            elif device_type == "cpu" and op.name in _MIXED_NORMS and ins:
+                out = state[ins[0]].copy()  # CPU autocast's bf16 LayerNorm feeds on as bf16
             else:
                 out = promote(ins)
-            if policy == "lower" and op.kind == "pointwise":  # e.g. prelu
-                compute = None
         writes = np.array([out] * len(op.outputs), dtype=np.int8).reshape(len(op.outputs), t)
         for o in op.outputs:
             if floating[o] or vals[o].dtype in DTYPES:

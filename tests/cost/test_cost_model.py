@@ -43,10 +43,14 @@ def test_bf16_prices_gemm_weight_cast_and_input_cast():
     gemm = 2e9 / 4e12 + L  # 0.5 ms; 2 B x 3e6 = 60 us of traffic hides under it
     weight_cast = 1e6 * (4 + 2) / 1e11 + L  # autocast casts the fp32 master every call
     input_cast = 1e6 * (4 + 2) / 1e11 + L  # the model input arrives fp32
-    assert cm.estimate({"gemm": "bf16"}) == pytest.approx(gemm + weight_cast + input_cast)
+    exit_cast = 1e6 * (2 + 4) / 1e11 + L  # back to fp32 for the (fp32 default) caller
+    assert cm.estimate({"gemm": "bf16"}) == pytest.approx(
+        gemm + weight_cast + input_cast + exit_cast)
     bd = cm.breakdown({"gemm": "bf16"})
-    assert (bd.casts, bd.weight_casts) == (1, 1)
-    assert bd.parts["cast"] == pytest.approx(weight_cast + input_cast)
+    assert (bd.casts, bd.weight_casts) == (2, 1)
+    assert bd.parts["cast"] == pytest.approx(weight_cast + input_cast + exit_cast)
+    # the same GEMM in a bf16 region: its output stays bf16 (the root returns it as is)
+    assert cm.estimate(Policy(default="bf16")) == pytest.approx(gemm + weight_cast + input_cast)
 
 
 def test_fp8_current_scaling_passes_by_hand():

@@ -120,15 +120,20 @@ def _policies(model: torch.nn.Module) -> dict[str, Policy]:
 CASES = _cases()
 
 
+@pytest.mark.parametrize("target", ["h100", "cpu"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_casts_gemm_dtypes_and_bytes_match_an_independent_count(case) -> None:
+def test_casts_gemm_dtypes_and_bytes_match_an_independent_count(case, target: str) -> None:
+    """For a CUDA target (run here as CUDA would) and for a CPU target (CPU autocast's own
+    op lists: layer_norm keeps bf16, cat promotes)."""
     name, model, fwd, batch = case
     graph = trace(model, batch, forward=fwd, tracers=("hooks",))
-    cost = CostModel(graph, get_profile("h100"))  # priced at the traced (calibration) batch
+    cost = CostModel(graph, get_profile(target))  # priced at the traced (calibration) batch
     for label, pol in _policies(model).items():
+        if "tf32" in label and target == "cpu":
+            continue  # the cpu profile has no tf32
         bd = cost.breakdown(pol)
         assert bd.invalid is None, (label, bd.invalid)
-        got = run_counted(model, pol, fwd, batch)
+        got = run_counted(model, pol, fwd, batch, target=target)
         assert got.casts == bd.casts + bd.weight_casts, (name, label)
         # the counter sees dtypes: a tf32 GEMM reads fp32 operands (rounded inside)
         planned = {m: set(p.replace("tf32", "fp32").split(","))
