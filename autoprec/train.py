@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from autoprec.apply.apply import PolicyHandle, apply_policy
-from autoprec.errors import InputError
+from autoprec.errors import CapabilityError, InputError
 from autoprec.loading import ModelSpec, default_forward
 from autoprec.metrics import mean_metric
-from autoprec.policy import Policy, load_policy
+from autoprec.policy import Policy, load_policy, resolve_path
 
 Batch = Any
 LossFn = Callable[[Any, Batch], torch.Tensor]
@@ -137,12 +137,22 @@ def prepare_training(
             turns loss scaling off (to measure what it prevents); ``True`` forces one.
         init_scale: the scaler's initial scale (torch's default, 2**16).
 
-    Raises InputError naming the parameter when the model's parameters are not fp32, and
-    whatever ``apply_policy`` raises (PolicyError, CapabilityError) with the model untouched.
+    Raises InputError naming the parameter when the model's parameters are not fp32,
+    CapabilityError when a layer runs nvfp4 (forward-only: no gradient recipe), and whatever
+    ``apply_policy`` raises (PolicyError, CapabilityError) with the model untouched.
     """
     check_fp32_masters(model)
     if not isinstance(policy, Policy):
         policy = load_policy(policy, model, force=force)
+    from autoprec.plan.compile import compile_plan
+
+    fwd_only = [p for p in compile_plan(policy, model).format_leaves
+                if resolve_path(policy, p, model.get_submodule(p)).precision == "nvfp4"]
+    if fwd_only:
+        more = f" and {len(fwd_only) - 1} more" if len(fwd_only) > 1 else ""
+        raise CapabilityError(f"{policy.source}: layer {fwd_only[0]!r}{more} runs nvfp4, which "
+                              "autoprec runs forward-only (no gradient recipe): train those "
+                              "layers in mxfp8, fp8 or a 16-bit precision")
     handle = apply_policy(model, policy, fp8_backend=fp8_backend, device=device, force=force)
     want = needs_grad_scaler(handle) if scaler is None else scaler
     gs = torch.amp.GradScaler(handle.device.type, init_scale=init_scale) if want else None

@@ -260,11 +260,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         budget = f"{'error' if r['budget_kind'] == E else 'drop'} <= {r['budget']:g}"
         fp8 = f"{r['fp8_everywhere']:.2f}x" if r["fp8_everywhere"] != "" else "over budget"
         ratio = f"{r['vs_autocast']:.2f}" if r["vs_autocast"] != "" else "-"
+        vs_tf32 = f"{r['vs_tf32']:.2f}" if r["vs_tf32"] != "" else "-"
+        tf32 = f"{r['tf32_speedup']:.2f}x" if r["tf32_speedup"] else "n/a"
         flag = "" if r["feasible"] else " (NOT feasible)"
         lines.append(
             f"| {r['model']} | {r['target']} | {budget} | {r['batch']} "
             f"| **{r['tuned_speedup']:.2f}x**{flag} | {auto} | {ratio} "
-            f"| {r['tf32_speedup']:.2f}x | {r['vs_tf32']:.2f} | {fp8} "
+            f"| {tf32} | {vs_tf32} | {fp8} "
             f"| default {r['default']} + {r['rules']} rules | {r['casts']} "
             f"| {_num(r['eval_error'])} | {r['evaluations']:.1f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"  {run.target:<5} {run.budget_text:<15} tuned {row['tuned_speedup']:.2f}x "
                   f"autocast {row['autocast_best']} {row['autocast_speedup'] or ''} tf32 "
-                  f"{row['tf32_speedup']:.2f}x held-out {_num(row['eval_error'])} "
+                  f"{row['tf32_speedup'] or 0:.2f}x held-out {_num(row['eval_error'])} "
                   f"feasible={row['feasible']} {row['seconds']:.0f}s (probes {row['probes']})"
                   f" -> {row['policy']}", flush=True)
     if not rows:

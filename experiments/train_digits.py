@@ -19,13 +19,14 @@ Data: scikit-learn's handwritten digits (1797 8x8 images, bundled; the same stra
    skipped, and the scale backs off.
 
 Underflow is measured, not inferred (``UnderflowMeter``): the gradient arriving at each
-fp16 layer's output is still fp32 (apply casts a lowered layer's output back to fp32), and
-its backward then casts it to fp16 for the layer's backward GEMMs; a hook counts, over all
+fp16 layer's output is in that output's dtype (fp32 where the layer returns into fp32 code,
+fp16 inside a fp16 region), and its backward uses it in fp16 for the layer's backward
+GEMMs; a hook counts, over all
 steps, the nonzero values of that (loss-scaled) gradient that round to zero in fp16
 (|g| < 2**-25: "flushed") or land among fp16's subnormals (|g| < 2**-14: few bits left).
 It also counts the weight-gradient entries of those layers that come out exactly zero.
 
-fp16 convolutions run ~90x slower than fp32 on this team's CPUs, so the CNN is tiny
+fp16 convolutions run far slower than fp32 on some of this team's CPUs, so the CNN is tiny
 (conv 1->8, conv 8->16, fc 256->32, fc 32->10). A few minutes on two cores.
 
     python experiments/train_digits.py                # the full run
@@ -284,7 +285,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
 
     t0 = time.monotonic()
     policy, how = tune_policy(workdir, max(args.epochs, 3), args.lr, args.trials)
-    if "fp16" not in policy.layers.values():
+    from autoprec.policy import assignment
+
+    if "fp16" not in assignment(policy, fp32_trained(max(args.epochs, 3), args.lr)).values():
         # The cost model found no profitable fp16 layer: train under a hand-written
         # policy instead, and say so.
         how = f"tune kept every layer fp32 ({how}); using a hand-written policy"

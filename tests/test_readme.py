@@ -37,7 +37,7 @@ def test_the_ci_command_is_the_readmes() -> None:
     for cmd in (tune_cmd, test_cmd):  # the CPU torch, never a CUDA build pulled by a range
         assert "-c constraints/cpu.txt" in cmd
     assert (ROOT / "constraints" / "cpu.txt").is_file()
-    assert "autoprec tune experiments/trap/model.py" in tune_cmd
+    assert "autoprec tune experiments/mixed8/model.py" in tune_cmd
 
 
 def test_the_policy_file_example_validates(tmp_path: Path) -> None:

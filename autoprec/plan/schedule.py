@@ -145,138 +145,176 @@ def _fixed(name: str | None) -> int:
 def replay(trace: OpTrace, region: np.ndarray, precision: np.ndarray, wrapped: np.ndarray,
            device_type: str) -> Schedule:
     """The schedule of ``trace`` under T plans given as (T, M) module arrays (compile.py)."""
-    region = np.atleast_2d(region)
-    precision = np.atleast_2d(precision)
-    wrapped = np.atleast_2d(wrapped)
-    t = region.shape[0]
-    vals = trace.values
-    state = np.array([[_fixed(v.dtype)] * t for v in vals], dtype=np.int8).reshape(len(vals), t)
-    floating = np.array([_fixed(v.dtype) != OTHER for v in vals], dtype=bool)
-    sch = Schedule(trace, device_type, t, invalid=np.zeros(t, dtype=bool))
-    ac_region = np.isin(region, (2, 3))  # (T, M)
-    outside = np.zeros(t, dtype=np.intp)  # ops outside the model: fp32, autocast off
-    policies = [cast_policy(op.name, device_type) for op in trace.ops]
-    stack: list[tuple[int, int, dict[int, np.ndarray]]] = []  # (call, module, saved state)
-    low = np.array([BF16, FP16], dtype=np.int8)
+    return _Replay(trace, region, precision, wrapped, device_type).run()
 
-    def fail(mask: np.ndarray, why: str) -> None:
+
+_LOW = np.array([BF16, FP16], dtype=np.int8)
+
+
+class _Replay:
+    """One walk over the recorded events; ``state`` holds every value's dtype per plan."""
+
+    def __init__(self, trace: OpTrace, region: np.ndarray, precision: np.ndarray,
+                 wrapped: np.ndarray, device_type: str) -> None:
+        self.trace = trace
+        self.region = np.atleast_2d(region)
+        self.precision = np.atleast_2d(precision)
+        self.wrapped = np.atleast_2d(wrapped)
+        self.device_type = device_type
+        t = self.t = self.region.shape[0]
+        vals = self.vals = trace.values
+        self.state = np.array([[_fixed(v.dtype)] * t for v in vals],
+                              dtype=np.int8).reshape(len(vals), t)
+        self.floating = np.array([_fixed(v.dtype) != OTHER for v in vals], dtype=bool)
+        self.sch = Schedule(trace, device_type, t, invalid=np.zeros(t, dtype=bool))
+        self.ac_region = np.isin(self.region, (2, 3))  # (T, M)
+        self.policies = [cast_policy(op.name, device_type) for op in trace.ops]
+        self.stack: list[tuple[int, int, dict[int, np.ndarray]]] = []  # call, module, saved
+
+    def run(self) -> Schedule:
+        for ev, (what, idx) in enumerate(self.trace.events):
+            if what == 1:
+                self.enter(ev, idx)
+            elif what == 2:
+                self.leave(ev)
+            else:
+                self.op(ev, idx)
+        return self.sch
+
+    def fail(self, mask: np.ndarray, why: str) -> None:
+        sch = self.sch
         for row in np.flatnonzero(mask & ~sch.invalid):
             sch.reasons[int(row)] = why
         sch.invalid |= mask
 
-    def promote(ids: list[int]) -> np.ndarray:
-        flo = [i for i in ids if floating[i]]
-        big = [i for i in flo if vals[i].ndim > 0] or flo
+    def promote(self, ids: list[int]) -> np.ndarray:
+        """PyTorch's type promotion over the floating values ``ids`` (0-dim ones only when
+        no value with dims is floating)."""
+        flo = [i for i in ids if self.floating[i]]
+        big = [i for i in flo if self.vals[i].ndim > 0] or flo
         if not big:
-            return np.full(t, OTHER, dtype=np.int8)
-        mask = np.zeros(t, dtype=np.int64)
+            return np.full(self.t, OTHER, dtype=np.int8)
+        mask = np.zeros(self.t, dtype=np.int64)
         for i in big:
-            mask |= np.left_shift(1, state[i].astype(np.int64))
+            mask |= np.left_shift(1, self.state[i].astype(np.int64))
         return _PROMOTE[mask]
 
-    for ev, (what, idx) in enumerate(trace.events):
-        if what == 1:  # enter a module call
-            call = trace.calls[idx]
-            m = call.module
-            saved: dict[int, np.ndarray] = {}
-            if m >= 0:
-                island = wrapped[:, m] & ~ac_region[:, m] & ~np.isin(precision[:, m],
-                                                                      FORMAT_CODES)
-                for v in call.inputs:
-                    if not floating[v]:
-                        continue
-                    on = island & np.isin(state[v], low)
-                    if on.any():
-                        sch.casts.append(Cast("enter", ev, v, state[v].copy(),
-                                              np.full(t, FP32, np.int8), on))
-                        saved[v] = state[v].copy()
-                        state[v] = np.where(on, FP32, state[v])
-            stack.append((idx, m, saved))
-            continue
-        if what == 2:  # leave a module call
-            cidx, m, saved = stack.pop()
-            call = trace.calls[cidx]
-            for v, old in saved.items():
-                if v not in call.outputs:
-                    state[v] = old
-            caller = stack[-1][1] if stack else -1
-            if m < 0 or caller < 0:
-                continue  # the root returns to the user's code as it is
-            to_fp32 = wrapped[:, m] & ~ac_region[:, caller]
-            for v in call.outputs:
-                if not floating[v]:
-                    continue
-                on = to_fp32 & np.isin(state[v], low)
-                if on.any():
-                    sch.casts.append(Cast("exit", ev, v, state[v].copy(),
-                                          np.full(t, FP32, np.int8), on))
-                    state[v] = np.where(on, FP32, state[v])
-            continue
+    def _cast_to_fp32(self, site: str, ev: int, v: int, on: np.ndarray) -> None:
+        self.sch.casts.append(Cast(site, ev, v, self.state[v].copy(),
+                                   np.full(self.t, FP32, np.int8), on))
+        self.state[v] = np.where(on, FP32, self.state[v])
 
-        op = trace.ops[idx]
-        m = op.module
-        r = region[:, m] if m >= 0 else outside
-        ac = ac_region[:, m] if m >= 0 else np.zeros(t, dtype=bool)
-        tgt = _REGION_DTYPE[r]
+    # -- module calls ------------------------------------------------------------------------
+    def enter(self, ev: int, idx: int) -> None:
+        """A wrapped fp32/tf32 module upcasts its 16-bit inputs (its caller keeps them)."""
+        call = self.trace.calls[idx]
+        m = call.module
+        saved: dict[int, np.ndarray] = {}
+        if m >= 0:
+            island = (self.wrapped[:, m] & ~self.ac_region[:, m]
+                      & ~np.isin(self.precision[:, m], FORMAT_CODES))
+            for v in call.inputs:
+                on = island & np.isin(self.state[v], _LOW) if self.floating[v] else None
+                if on is not None and on.any():
+                    saved[v] = self.state[v].copy()
+                    self._cast_to_fp32("enter", ev, v, on)
+        self.stack.append((idx, m, saved))
+
+    def leave(self, ev: int) -> None:
+        """Back in the caller: 16-bit outputs become fp32 when the caller's region is fp32/
+        tf32 (autocast off); an autocast caller takes them as they are."""
+        cidx, m, saved = self.stack.pop()
+        call = self.trace.calls[cidx]
+        for v, old in saved.items():
+            if v not in call.outputs:
+                self.state[v] = old
+        caller = self.stack[-1][1] if self.stack else -1
+        if m < 0 or caller < 0:
+            return  # the root returns to the user's code as it is
+        to_fp32 = self.wrapped[:, m] & ~self.ac_region[:, caller]
+        for v in call.outputs:
+            on = to_fp32 & np.isin(self.state[v], _LOW) if self.floating[v] else None
+            if on is not None and on.any():
+                self._cast_to_fp32("exit", ev, v, on)
+
+    # -- ops ---------------------------------------------------------------------------------
+    def op(self, ev: int, idx: int) -> None:
+        op = self.trace.ops[idx]
+        m, t, state = op.module, self.t, self.state
+        r = self.region[:, m] if m >= 0 else np.zeros(t, dtype=np.intp)  # outside: fp32
+        ac = self.ac_region[:, m] if m >= 0 else np.zeros(t, dtype=bool)
         ins = list(op.inputs)
         reads = np.array([state[i] for i in ins], dtype=np.int8).reshape(len(ins), t)
-        policy = policies[idx]
+        policy = self.policies[idx]
         compute: np.ndarray | None = None
         kernel: np.ndarray | bool = op.kind != "view"
         if op.kind == "view":
             out = state[ins[0]].copy() if ins else np.full(t, OTHER, np.int8)
         elif op.kind == "cast":
-            out = state[op.like].copy() if op.like is not None else np.full(
-                t, _fixed(op.fixed_dtype), np.int8)
-            if ins and floating[ins[0]]:
-                kernel = out != state[ins[0]]
-            else:  # from a non-floating value (int mask -> bool / float): as traced
-                kernel = not ins or vals[ins[0]].dtype != (op.fixed_dtype or vals[ins[0]].dtype)
+            out, kernel = self._explicit_cast(op, ins)
         elif policy == "lower" and op.kind in ("gemm", "attention"):
-            out, compute = _lower(sch, ev, idx, op, ins, reads, state, floating, vals, r, ac,
-                                  tgt, precision[:, m] if m >= 0 else None, fail)
+            out, compute = _lower(self.sch, ev, idx, op, ins, reads, state, self.floating,
+                                  self.vals, r, ac, _REGION_DTYPE[r],
+                                  self.precision[:, m] if m >= 0 else None, self.fail)
         elif policy in ("fp32", "fp32_opt", "promote") and ac.any():
-            flo = [k for k, i in enumerate(ins) if floating[i]]
-            if policy == "promote":
-                want = promote(ins)
-                # autocast's prioritize(): a 16-bit input other than the region's dtype
-                other = np.zeros(t, dtype=bool)
-                for k in flo:
-                    other |= np.isin(state[ins[k]], low) & (state[ins[k]] != tgt)
-                fail(ac & other, f"{op.name} in {_where(trace, m)} gets a 16-bit input "
-                                 "other than its autocast region's dtype (autocast's promote "
-                                 "ops refuse that)")
-            else:
-                want = np.full(t, FP32, np.int8)
-            plain = op.fixed_dtype is not None and policy != "promote"
-            base = np.full(t, _fixed(op.fixed_dtype), np.int8) if plain else promote(ins)
-            out = np.where(ac, want, base).astype(np.int8)
-            if policy != "fp32_opt":
-                for k in flo:
-                    on = ac & (state[ins[k]] != want) & (state[ins[k]] != OTHER)
-                    if on.any():
-                        sch.casts.append(Cast("input", ev, ins[k], state[ins[k]].copy(),
-                                              want.copy(), on,
-                                              weight=vals[ins[k]].source == "param"))
-                        reads[k] = np.where(on, want, reads[k])
+            out = self._fp32_or_promote(ev, op, ins, reads, policy, ac, _REGION_DTYPE[r])
+        elif op.like is not None:
+            out = state[op.like].copy()
+        elif op.fixed_dtype is not None:
+            out = np.full(t, _fixed(op.fixed_dtype), np.int8)
+        elif self.device_type == "cpu" and op.name in _MIXED_NORMS and ins:
+            out = state[ins[0]].copy()  # CPU autocast's bf16 LayerNorm feeds on as bf16
         else:
-            if op.like is not None:
-                out = state[op.like].copy()
-            elif op.fixed_dtype is not None:
-                out = np.full(t, _fixed(op.fixed_dtype), np.int8)
-            elif device_type == "cpu" and op.name in _MIXED_NORMS and ins:
-                out = state[ins[0]].copy()  # CPU autocast's bf16 LayerNorm feeds on as bf16
-            else:
-                out = promote(ins)
-        writes = np.array([out] * len(op.outputs), dtype=np.int8).reshape(len(op.outputs), t)
+            out = self.promote(ins)
         for o in op.outputs:
-            if floating[o] or vals[o].dtype in DTYPES:
-                state[o] = out if floating[o] else state[o]
+            if self.floating[o]:
+                state[o] = out
+        sch = self.sch
         sch.reads.append(reads)
-        sch.writes.append(writes)
+        sch.writes.append(np.array([out] * len(op.outputs),
+                                   dtype=np.int8).reshape(len(op.outputs), t))
         sch.compute.append(compute)
         sch.kernel.append(kernel)
-    return sch
+
+    def _explicit_cast(self, op, ins: list[int]) -> tuple[np.ndarray, np.ndarray | bool]:  # noqa: ANN001
+        """The model's own ``.float()`` / ``.to(dtype)``: a kernel only where it changes the
+        dtype (a no-op cast of an fp32 tensor is free; under a 16-bit plan it is not)."""
+        state = self.state
+        out = state[op.like].copy() if op.like is not None else np.full(
+            self.t, _fixed(op.fixed_dtype), np.int8)
+        if ins and self.floating[ins[0]]:
+            return out, out != state[ins[0]]
+        src = self.vals[ins[0]].dtype if ins else None  # int mask -> bool / float: as traced
+        return out, src is None or src != (op.fixed_dtype or src)
+
+    def _fp32_or_promote(self, ev: int, op, ins: list[int], reads: np.ndarray, policy: str,  # noqa: ANN001
+                         ac: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        """Autocast's fp32 / fp32_set_opt_dtype / promote policies in the autocast rows;
+        plain type promotion elsewhere."""
+        t, state, vals = self.t, self.state, self.vals
+        flo = [k for k, i in enumerate(ins) if self.floating[i]]
+        if policy == "promote":
+            want = self.promote(ins)
+            # autocast's prioritize(): a 16-bit input other than the region's dtype
+            other = np.zeros(t, dtype=bool)
+            for k in flo:
+                other |= np.isin(state[ins[k]], _LOW) & (state[ins[k]] != tgt)
+            self.fail(ac & other, f"{op.name} in {_where(self.trace, op.module)} gets a "
+                                  "16-bit input other than its autocast region's dtype "
+                                  "(autocast's promote ops refuse that)")
+        else:
+            want = np.full(t, FP32, np.int8)
+        plain = op.fixed_dtype is not None and policy != "promote"
+        base = np.full(t, _fixed(op.fixed_dtype), np.int8) if plain else self.promote(ins)
+        if policy != "fp32_opt":  # fp32 / promote: separate cast kernels first
+            for k in flo:
+                on = ac & (state[ins[k]] != want) & (state[ins[k]] != OTHER)
+                if on.any():
+                    self.sch.casts.append(Cast("input", ev, ins[k], state[ins[k]].copy(),
+                                               want.copy(), on,
+                                               weight=vals[ins[k]].source == "param"))
+                    reads[k] = np.where(on, want, reads[k])
+        return np.where(ac, want, base).astype(np.int8)
 
 
 def _where(trace: OpTrace, m: int) -> str:

@@ -19,7 +19,8 @@ the prediction are cheap (tens of microseconds per plan, vectorised). So:
    is a measured feasible plan.
 3. **Correction.** Measured errors correct the predictions (interactions between layers,
    the model's own code running in 16-bit): predictions are scaled by the median ratio
-   measured / predicted of the plans measured so far (clipped to [0.5, 4]).
+   measured / predicted of the plans measured so far (clipped to [0.5, 4]); once any plan
+   has been measured, the margin is dropped (corrected predictions must fit the budget).
 
 ``experiments/tune_baselines.py`` checks the descent against enumeration where both run.
 """
@@ -231,7 +232,11 @@ class Planner:
         """
         self.correct(measured)
         busy = set(busy)
-        limit = self.margin * self.budget / self.correction
+        # The margin lets the walk try plans the probes may overestimate, until errors have
+        # been measured; from then on the corrected prediction itself must fit the budget
+        # (else the walk measures plan after plan just over it).
+        lowered = [k for k in measured if any(k[1:]) or k[0]]
+        limit = (self.margin if not lowered else 1.0) * self.budget / self.correction
         for i in range(len(self.keys)):
             key = tuple(int(c) for c in self.keys[i])
             if key in measured:

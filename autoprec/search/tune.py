@@ -39,9 +39,10 @@ from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
 from autoprec.paths import check_out_path, remove_stale_fronts
 from autoprec.policy import Policy
-from autoprec.precisions import PRECISIONS, check_precision
+from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.search import compact, select
+from autoprec.search.config import TuneConfig
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
 from autoprec.search.objective import Evaluator
@@ -52,9 +53,7 @@ from autoprec.search.storage import count_finished, describe_storage, join_study
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, Tracker, log_tune_artifacts
-from autoprec.validate import check_tune_args
 
-DEFAULT_MAX_ERROR = 0.01
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
 MARGIN = 1.25
 #: Below this estimated gain of the best uniform precision, the batch is launch-bound.
@@ -85,56 +84,6 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)  # things the user should be told
     complete: bool = False  # the planner had nothing faster left to measure
     method: str = ""  # how the candidates were found (enumeration / descent)
-
-
-@dataclass
-class TuneConfig:
-    """Every option of a tune, validated (``TuneConfig.make``: autoprec.validate's rules,
-    before any work)."""
-
-    budget: float
-    budget_name: str  # "max_error" or "max_drop"
-    target: str
-    batch_size: int | None
-    precisions: tuple[str, ...]
-    trials: int
-    timeout: float | None
-    seed: int
-    patience: int | None
-    min_speedup: float | None
-    storage: str | None
-    study_name: str | None
-    resume: bool
-    pareto: bool
-    out: Path | None
-    locked: tuple[str, ...]
-    progress: bool
-    cache_dir: Path | None
-    train_aware: bool
-
-    @classmethod
-    def make(cls, *, max_error: float | None, max_drop: float | None, target: str,
-             batch_size: int | None, precisions: Sequence[str] | None, trials: int,
-             timeout: float | None, seed: int, patience: int | None,
-             min_speedup: float | None, storage: str | None, study_name: str | None,
-             resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
-             progress: bool, cache_dir: str | Path | None, train_aware: bool) -> TuneConfig:
-        check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
-                        batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
-                        patience=patience, min_speedup=min_speedup, storage=storage,
-                        study_name=study_name, out=out, cache_dir=cache_dir)
-        value, name = (max_drop, "max_drop") if max_drop is not None else (
-            DEFAULT_MAX_ERROR if max_error is None else max_error, "max_error")
-        wanted = tuple(check_precision(p, "--precisions") for p in (precisions or PRECISIONS))
-        wanted = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
-        return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
-                   patience, min_speedup, storage, study_name, resume, pareto,
-                   Path(out) if out is not None else None, tuple(locked), progress,
-                   Path(cache_dir) if cache_dir is not None else None, train_aware)
-
-    @property
-    def use_metric(self) -> bool:
-        return self.budget_name == "max_drop"
 
 
 # -- stage 1: prepare ---------------------------------------------------------------------
@@ -209,19 +158,23 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
         if not node.is_leaf and node.kind not in ("attention", "matmul"):
             continue
         layers.append(node.path)
-        why_not = {p: r for p, r in node.disallowed.items() if p in cfg.precisions}
-        for p in cfg.precisions:
-            if p in device_why:
-                why_not.setdefault(p, device_why[p])
+        why_not = {p: r for p, r in node.disallowed.items()
+                   if p in cfg.precisions and p not in device_why}
+        for p in cfg.precisions:  # the target's own gaps are no layer's reason: not listed
+            if p == "nvfp4" and cfg.train_aware:
+                why_not.setdefault(p, "nvfp4: forward-only (no gradient recipe): not for "
+                                      "--train-aware")
             if (node.path, p) in hard:
                 why_not.setdefault(p, hard[(node.path, p)])
-        allowed[node.path] = [p for p in node.allowed if p in cfg.precisions and p not in why_not]
+        allowed[node.path] = [p for p in node.allowed if p in cfg.precisions
+                              and p not in why_not and p not in device_why]
         excluded[node.path] = why_not
     regions = [p for p in REGIONS if p in cfg.precisions and p not in device_why]
     space = build_space(layers, allowed, excluded, cfg.precisions, locked=cfg.locked,
                         regions=regions)
     if not any(len(v.choices) > 1 for v in space.all_variables):
-        why = sorted({w for v in space.variables for w in v.excluded.values()})
+        why = sorted({w for v in space.variables for w in v.excluded.values()}
+                     | {device_why[p] for p in cfg.precisions if p in device_why})
         raise InputError(
             f"nothing to tune: no layer of {prep.spec.name} may take "
             f"{', '.join(p for p in cfg.precisions if p != 'fp32') or 'a precision below fp32'}"
@@ -545,4 +498,4 @@ def tune(
     return write(prep, space, search, cfg, tracker, started)
 
 
-__all__ = ["TuneConfig", "TuneResult", "tune"]
+__all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: search/config.py

@@ -202,3 +202,16 @@ def test_fidelity_check_spec_uses_model_py_parts(tmp_path) -> None:
     with pytest.raises(InputError, match="loss"):
         fidelity_check_spec(ModelSpec(path=spec.path, name="mlp", build_model=_mlp,
                                       calibration_data=lambda: batches), _policy(), steps=1)
+
+
+def test_an_nvfp4_layer_is_refused_for_training_with_the_reason() -> None:
+    from autoprec.errors import CapabilityError
+    from autoprec.policy import Policy
+    from autoprec.train import prepare_training
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    with pytest.raises(CapabilityError, match="layer '0' runs nvfp4, which autoprec runs "
+                                               "forward-only"):
+        prepare_training(model, Policy(default="bf16", layers={"0": "nvfp4"}))
+    with prepare_training(model, Policy(default="bf16", layers={"0": "mxfp8"})) as setup:
+        assert setup.scaler is None  # no fp16 anywhere: no loss scaling

@@ -1,0 +1,69 @@
+"""The options of a tune, validated in one place before any work (``TuneConfig.make``).
+
+The rules themselves are ``autoprec.validate``'s (shared with the CLI, which checks them
+before it starts workers or tracking); this holds the normalised values the stages read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from autoprec.precisions import PRECISIONS, check_precision
+from autoprec.validate import check_tune_args
+
+DEFAULT_MAX_ERROR = 0.01
+
+
+@dataclass
+class TuneConfig:
+    """Every option of a tune, validated (``TuneConfig.make``: autoprec.validate's rules,
+    before any work)."""
+
+    budget: float
+    budget_name: str  # "max_error" or "max_drop"
+    target: str
+    batch_size: int | None
+    precisions: tuple[str, ...]
+    trials: int
+    timeout: float | None
+    seed: int
+    patience: int | None
+    min_speedup: float | None
+    storage: str | None
+    study_name: str | None
+    resume: bool
+    pareto: bool
+    out: Path | None
+    locked: tuple[str, ...]
+    progress: bool
+    cache_dir: Path | None
+    train_aware: bool
+
+    @classmethod
+    def make(cls, *, max_error: float | None, max_drop: float | None, target: str,
+             batch_size: int | None, precisions: Sequence[str] | None, trials: int,
+             timeout: float | None, seed: int, patience: int | None,
+             min_speedup: float | None, storage: str | None, study_name: str | None,
+             resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
+             progress: bool, cache_dir: str | Path | None, train_aware: bool) -> TuneConfig:
+        check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
+                        batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
+                        patience=patience, min_speedup=min_speedup, storage=storage,
+                        study_name=study_name, out=out, cache_dir=cache_dir)
+        value, name = (max_drop, "max_drop") if max_drop is not None else (
+            DEFAULT_MAX_ERROR if max_error is None else max_error, "max_error")
+        wanted = tuple(check_precision(p, "--precisions") for p in (precisions or PRECISIONS))
+        wanted = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
+        return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
+                   patience, min_speedup, storage, study_name, resume, pareto,
+                   Path(out) if out is not None else None, tuple(locked), progress,
+                   Path(cache_dir) if cache_dir is not None else None, train_aware)
+
+    @property
+    def use_metric(self) -> bool:
+        return self.budget_name == "max_drop"
+
+
+__all__ = ["DEFAULT_MAX_ERROR", "TuneConfig"]
