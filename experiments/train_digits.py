@@ -284,14 +284,21 @@ def main(argv: list[str] | None = None) -> list[Run]:
     warnings.simplefilter("ignore", PolicyWarning)
 
     t0 = time.monotonic()
-    policy, how = tune_policy(workdir, max(args.epochs, 3), args.lr, args.trials)
+    tuned, how = tune_policy(workdir, max(args.epochs, 3), args.lr, args.trials)
     from autoprec.policy import assignment
 
-    if "fp16" not in assignment(policy, fp32_trained(max(args.epochs, 3), args.lr)).values():
+    fp16 = [p for p, prec in assignment(tuned, fp32_trained(max(args.epochs, 3),
+                                                            args.lr)).items() if prec == "fp16"]
+    if not fp16:
         # The cost model found no profitable fp16 layer: train under a hand-written
         # policy instead, and say so.
         how = f"tune kept every layer fp32 ({how}); using a hand-written policy"
-        policy = Policy(default="fp32", layers={"conv2": "fp16", "fc1": "fp16"})
+        fp16 = ["conv2", "fc1"]
+    else:
+        how += (f"\ntuned plan: default {tuned.default}, rules {dict(tuned.layers)}; trained "
+                "here with its fp16 layers as fp16 islands in fp32 (each returns fp32, where "
+                "the meter reads the gradient its backward casts to fp16)")
+    policy = Policy(default="fp32", layers=dict.fromkeys(fp16, "fp16"))
     print(how)
     print("policy layers: " + ", ".join(f"{k}: {v}" for k, v in policy.layers.items()))
     print(f"({time.monotonic() - t0:.0f}s)\n")

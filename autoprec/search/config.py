@@ -54,7 +54,12 @@ class TuneConfig:
                         study_name=study_name, out=out, cache_dir=cache_dir)
         value, name = (max_drop, "max_drop") if max_drop is not None else (
             DEFAULT_MAX_ERROR if max_error is None else max_error, "max_error")
-        wanted = tuple(check_precision(p, "--precisions") for p in (precisions or PRECISIONS))
+        # DESIGN: --precisions defaults to every precision the target supports (probing a
+        # format the target lacks would cost probe passes for choices that cannot win)
+        from autoprec.cost import get_profile
+
+        given = precisions or get_profile(target).precisions
+        wanted = tuple(check_precision(p, "--precisions") for p in given)
         wanted = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
         return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
                    patience, min_speedup, storage, study_name, resume, pareto,
