@@ -158,10 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     from autoprec.policy import PolicyWarning
 
     warnings.simplefilter("ignore", PolicyWarning)
+    paths = [p for p in sorted((ROOT / "policies").glob("*.yaml"))
+             if not wanted or p.stem in wanted]
+    missing = wanted - {p.stem for p in paths}
+    if missing:
+        print(f"gpu_policies: --only {','.join(sorted(missing))}: no such policy under "
+              f"{ROOT / 'policies'}", file=sys.stderr)
+        return 2
     rows = []
-    for path in sorted((ROOT / "policies").glob("*.yaml")):
-        if wanted and path.stem not in wanted:
-            continue
+    for path in paths:
         try:
             rows.append(measure_policy(path, device, args.max_batch, args.dry_run,
                                        args.profile))

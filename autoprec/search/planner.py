@@ -12,15 +12,17 @@ the prediction are cheap (tens of microseconds per plan, vectorised). So:
    change the default region, one variable, or a *block* — a run of consecutive layers
    set to one precision — so it crosses plans where every one-layer step adds a cast
    boundary (issue 14). Every plan it prices is kept.
-2. **The walk.** Candidates in order of time (within ``TIE`` = 1 % of each other, the one
-   predicted most accurate first); the next one to run is the fastest not yet measured
-   (nor being measured by another worker) whose corrected prediction is within
-   ``margin`` x the budget. The search is complete when the fastest remaining candidate
-   is a measured feasible plan.
+2. **The walk.** Candidates in order of time (within ``TIE`` = 0.1 % of each other, the
+   one predicted most accurate first); the next one to run is the fastest not yet measured
+   (nor being measured by another worker, nor running the same plan as one of those: the
+   same ``plan.schedule.signature``) whose corrected prediction is within the limit. The
+   search is complete when the fastest remaining candidate is a measured feasible plan.
 3. **Correction.** Measured errors correct the predictions (interactions between layers,
    the model's own code running in 16-bit): predictions are scaled by the median ratio
-   measured / predicted of the plans measured so far (clipped to [0.5, 4]); once any plan
-   has been measured, the margin is dropped (corrected predictions must fit the budget).
+   measured / predicted of the plans measured so far (clipped to [0.5, 4]). The limit is
+   ``margin`` x the budget; once ``SPREAD_AFTER`` plans have been measured it is also at
+   most what the most optimistic measured ratio allows (plus ``SLACK``), so the walk
+   stops measuring plan after plan just over the budget.
 
 ``experiments/tune_baselines.py`` checks the descent against enumeration where both run.
 """
@@ -33,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from autoprec.cost import CostModel
+from autoprec.plan.schedule import signature
 from autoprec.precisions import PRECISIONS
 from autoprec.search.space import Key, SearchSpace
 
@@ -43,9 +46,13 @@ CHUNK = 8192
 #: Measured/predicted correction bounds.
 CORRECTION = (0.5, 4.0)
 #: Plans whose times differ by less than this fraction are equally fast to the walk: among
-#: them, the one predicted most accurate is measured first (a 0.2 % gain is not worth a
-#: model evaluation; the result is within this fraction of the fastest feasible plan).
-TIE = 0.01
+#: them, the one predicted most accurate is measured first (the result is within this
+#: fraction of the fastest feasible plan).
+TIE = 0.001
+#: Measurements after which the limit also follows the most optimistic measured ratio.
+SPREAD_AFTER = 3
+#: Slack on that limit (a plan 5 % more optimistic than any measured so far is tried).
+SLACK = 0.05
 
 
 class PlanSpace:
@@ -208,6 +215,8 @@ class Planner:
         self.preds = preds[order]
         self.priced = int(finite.size)
         self.correction = 1.0
+        self.ratios: list[float] = []
+        self._signatures: dict[Key, tuple] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -221,7 +230,26 @@ class Planner:
                 ratios.append(err / p)
         if ratios:
             self.correction = float(np.clip(np.median(ratios), *CORRECTION))
+        self.ratios = ratios
         return self.correction
+
+    def limit(self) -> float:
+        """The largest predicted (uncorrected) error the walk still measures."""
+        limit = self.margin * self.budget / self.correction
+        if len(self.ratios) >= SPREAD_AFTER:
+            optimistic = max(min(self.ratios), CORRECTION[0]) * (1 - SLACK)
+            limit = min(limit, self.budget / optimistic)
+        return limit
+
+    def signature(self, key: Key) -> tuple:
+        """What ``key`` runs (``plan.schedule.signature``): keys with one signature are
+        one plan (e.g. two default regions no op runs in once every GEMM is set)."""
+        sig = self._signatures.get(key)
+        if sig is None:
+            codes = self.space.codes(np.array([key], dtype=np.intp))
+            sig = signature(self.ps.cost.price(self.ps.rules, codes).schedule, 0)
+            self._signatures[key] = sig
+        return sig
 
     def next(self, measured: Mapping[Key, float], feasible: Mapping[Key, bool],
              busy: Iterable[Key] = ()) -> Key | None:
@@ -232,11 +260,10 @@ class Planner:
         """
         self.correct(measured)
         busy = set(busy)
-        # The margin lets the walk try plans the probes may overestimate, until errors have
-        # been measured; from then on the corrected prediction itself must fit the budget
-        # (else the walk measures plan after plan just over it).
-        lowered = [k for k in measured if any(k[1:]) or k[0]]
-        limit = (self.margin if not lowered else 1.0) * self.budget / self.correction
+        limit = self.limit()
+        # Keys already run (or running) by time: a key with one of these times may run
+        # the same plan under another key (only then is its signature worth computing).
+        seen = [(self.ps.time(k), k) for k in (*measured, *busy)]
         for i in range(len(self.keys)):
             key = tuple(int(c) for c in self.keys[i])
             if key in measured:
@@ -247,6 +274,13 @@ class Planner:
                 continue
             if self.prune and self.preds[i] > limit:
                 continue
+            t = float(self.times[i])
+            same = [k for tk, k in seen if abs(tk - t) <= 1e-9 * t
+                    and self.signature(k) == self.signature(key)]
+            if same:
+                if any(feasible.get(k) for k in same):
+                    return None  # this plan, under another key, is measured feasible
+                continue  # measured infeasible, or being measured
             return key
         return None
 
@@ -277,4 +311,4 @@ def uniform_keys(space: SearchSpace) -> dict[str, Key]:
     return {p: space.uniform(p) for p in PRECISIONS}
 
 
-__all__ = ["ENUMERATE", "PlanSpace", "Planner", "descend", "enumerate_keys", "uniform_keys"]
+__all__ = ["ENUMERATE", "SLACK", "SPREAD_AFTER", "TIE", "PlanSpace", "Planner", "descend", "enumerate_keys", "uniform_keys"]

@@ -21,10 +21,10 @@ def _script():
 
 @pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
 def test_dry_run_measures_a_committed_policy(tmp_path: Path) -> None:
-    rc = _script().main(["--dry-run", "--only", "trap-h100-err0.01", "--out", str(tmp_path)])
+    rc = _script().main(["--dry-run", "--only", "mixed8-h100", "--out", str(tmp_path)])
     assert rc == 0
     text = (tmp_path / "gpu_policies.md").read_text()
-    assert "trap-h100-err0.01.yaml" in text and "error" not in text
+    assert "mixed8-h100.yaml" in text and "error" not in text
     import pandas as pd
 
     row = pd.read_csv(tmp_path / "gpu_policies.csv").iloc[0]
@@ -53,7 +53,7 @@ def test_without_cuda_it_says_why_and_exits_1(capsys) -> None:
                     reason="cuda: torch.cuda.is_available() is False")
 @pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
 def test_a_committed_policy_runs_on_a_gpu(tmp_path: Path) -> None:
-    assert _script().main(["--only", "trap-h100-err0.01", "--max-batch", "1024",
+    assert _script().main(["--only", "mixed8-h100", "--max-batch", "1024",
                            "--out", str(tmp_path)]) == 0
     import pandas as pd
 

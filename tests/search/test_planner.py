@@ -130,3 +130,35 @@ def test_large_spaces_use_the_descent(monkeypatch) -> None:
     pl = Planner(space, cost, est, budget=0.003)
     assert pl.method == "descent" and 0 < len(pl) < space.size
     assert math.isfinite(pl.times[0])
+
+
+def test_the_walk_never_measures_one_plan_twice_under_two_keys() -> None:
+    """Keys whose schedules have one signature (e.g. default regions no op runs in once
+    every GEMM is set) are one plan: measured once, and feasible for all of them."""
+    _, cost, space, est = _setup(n=3)
+    pl = Planner(space, cost, est, budget=1e-9, margin=1.0, prune=False)
+    measured: dict = {}
+    for _ in range(40):
+        key = pl.next(measured, {k: False for k in measured})
+        assert key is not None
+        measured[key] = 1.0
+    sigs = [pl.signature(k) for k in measured]
+    assert len(set(sigs)) == len(sigs)
+    # every layer fp32: four default regions, one plan
+    keys = [(r, 0, 0, 0) for r in range(4)]
+    assert len({pl.signature(k) for k in keys}) == 1
+    first = Planner(space, cost, est, budget=0.003, margin=1.0).next({}, {})
+    twins = [k for k in map(tuple, enumerate_keys(space).tolist())
+             if k != first and pl.signature(k) == pl.signature(first)]
+    if twins:  # the twin measured feasible: the same plan, the search is complete
+        assert pl.next({twins[0]: 0.0}, {twins[0]: True}) is None
+
+
+def test_after_a_few_measurements_the_limit_follows_the_most_optimistic_ratio() -> None:
+    _, cost, space, est = _setup(n=3)
+    pl = Planner(space, cost, est, budget=0.003, margin=1.25)
+    assert pl.limit() == pytest.approx(1.25 * 0.003)
+    keys = [tuple(int(c) for c in k) for k in pl.keys[:planner_mod.SPREAD_AFTER]]
+    preds = pl.ps.predicted(np.array(keys))
+    pl.correct({k: float(p) for k, p in zip(keys, preds, strict=True)})  # ratios all 1
+    assert pl.limit() == pytest.approx(0.003 / (1 - planner_mod.SLACK))
