@@ -1,102 +1,160 @@
 """One tuning problem (model x budget x target) and fair accounting for the baselines.
 
-Every method is scored by autoprec's own stages, so the numbers differ only by the
-search: the same ``Evaluator`` (apply the policy, run the calibration data, compare with
-fp32; screening on a quarter of the batches first), the same cost model at the deployment
-batch size, and the same selection rule (``select.choose``: the fastest candidate feasible
-on calibration data whose eval-data error is within budget, up to five tried).
+Every method is scored by autoprec's own stages, so the numbers differ only by the search:
 
-The baselines share one cache of scored assignments so that the benchmark runs in
-minutes, but each method is charged as if it had started with an empty cache:
-:class:`Counter` adds, for every assignment the method asks for the first time, the
-evaluations (full-calibration-set equivalents) and the seconds that assignment cost when
-it was first run. Eval-data confirmations are not charged to any method (tune does not
-count them either).
+- the model, data, fp32 references, graph, op trace, probes and cost model come from
+  ``autoprec.search.tune.prepare`` with the options ``tune`` ran with (the probes are a hit
+  in the probe cache ``tune`` wrote);
+- plans are plan keys (``autoprec.search.space``: the default region first, then one
+  precision per layer variable), priced by the whole-forward cost model through
+  ``PlanSpace.times`` (casts at every boundary included);
+- errors come from one shared ``Evaluator`` (the policy applied, the calibration data run
+  and compared with fp32; screening on a quarter of the batches first; a plan within
+  budget on calibration data confirmed on the eval data at once, so ``feasible`` means
+  within budget on both);
+- the chosen plan is picked by ``select.choose`` (the fastest feasible plan, else the
+  closest), as ``tune`` picks its own.
+
+The space the baselines search is :attr:`Model.space` (:func:`open_space`): per layer the
+precisions the graph allows on the target device, *without* the probes' measured facts (a
+tool without autoprec's probes does not know that a layer overflows fp16). ``tune``
+searches its own space (the same variables, narrowed by its probes), so keys of the two
+spaces are interchangeable.
+
+The baselines share one cache of scored plans so that the benchmark runs in minutes, but
+each method is charged as if it had started with an empty cache: :class:`Counter` adds, for
+every plan the method asks for the first time, the evaluations (full-calibration-set
+equivalents: a plan rejected on the screening subset costs a quarter) and the seconds that
+plan cost when it was first run. Eval-data confirmations are charged to nobody (``tune``'s
+``Evaluator`` does not count them either); all-fp32 is free (it is the reference). A key
+that compiles to a plan the method has already measured (the same
+``plan.schedule.signature``: e.g. two default regions that no op runs in once every GEMM
+has its own rule) is the same plan: it is neither run nor charged again.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autoprec.cost import CostModel, get_profile
-from autoprec.evaluate import Reference, reference
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.metrics import batch_size_of
+import numpy as np
+
+from autoprec.plan.schedule import signature
 from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.probe.table import SensitivityTable
-from autoprec.search import select
+from autoprec.search import compact, select
 from autoprec.search.evaluation import Evaluation
 from autoprec.search.objective import Evaluator
-from autoprec.search.space import SearchSpace
-from autoprec.search.tune import _space
-from autoprec.trace import trace
-from autoprec.trace.graph import LayerGraph
+from autoprec.search.planner import ENUMERATE, PlanSpace, descend, enumerate_keys
+from autoprec.search.space import Key, SearchSpace
+from autoprec.search.tune import Prepared, TuneConfig, make_space, prepare
+
+
+def config(budget: float, *, target: str, batch_size: int, out: Path, cache_dir: Path
+           ) -> TuneConfig:
+    """The options ``tune`` runs with in the benchmark (the defaults a user gets, plus the
+    budget, target, deployment batch and where its files go)."""
+    return TuneConfig.make(max_error=budget, max_drop=None, target=target,
+                           batch_size=batch_size, precisions=None, trials=40, timeout=None,
+                           seed=0, patience=None, min_speedup=None, storage="memory",
+                           study_name=None, resume=False, pareto=False, out=out, locked=(),
+                           progress=False, cache_dir=cache_dir, train_aware=False)
+
+
+class _GraphFacts:
+    """The probe table's hard exclusions that are facts of the graph, not measurements: a
+    precision the module cannot compute in (fp8 on an attention block: its Linear layers
+    are variables of their own, so the rule would only alias fp16 inside)."""
+
+    def __init__(self, table: SensitivityTable | None) -> None:
+        self.rows = [] if table is None else [r for r in table.rows if not r.allowed]
+
+    def hard_excluded(self) -> dict[tuple[str, str], str]:
+        return {(r.layer, r.precision): r.reason for r in self.rows}
+
+
+def open_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
+    """``tune``'s space without the probes' measured facts (overflow, non-finite output,
+    underflow): graph x target device only."""
+    return make_space(replace(prep, table=_GraphFacts(prep.table)), cfg)
 
 
 @dataclass
 class Model:
-    """What does not depend on the budget: model, data, references, graph, cost model."""
+    """What does not depend on the budget: ``tune``'s prepared model and the open space."""
 
-    spec: ModelSpec
-    net: Any
-    calib: list[Any]
-    eval_batches: list[Any]
-    ref: Reference
-    eval_ref: Reference
-    graph: LayerGraph
-    cost: CostModel
-    precisions: tuple[str, ...]
-    batch_size: int
-    target: str
-    space: SearchSpace  # graph x device only: what a tool without autoprec's probes sees
-    table: SensitivityTable | None = None  # filled by load_table (after tune probed)
+    prep: Prepared
+    cfg: TuneConfig  # the options of the first budget (the probes are re-read per budget)
+    space: SearchSpace  # graph x device: what a tool without autoprec's probes sees
+    _priced: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    _fastest: Key | None = field(default=None, repr=False)
+    _signatures: dict[Key, tuple] = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        return self.prep.spec.name
 
-    def speedup(self, params: Mapping[str, str]) -> float:
-        return self.cost.estimate({}) / self.cost.estimate(self.space.assignment(params))
+    @property
+    def cost(self) -> Any:
+        return self.prep.cost
 
-    def load_table(self, cache_dir: Path) -> SensitivityTable:
-        """The probes exactly as ``tune`` ran them (a hit in tune's probe cache)."""
-        if self.table is None:
-            self.table = probe(self.net, self.calib,
-                               precisions=[p for p in self.precisions if p != "fp32"],
-                               forward=self.spec.forward, loss=self.spec.loss, metric=None,
-                               graph=self.graph, cache_dir=cache_dir, progress=False)
-        return self.table
+    def table(self, budget: float) -> SensitivityTable:
+        """The probes exactly as ``tune`` ran them at ``budget`` (a hit in its probe cache:
+        the arguments are ``tune.prepare``'s)."""
+        cfg = self.cfg
+        return probe(self.prep.net, self.prep.calib,
+                     precisions=[p for p in cfg.precisions if p != "fp32"],
+                     forward=self.prep.spec.forward, loss=None, metric=None,
+                     graph=self.prep.graph, budget=budget, cache_dir=cfg.cache_dir,
+                     progress=False)
+
+    def priced(self, plans: PlanSpace) -> tuple[np.ndarray, np.ndarray]:
+        """Every plan key of the open space (N, 1 + V) and its estimated time (N,), for
+        spaces of at most ``planner.ENUMERATE`` plans (times do not depend on the budget)."""
+        if self._priced is None:
+            keys = enumerate_keys(self.space)
+            self._priced = keys, plans.times(keys)
+        return self._priced
+
+    def signature(self, key: Key, plans: PlanSpace) -> tuple:
+        """What plan ``key`` runs (``plan.schedule.signature``): two keys with the same
+        signature run the same kernels on the same dtypes with the same casts."""
+        sig = self._signatures.get(key)
+        if sig is None:
+            codes = self.space.codes(np.array([key], dtype=np.intp))
+            sig = signature(self.cost.price(plans.rules, codes).schedule, 0)
+            self._signatures[key] = sig
+        return sig
+
+    def fastest(self, plans: PlanSpace) -> Key:
+        """The fastest plan of the open space by the cost model (no model run): every plan
+        priced when the space can be enumerated, else the planner's descent at λ = 0
+        (time alone; block and region moves from every uniform start)."""
+        if self._fastest is None:
+            if self.space.size <= ENUMERATE:
+                keys, times = self.priced(plans)
+                self._fastest = tuple(int(c) for c in keys[int(np.argmin(times))])
+            else:
+                found = descend(plans, 1.0, lambdas=[0.0])
+                self._fastest = min(found, key=lambda k: found[k][0])
+        return self._fastest
 
 
-def load(path: str | Path, *, precisions: Sequence[str], target: str,
-         batch_size: int | None) -> Model:
-    # The budgets here are relative L2 errors (``--max-error``): score that, as tune does
-    # when a model.py with a metric is tuned with --max-error.
-    spec = replace(load_model_file(path), metric=None)
-    net = spec.model()
-    calib = spec.calibration_batches()
-    eval_batches = spec.eval_batches()
-    ref = reference(spec, net, calib, "of calibration_data")
-    eval_ref = reference(spec, net, eval_batches, "of eval_data")
-    graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
-    profile = get_profile(target)
-    bs = batch_size or batch_size_of(calib[0]) or 1
-    cost = CostModel(graph, profile, batch_size=bs)
-    wanted = tuple(p for p in PRECISIONS if p in precisions or p == "fp32")
-    space = _space(graph, None, profile, wanted, ())
-    return Model(spec, net, calib, eval_batches, ref, eval_ref, graph, cost, wanted, bs,
-                 target, space)
+def load(path: str | Path, *, budget: float, target: str, batch_size: int, work: Path,
+         cache_dir: Path) -> Model:
+    cfg = config(budget, target=target, batch_size=batch_size, out=work / "baselines.yaml",
+                 cache_dir=cache_dir)
+    prep = prepare(path, cfg)
+    return Model(prep, cfg, open_space(prep, cfg))
 
 
 @dataclass
 class Scored:
-    """A scored assignment and what scoring it cost the first time."""
+    """A scored plan and what scoring it cost the first time."""
 
     evaluation: Evaluation
     evaluations: float
@@ -108,49 +166,79 @@ class Problem:
 
     def __init__(self, model: Model, budget: float) -> None:
         self.model, self.budget = model, budget
-        # error in the budget's units: relative L2 of the outputs (our models have no metric)
-        self.evaluator = Evaluator(spec=model.spec, model=model.net, batches=model.calib,
-                                   ref=model.ref, cost=model.cost, space=model.space,
-                                   budget=budget)
-        self.scored: dict[tuple[str, ...], Scored] = {}
-        self.eval_errors: dict[tuple[str, ...], float] = {}
+        self.table = model.table(budget)
+        prep = model.prep
+        self.plans = PlanSpace(model.space, prep.cost, self.table.estimate)
+        self.evaluator = Evaluator(
+            spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
+            plans=self.plans, budget=budget, target=model.cfg.target,
+            eval_batches=None if prep.same_data else prep.eval_batches,
+            eval_ref=None if prep.same_data else prep.eval_ref)
+        self.scored: dict[tuple, Scored] = {}  # by signature
 
     @property
     def space(self) -> SearchSpace:
         return self.model.space
 
-    def score(self, params: Mapping[str, str]) -> Scored:
-        key = self.evaluator.key(params)
-        hit = self.scored.get(key)
+    @property
+    def fp32_key(self) -> Key:
+        return self.space.uniform("fp32")
+
+    def fastest(self) -> Key:
+        return self.model.fastest(self.plans)
+
+    def speedup(self, key: Key) -> float:
+        t = self.plans.time(key)
+        return self.model.cost.fp32_time / t if 0 < t < math.inf else 0.0
+
+    def signature(self, key: Key) -> tuple:
+        return self.model.signature(key, self.plans)
+
+    def score(self, key: Key) -> Scored:
+        sig = self.signature(key)
+        hit = self.scored.get(sig)
         if hit is None:
             before, t0 = self.evaluator.evaluations, time.perf_counter()
-            ev = self.evaluator(params)
+            ev = self.evaluator(key)
             hit = Scored(ev, self.evaluator.evaluations - before, time.perf_counter() - t0)
-            self.scored[key] = hit
+            self.scored[sig] = hit
         return hit
-
-    def eval_error(self, params: Mapping[str, str]) -> float:
-        """Error on the eval data (the budget binds there); cached, charged to nobody."""
-        key = self.evaluator.key(params)
-        if key not in self.eval_errors:
-            self.eval_errors[key] = self.evaluator.error(params, self.model.eval_batches,
-                                                         self.model.eval_ref, "of eval_data")
-        return self.eval_errors[key]
 
     def counter(self, cap: float | None = None) -> Counter:
         return Counter(self, cap)
 
+    def describe(self, key: Key) -> str:
+        """The plan as the compact policy tune would write for it."""
+        default, layers = self.space.rules(key)
+        default, rules = compact.compact(self.model.cost, default, layers,
+                                         defaults=self.space.region.choices)
+        return describe(default, rules)
+
+
+def describe(default: str, rules: dict[str, str], limit: int = 8) -> str:
+    """``default: bf16; a=fp16 b=fp32`` (on big policies a count per precision)."""
+    if not rules:
+        return f"default {default}, no rules"
+    if len(rules) <= limit:
+        return f"default {default}; " + " ".join(f"{k}={v}" for k, v in rules.items())
+    by: dict[str, list[str]] = {}
+    for k, v in rules.items():
+        by.setdefault(v, []).append(k)
+    return f"default {default}; " + "; ".join(
+        f"{p}: {', '.join(ks)}" if len(ks) <= 3 else f"{p}: {len(ks)} rules"
+        for p, ks in sorted(by.items(), key=lambda kv: PRECISIONS.index(kv[0])))
+
 
 @dataclass
 class Outcome:
-    """What one method reached: the policy chosen by ``select.choose`` and its cost."""
+    """What one method reached: the plan chosen by ``select.choose`` and its cost."""
 
     method: str
-    params: dict[str, str]
+    policy: str  # compact policy text
     est_speedup: float
     error: float  # calibration
     eval_error: float
-    feasible: bool  # calibration-feasible and confirmed on eval data
+    feasible: bool  # within budget on calibration and eval data
     evaluations: float
     seconds: float
     probe_cost: float = 0.0  # forward-pass equivalents over the calibration data
@@ -173,41 +261,50 @@ class Counter:
 
     def __init__(self, problem: Problem, cap: float | None = None) -> None:
         self.problem, self.cap = problem, cap
-        self.seen: dict[tuple[str, ...], Evaluation] = {}
-        self.order: list[dict[str, str]] = []
+        self.seen: dict[Key, Evaluation] = {}
+        self.by_signature: dict[tuple, Evaluation] = {}  # the distinct plans measured
+        self.order: list[Key] = []
         self.evaluations = 0.0
         self.seconds = 0.0
         self.started = time.perf_counter()
-        self._own = 0.0
+        self._own = 0.0  # wall time spent inside shared scoring (replaced by charged seconds)
         # all-fp32 is free (nothing lowered: the reference) and always within budget: what
         # a user keeps when a method finds nothing better
-        self(problem.space.uniform(problem.space.default))  # wall time spent inside shared scoring (replaced by charged seconds)
+        self(problem.fp32_key)
 
-    def __call__(self, params: Mapping[str, str]) -> Evaluation:
-        params = {v.name: params.get(v.name, self.problem.space.default)
-                  for v in self.problem.space.variables}
-        key = self.problem.evaluator.key(params)
+    def __call__(self, key: Key) -> Evaluation:
+        key = tuple(int(c) for c in key)
         if key in self.seen:
+            return self.seen[key]
+        t0 = time.perf_counter()
+        sig = self.problem.signature(key)
+        if sig in self.by_signature:  # the same plan under another key: nothing to run
+            self._own += time.perf_counter() - t0
+            self.seen[key] = self.by_signature[sig]
             return self.seen[key]
         if self.cap is not None and self.evaluations >= self.cap:
             raise Exhausted(f"capped at {self.cap:g} evaluations")
-        t0 = time.perf_counter()
-        s = self.problem.score(params)
+        s = self.problem.score(key)
         self._own += time.perf_counter() - t0
         self.evaluations += s.evaluations
         self.seconds += s.seconds
-        self.seen[key] = s.evaluation
-        self.order.append(params)
+        self.seen[key] = self.by_signature[sig] = s.evaluation
+        self.order.append(key)
         return s.evaluation
+
+    def chosen(self) -> tuple[Key, Evaluation, bool]:
+        space = self.problem.space
+        cands = [select.Candidate(i, space.params(k), self.seen[k])
+                 for i, k in enumerate(self.order)]
+        c, feasible = select.choose(cands, budget=self.problem.budget, min_speedup=None)
+        return space.key(c.params), c.calib, feasible
 
     def outcome(self, method: str, *, probe_cost: float = 0.0, probe_seconds: float = 0.0,
                 note: str = "") -> Outcome:
-        cands = [select.Candidate(i, p, self.seen[self.problem.evaluator.key(p)])
-                 for i, p in enumerate(self.order)]
-        chosen, feasible = select.choose(cands, budget=self.problem.budget, min_speedup=None,
-                                         confirm=self.problem.eval_error)
+        key, ev, feasible = self.chosen()
         overhead = time.perf_counter() - self.started - self._own
-        ev_err = chosen.eval_error if chosen.eval_error is not None else math.nan
-        return Outcome(method, dict(chosen.params), chosen.calib.est_speedup,
-                       chosen.calib.error, ev_err, feasible, self.evaluations,
+        eval_err = ev.eval_error if ev.eval_error is not None else (
+            ev.error if self.problem.model.prep.same_data else math.nan)
+        return Outcome(method, self.problem.describe(key), ev.est_speedup, ev.error,
+                       eval_err, feasible, self.evaluations,
                        self.seconds + overhead + probe_seconds, probe_cost, note)
