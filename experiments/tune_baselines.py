@@ -9,8 +9,9 @@ walk has to work:
 
 1. ``tune``: ``autoprec.search.tune.tune`` as a user calls it (default trials and
    precisions, in-memory study, no tracking): the planner prices every plan (or a Lagrangian
-   descent's candidates on large spaces) and measures them fastest first where the probes
-   predict the error within 1.25x the budget, until the fastest remaining one is feasible;
+   descent's candidates on large spaces) and measures them fastest first where the probes'
+   corrected prediction is within the walk's limit (``search/planner.py``), until the
+   fastest remaining one is feasible;
 2. ``uniform``: one global precision (the region and every layer: tf32 / bf16 / fp16 / fp8
    where the layer may take it); the best within budget;
 3. greedy per-layer fallback from the fastest plan, one evaluation per step:
