@@ -32,7 +32,7 @@ import torch
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import Breakdown, CostModel, DeviceProfile, get_profile
 from autoprec.errors import CheckFailed, InputError, PolicyError
-from autoprec.evaluate import reference, score
+from autoprec.evaluate import nonfinite_watch, reference, score
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of, iter_floats
 from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, resolve_path
@@ -161,24 +161,11 @@ def _marked_infeasible(policy: Policy) -> str | None:
 def _first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
                      batches: Sequence[Any]) -> tuple[str, int] | None:
     """(module path, batch index) of the first module whose output held inf/nan."""
-    found: list[str] = []
-
-    def hook(name: str) -> Any:
-        def fn(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            if not found and any(not bool(torch.isfinite(t).all()) for t in iter_floats(out)):
-                found.append(name)
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad():
-            for i, b in enumerate(batches):
-                spec.run(model, b, i, "of eval_data")
-                if found:
-                    return found[0], i
-    finally:
-        for h in handles:
-            h.remove()
+    with nonfinite_watch(model) as found, torch.no_grad():
+        for i, b in enumerate(batches):
+            spec.run(model, b, i, "of eval_data")
+            if found:
+                return found[0], i
     return None
 
 

@@ -15,7 +15,8 @@ finite number on the fp32 model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,8 +154,10 @@ def _nonfinite_reference(spec: ModelSpec, model: torch.nn.Module, batches: Seque
             "finite); nothing to compare lower precisions against")
 
 
-def first_nonfinite_module(spec: ModelSpec, model: torch.nn.Module, batch: Any) -> str | None:
-    """The path of the first module (in execution order) whose output holds inf/nan."""
+@contextmanager
+def nonfinite_watch(model: torch.nn.Module) -> Iterator[list[str]]:
+    """While open, the list it yields gets the path of the first module (in execution
+    order) whose output holds inf/nan."""
     found: list[str] = []
 
     def hook(name: str) -> Any:
@@ -165,13 +168,20 @@ def first_nonfinite_module(spec: ModelSpec, model: torch.nn.Module, batch: Any) 
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
     try:
-        with torch.no_grad():
-            spec.forward(model, batch)
-    except Exception:  # the diagnosis is best effort; the error is reported anyway
-        return None
+        yield found
     finally:
         for h in handles:
             h.remove()
+
+
+def first_nonfinite_module(spec: ModelSpec, model: torch.nn.Module, batch: Any) -> str | None:
+    """The path of the first module (in execution order) whose output holds inf/nan."""
+    with nonfinite_watch(model) as found:
+        try:
+            with torch.no_grad():
+                spec.forward(model, batch)
+        except Exception:  # the diagnosis is best effort; the error is reported anyway
+            return None
     return found[0] if found else None
 
 

@@ -51,32 +51,12 @@ import torch
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
+from autoprec.capability import cpu_facts
 from autoprec.cost import CostModel, get_profile
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 
 LAYERS = 100
-#: CPU features that decide 16-bit matmul speed here (DESIGN.md: the team's CPUs differ).
-CPU_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f")
-
-
-def cpu_facts() -> str:
-    """This CPU's model name and its 16-bit matmul features, from /proc/cpuinfo."""
-    name, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        return f"{name} (no /proc/cpuinfo)"
-    have = [f for f in CPU_FLAGS if f in flags]
-    lack = [f for f in CPU_FLAGS if f not in flags]
-    return (f"{name}; has {', '.join(have) or 'none'}; lacks {', '.join(lack) or 'none'}; "
-            f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 
 def build(width: int, device: str) -> nn.Sequential:
