@@ -70,25 +70,20 @@ _PROMOTE_CPU = frozenset({"stack", "cat", "index_copy"})
 POLICIES = ("lower", "fp32", "fp32_opt", "promote")
 
 
+#: Each device's autocast op lists, in the order autocast consults them.
+_LISTS = {
+    "cuda": ((_LOWER_CUDA, "lower"), (_FP32_CUDA, "fp32"), (_FP32_OPT_CUDA, "fp32_opt"),
+             (_PROMOTE_CUDA, "promote")),
+    "cpu": ((_LOWER_COMMON, "lower"), (_FP32_CPU, "fp32"), (_PROMOTE_CPU, "promote")),
+}
+
+
 def cast_policy(op_name: str, device_type: str) -> str | None:
     """The autocast cast policy of a recorded op on ``device_type`` (None: left alone)."""
-    if device_type == "cuda":
-        if op_name in _LOWER_CUDA or op_name.startswith("_scaled_dot_product"):
-            return "lower"
-        if op_name in _FP32_CUDA:
-            return "fp32"
-        if op_name in _FP32_OPT_CUDA:
-            return "fp32_opt"
-        if op_name in _PROMOTE_CUDA:
-            return "promote"
-        return None
-    if op_name in _LOWER_COMMON or op_name.startswith("_scaled_dot_product"):
+    if op_name.startswith("_scaled_dot_product"):
         return "lower"
-    if op_name in _FP32_CPU:
-        return "fp32"
-    if op_name in _PROMOTE_CPU:
-        return "promote"
-    return None
+    lists = _LISTS["cuda" if device_type == "cuda" else "cpu"]
+    return next((policy for ops, policy in lists if op_name in ops), None)
 
 
 # -- running CUDA's fp32 list on a CPU -------------------------------------------------------
