@@ -33,6 +33,7 @@ from autoprec.apply.apply import apply_policy
 from autoprec.cost import Breakdown, CostModel, DeviceProfile, get_profile
 from autoprec.errors import CheckFailed, InputError, PolicyError
 from autoprec.evaluate import nonfinite_watch, reference, score
+from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of, iter_floats
 from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, resolve_path
@@ -161,7 +162,7 @@ def _marked_infeasible(policy: Policy) -> str | None:
 def _first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
                      batches: Sequence[Any]) -> tuple[str, int] | None:
     """(module path, batch index) of the first module whose output held inf/nan."""
-    with nonfinite_watch(model) as found, torch.no_grad():
+    with nonfinite_watch(model) as found, torch.no_grad(), fused_paths_off():
         for i, b in enumerate(batches):
             spec.run(model, b, i, "of eval_data")
             if found:
@@ -179,7 +180,7 @@ def _max_abs(model: torch.nn.Module, path: str, spec: ModelSpec, batch: Any) -> 
 
     h = model.get_submodule(path).register_forward_hook(fn)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), fused_paths_off():
             spec.run(model, batch)
     finally:
         h.remove()

@@ -24,6 +24,7 @@ import torch
 
 from autoprec.errors import ModelFileError
 from autoprec.fileio import brief
+from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec
 from autoprec.metrics import (
     ErrorAccumulator,
@@ -66,7 +67,7 @@ def _outputs(spec: ModelSpec, model: torch.nn.Module, batches: Sequence[Any], wh
     2); once the fp32 reference ran, a failure under a policy is not: it propagates as is
     (a search trial records it as failed, with the reason)."""
     outs = []
-    with torch.no_grad():
+    with torch.no_grad(), fused_paths_off():
         for i, batch in enumerate(batches):
             outs.append(spec.forward(model, batch) if lowered else spec.run(model, batch, i, what))
     return outs
@@ -178,7 +179,7 @@ def first_nonfinite_module(spec: ModelSpec, model: torch.nn.Module, batch: Any) 
     """The path of the first module (in execution order) whose output holds inf/nan."""
     with nonfinite_watch(model) as found:
         try:
-            with torch.no_grad():
+            with torch.no_grad(), fused_paths_off():
                 spec.forward(model, batch)
         except Exception:  # the diagnosis is best effort; the error is reported anyway
             return None

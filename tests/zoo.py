@@ -138,6 +138,64 @@ def cnn() -> Case:
     return Case("cnn", _ready(CNN()), torch.randn(B, 3, 16, 16), {"B": B, "H": 16})
 
 
+# ------------------------------------------------------------ torch.nn's own transformers
+# Their eval/no_grad fused paths skip module calls, and nn.MultiheadAttention never calls
+# out_proj (autoprec/fused.py): these models are how the tests hold apply to that.
+
+
+def _star(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
+    return model(*batch)
+
+
+class NNEncoder(nn.Module):
+    """nn.TransformerEncoder (2 layers, d=32, 2 heads, batch_first) with a padding mask,
+    nested tensors enabled (torch's default), a 10-way head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:  # (B, T, 32)
+        return self.head(self.encoder(x, src_key_padding_mask=pad))  # (B, T, 10)
+
+
+def nn_encoder() -> Case:
+    torch.manual_seed(0)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, T - 3:] = True  # the second sequence is 3 tokens shorter
+    return Case("nn_encoder", _ready(NNEncoder()), (torch.randn(B, T, 32), pad),
+                forward=_star)
+
+
+def nn_seq2seq() -> Case:
+    """nn.Transformer encoder-decoder (1 + 1 layers, d=32): self- and cross-attention."""
+    torch.manual_seed(0)
+    model = _ready(nn.Transformer(32, 2, 1, 1, 64, dropout=0.0, batch_first=True))
+    return Case("nn_seq2seq", model, (torch.randn(B, T, 32), torch.randn(B, T - 2, 32)),
+                forward=_star)
+
+
+class MHABlock(nn.Module):
+    """nn.MultiheadAttention used directly (as torchvision's ViT does), then an FFN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.fc = nn.Linear(32, 64)
+        self.out = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 32)
+        h = x + self.attn(x, x, x, need_weights=False)[0]
+        return h + self.out(torch.relu(self.fc(h)))
+
+
+def mha() -> Case:
+    torch.manual_seed(0)
+    return Case("mha", _ready(MHABlock()), torch.randn(B, T, 32))
+
+
 # --------------------------------------------------------------------------- HuggingFace
 
 
@@ -209,6 +267,24 @@ def vit() -> Case:
     return Case("vit", model, {"pixel_values": pixels}, {"B": B, "P": 16, "T": 17, "C": 32})
 
 
+def whisper() -> Case:
+    """Whisper: a conv front end over mel frames, then encoder-decoder attention."""
+    from transformers import WhisperConfig, WhisperModel
+
+    cfg = WhisperConfig(
+        vocab_size=64, num_mel_bins=16, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_source_positions=8, max_target_positions=16,
+        use_cache=False, pad_token_id=0, decoder_start_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = _ready(WhisperModel(cfg))
+    # 2 * max_source_positions mel frames: the second conv has stride 2
+    batch = {"input_features": torch.randn(B, 16, 16), "decoder_input_ids": _ids(64)}
+    return Case("whisper", model, batch)
+
+
 PLAIN = {"mlp": mlp, "branchy": branchy, "shared": shared, "cnn": cnn}
-HF = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "vit": vit}
-ALL = {**PLAIN, **HF}
+NN_TRANSFORMERS = {"nn_encoder": nn_encoder, "nn_seq2seq": nn_seq2seq, "mha": mha}
+HF = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "vit": vit, "whisper": whisper}
+ALL = {**PLAIN, **NN_TRANSFORMERS, **HF}

@@ -28,9 +28,11 @@ import torch
 
 from autoprec.apply.audit import AuditReport, audit_run, notify_compute
 from autoprec.apply.blockscale import blockscale_capability
+from autoprec.apply.compiled import audit_compiled
 from autoprec.apply.lower import lowered_forward
 from autoprec.capability import FP8_BACKENDS, best_fp8_backend, capability
 from autoprec.errors import CapabilityError, InputError
+from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
 from autoprec.policy.resolve import Resolved, assignment, module_table, resolve_path
@@ -104,14 +106,22 @@ class PolicyHandle:
         self.fp8_reason = fp8_reason
         self.device = device
         self._saved: list[tuple[weakref.ref[torch.nn.Module], Any]] = []
+        self._fastpath_held = False  # this handle holds torch.nn's fused paths off
 
     @property
     def active(self) -> bool:
         return bool(self._saved)
 
     def _install(self, modules: list[tuple[torch.nn.Module, Callable[..., Any]]]) -> None:
-        for mod in unwrap_model(self.model).modules():
+        root = unwrap_model(self.model)
+        for mod in root.modules():
             _UNDER_POLICY[mod] = self
+        if has_fused_paths(root):
+            # The fused inference paths of nn.TransformerEncoderLayer / MultiheadAttention
+            # compute with their children's weights without calling them: the children's
+            # rules would not run (autoprec/fused.py). Off while the policy is applied.
+            FASTPATH.acquire()
+            self._fastpath_held = True
         try:
             for mod, fwd in modules:
                 # An instance-level forward (set by the user or another library) is kept
@@ -127,6 +137,9 @@ class PolicyHandle:
         for mod in unwrap_model(self.model).modules():
             if _UNDER_POLICY.get(mod) is self:
                 del _UNDER_POLICY[mod]
+        if self._fastpath_held:
+            self._fastpath_held = False
+            FASTPATH.release()
         while self._saved:
             ref, old = self._saved.pop()
             mod = ref()
@@ -155,6 +168,21 @@ class PolicyHandle:
         if not self.active:
             raise InputError("audit: this policy handle was removed; apply the policy again")
         return audit_run(self.model, self.layers, self.policy, run, strict=strict)
+
+    def audit_compiled(self, call: Callable[[torch.nn.Module], Any],
+                       strict: bool = True) -> AuditReport:
+        """Compile the applied model, run ``call(compiled_model)`` (a real forward) and
+        check the GEMMs of the compiled graph against the plan (``apply/compiled.py``).
+
+        The deployment snippet is ``apply_policy`` then ``torch.compile``; this proves the
+        graph torch.compile builds keeps every rule. ``strict``: raise AuditError.
+        """
+        if not self.active:
+            raise InputError("audit: this policy handle was removed; apply the policy again")
+        report = audit_compiled(self.model, self.layers, call)
+        if strict:
+            report.raise_for_errors()
+        return report
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"

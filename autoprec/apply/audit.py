@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoprec.apply import lower
 from autoprec.errors import CheckFailed
+from autoprec.fused import FUSED_OPS, has_fused_paths
 from autoprec.paths import normalize_path, unwrap_model
 from autoprec.policy.resolve import Resolved, is_gemm_leaf
 from autoprec.policy.schema import Policy, PolicyWarning
@@ -185,8 +186,12 @@ class _SdpaAsOneOp(TorchFunctionMode):
 class _Recorder(TorchDispatchMode):
     """Attributes each GEMM's operand precision to the innermost executing module."""
 
-    def __init__(self) -> None:
+    def __init__(self, owners: dict[int, tuple[frozenset[str], tuple[str, ...]]]) -> None:
         super().__init__()
+        #: storage address of a GEMM leaf's parameter -> (every module owning it, the GEMM
+        #: leaves among them): an op reading it while no owner runs bypassed the leaf.
+        self.owners = owners
+        self.bypassed: dict[str, set[tuple[str, str]]] = defaultdict(set)  # leaf -> (by, op)
         self.stack: list[list[Any]] = []  # [path, credited_fp8]
         self.seen: dict[str, Counter[str]] = defaultdict(Counter)  # path -> GEMM precisions
         self.ran: set[str] = set()
@@ -199,8 +204,30 @@ class _Recorder(TorchDispatchMode):
             frame[1] = True
             self.seen[frame[0]][precision] += 1
 
+    def _check_bypass(self, name: str, args: tuple[Any, ...]) -> None:
+        """Record GEMM leaves whose weights this op reads while the leaf is not running."""
+        running = None
+        for a in args:
+            if not isinstance(a, torch.Tensor) or a.is_nested:
+                continue
+            try:
+                entry = self.owners.get(a.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # a tensor without plain storage
+                continue
+            if entry is None:
+                continue
+            if running is None:
+                running = {frame[0] for frame in self.stack}
+            every, leaves = entry
+            if not running & every:
+                by = self.stack[-1][0] if self.stack else ""
+                for leaf in leaves:
+                    self.bypassed[leaf].add((by, name))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         name = func.overloadpacket.__name__
+        if self.owners and (name in _GEMM_OPS or name in FUSED_OPS or name == "_to_copy"):
+            self._check_bypass(name, args)  # a GEMM on (a cast of) a leaf's weight
         if name == "_to_copy" and not (self.stack and self.stack[-1][1]):
             out = func(*args, **(kwargs or {}))
             if args and isinstance(args[0], torch.Tensor) and args[0].dtype != out.dtype:
@@ -212,6 +239,23 @@ class _Recorder(TorchDispatchMode):
             if prec is not None:
                 self.seen[self.stack[-1][0]][prec] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _weight_owners(root: torch.nn.Module) -> dict[int, tuple[frozenset[str], tuple[str, ...]]]:
+    """Storage address -> (modules owning the tensor, GEMM leaves among them), for the
+    parameters of GEMM leaves (a tied embedding counts as an owner: its lookup is no bypass).
+    """
+    every: dict[int, set[str]] = defaultdict(set)
+    leaves: dict[int, list[str]] = defaultdict(list)
+    for path, mod in root.named_modules():
+        p = normalize_path(path)
+        gemm = is_gemm_leaf(mod)
+        for t in mod.parameters(recurse=False):
+            key = t.untyped_storage().data_ptr()
+            every[key].add(p)
+            if gemm and p not in leaves[key]:
+                leaves[key].append(p)
+    return {k: (frozenset(every[k]), tuple(v)) for k, v in leaves.items() if v}
 
 
 def _hooks(root: torch.nn.Module, rec: _Recorder) -> list[Any]:
@@ -245,7 +289,7 @@ def audit_run(model: torch.nn.Module, layers: dict[str, Resolved], policy: Polic
     ``layers`` is the resolution of every module path (``PolicyHandle.layers``).
     """
     root = unwrap_model(model)
-    rec = _Recorder()
+    rec = _Recorder(_weight_owners(root))
     handles = _hooks(root, rec)
     _ACTIVE.append(rec)
     try:
@@ -256,7 +300,12 @@ def audit_run(model: torch.nn.Module, layers: dict[str, Resolved], policy: Polic
         _ACTIVE.remove(rec)
         for h in handles:
             h.remove()
-    report = build_report(root, layers, policy, rec.seen, rec.ran)
+    report = build_report(root, layers, policy, rec.seen, rec.ran, rec.bypassed)
+    if has_fused_paths(root) and torch.backends.mha.get_fastpath_enabled():
+        report.errors.append(
+            "torch.nn's fused inference paths are on (torch.backends.mha."
+            "set_fastpath_enabled(True) after apply_policy?): nn.TransformerEncoderLayer and "
+            "nn.MultiheadAttention would compute without calling the modules the policy rules")
     report.result = result
     report.casts = rec.casts
     for w in report.warnings:
@@ -266,21 +315,50 @@ def audit_run(model: torch.nn.Module, layers: dict[str, Resolved], policy: Polic
     return report
 
 
+def _bypass_errors(layers: dict[str, Resolved], bypassed: dict[str, set[tuple[str, str]]],
+                   ) -> dict[str, str]:
+    """leaf -> error, for GEMM leaves computed by another module's code in another precision
+    than their own rule's (a fused path, or code reading ``self.proj.weight``)."""
+    out = {}
+    for leaf, records in bypassed.items():
+        r = layers.get(leaf)
+        if r is None:
+            continue
+        for by, op in sorted(records):
+            host = layers.get(by)
+            if host is not None and host.precision == r.precision:
+                continue  # computed elsewhere, but in the leaf's own precision
+            how = FUSED_OPS.get(op, f"the code of {repr(by) if by else 'the root module'} (aten.{op})")
+            where = host.precision if host else "its caller's precision"
+            out[leaf] = (f"layer {leaf!r}: rule {r.rule_label} says {r.precision}, but its "
+                         f"forward never ran: {how} computed with its weight directly, in "
+                         f"{where}")
+            break
+    return out
+
+
 def build_report(root: torch.nn.Module, layers: dict[str, Resolved], policy: Policy,
-                 seen: dict[str, Counter[str]], ran: set[str]) -> AuditReport:
+                 seen: dict[str, Counter[str]], ran: set[str],
+                 bypassed: dict[str, set[tuple[str, str]]] | None = None) -> AuditReport:
     """Rows, errors and warnings from what was recorded.
 
-    ``seen``: path -> precisions its GEMMs ran in; ``ran``: paths whose forward ran.
+    ``seen``: path -> precisions its GEMMs ran in; ``ran``: paths whose forward ran;
+    ``bypassed``: GEMM leaf -> (module, op) that read its weights while it was not running.
     """
     gemm_paths = [normalize_path(p) for p, m in root.named_modules() if is_gemm_leaf(m)]
     paths = list(dict.fromkeys([p for p in layers if p in seen] + gemm_paths))
+    skipped = _bypass_errors(layers, bypassed or {})
     rows = []
     for p in paths:
         r = layers[p]
-        rows.append(AuditRow(p, r.rule_label, r.precision, _fmt(seen.get(p, Counter())),
+        computed = "bypassed" if p in skipped else _fmt(seen.get(p, Counter()))
+        rows.append(AuditRow(p, r.rule_label, r.precision, computed,
                              sum(seen.get(p, Counter()).values())))
     errors = []
     for row in rows:
+        if row.layer in skipped:
+            errors.append(skipped[row.layer])
+            continue
         if row.ok:
             continue
         hint = ""

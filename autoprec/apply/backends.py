@@ -13,12 +13,16 @@ from __future__ import annotations
 import torch
 
 from autoprec.apply import blockscale, fp8
+from autoprec.fused import not_called_reason
 from autoprec.precisions import BLOCK_SCALED, GEMM_FORMATS
 
 
 def ineligible_reason(module: torch.nn.Module, precision: str,
                       training: bool = False) -> str | None:
     """Why ``module`` cannot run GEMM format ``precision`` (None: it can)."""
+    why = not_called_reason(module)
+    if why is not None and precision in GEMM_FORMATS:
+        return f"{precision}: {why}"
     if precision == "fp8":
         return fp8.fp8_ineligible_reason(module)
     if precision in BLOCK_SCALED:

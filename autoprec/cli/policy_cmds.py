@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from autoprec.errors import CheckFailed
+from autoprec.fused import fused_paths_off
 
 #: The target tune prices for when neither --target nor the policy names one.
 DEFAULT_TARGET = "h100"
@@ -186,7 +187,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
 
     with apply_policy(net, pol, force=force, target=device) as handle:
         sc = score(spec, net, batches, ref, "of eval_data")
-        with torch.no_grad():
+        with torch.no_grad(), fused_paths_off():
             report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
                                   strict=False)
         fp8_backend = handle.fp8_backend
@@ -255,7 +256,7 @@ def _measure(spec: Any, net: Any, pol: Any, batch: Any, force: bool) -> dict[str
     device = next((p.device.type for p in net.parameters()), "cpu")
 
     def run() -> Any:
-        with torch.no_grad():
+        with torch.no_grad(), fused_paths_off():
             return spec.forward(net, batch)
 
     base = measure_latency(run, device)

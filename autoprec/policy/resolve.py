@@ -20,6 +20,7 @@ import torch
 
 from autoprec.apply import backends
 from autoprec.errors import PolicyError
+from autoprec.fused import not_called_reason
 from autoprec.paths import normalize_path, unwrap_model
 from autoprec.precisions import is_gemm_format
 from autoprec.trace.graph import fingerprint
@@ -56,7 +57,8 @@ def is_leaf(module: torch.nn.Module) -> bool:
 def is_gemm_leaf(module: torch.nn.Module) -> bool:
     """A leaf whose forward is a matmul/conv (Linear, Conv*, Bilinear, HF Conv1D)."""
     return is_leaf(module) and (isinstance(module, _GEMM_LEAF_TYPES)
-                                or type(module).__name__ in _GEMM_LEAF_NAMES)
+                                or type(module).__name__ in _GEMM_LEAF_NAMES) and \
+        not_called_reason(module) is None  # MHA's out_proj: its GEMM is the attention's
 
 
 def format_eligible(module: torch.nn.Module, precision: str) -> bool:
@@ -169,6 +171,11 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
                 key = f"locked[{i}]" if section == "locked" else f"{section}[{p!r}]"
                 raise PolicyError(f"{src}: {key}: the model has no module {p!r}"
                                   f"{_hint(p, table)}")
+
+    for p in policy.layers:
+        why = not_called_reason(table[p])
+        if why is not None:
+            raise PolicyError(f"{src}: layers[{p!r}]: a rule here cannot run: {why}")
 
     res = {p: resolve_path(policy, p, m) for p, m in table.items()}
     for p, prec in policy.layers.items():

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from autoprec.capability import runnable_precisions
 from autoprec.errors import InputError
 from autoprec.evaluate import Reference
+from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec, default_forward
 from autoprec.metrics import batch_size_of, detach_floats
 from autoprec.paths import normalize_path, unwrap_model
@@ -170,7 +171,7 @@ def _probe(model: nn.Module, batches: list[Any], precs: tuple[str, ...], fwd: Fo
             ref_outputs.append(floats)
             sq_y += sum(float(t.pow(2).sum()) for t in floats if torch.isfinite(t).all())
             if metric is not None:
-                with torch.no_grad():
+                with torch.no_grad(), fused_paths_off():
                     value = float(metric(out, batch))
                 w = float(batch_size_of(batch) or 1)
                 metric_sum, metric_w = metric_sum + w * value, metric_w + w

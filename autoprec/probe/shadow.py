@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from autoprec.errors import AutoprecError
+from autoprec.fused import fused_paths_off
 from autoprec.metrics import iter_floats
 from autoprec.probe.layers import ProbeLayer, lowered_call
 from autoprec.probe.ranges import TensorRange
@@ -183,7 +184,7 @@ class ShadowPass:
         # with one reduction instead of an isfinite pass per precision) and its sum of squares.
         ref_info = [_ref_info(ref) for ref in refs]
         for p in layer.precisions:
-            with torch.no_grad():
+            with torch.no_grad(), fused_paths_off():
                 lows = _float_list(lowered_call(layer, p, args, kwargs, self.fp8_backend))
             if len(lows) != len(refs):
                 raise AutoprecError(

@@ -17,6 +17,7 @@ class Evaluation:
     cached: bool = False  # no model run: seen before
     eval_error: float | None = None  # on eval data (None: not confirmed there)
     train_fidelity: bool | None = None  # --train-aware: a short training run matched fp32
+    audit_error: str | None = None  # the audit found a rule that did not run (infeasible)
 
     def as_attrs(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -29,6 +30,8 @@ class Evaluation:
         }
         if self.eval_error is not None:
             out["eval_error"] = _finite(self.eval_error)
+        if self.audit_error is not None:
+            out["audit_error"] = self.audit_error
         if self.train_fidelity is not None:
             out["train_fidelity"] = self.train_fidelity
         return out

@@ -19,6 +19,7 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.evaluate import Reference, reference, score
+from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search.evaluation import Evaluation
@@ -101,6 +102,13 @@ class Evaluator:
         with apply_policy(self.model, self.policy(key), fp8_backend=self.fp8_backend):
             return score(self.spec, self.model, batches, ref, what).value
 
+    def audit(self, key: Key) -> list[str]:
+        """The audit's errors for the plan on one real forward (empty: every rule ran)."""
+        batch = (self.eval_batches or self.batches)[0]
+        with apply_policy(self.model, self.policy(key), fp8_backend=self.fp8_backend) as h, \
+                torch.no_grad(), fused_paths_off():
+            return h.audit(lambda: self.spec.forward(self.model, batch), strict=False).errors
+
     def within(self, error: float, speedup: float) -> bool:
         if not error <= self.budget:  # also False for nan
             return False
@@ -132,6 +140,11 @@ class Evaluator:
             eval_err = self.error(key, self.eval_batches, self.eval_ref, "of eval_data")
             ev = Evaluation(ev.error, ev.est_time, ev.est_speedup,
                             self.within(eval_err, speedup), ev.screened, False, eval_err)
+        if ev.feasible:
+            audit_errors = self.audit(key)
+            if audit_errors:  # a rule that did not run: the measured error is not the plan's
+                ev = Evaluation(ev.error, ev.est_time, ev.est_speedup, False, ev.screened,
+                                False, ev.eval_error, audit_error=audit_errors[0])
         if ev.feasible and self.extra_check is not None:
             ok, _info = self.extra_check(self.policy(key))
             ev = Evaluation(ev.error, ev.est_time, ev.est_speedup, ok, ev.screened, False,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import AutoprecError
+from autoprec.fused import fused_paths_off
 from autoprec.loading import default_forward
 from autoprec.metrics import batch_size_of
 from autoprec.paths import unwrap_model
@@ -65,7 +66,9 @@ def trace(
     versions = _versions(model)
     try:
         model.eval()
-        with torch.no_grad():
+        # What runs under a policy: torch.nn's fused paths off (autoprec/fused.py), so the
+        # modules they skip are called and MultiheadAttention's projections are counted.
+        with torch.no_grad(), fused_paths_off():
             meas = measure(model, example_batch, forward)
             nodes = _build_nodes(model, meas)
             layout = _layout(model, nodes)

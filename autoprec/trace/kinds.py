@@ -26,6 +26,7 @@ from autoprec.apply import backends
 
 # One definition of "Linear-like" (nn.Linear, HF Conv1D): the fp8 backends' own.
 from autoprec.apply.fp8 import linear_dims
+from autoprec.fused import not_called_reason
 from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import GEMM_KINDS
 
@@ -127,6 +128,8 @@ def _is_activation_type(module: nn.Module) -> bool:
 def classify(module: nn.Module, own_ops: Iterable[str], has_children: bool) -> str:
     """The op kind (one of ``graph.KINDS``) of ``module`` given the aten ops of its own code."""
     ops = set(own_ops)
+    if not_called_reason(module) is not None:
+        return "other"  # MHA's out_proj: its GEMM runs in (and is priced as) the attention
     if linear_dims(module) is not None:
         return "linear"
     if isinstance(module, nn.modules.conv._ConvNd) or ops & CONV_OPS:
@@ -193,12 +196,19 @@ def eligibility(
     leaves eligible for it, among the module's descendants (used for containers).
     """
     disallowed: dict[str, str] = {}
+    never = not_called_reason(module)
+    if never is not None:  # no rule can hold here
+        return [], dict.fromkeys(PRECISIONS, never)
     is_leaf = not any(True for _ in module.children())
     below = subtree_formats or {}
     if not is_leaf and (subtree_gemms or kind in GEMM_KINDS):
         # A format rule here applies to the eligible Linear leaves inside (DESIGN.md).
         for f in GEMM_FORMATS:
-            if not below.get(f):
+            if isinstance(module, nn.MultiheadAttention):
+                disallowed[f] = ("nn.MultiheadAttention computes in_proj and out_proj from "
+                                 "their weights (F.multi_head_attention_forward), never "
+                                 f"calling a Linear a {f} backend could run")
+            elif not below.get(f):
                 dims = "both dims multiples of 16" if f == "fp8" else "block-aligned dims"
                 disallowed[f] = f"no {f}-eligible Linear inside ({dims})"
     elif kind in GEMM_KINDS:
