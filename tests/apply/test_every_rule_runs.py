@@ -205,12 +205,12 @@ def _compiled_matrix(name: str) -> None:
     case = zoo.ALL[name]()
     fwd, ref = _fwd(case), _reference(case)
     torch._dynamo.reset()
-    with apply_policy(case.model, _mixed_policy(case.model), target="h100") as h:
-        with torch.no_grad():
-            eager = h.audit(lambda: fwd(case.model, case.batch))
-            e_eager = _error(eager.result, ref)
-            compiled = h.audit_compiled(lambda m: fwd(m, case.batch))
-            e_compiled = _error(compiled.result, ref)
+    with apply_policy(case.model, _mixed_policy(case.model), target="h100") as h, \
+            torch.no_grad():
+        eager = h.audit(lambda: fwd(case.model, case.batch))
+        e_eager = _error(eager.result, ref)
+        compiled = h.audit_compiled(lambda m: fwd(m, case.batch))
+        e_compiled = _error(compiled.result, ref)
     assert compiled.ok, compiled.errors
     got = {r.layer: r.computed for r in compiled.rows}
     want = {r.layer: r.computed for r in eager.rows if r.computed != "-"}
