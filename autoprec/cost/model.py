@@ -368,10 +368,5 @@ class CostModel:
         self._price(sch, out)
         return [(self.tree.paths[m] if m >= 0 else "<outside>", k) for m, k in out]
 
-    def layer_times(self, policy: Policy | Mapping[str, str], default: str = "fp32"
-                    ) -> dict[str, float]:
-        """Seconds per module's own code (casts where they run), execution order."""
-        return self.breakdown(policy, default).by_module
-
 
 __all__ = ["Breakdown", "CostModel", "Kernel", "PARTS", "Priced", "device_type_of"]
