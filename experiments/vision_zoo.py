@@ -124,6 +124,8 @@ def run(name: str, build: Any, budget: float, trials: int, tmp: Path) -> dict[st
         with torch.no_grad():
             rep = h.audit_compiled(lambda m: m(x), strict=False)
             audits["compiled graph"] = rep.ok
+            if not rep.ok:
+                print(f"  {name}: {rep.errors[0]}", flush=True)
             errors["compiled (inductor)"] = _error(torch.compile(model)(x), ref)
     return {"model": name, "policy": f"default {policy.default}, {len(policy.layers)} rules",
             "est_speedup": res.est_speedup, "tune_s": tune_s, "errors": errors,

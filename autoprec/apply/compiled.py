@@ -8,7 +8,8 @@ operands (``node.meta["val"]``) and the module it came from (``node.meta["nn_mod
 which dynamo keeps through AOT), and compares them with the plan like the eager audit does.
 
 What counts as which precision: fp16 / bf16 operands as themselves; fp32 operands as fp32
-(tf32 on CUDA with its flag on); a GEMM of a module whose graph casts to a float8 dtype as
+(tf32 on CUDA with its flag on; elsewhere where the module's graph holds the tf32
+emulation's mantissa masking); a GEMM of a module whose graph casts to a float8 dtype as
 fp8 (the emulated backend multiplies dequantised operands, ``_scaled_mm`` fp8 ones).
 """
 
@@ -95,9 +96,12 @@ def compiled_gemms(model: torch.nn.Module, call: Callable[[torch.nn.Module], Any
     seen: dict[str, Counter[str]] = defaultdict(Counter)
     fused: list[str] = []
     for gm in graphs:
-        fp8_modules = {_innermost(n) for n in gm.graph.nodes if n.op == "call_function"
-                       and _name(n) in ("_to_copy", "convert_element_type")
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        fp8_modules = {_innermost(n) for n in calls
+                       if _name(n) in ("_to_copy", "convert_element_type")
                        and getattr(n.meta.get("val"), "dtype", None) in _FP8}
+        # lower.round_to_tf32 (tf32 emulated off CUDA) masks mantissa bits of the operands
+        tf32_modules = {_innermost(n) for n in calls if _name(n) == "bitwise_and"}
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -113,6 +117,8 @@ def compiled_gemms(model: torch.nn.Module, call: Callable[[torch.nn.Module], Any
             device = next((v.device.type for v in vals if isinstance(v, torch.Tensor)), "cpu")
             prec = _precision(_dtypes(node), device, path in fp8_modules and
                               not name.startswith("_scaled_dot_product"))
+            if prec == "fp32" and path in tf32_modules:
+                prec = "tf32"
             if prec is not None:
                 seen[path][prec] += 1
     return seen, fused, result

@@ -58,8 +58,8 @@ def _error(out, ref: list[torch.Tensor]) -> float:
 
 
 def _mixed_policy(model: torch.nn.Module) -> Policy:
-    """default bf16; GEMM leaves in turn fp16, fp32, fp8 (where eligible), bf16."""
-    cycle = ["fp16", "fp32", "fp8", "bf16"]
+    """default bf16; GEMM leaves in turn fp16, fp32, fp8 (where eligible), tf32, bf16."""
+    cycle = ["fp16", "fp32", "fp8", "tf32", "bf16"]
     layers = {}
     for i, path in enumerate(gemm_leaf_paths(model)):
         p = cycle[i % len(cycle)]
