@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autoprec.apply.audit import _FP8, AuditReport, AuditRow, _fmt
+from autoprec.apply.audit import _FP8, AuditReport, AuditRow, _fmt, gemm_precision
 from autoprec.fused import FUSED_OPS
 from autoprec.paths import normalize_path, unwrap_model
 
@@ -64,19 +64,6 @@ def _dtypes(node: torch.fx.Node) -> set[torch.dtype]:
     return out
 
 
-def _precision(dtypes: set[torch.dtype], device: str, fp8_module: bool) -> str | None:
-    if fp8_module or any(d in _FP8 for d in dtypes):
-        return "fp8"
-    if torch.float16 in dtypes:
-        return "fp16"
-    if torch.bfloat16 in dtypes:
-        return "bf16"
-    if torch.float32 in dtypes:
-        on = device == "cuda" and torch.backends.cuda.matmul.allow_tf32
-        return "tf32" if on else "fp32"
-    return None
-
-
 def compiled_gemms(model: torch.nn.Module, call: Callable[[torch.nn.Module], Any],
                    ) -> tuple[dict[str, Counter[str]], list[str], Any]:
     """Compile ``model`` with a capturing backend, run ``call(compiled)``, and return
@@ -115,8 +102,8 @@ def compiled_gemms(model: torch.nn.Module, call: Callable[[torch.nn.Module], Any
                 continue
             vals = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]
             device = next((v.device.type for v in vals if isinstance(v, torch.Tensor)), "cpu")
-            prec = _precision(_dtypes(node), device, path in fp8_modules and
-                              not name.startswith("_scaled_dot_product"))
+            fp8 = path in fp8_modules and not name.startswith("_scaled_dot_product")
+            prec = "fp8" if fp8 else gemm_precision(_dtypes(node), name, device)
             if prec == "fp32" and path in tf32_modules:
                 prec = "tf32"
             if prec is not None:
