@@ -164,9 +164,9 @@ def fill_measured(rows: Sequence[Row], samples: Mapping[str, Sequence[float]]) -
     with another row of the same plan share its samples)."""
     base = next((r for r in rows if r.role == "baseline" and r.policy is not None
                  and r.policy.default == "fp32" and not r.policy.layers), None)
-    if base is None or base.name not in samples:
+    if base is None or (base.same_as or base.name) not in samples:
         raise ValueError("fill_measured: the fp32 baseline must be timed")
-    ref = np.asarray(samples[base.name], dtype=float)
+    ref = np.asarray(samples[base.same_as or base.name], dtype=float)
     for r in rows:
         s = samples.get(r.same_as or r.name)
         if s is None or len(s) == 0:
@@ -188,7 +188,9 @@ def decide(rows: Sequence[Row]) -> tuple[Row | None, str]:
         if r.speedup > best.speedup:  # strict: the earlier row (the tuned plan) keeps ties
             best = r
     tuned = next((r for r in rows if r.role == "tuned"), None)
-    others = sorted((r for r in timed if r is not best), key=lambda r: -(r.speedup or 0))
+    plan = best.same_as or best.name  # rows of the same plan are not a runner-up
+    others = sorted((r for r in timed if (r.same_as or r.name) != plan),
+                    key=lambda r: -(r.speedup or 0))
     runner = f"; next {others[0].name} {others[0].speedup:.2f}x" if others else ""
     if tuned is None or best is tuned:
         return best, (f"{best.name} measured {best.speedup:.2f}x over fp32 (p10-p90 "
@@ -373,7 +375,8 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         return r
 
     rows = [row(chosen, "tuned", "tuned")]
-    if source.local and feasible:
+    timed = source.local and cfg.measure and feasible
+    if timed:
         seen = {rows[0].key}
         nxt = sorted((c for c in select.dedupe(cands) if c.calib.feasible),
                      key=lambda c: (c.calib.est_time, c.number))
@@ -385,10 +388,10 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                 seen.add(r.key)
                 rows.append(r)
     rows += baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware)
-    if not (source.local and feasible):
+    if not timed:
         check = check_speed(rows, None)
-        if not source.local:
-            check.reason = source.note
+        check.reason = (source.note if not source.local else "not measured (--no-measure)"
+                        if not cfg.measure else "not measured: no plan within budget")
         return check, chosen, rules_of(chosen)
 
     device = source.device

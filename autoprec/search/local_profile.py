@@ -38,7 +38,7 @@ class SpeedSource:
     """Where a tune's speed figures come from."""
 
     profile: DeviceProfile  # what the cost model prices with
-    device: str | None  # the device here that runs the target; None: estimated only
+    device: str | None  # the device here that runs the target; None: a remote target
     machine: Machine | None
     how: str  # "calibrated here" | "cached calibration" | "stored profile"
     note: str  # one line for the user
@@ -60,18 +60,14 @@ class SpeedSource:
 
 
 def speed_source(target: str, *, measure: bool, cache_dir: Path) -> SpeedSource:
-    """The profile for ``target``: calibrated here (or from this machine's cache) when the
-    target is local and ``measure``; else the stored one, named as such."""
+    """The profile for ``target``. Remote: the stored one. Local: this machine's cached
+    calibration; else, with ``measure``, one calibrated here now (and cached); else the
+    stored profile, named as another machine's."""
     stored = get_profile(target)
     device, why = local_device(stored)
     if device is None:
         return SpeedSource(stored, None, None, "stored profile", why)
     machine = this_machine(device)
-    if not measure:
-        return SpeedSource(stored, None, machine, "stored profile",
-                           f"--no-measure: speed estimated from the stored {stored.name} "
-                           f"profile ({stored.description}), not measured on this machine "
-                           f"({machine.describe()})")
     path = calibration_path(cache_dir, stored, machine)
     cal = cached_calibration(cache_dir, stored, machine)
     if cal is not None:
@@ -79,6 +75,11 @@ def speed_source(target: str, *, measure: bool, cache_dir: Path) -> SpeedSource:
                            "cached calibration",
                            f"{stored.name} profile calibrated on this machine "
                            f"({machine.describe()}); cached in {path}", path)
+    if not measure:
+        return SpeedSource(stored, device, machine, "stored profile",
+                           f"speed estimated from the stored {stored.name} profile, measured "
+                           f"on another machine ({stored.description}), not on this one "
+                           f"({machine.describe()}); --measure calibrates it here")
     t0 = time.perf_counter()
     res = calibrate_here(stored, device, machine)
     res.calibration.save(path)

@@ -206,9 +206,9 @@ class Search:
 def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
     """What a study's trials depend on besides the structure (the fingerprint): joining a
     study made under other settings would reuse errors and times that do not hold here."""
-    measured = prep.source is not None and prep.source.local  # trials priced on this machine
+    here = prep.source is not None and prep.source.how != "stored profile"  # priced as measured
     return json.loads(json.dumps({
-        **({"profile": prep.cost.profile.to_dict()} if measured else {}),
+        **({"profile": prep.cost.profile.to_dict()} if here else {}),
         "target": cfg.target, "batch_size": prep.deploy_bs, "budget": cfg.budget,
         "budget_kind": cfg.budget_name, "precisions": list(cfg.precisions),
         "locked": sorted(cfg.locked), "min_speedup": cfg.min_speedup,
