@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,8 @@ class Row:
             out["trial"] = self.trial
         if self.why_not:
             out["why_not"] = self.why_not
+        if self.same_as:
+            out["same_as"] = self.same_as
         return out
 
 
@@ -105,7 +107,7 @@ class SpeedCheck:
     batch_size: int | None = None
     how: str = ""  # clock, threads, rounds
     rounds: int = 0
-    notes: list[str] = field(default_factory=list)
+    mark: str = "written"  # what the winner's row is marked with
 
     @property
     def measured(self) -> bool:
@@ -127,29 +129,40 @@ class SpeedCheck:
         return {"measured_on": self.device, "measured_batch_size": self.batch_size,
                 "timing": self.how, "rounds": self.rounds,
                 "chosen": None if self.winner is None else self.winner.name,
+                "mark": self.mark,
                 "reason": self.reason, "recommendation": self.recommendation(),
                 "rows": [r.to_dict() for r in self.rows]}
 
     def table(self) -> str:
         """The rows for people, one per plan."""
-        head = ("plan", "error", "est. speed-up", "measured (p10-p90)", "within budget")
-        cells = []
-        for r in self.rows:
-            err = "-" if r.error is None else f"{r.error:.4g}"
-            est = "-" if r.est_speedup is None else f"{r.est_speedup:.2f}x"
-            if r.speedup is not None:
-                meas = f"{r.speedup:.2f}x ({r.p10:.2f}-{r.p90:.2f})"
-            else:
-                meas = "-" if self.measured else "not measured"
-            ok = "yes" if r.feasible else (r.why_not or "no")
-            mark = " <- written" if self.winner is not None and r is self.winner else ""
-            mark += f" (= {r.same_as})" if r.same_as else ""
-            cells.append((r.name + mark, err, est, meas, ok))
-        widths = [max(len(str(c[i])) for c in [head, *cells]) for i in range(len(head))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                 for row in [head, *cells]]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_rows(self.to_dict())
+
+
+def format_rows(check: Mapping[str, Any]) -> str:
+    """``SpeedCheck.to_dict()`` as a table for people (tune's summary, eval)."""
+    head = ("plan", "error", "est. speed-up", "measured (p10-p90)", "within budget")
+    cells = []
+    for r in check["rows"]:
+        err = "-" if r["error"] is None else _g(r["error"])
+        est = "-" if r["est_speedup"] is None else f"{_g(r['est_speedup'], '.2f')}x"
+        if r["measured_speedup"] is not None:
+            meas = (f"{r['measured_speedup']:.2f}x ({r['measured_p10']:.2f}-"
+                    f"{r['measured_p90']:.2f})")
+        else:
+            meas = "-" if check["measured_on"] or r.get("policy") is None else "not measured"
+        ok = "yes" if r["feasible"] else (r.get("why_not") or "no")
+        name = r["name"] + (f" <- {check['mark']}" if r["name"] == check["chosen"] else "")
+        name += f" (= {r['same_as']})" if r.get("same_as") else ""
+        cells.append((name, err, est, meas, ok))
+    widths = [max(len(str(c[i])) for c in [head, *cells]) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in [head, *cells]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _g(x: Any, spec: str = ".4g") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else str(x)
 
 
 def _speed(r: Row, measured: bool) -> float:
@@ -196,12 +209,13 @@ def decide(rows: Sequence[Row]) -> tuple[Row | None, str]:
         return best, (f"{best.name} measured {best.speedup:.2f}x over fp32 (p10-p90 "
                       f"{best.p10:.2f}-{best.p90:.2f}x), the fastest within budget{runner}")
     if tuned.speedup is None:
-        why = f"the tuned plan could not be timed ({tuned.why_not or 'not runnable'})"
+        why = f"{tuned.name} could not be timed ({tuned.why_not or 'not runnable'})"
     else:
         est = "" if tuned.est_speedup is None else f" (est. {tuned.est_speedup:.2f}x)"
-        why = f"the tuned plan{est} measured {tuned.speedup:.2f}x over fp32"
+        over = "" if tuned.feasible else ", over budget,"
+        why = f"{tuned.name}{est}{over} measured {tuned.speedup:.2f}x over fp32"
     return best, (f"{why}, slower than {best.name} at {best.speedup:.2f}x (p10-p90 "
-                  f"{best.p10:.2f}-{best.p90:.2f}x): wrote {best.name} instead")
+                  f"{best.p10:.2f}-{best.p90:.2f}x)")
 
 
 def check_speed(rows: list[Row], timer: Timer | None, *, device: str | None = None,
@@ -345,14 +359,40 @@ def _to_device(obj: Any, device: str) -> Any:
     return to(device) if callable(to) else obj
 
 
+def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, batch: Any,
+                 device: str, target: str, at_batch: Any, *, timer: Timer | None = None,
+                 seed: int = 0) -> SpeedCheck:
+    """Time ``rows`` on the local ``device`` with ``forward(net, batch)`` (a copy of the
+    model on a GPU) and decide; ``at_batch``: the cost model at the timed batch size (the
+    estimate beside each measurement, and how many forwards make one sample)."""
+    import copy
+
+    import torch
+
+    if device != "cpu":
+        net, batch = copy.deepcopy(net).to(device), _to_device(batch, device)
+    for r in rows:
+        if r.policy is not None:
+            r.est_measured_batch = at_batch.speedup(r.policy)
+    inner = max(1, min(50, math.ceil(SAMPLE_S / max(at_batch.fp32_time, 1e-9))))
+
+    def run() -> Any:
+        with torch.no_grad():
+            return forward(net, batch)
+
+    how = ("1 torch thread, thread CPU time" if device == "cpu" else "CUDA events") + (
+        f", {inner} forwards per sample" if inner > 1 else "")
+    return check_speed(rows, timer or interleaved_timer(net, run, device, target, inner=inner,
+                                                        seed=seed),
+                       device=device, batch_size=at_batch.batch_size, how=how)
+
+
 def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[Any],
                  chosen: Any, feasible: bool, source: Any,
                  timer: Timer | None = None) -> tuple[SpeedCheck, Any, tuple[str, dict[str, str]]]:
     """tune's last step: the rows beside the chosen plan, timed where the target is local;
     returns the check, the candidate to write and its (default, rules)."""
-    import copy
 
-    import torch
 
     from autoprec.cost import CostModel
     from autoprec.search import compact, select
@@ -394,26 +434,12 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                         if not cfg.measure else "not measured: no plan within budget")
         return check, chosen, rules_of(chosen)
 
-    device = source.device
-    net, batch = prep.net, prep.calib[0]
-    if device != "cpu":
-        net, batch = copy.deepcopy(prep.net).to(device), _to_device(batch, device)
     at_measured = CostModel(prep.graph, prep.cost.profile, batch_size=prep.calib_bs)
-    for r in rows:
-        if r.policy is not None:
-            r.est_measured_batch = at_measured.speedup(r.policy)
-    inner = max(1, min(50, math.ceil(SAMPLE_S / max(at_measured.fp32_time, 1e-9))))
-
-    def run() -> Any:
-        with torch.no_grad():
-            return prep.spec.forward(net, batch)
-
-    how = ("1 torch thread, thread CPU time" if device == "cpu" else "CUDA events") + (
-        f", {inner} forwards per sample" if inner > 1 else "")
-    check = check_speed(rows, timer or interleaved_timer(net, run, device, cfg.target,
-                                                         inner=inner, seed=cfg.seed),
-                        device=device, batch_size=prep.calib_bs, how=how)
+    check = measure_rows(rows, prep.spec.forward, prep.net, prep.calib[0], source.device,
+                         cfg.target, at_measured, timer=timer, seed=cfg.seed)
     win = check.winner
+    if win is not None and win.role != "tuned":
+        check.reason += f": wrote {win.name} instead"
     if win is None or win.role == "tuned":
         return check, chosen, rules_of(chosen)
     if win.role == "candidate":
@@ -428,4 +454,5 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
 
 
 __all__ = ["BASELINES", "Row", "SpeedCheck", "baseline_rows", "check_speed", "confirm_tune",
-           "decide", "fill_measured", "interleaved_timer", "label", "speed_metrics"]
+           "decide", "fill_measured", "format_rows", "interleaved_timer", "label",
+           "measure_rows", "speed_metrics"]
