@@ -122,8 +122,6 @@ def cached_calibration(cache_dir: str | Path, profile: DeviceProfile, machine: M
     return cal
 
 
-__all__ = ["CPU_THREADS", "Machine", "cached_calibration", "calibration_path",
-           "local_device", "this_machine", "timing_threads"]
 
 
 @contextmanager
@@ -138,3 +136,7 @@ def timing_threads(device: str) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+__all__ = ["CPU_THREADS", "Machine", "cached_calibration", "calibration_path",
+           "local_device", "this_machine", "timing_threads"]

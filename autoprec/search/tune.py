@@ -410,6 +410,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     tracker.log_metrics({"error": min(chosen.calib.error, 1e30),
                          "eval_error": min(eval_error, 1e30),
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
+                         **{k: v for k, v in policy.metrics.items() if k == "measured_speedup"},
                          "evaluations": search.evaluator.evaluations,
                          "trials": search.driver.ran})
     import pandas as pd
@@ -495,7 +496,10 @@ def tune(
     ``trials`` is the number of trials this process runs at most (the search stops sooner
     once nothing faster is predicted within budget); ``resume=True``: run until the study
     holds that many finished trials. ``tracker``: None logs nothing (the CLI's default is
-    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). See DESIGN.md for the contract.
+    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). ``measure`` (a target that is
+    this machine: ``cpu``, or the GPU here): price on a profile calibrated here and time the
+    winner beside fp32 and one global autocast, never writing a plan measured slower
+    (``search/confirm_speed.py``). See DESIGN.md for the contract.
     """
     started = time.monotonic()
     cfg = TuneConfig.make(max_error=max_error, max_drop=max_drop, target=target,
