@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                        trials=args.trials, out=Path(tmp) / f"{name}.yaml", progress=False,
                        cache_dir=cache)
             rows.append(row_of(name, kind, budget, res, time.perf_counter() - t0))
-            notes += [n for n in res.notes if "profile" in n and n not in notes]
+            if not notes:  # the first tune calibrates; the others read its cache
+                notes += [n.split("; cached in")[0] for n in res.notes if "profile" in n]
             print(f"{name}: {rows[-1]['reason']}", flush=True)
             print(res.speed.table(), flush=True)
     cmd = " ".join(["python experiments/cpu_measured.py",

@@ -59,6 +59,10 @@ def tune_cmd(
                     study_name=study_name, out=out, workers=workers)
     parse_precisions(precisions)
     if workers > 1:
+        if measure:  # calibrate a local target once: every worker prices on the same profile
+            from autoprec.search.local_profile import calibration_dir, speed_source
+
+            speed_source(target, measure=True, cache_dir=calibration_dir(out))
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
     # A worker started by --workers: its own seed (environment read at the CLI boundary).

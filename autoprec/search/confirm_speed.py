@@ -214,8 +214,10 @@ def decide(rows: Sequence[Row]) -> tuple[Row | None, str]:
         est = "" if tuned.est_speedup is None else f" (est. {tuned.est_speedup:.2f}x)"
         over = "" if tuned.feasible else ", over budget,"
         why = f"{tuned.name}{est}{over} measured {tuned.speedup:.2f}x over fp32"
+    tie = ("" if tuned.p90 is None or best.p10 is None or tuned.p90 < best.p10 else
+           "; their p10-p90 overlap: as fast within the noise, the faster median is kept")
     return best, (f"{why}, slower than {best.name} at {best.speedup:.2f}x (p10-p90 "
-                  f"{best.p10:.2f}-{best.p90:.2f}x)")
+                  f"{best.p10:.2f}-{best.p90:.2f}x){tie}")
 
 
 def check_speed(rows: list[Row], timer: Timer | None, *, device: str | None = None,

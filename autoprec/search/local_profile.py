@@ -59,6 +59,14 @@ class SpeedSource:
         return out
 
 
+def calibration_dir(out: Path | None, cache_dir: Path | None = None) -> Path:
+    """Where a tune writing ``out`` (default ``policies/…``) caches calibrations: beside the
+    probe cache (``<out's folder>/.autoprec``, or ``cache_dir``)."""
+    base = cache_dir if cache_dir is not None else (
+        Path(out).parent if out is not None else Path("policies")) / ".autoprec"
+    return Path(base) / "calibration"
+
+
 def speed_source(target: str, *, measure: bool, cache_dir: Path) -> SpeedSource:
     """The profile for ``target``. Remote: the stored one. Local: this machine's cached
     calibration; else, with ``measure``, one calibrated here now (and cached); else the
@@ -132,4 +140,4 @@ def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None 
     return res
 
 
-__all__ = ["SpeedSource", "calibrate_here", "speed_source"]
+__all__ = ["SpeedSource", "calibrate_here", "calibration_dir", "speed_source"]

@@ -46,7 +46,7 @@ from autoprec.search.config import TuneConfig
 from autoprec.search.confirm_speed import SpeedCheck, confirm_tune, speed_metrics
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
-from autoprec.search.local_profile import SpeedSource, speed_source
+from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
 from autoprec.search.objective import Evaluator
 from autoprec.search.planner import Planner
 from autoprec.search.sampler import PlanSampler
@@ -142,8 +142,8 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
                   budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
-    cal_dir = (cfg.cache_dir or out_path.parent / ".autoprec") / "calibration"
-    source = speed_source(cfg.target, measure=cfg.measure, cache_dir=cal_dir)
+    source = speed_source(cfg.target, measure=cfg.measure,
+                          cache_dir=calibration_dir(out_path, cfg.cache_dir))
     cost = CostModel(graph, source.profile, batch_size=deploy_bs)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
