@@ -161,3 +161,29 @@ def test_tune_for_a_remote_target_says_it_is_estimated(tmp_path: Path):
     pol = load_policy(tmp_path / "p.yaml")
     assert pol.provenance["speed_source"] == "stored profile"
     assert "measured_speedup" not in pol.metrics
+
+
+def _local_gpu_profile() -> str | None:
+    import torch
+
+    from autoprec.cost import get_profile, known_devices
+    from autoprec.cost.machine import local_device
+
+    if not torch.cuda.is_available():
+        return None
+    return next((d for d in known_devices() if d != "cpu"
+                 and local_device(get_profile(d))[0] is not None), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_local_gpu_profile() is None,
+                    reason="no CUDA device here that a device profile names")
+def test_tune_for_the_gpu_at_hand_calibrates_and_times_with_cuda_events(tmp_path: Path):
+    target = _local_gpu_profile()
+    res = tune(MLP, max_error=0.05, target=target, precisions=["bf16", "fp16"], trials=3,
+               batch_size=4096, out=tmp_path / "p.yaml", progress=False)
+    assert res.speed is not None and res.speed.measured
+    assert res.speed.device.startswith("cuda") and "CUDA events" in res.speed.how
+    pol = load_policy(tmp_path / "p.yaml")
+    assert pol.provenance["speed_source"] == "calibrated here"
+    assert pol.metrics["measured_speedup"] > 0
