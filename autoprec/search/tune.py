@@ -387,7 +387,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     cands = select.completed(search.study)
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
     provenance = _provenance(search, cfg)
-    # the last step: the chosen plan beside its baselines, timed here when the target is
+    # the last step: the chosen plan beside its baselines, timed when the target is here
     speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible,
                                         prep.source)
     if prep.source is not None:
