@@ -322,6 +322,19 @@ def _uniform_errors(ev: Any, p: str, budget: float) -> tuple[float, float | None
     return calib, evl
 
 
+def _audit_errors(ev: Any, pol: Policy) -> list[str]:
+    """The audit of ``pol`` on one real forward (as the search audits a feasible plan)."""
+    import torch
+
+    from autoprec.apply.apply import apply_policy
+    from autoprec.fused import fused_paths_off
+
+    batch = (ev.eval_batches or ev.batches)[0]
+    with apply_policy(ev.model, pol, fp8_backend=ev.fp8_backend) as h, torch.no_grad(), \
+            fused_paths_off():
+        return list(h.audit(lambda: ev.spec.forward(ev.model, batch), strict=False).errors)
+
+
 def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
                   train_aware: bool = False) -> list[Row]:
     """fp32, one global bf16 / fp16 autocast, uniform tf32: error and estimated speed-up
@@ -338,11 +351,14 @@ def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
         err = calib if evl is None else evl
         within = calib <= budget and (evl is None or evl <= budget)
         why = ("" if within else f"over budget ({err:.3g} > {budget:g})")
+        pol = policy_for(p, {}, ev.fingerprint, ev.target)
+        if not why and p != "fp32":
+            audit = _audit_errors(ev, pol)
+            why = f"audit: {audit[0]}" if audit else ""
         if not why and p not in precisions:
             why = "not in --precisions"
         if not why and train_aware and p != "fp32":
             why = "not training-checked (--train-aware)"
-        pol = policy_for(p, {}, ev.fingerprint, ev.target)
         row = Row(label(p), "baseline", pol, err, not why, cost.speedup(pol), why_not=why)
         row.source = (calib, evl)
         rows.append(row)
@@ -378,8 +394,10 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
             r.est_measured_batch = at_batch.speedup(r.policy)
     inner = max(1, min(50, math.ceil(SAMPLE_S / max(at_batch.fp32_time, 1e-9))))
 
-    def run() -> Any:
-        with torch.no_grad():
+    from autoprec.fused import fused_paths_off
+
+    def run() -> Any:  # fused torch.nn fast paths off, as in every measured forward
+        with torch.no_grad(), fused_paths_off():
             return forward(net, batch)
 
     how = ("1 torch thread, thread CPU time" if device == "cpu" else "CUDA events") + (
