@@ -246,7 +246,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         "layers": layers,
     })
     speed = _beside_baselines(spec, net, pol, batches, ref, sc.value, budget, cost, graph,
-                              calib0, device, source, measure)
+                              calib0, device, source, measure, force)
     out["speed_source"] = source.note
     out["baselines"] = speed.to_dict()
     if measure:
@@ -260,7 +260,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
 
 def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, value: float,
                       budget: Any, cost: Any, graph: Any, batch: Any, device: str, source: Any,
-                      measure: bool) -> Any:
+                      measure: bool, force: bool = False) -> Any:
     """The policy next to fp32, one global bf16 / fp16 autocast and uniform tf32 (where the
     target has it): error on the eval data, estimated speed-up, measured where local."""
     from autoprec.apply.apply import apply_policy
@@ -294,7 +294,8 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
         check.reason = source.note if not source.local else "not measured (no --measure)"
         return check
     at_batch = CostModel(graph, cost.profile, batch_size=batch_size_of(batch) or 1)
-    check = measure_rows(rows, spec.forward, net, batch, source.device, device, at_batch)
+    check = measure_rows(rows, spec.forward, net, batch, source.device, device, at_batch,
+                         force=force)
     check.mark = "fastest within budget"
     return check
 

@@ -244,7 +244,8 @@ def check_speed(rows: list[Row], timer: Timer | None, *, device: str | None = No
 
 
 def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: str, *,
-                      inner: int = 1, fp8_backend: str | None = None, seed: int = 0) -> Timer:
+                      inner: int = 1, fp8_backend: str | None = None, seed: int = 0,
+                      force: bool = False) -> Timer:
     """A Timer for ``check_speed``: each plan applied around ``run()`` (the forward of one
     batch under ``torch.no_grad``), interleaved rounds on ``device`` (see the module doc)."""
     from autoprec.apply.apply import apply_policy
@@ -257,7 +258,7 @@ def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: s
         def more(samples: Mapping[str, list[float]]) -> bool:
             return _undecided(samples)
 
-        around = {name: (lambda pol=pol: apply_policy(model, pol, target=target,
+        around = {name: (lambda pol=pol: apply_policy(model, pol, target=target, force=force,
                                                       fp8_backend=fp8_backend))
                   for name, pol in plans.items()}
         with timing_threads(device), warnings.catch_warnings():
@@ -379,7 +380,7 @@ def _to_device(obj: Any, device: str) -> Any:
 
 def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, batch: Any,
                  device: str, target: str, at_batch: Any, *, timer: Timer | None = None,
-                 seed: int = 0) -> SpeedCheck:
+                 seed: int = 0, force: bool = False) -> SpeedCheck:
     """Time ``rows`` on the local ``device`` with ``forward(net, batch)`` (a copy of the
     model on a GPU) and decide; ``at_batch``: the cost model at the timed batch size (the
     estimate beside each measurement, and how many forwards make one sample)."""
@@ -403,7 +404,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
     how = ("1 torch thread, thread CPU time" if device == "cpu" else "CUDA events") + (
         f", {inner} forwards per sample" if inner > 1 else "")
     return check_speed(rows, timer or interleaved_timer(net, run, device, target, inner=inner,
-                                                        seed=seed),
+                                                        seed=seed, force=force),
                        device=device, batch_size=at_batch.batch_size, how=how)
 
 
