@@ -7,12 +7,15 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from autoprec.errors import CheckFailed
 from autoprec.precisions import parse_precisions
+
+if TYPE_CHECKING:
+    from autoprec.search.confirm_speed import SpeedCheck
 
 
 def tune_cmd(
@@ -35,6 +38,7 @@ def tune_cmd(
     lock: Annotated[list[str] | None, typer.Option(help="Module path the search may not change (repeatable).")] = None,
     train_aware: Annotated[bool, typer.Option(help="Also probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
+    measure: Annotated[bool, typer.Option("--measure/--no-measure", help="When the target is this machine (cpu, or the GPU here): calibrate its profile here first and time the winner against fp32 and one global autocast, never writing a plan measured slower.")] = True,
     mlflow_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: ./mlflow.db).")] = None,
     experiment: Annotated[str, typer.Option(help="MLflow experiment name.")] = "autoprec",
     no_track: Annotated[bool, typer.Option("--no-track", help="Do not log to MLflow.")] = False,
@@ -55,6 +59,10 @@ def tune_cmd(
                     study_name=study_name, out=out, workers=workers)
     parse_precisions(precisions)
     if workers > 1:
+        if measure:  # calibrate a local target once: every worker prices on the same profile
+            from autoprec.search.local_profile import calibration_dir, speed_source
+
+            speed_source(target, measure=True, cache_dir=calibration_dir(out))
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
     # A worker started by --workers: its own seed (environment read at the CLI boundary).
@@ -68,7 +76,7 @@ def tune_cmd(
         precisions=parse_precisions(precisions), trials=trials, timeout=timeout, seed=seed,
         patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
-        train_aware=train_aware, progress=not quiet and not json_out,
+        train_aware=train_aware, progress=not quiet and not json_out, measure=measure,
     )
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
@@ -83,6 +91,8 @@ def tune_cmd(
         "mlflow_run": result.policy.provenance.get("mlflow_run"),
         "search_complete": result.complete, "candidates": result.method,
         "est_casts": result.policy.metrics.get("est_casts"), "notes": result.notes,
+        "measured_speedup": result.policy.metrics.get("measured_speedup"),
+        "baselines": result.speed.to_dict() if result.speed is not None else None,
     }
     if json_out:
         print(json.dumps(summary, indent=2))
@@ -91,10 +101,15 @@ def tune_cmd(
         print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
         for k, v in lowered.items():
             print(f"  {k:<50} {v}")
+        measured = summary["measured_speedup"]
         print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
-              f"{result.est_speedup:.2f}x on {target} ({summary['est_casts']} casts per "
+              f"{result.est_speedup:.2f}x on {target}"
+              + (f", measured {measured:.2f}x here" if measured is not None else "")
+              + f" ({summary['est_casts']} casts per "
               f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "
               f"{result.seconds:.0f}s" + ("; search complete" if result.complete else ""))
+        if result.speed is not None:
+            _print_speed(result.speed)
     if not result.feasible:
         if (min_speedup is not None and result.eval_error <= result.budget
                 and result.est_speedup < min_speedup):
@@ -106,6 +121,16 @@ def tune_cmd(
         raise CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
                           f"closest (error {_sig(result.eval_error)}) to {result.path} marked "
                           "feasible: false")
+
+
+def _print_speed(speed: SpeedCheck) -> None:
+    """The written plan beside its baselines, and why it was written."""
+    print("")
+    print(speed.table())
+    where = (f"measured on {speed.device} at batch size {speed.batch_size} ({speed.how}, "
+             f"{speed.rounds} interleaved rounds)" if speed.measured else "estimated")
+    print(f"speed: {where}; {speed.reason}")
+    print(f"pick: {speed.recommendation()}")
 
 
 def _num(x: float) -> float | str:

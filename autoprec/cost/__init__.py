@@ -6,7 +6,7 @@ measurements into a profile's efficiency factors.
 """
 
 from autoprec.cost.calibrate import FitResult, Sample, fit
-from autoprec.cost.measure import Timing, measure_latency
+from autoprec.cost.measure import Timing, measure_interleaved, measure_latency
 from autoprec.cost.model import Breakdown, CostModel, Kernel
 from autoprec.cost.profiles import (
     Calibration,
@@ -33,5 +33,6 @@ __all__ = [
     "known_devices",
     "load_calibration",
     "load_profiles",
+    "measure_interleaved",
     "measure_latency",
 ]

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 import autoprec
-from autoprec.cost import CostModel, get_profile
+from autoprec.cost import CostModel
 from autoprec.errors import InputError
 from autoprec.evaluate import Reference, reference, score
 from autoprec.hashing import code_hash, data_hash, weights_hash
@@ -43,8 +43,10 @@ from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.search import compact, select
 from autoprec.search.config import TuneConfig
+from autoprec.search.confirm_speed import SpeedCheck, confirm_tune, speed_metrics
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
+from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
 from autoprec.search.objective import Evaluator
 from autoprec.search.planner import Planner
 from autoprec.search.sampler import PlanSampler
@@ -84,6 +86,7 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)  # things the user should be told
     complete: bool = False  # the planner had nothing faster left to measure
     method: str = ""  # how the candidates were found (enumeration / descent)
+    speed: SpeedCheck | None = None  # the plan beside its baselines; measured where local
 
 
 # -- stage 1: prepare ---------------------------------------------------------------------
@@ -105,6 +108,7 @@ class Prepared:
     deploy_bs: int
     calib_bs: int
     out_path: Path
+    source: SpeedSource | None = None  # where the speed figures come from (issue 21)
 
 
 def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
@@ -138,11 +142,13 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
                   budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
-    cost = CostModel(graph, get_profile(cfg.target), batch_size=deploy_bs)
+    source = speed_source(cfg.target, measure=cfg.measure,
+                          cache_dir=calibration_dir(out_path, cfg.cache_dir))
+    cost = CostModel(graph, source.profile, batch_size=deploy_bs)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
-                    cost, deploy_bs, calib_bs, out_path)
+                    cost, deploy_bs, calib_bs, out_path, source)
 
 
 # -- stage 2: the space -------------------------------------------------------------------
@@ -200,7 +206,9 @@ class Search:
 def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
     """What a study's trials depend on besides the structure (the fingerprint): joining a
     study made under other settings would reuse errors and times that do not hold here."""
+    here = prep.source is not None and prep.source.how != "stored profile"  # priced as measured
     return json.loads(json.dumps({
+        **({"profile": prep.cost.profile.to_dict()} if here else {}),
         "target": cfg.target, "batch_size": prep.deploy_bs, "budget": cfg.budget,
         "budget_kind": cfg.budget_name, "precisions": list(cfg.precisions),
         "locked": sorted(cfg.locked), "min_speedup": cfg.min_speedup,
@@ -379,15 +387,18 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     cands = select.completed(search.study)
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
     provenance = _provenance(search, cfg)
-    rules = None
-    if not chosen.policy:  # an infeasible closest plan: compact it here
-        default, layers = space.rules(space.key(chosen.params))
-        rules = compact.compact(prep.cost, default, layers, defaults=space.region.choices)
+    # the last step: the chosen plan beside its baselines, timed when the target is here
+    speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible,
+                                        prep.source)
+    if prep.source is not None:
+        provenance.update(prep.source.provenance())
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
     policy.target["batch_size"] = prep.deploy_bs
     bd = prep.cost.breakdown(policy)
-    policy.metrics.update({"est_casts": bd.casts})
+    policy.metrics.update({"est_casts": bd.casts, **speed_metrics(speed)})
+    if chosen.number < 0:  # a baseline won the measurement: no trial of the study
+        policy.provenance["trial"] = None
     if chosen.calib.train_fidelity is not None:
         policy.metrics["train_fidelity"] = chosen.calib.train_fidelity
     policy.save(prep.out_path)
@@ -399,6 +410,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     tracker.log_metrics({"error": min(chosen.calib.error, 1e30),
                          "eval_error": min(eval_error, 1e30),
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
+                         **{k: v for k, v in policy.metrics.items() if k == "measured_speedup"},
                          "evaluations": search.evaluator.evaluations,
                          "trials": search.driver.ran})
     import pandas as pd
@@ -417,8 +429,10 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       trials=search.driver.ran, evaluations=search.evaluator.evaluations,
                       seconds=time.monotonic() - started, front=front_pols,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
-                      graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg),
-                      complete=search.driver.complete, method=search.planner.method)
+                      graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
+                      + ([prep.source.note] if prep.source is not None else []),
+                      complete=search.driver.complete, method=search.planner.method,
+                      speed=speed)
 
 
 def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
@@ -475,13 +489,17 @@ def tune(
     progress: bool = True,
     cache_dir: str | Path | None = None,
     train_aware: bool = False,
+    measure: bool = True,
 ) -> TuneResult:
     """Find the fastest plan within the budget and write it as a policy.
 
     ``trials`` is the number of trials this process runs at most (the search stops sooner
     once nothing faster is predicted within budget); ``resume=True``: run until the study
     holds that many finished trials. ``tracker``: None logs nothing (the CLI's default is
-    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). See DESIGN.md for the contract.
+    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). ``measure`` (a target that is
+    this machine: ``cpu``, or the GPU here): price on a profile calibrated here and time the
+    winner beside fp32 and one global autocast, never writing a plan measured slower
+    (``search/confirm_speed.py``). See DESIGN.md for the contract.
     """
     started = time.monotonic()
     cfg = TuneConfig.make(max_error=max_error, max_drop=max_drop, target=target,
@@ -489,7 +507,8 @@ def tune(
                           timeout=timeout, seed=seed, patience=patience,
                           min_speedup=min_speedup, storage=storage, study_name=study_name,
                           resume=resume, pareto=pareto, out=out, locked=locked,
-                          progress=progress, cache_dir=cache_dir, train_aware=train_aware)
+                          progress=progress, cache_dir=cache_dir, train_aware=train_aware,
+                          measure=measure)
     tracker = tracker or NullTracker()
     prep = prepare(model, cfg)
     space = make_space(prep, cfg)
