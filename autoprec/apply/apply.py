@@ -35,7 +35,7 @@ from autoprec.errors import CapabilityError, InputError
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
-from autoprec.policy.resolve import Resolved, assignment, module_table, resolve_path
+from autoprec.policy.resolve import Resolved, assignment, module_table, resolve
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BLOCK_SCALED, is_gemm_format
 
@@ -234,7 +234,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None
     dev = torch.device(device) if device is not None else _model_device(root)
     plan = compile_plan(policy, root)
     table = module_table(root)
-    res = {p: resolve_path(policy, p, m) for p, m in table.items()}
+    res = resolve(policy, root)  # a shared module: one precision under every path
     modules = dict(root.named_modules())
     chosen = [(modules[w.path] if w.path in modules else table[w.path], w)
               for w in plan.wrappers()]
