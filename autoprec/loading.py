@@ -134,6 +134,19 @@ def _checked_metric(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any,
     return metric
 
 
+def _has_grad(value: Any, depth: int = 0) -> bool:
+    """Some tensor in ``value`` (tensors, tuples, lists, dicts, ModelOutput) needs a grad."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if depth > 4:
+        return False
+    if isinstance(value, dict):
+        return any(_has_grad(v, depth + 1) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(_has_grad(v, depth + 1) for v in value[:64])
+    return False
+
+
 def _checked_loss(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     @functools.wraps(fn)
     def loss(outputs: Any, batch: Any) -> torch.Tensor:
@@ -149,6 +162,11 @@ def _checked_loss(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, A
         if value.numel() != 1:
             raise ModelFileError(f"{path}: loss() must return a scalar tensor, got shape "
                                  f"{tuple(value.shape)} (reduce it, e.g. .mean())")
+        if torch.is_grad_enabled() and not value.requires_grad and _has_grad(outputs):
+            raise ModelFileError(f"{path}: loss() returned a tensor with no gradient although "
+                                 "the outputs have one (computed under torch.no_grad() or "
+                                 "detached?); gradient probes and --train-aware backpropagate "
+                                 "through loss()")
         return value
 
     loss.__autoprec_checked__ = True  # type: ignore[attr-defined]

@@ -385,6 +385,8 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
 def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
           tracker: Tracker, started: float) -> TuneResult:
     cands = select.completed(search.study)
+    if not cands:
+        raise _nothing_measured(search, cfg)
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
     provenance = _provenance(search, cfg)
     # the last step: the chosen plan beside its baselines, timed when the target is here
@@ -433,6 +435,19 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       + ([prep.source.note] if prep.source is not None else []),
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed)
+
+
+def _nothing_measured(search: Search, cfg: TuneConfig) -> InputError:
+    """No trial of the study measured a plan: there is no closest policy to write. Name why
+    (every trial failed — the first reason — or none ran) instead of choosing from nothing."""
+    failed = search.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+    reasons = [t.user_attrs.get("fail_reason") for t in failed]
+    reasons = [r for r in reasons if r]
+    if reasons:
+        return InputError(f"no plan could be measured: all {len(failed)} trials failed, "
+                          f"the first with {reasons[0]}; no policy written")
+    return InputError(f"no plan was measured in study {search.study_name!r} (trials run: "
+                      f"{search.driver.ran}); no policy written")
 
 
 def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
