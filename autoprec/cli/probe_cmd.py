@@ -12,7 +12,7 @@ import typer
 
 from autoprec.errors import InputError
 from autoprec.fileio import atomic_write, brief
-from autoprec.paths import check_dir, check_out_path
+from autoprec.paths import check_dir, check_not_an_input, check_out_path
 from autoprec.precisions import parse_precisions
 
 #: What the printed table shows (the CSV / JSON carry every column).
@@ -47,6 +47,7 @@ def probe_cmd(
     check_budget(max_error, max_drop)
     if out is not None:
         check_out_path(out)  # before the probes run
+        check_not_an_input(out, {"the model file": model})
     if cache_dir is not None:
         check_dir(cache_dir, "--cache-dir")
     spec = load_model_file(model)

@@ -56,7 +56,8 @@ def tune_cmd(
     check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
                     batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
                     patience=patience, min_speedup=min_speedup, storage=storage,
-                    study_name=study_name, out=out, workers=workers)
+                    study_name=study_name, out=out, workers=workers, model=model,
+                    mlflow_uri=None if no_track else mlflow_uri)
     parse_precisions(precisions)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile

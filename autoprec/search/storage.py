@@ -150,6 +150,26 @@ def check_storage_url(url: str) -> None:
         _check_sqlite_path(rest, shown)
     elif scheme not in _PG_SCHEMES:
         raise InputError(f"--storage '{shown}': unsupported scheme '{scheme}'; {_RULE}")
+    else:
+        _check_pg_url(url, shown)
+
+
+def _check_pg_url(url: str, shown: str) -> None:
+    """A PostgreSQL URL parses (port a number in [1, 65535], a database named) before any
+    work: connecting is left to the run, a typo'd URL is not."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+        port = parsed.port
+    except Exception as err:  # SQLAlchemy: ArgumentError / ValueError on a bad port
+        why = f"the port is not a number ({err})" if isinstance(err, ValueError) else str(err)
+        raise InputError(f"--storage '{shown}': not a valid PostgreSQL URL: {why[:200]}; "
+                         f"{_RULE}") from None
+    if port is not None and not 1 <= port <= 65535:
+        raise InputError(f"--storage '{shown}': port {port} is not in [1, 65535]")
+    if not parsed.database:
+        raise InputError(f"--storage '{shown}': no database named (postgresql://USER@HOST/DB)")
 
 
 def _default_pg_scheme() -> str:

@@ -55,6 +55,7 @@ from autoprec.search.storage import count_finished, describe_storage, join_study
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, Tracker, log_tune_artifacts
+from autoprec.validate import check_out_not_input
 
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
 MARGIN = 1.25
@@ -119,6 +120,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
         raise InputError(f"{spec.path}: --train-aware needs loss(outputs, batch) in model.py")
     out_path = cfg.out or Path("policies") / f"{spec.name}-{cfg.target}.yaml"
     check_out_path(out_path)  # before any expensive work
+    check_out_not_input(out_path, model=spec.path, storage=cfg.storage)
     net = spec.model()
     calib = spec.calibration_batches()
     eval_batches = spec.eval_batches()
