@@ -205,6 +205,13 @@ class ModelSpec:
                 f"{self.path}: build_model() must return a torch.nn.Module, "
                 f"got {type(model).__name__}"
             )
+        if isinstance(model, torch.jit.ScriptModule):
+            # A scripted module runs its compiled graph: no Python forward to wrap in a
+            # region, no hooks for the probes, no named_modules() rules can reach.
+            raise ModelFileError(
+                f"{self.path}: build_model() returned a TorchScript module "
+                f"({type(model).__name__}); autoprec tunes and applies the eager "
+                "nn.Module: return it before torch.jit.script / torch.jit.trace")
         for pname, p in model.named_parameters():
             if p.is_floating_point() and p.dtype != torch.float32:
                 raise ModelFileError(

@@ -326,9 +326,12 @@ class CostModel:
         return self._fp32
 
     def speedup(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> float:
-        """All-fp32 time over the plan's (0.0 when it cannot run on the target)."""
+        """All-fp32 time over the plan's (0.0 when it cannot run on the target; 1.0 for a
+        forward with nothing to price, e.g. ``nn.Identity``: no precision changes it)."""
         t = self.estimate(policy, default)
-        return 0.0 if not math.isfinite(t) else self._fp32 / t
+        if not math.isfinite(t):
+            return 0.0
+        return self._fp32 / t if t > 0 else 1.0
 
     def infeasible(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> list[str]:
         """Why the plan cannot run on the target (empty: it can)."""

@@ -51,7 +51,13 @@ from autoprec.search.objective import Evaluator
 from autoprec.search.planner import Planner
 from autoprec.search.sampler import PlanSampler
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
-from autoprec.search.storage import count_finished, describe_storage, join_study, open_storage
+from autoprec.search.storage import (
+    count_finished,
+    describe_storage,
+    join_study,
+    open_storage,
+    storage_errors,
+)
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, Tracker, log_tune_artifacts
@@ -177,6 +183,11 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
         allowed[node.path] = [p for p in node.allowed if p in cfg.precisions
                               and p not in why_not and p not in device_why]
         excluded[node.path] = why_not
+    if not layers:
+        raise InputError(
+            f"nothing to tune: {prep.spec.path} has no GEMM layer (Linear, Conv, matmul, "
+            "attention) whose precision autoprec can choose; its forward is priced at "
+            f"{prep.cost.fp32_time * 1e6:.3g} µs in fp32 on {cfg.target}")
     regions = [p for p in REGIONS if p in cfg.precisions and p not in device_why]
     space = build_space(layers, allowed, excluded, cfg.precisions, locked=cfg.locked,
                         regions=regions)
@@ -227,19 +238,21 @@ def open_study(prep: Prepared, space: SearchSpace, cfg: TuneConfig, sampler: Pla
         f"{prep.spec.name}-{cfg.target}-{cfg.budget_name}{cfg.budget:g}-{tag}")
     default_db = prep.out_path.parent / "studies" / f"{prep.spec.name}.db"
     shown = describe_storage(cfg.storage or f"sqlite:///{default_db}")
-    study = join_study(open_storage(cfg.storage, default_db), name,
-                       fingerprint=prep.graph.fingerprint,
-                       directions=["minimize", "minimize"] if cfg.pareto else ["minimize"],
-                       sampler=sampler)
     meta = study_meta(space, model=prep.spec.name, fingerprint=prep.graph.fingerprint,
                       target=cfg.target, batch_size=prep.deploy_bs, budget=cfg.budget,
                       budget_kind=cfg.budget_name, min_speedup=cfg.min_speedup,
                       seed=cfg.seed, data=settings["data"], locked_paths=list(cfg.locked),
                       settings=settings)
     notes = []
-    if META_KEY not in study.user_attrs:
-        study.set_user_attr(META_KEY, meta)
-    else:
+    with storage_errors(shown):  # a read-only or full study storage: one line, exit 2
+        study = join_study(open_storage(cfg.storage, default_db), name,
+                           fingerprint=prep.graph.fingerprint,
+                           directions=["minimize", "minimize"] if cfg.pareto else ["minimize"],
+                           sampler=sampler)
+        fresh = META_KEY not in study.user_attrs
+        if fresh:
+            study.set_user_attr(META_KEY, meta)
+    if not fresh:
         old = study.user_attrs[META_KEY].get("settings", {})
         for key, value in settings.items():
             if old.get(key) != value:
@@ -294,7 +307,7 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
                     compact=compact_key)
     status = "FAILED"
     try:
-        with _graceful_interrupt(driver, interrupted):
+        with _graceful_interrupt(driver, interrupted), storage_errors(shown):
             driver.run()
         status = "KILLED" if interrupted else "FINISHED"
     finally:
