@@ -24,6 +24,7 @@ import hashlib
 import importlib.util
 import numbers
 import os
+import re
 import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -286,8 +287,17 @@ def _model_name(module: Any, path: Path) -> str:
     """MODEL_NAME from model.py, else the folder name for model.py, else the file stem."""
     explicit = getattr(module, "MODEL_NAME", None)
     if isinstance(explicit, str) and explicit:
+        # It names files (policies/NAME-TARGET.yaml, the study and cache): a plain name,
+        # never a path that would write outside policies/.
+        if not _PLAIN_NAME.fullmatch(explicit):
+            raise ModelFileError(f"{path}: MODEL_NAME must be a plain name (letters, digits, "
+                                 f"'.', '_', '-'; not starting with '.'), got {brief(explicit)}")
         return explicit
     return path.resolve().parent.name if path.stem == "model" else path.stem
+
+
+#: A MODEL_NAME usable as a file-name part.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 
 def _nul_line(path: Path) -> int | None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from autoprec.errors import InputError
 from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.validate import check_tune_args
 
@@ -63,6 +64,17 @@ class TuneConfig:
         given = precisions or get_profile(target).precisions
         wanted = tuple(check_precision(p, "--precisions") for p in given)
         wanted = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
+        if precisions:  # before any work: a list the target runs none of tunes nothing
+            profile = get_profile(target)
+            lower = [p for p in wanted if p != "fp32"]
+            if not lower:
+                raise InputError("--precisions: give at least one precision below fp32 "
+                                 f"(the target {target} runs {', '.join(profile.precisions)})")
+            if not any(profile.supports(p)[0] for p in lower):
+                why = "; ".join(profile.supports(p)[1] for p in lower)
+                raise InputError(f"--precisions {','.join(lower)}: the target {target} runs "
+                                 f"none of them ({why[:300]}); it runs "
+                                 f"{', '.join(profile.precisions)}")
         return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
                    patience, min_speedup, storage, study_name, resume, pareto,
                    Path(out) if out is not None else None, tuple(locked), progress,

@@ -131,11 +131,17 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
     calib = spec.calibration_batches()
     eval_batches = spec.eval_batches()
     same_data = spec.eval_data is None
+    before = _tensors_of(calib[0])  # to tell an input changed in place from randomness
     ref = reference(spec, net, calib, "of calibration_data",  # also: the model accepts it
                     need_outputs=not cfg.use_metric)
     eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
     check = score(spec, net, calib, ref, "of calibration_data")
     if check.error != 0.0:
+        if not _same_tensors(before, _tensors_of(calib[0])):
+            raise InputError(f"{spec.path}: forward() changes its input in place (batch 0 of "
+                             "calibration_data differs after one forward, e.g. x.mul_()); "
+                             "autoprec runs every batch many times: compute on a copy "
+                             "(x = x * 2, or x.clone())")
         raise InputError(f"{spec.path}: the fp32 model is not deterministic (two runs differ "
                          f"by {check.error:.3g}); put it in eval mode / fix random ops")
     graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
@@ -157,6 +163,25 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
                     cost, deploy_bs, calib_bs, out_path, source)
+
+
+def _tensors_of(batch: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Copies of the tensors in a batch (tensor / tuple / list / dict), in order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch.detach().clone()]
+    if depth > 4:
+        return []
+    items = (batch.values() if isinstance(batch, dict)
+             else batch if isinstance(batch, (tuple, list)) else ())
+    return [t for v in items for t in _tensors_of(v, depth + 1)]
+
+
+def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype
+        and (torch.equal(x, y) if not x.is_floating_point()
+             else bool(torch.isclose(x, y, rtol=0, atol=0, equal_nan=True).all()))
+        for x, y in zip(a, b))
 
 
 # -- stage 2: the space -------------------------------------------------------------------
