@@ -282,6 +282,9 @@ def _open_rdb(
             time.sleep(0.2 * (attempt + 1))
         except sqlalchemy.exc.OperationalError as err:
             if not _is_init_race(err):
+                full_or_read_only = storage_failure(err, shown)
+                if full_or_read_only is not None:
+                    raise full_or_read_only from err
                 raise InputError(
                     f"--storage '{shown}': cannot open the database "
                     f"({_first_line(err.orig or err)})"
