@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
+from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 from autoprec.fused import fused_paths_off
 
@@ -132,7 +133,7 @@ def eval_cmd(
     model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, ...)")],
     policy: Annotated[Path, typer.Option("--policy", help="Policy file to apply.")],
     target: Annotated[str | None, typer.Option(
-        help="Target device profile for est_speedup (default: the policy's, else h100).")] = None,
+        help=f"Target device profile for est_speedup: {target_names()} (default: the policy's, else h100).")] = None,
     batch_size: Annotated[int | None, typer.Option(
         help="Deployment batch size the speed is priced at (default: the policy's, else the "
              "calibration batch's).")] = None,
