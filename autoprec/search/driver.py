@@ -212,15 +212,19 @@ def _quiet_failed_trials() -> Iterator[None]:
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, object]]:
-    """One row per trial for tables and MLflow: number, state, error, times, params."""
+    """One row per trial for tables and MLflow: number, state, errors, times, params.
+
+    The policy file's vocabulary: ``calibration_error`` is what the search scored,
+    ``error`` the held-out (eval data) error where the trial was confirmed there."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         row: dict[str, object] = {"number": t.number, "state": t.state.name}
-        for k in ("error", "eval_error", "est_time", "est_speedup", "feasible", "screened",
-                  "skipped", "fail_reason"):
+        row["calibration_error"] = t.user_attrs.get("error")
+        row["error"] = t.user_attrs.get("eval_error")
+        for k in ("est_time", "est_speedup", "feasible", "screened", "skipped", "fail_reason"):
             row[k] = t.user_attrs.get(k)
         if t.user_attrs.get("nonfinite"):
-            row["error"] = math.inf
+            row["calibration_error"] = math.inf
         for k, v in t.params.items():
             row[f"params_{k}"] = v
         rows.append(row)

@@ -362,11 +362,14 @@ def _progress(bar: Any, tracker: Tracker, study_name: str) -> Any:
                          "autoprec.skipped": (res.skipped or "not measured")[:250]})
             tracker.log_trial(res.number, dict(res.params), {}, tags)
             return
+        # one vocabulary with the policy file: `error` is on the held-out (eval) data, where
+        # the budget binds (confirmed trials only); `calibration_error` is what the search
+        # scores
         tracker.log_trial(res.number, dict(res.params),
-                          {"error": min(ev.error, 1e30), "est_time": ev.est_time,
+                          {"calibration_error": min(ev.error, 1e30), "est_time": ev.est_time,
                            "est_speedup": ev.est_speedup, "feasible": float(ev.feasible),
                            **({} if ev.eval_error is None
-                              else {"eval_error": min(ev.eval_error, 1e30)})}, tags)
+                              else {"error": min(ev.eval_error, 1e30)})}, tags)
 
     return on_trial
 
@@ -449,8 +452,8 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     eval_error = chosen.eval_error if chosen.eval_error is not None else chosen.calib.error
     rows = trial_rows(search.study)
     sens = prep.table.to_frame() if prep.table is not None else None
-    tracker.log_metrics({"error": min(chosen.calib.error, 1e30),
-                         "eval_error": min(eval_error, 1e30),
+    tracker.log_metrics({"error": min(eval_error, 1e30),  # held-out, as in the policy
+                         "calibration_error": min(chosen.calib.error, 1e30),
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
                          **{k: v for k, v in policy.metrics.items() if k == "measured_speedup"},
                          "evaluations": search.evaluator.evaluations,

@@ -81,7 +81,9 @@ def pareto_plot(
     front, the budget and the chosen trial. Trials with a non-finite error are counted in
     the title, not drawn. Returns ``path`` (PNG)."""
     df = _completed(trials)
-    error = pd.to_numeric(df.get("error"), errors="coerce").astype(float)
+    # what the search scored (tune's trials table: calibration_error; else `error`)
+    error = pd.to_numeric(df.get("calibration_error", df.get("error")),
+                          errors="coerce").astype(float)
     speedup = pd.to_numeric(df.get("est_speedup"), errors="coerce").astype(float)
     if "feasible" in df.columns:
         feasible = df["feasible"].astype("boolean").fillna(False).astype(bool)

@@ -4,9 +4,13 @@ Artifact layout on the parent run::
 
     policy/<policy file name>      the policy YAML, as written by tune
     tables/sensitivity.csv         the probe's SensitivityTable (when there is one)
-    tables/trials.csv              one row per trial: number, state, error, est_time,
+    tables/trials.csv              one row per trial: number, state, calibration_error,
+                                   error (held-out, where confirmed), est_time,
                                    est_speedup, feasible, params_<layer> (precision)
-    plots/pareto.png               error vs estimated speed-up, chosen trial marked
+    plots/pareto.png               calibration error vs estimated speed-up, chosen marked
+
+One vocabulary with the policy file (``metrics``): ``error`` is always the held-out (eval
+data) error, where the budget binds; ``calibration_error`` is what the search scored.
     plots/layers.png               the chosen precision of every layer
 
 The parent also gets the tag ``autoprec.policy_artifact`` (the policy's artifact path).
