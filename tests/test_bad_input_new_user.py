@@ -227,6 +227,10 @@ def test_an_aliased_module_tunes_to_one_precision(tmp_path: Path, capsys, monkey
     code, out, err = run_cli(["tune", path, *TUNE, "--batch-size", "65536", "--out",
                               tmp_path / "p.yaml"], capsys)
     assert code == 0, err
+    # items 7 and 8: an early end says so, with counts; the next steps are printed
+    assert "search complete (" in out and "plans priced, 1 measured)" in out, out
+    assert f"next: autoprec check {path} --policy {tmp_path / 'p.yaml'}" in out, out
+    assert 'autoprec.apply_policy(model, "' in out
     from autoprec.loading import load_model_file
 
     net = load_model_file(path).model()

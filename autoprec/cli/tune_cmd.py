@@ -92,6 +92,7 @@ def tune_cmd(
         "storage": result.storage, "front": [str(p) for p in result.front_paths],
         "mlflow_run": result.policy.provenance.get("mlflow_run"),
         "search_complete": result.complete, "candidates": result.method,
+        "plans_priced": result.priced, "plans_measured": result.measured,
         "est_casts": result.policy.metrics.get("est_casts"), "notes": result.notes,
         "measured_speedup": result.policy.metrics.get("measured_speedup"),
         "baselines": result.speed.to_dict() if result.speed is not None else None,
@@ -109,9 +110,12 @@ def tune_cmd(
               + (f", measured {measured:.2f}x here" if measured is not None else "")
               + f" ({summary['est_casts']} casts per "
               f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "
-              f"{result.seconds:.0f}s" + ("; search complete" if result.complete else ""))
+              f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
+                                          f"{result.measured} measured)"
+                                          if result.complete else ""))
         if result.speed is not None:
             _print_speed(result.speed)
+        _next_steps(model, result, target, tracker)
     if not result.feasible:
         if (min_speedup is not None and result.eval_error <= result.budget
                 and result.est_speedup < min_speedup):
@@ -133,6 +137,21 @@ def _print_speed(speed: SpeedCheck) -> None:
              f"{speed.rounds} interleaved rounds)" if speed.measured else "estimated")
     print(f"speed: {where}; {speed.reason}")
     print(f"pick: {speed.recommendation()}")
+
+
+def _next_steps(model: Path, result: object, target: str, tracker: object) -> None:
+    """What to do with the policy: check it, see where the time goes, apply it; where the
+    MLflow run is."""
+    path = result.path  # type: ignore[attr-defined]
+    print(f"next: autoprec check {model} --policy {path}      # the CI gate, on eval data")
+    print(f"      autoprec eval {model} --policy {path} --target {target}   # where the "
+          "time goes")
+    print(f'      python: autoprec.apply_policy(model, "{path}")')
+    run_id = result.policy.provenance.get("mlflow_run")  # type: ignore[attr-defined]
+    if run_id:
+        where = getattr(tracker, "run_url", None) or (
+            f"mlflow ui --backend-store-uri {getattr(tracker, 'shown_uri', '')}")
+        print(f"      MLflow run {run_id}: {where}")
 
 
 def _num(x: float) -> float | str:

@@ -94,6 +94,8 @@ class TuneResult:
     complete: bool = False  # the planner had nothing faster left to measure
     method: str = ""  # how the candidates were found (enumeration / descent)
     speed: SpeedCheck | None = None  # the plan beside its baselines; measured where local
+    priced: int = 0  # plans the planner priced (the candidates it considered)
+    measured: int = 0  # distinct plans measured on the model (this study, all runs)
 
 
 # -- stage 1: prepare ---------------------------------------------------------------------
@@ -336,6 +338,13 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
             driver.run()
         status = "KILLED" if interrupted else "FINISHED"
     finally:
+        if driver.complete and not interrupted:
+            # the walk ended before --trials: say so, not a bar frozen at "1/40 [2%]"
+            bar.total = bar.n
+            bar.set_description_str(f"tune {prep.spec.name}: search complete "
+                                    f"({planner.priced} plans priced, "
+                                    f"{len(driver.by_key)} measured)")
+            bar.refresh()
         bar.close()
         if status != "FINISHED":
             tracker.finish(status)
@@ -477,7 +486,8 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
                       + ([prep.source.note] if prep.source is not None else []),
                       complete=search.driver.complete, method=search.planner.method,
-                      speed=speed)
+                      speed=speed, priced=search.planner.priced,
+                      measured=len(search.driver.by_key))
 
 
 def _nothing_measured(search: Search, cfg: TuneConfig) -> InputError:
