@@ -470,7 +470,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     import pandas as pd
 
     log_tune_artifacts(tracker, policy_path=prep.out_path, sensitivity=sens,
-                       trials=pd.DataFrame(rows), layers=policy.layers,
+                       trials=pd.DataFrame(rows), layers=_per_layer(prep, space, policy),
                        chosen_trial=chosen.number, budget=cfg.budget,
                        workdir=prep.out_path.parent / ".autoprec" / search.study_name)
     for p in front_paths:
@@ -488,6 +488,14 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
                       measured=len(search.driver.by_key))
+
+
+def _per_layer(prep: Prepared, space: SearchSpace, policy: Policy) -> dict[str, str]:
+    """The precision every GEMM layer computes in under ``policy`` (not only the layers
+    with a rule: the default's too), in the model's order — for the layers plot."""
+    from autoprec.policy import assignment
+
+    return assignment(policy, prep.net, paths=space.layers)
 
 
 def _nothing_measured(search: Search, cfg: TuneConfig) -> InputError:

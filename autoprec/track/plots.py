@@ -146,7 +146,8 @@ def pareto_plot(
     return _save(fig, path)
 
 
-def layers_plot(layers: dict[str, str], path: Path, *, title: str = "Precision per layer") -> Path:
+def layers_plot(layers: dict[str, str], path: Path, *,
+                title: str = "Precision per GEMM layer") -> Path:
     """One bar per layer (in the given order, top to bottom), coloured by precision; the
     bar's length is the precision's compute bits. Returns ``path`` (PNG)."""
     names = list(layers)
