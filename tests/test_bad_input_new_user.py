@@ -261,17 +261,16 @@ def test_optuna_failure_tracebacks_stay_off_the_console(capsys) -> None:
 
 def test_no_completed_trial_is_one_line_not_a_value_error() -> None:
     """Item 12: a study where every trial failed names the first reason (exit 2)."""
-    from types import SimpleNamespace
-
     from autoprec.errors import InputError
-    from autoprec.search.tune import _nothing_measured
+    from autoprec.search.driver import Driver
 
     study = optuna.create_study()
     trial = study.ask()
     trial.set_user_attr("fail_reason", "PolicyError: something about 'mid'")
     study.tell(trial, state=optuna.trial.TrialState.FAIL)
-    err = _nothing_measured(SimpleNamespace(study=study, study_name="s",
-                                            driver=SimpleNamespace(ran=1)), None)
+    driver = Driver.__new__(Driver)  # only the study is read
+    driver.study, driver.ran = study, 1
+    err = driver.nothing_measured("s")
     assert isinstance(err, InputError) and err.exit_code == 2
     assert "all 1 trials failed, the first with PolicyError: something about 'mid'" in str(err)
 

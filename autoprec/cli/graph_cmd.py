@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -52,7 +53,9 @@ def graph_cmd(
     for col in ("flops", "bytes"):
         frame[col] = [_si(v) for v in frame[col]]
     frame["why_not"] = [_why_not(n.disallowed) for n in graph]
-    typer.echo(_fit(frame, shutil.get_terminal_size((120, 24)).columns))
+    # a terminal gets lines that fit it; a pipe or a file gets every reason whole
+    width = shutil.get_terminal_size((120, 24)).columns if sys.stdout.isatty() else None
+    typer.echo(_fit(frame, width))
     gemms = graph.gemm_nodes
     typer.echo("")
     typer.echo(f"model: {graph.model_name}   fingerprint: {graph.fingerprint}")
@@ -78,13 +81,13 @@ def _si(value: object) -> str:
     return f"{v:.0f}"
 
 
-def _fit(frame: Any, width: int) -> str:
+def _fit(frame: Any, width: int | None) -> str:
     """The table within ``width`` columns: why_not is the last column, so a line too long
     is cut there with '…' (a narrow terminal still gets every layer; --json gives every
     reason whole)."""
     import pandas as pd
 
-    width = max(width, 80)
+    width = max(width, 80) if width is not None else 10**9
     with pd.option_context("display.max_rows", None, "display.max_colwidth", 10_000,
                            "display.width", 10_000):  # fmt: skip
         rest = frame.drop(columns=["why_not"]).to_string(index=False).splitlines()

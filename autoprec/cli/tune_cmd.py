@@ -45,6 +45,7 @@ def tune_cmd(
     no_track: Annotated[bool, typer.Option("--no-track", help="Do not log to MLflow.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    report: Annotated[Path | None, typer.Option(help="Also write the tables and plots (trials, per-layer precisions, tuned vs one global autocast) into this folder.")] = None,
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
     from autoprec.cli import current_argv
@@ -60,6 +61,12 @@ def tune_cmd(
                     study_name=study_name, out=out, workers=workers, model=model,
                     mlflow_uri=None if no_track else mlflow_uri)
     parse_precisions(precisions)
+    if report is not None:
+        from autoprec.extras import require
+        from autoprec.paths import check_dir
+
+        check_dir(report, "--report")
+        require("matplotlib", "tune --report's plots")
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile
             from autoprec.search.local_profile import calibration_dir, speed_source
@@ -79,6 +86,7 @@ def tune_cmd(
         patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
         train_aware=train_aware, progress=not quiet and not json_out, measure=measure,
+        report=report,
     )
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
@@ -96,6 +104,7 @@ def tune_cmd(
         "est_casts": result.policy.metrics.get("est_casts"), "notes": result.notes,
         "measured_speedup": result.policy.metrics.get("measured_speedup"),
         "baselines": result.speed.to_dict() if result.speed is not None else None,
+        "report": [str(p) for p in result.report],
     }
     if json_out:
         print(json.dumps(summary, indent=2))
@@ -115,6 +124,8 @@ def tune_cmd(
                                           if result.complete else ""))
         if result.speed is not None:
             _print_speed(result.speed)
+        if result.report:
+            print(f"report: {report}/ ({', '.join(p.name for p in result.report)})")
         _next_steps(model, result, target, tracker)
     if not result.feasible:
         if (min_speedup is not None and result.eval_error <= result.budget

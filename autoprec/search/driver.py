@@ -156,6 +156,17 @@ class Driver:
         if self.complete or self.exhausted:
             study.stop()
 
+    def nothing_measured(self, study_name: str) -> InputError:
+        """No trial of the study measured a plan: there is no closest policy to write. Name
+        why (every trial failed: the first reason; or none ran), never choose from nothing."""
+        failed = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+        reasons = [r for t in failed if (r := t.user_attrs.get("fail_reason"))]
+        if reasons:
+            return InputError(f"no plan could be measured: all {len(failed)} trials failed, "
+                              f"the first with {reasons[0]}; no policy written")
+        return InputError(f"no plan was measured in study {study_name!r} (trials run: "
+                          f"{self.ran}); no policy written")
+
     def measured_any(self) -> bool:
         """The study holds a measured plan (this run's or an earlier one's)."""
         return any("error" in t.user_attrs for t in self.study.get_trials(

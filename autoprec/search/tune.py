@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 import autoprec
 from autoprec.cost import CostModel
 from autoprec.errors import InputError
-from autoprec.evaluate import Reference, reference, score
+from autoprec.evaluate import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
@@ -94,6 +94,7 @@ class TuneResult:
     complete: bool = False  # the planner had nothing faster left to measure
     method: str = ""  # how the candidates were found (enumeration / descent)
     speed: SpeedCheck | None = None  # the plan beside its baselines; measured where local
+    report: list[Path] = field(default_factory=list)  # files tune(report=DIR) wrote
     priced: int = 0  # plans the planner priced (the candidates it considered)
     measured: int = 0  # distinct plans measured on the model (this study, all runs)
 
@@ -133,13 +134,13 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
     calib = spec.calibration_batches()
     eval_batches = spec.eval_batches()
     same_data = spec.eval_data is None
-    before = _tensors_of(calib[0])  # to tell an input changed in place from randomness
+    before = batch_tensors(calib[0])  # to tell an input changed in place from randomness
     ref = reference(spec, net, calib, "of calibration_data",  # also: the model accepts it
                     need_outputs=not cfg.use_metric)
     eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
     check = score(spec, net, calib, ref, "of calibration_data")
     if check.error != 0.0:
-        if not _same_tensors(before, _tensors_of(calib[0])):
+        if not same_tensors(before, batch_tensors(calib[0])):
             raise InputError(f"{spec.path}: forward() changes its input in place (batch 0 of "
                              "calibration_data differs after one forward, e.g. x.mul_()); "
                              "autoprec runs every batch many times: compute on a copy "
@@ -165,25 +166,6 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
                     cost, deploy_bs, calib_bs, out_path, source)
-
-
-def _tensors_of(batch: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Copies of the tensors in a batch (tensor / tuple / list / dict), in order."""
-    if isinstance(batch, torch.Tensor):
-        return [batch.detach().clone()]
-    if depth > 4:
-        return []
-    items = (batch.values() if isinstance(batch, dict)
-             else batch if isinstance(batch, (tuple, list)) else ())
-    return [t for v in items for t in _tensors_of(v, depth + 1)]
-
-
-def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        x.shape == y.shape and x.dtype == y.dtype
-        and (torch.equal(x, y) if not x.is_floating_point()
-             else bool(torch.isclose(x, y, rtol=0, atol=0, equal_nan=True).all()))
-        for x, y in zip(a, b))
 
 
 # -- stage 2: the space -------------------------------------------------------------------
@@ -438,7 +420,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
           tracker: Tracker, started: float) -> TuneResult:
     cands = select.completed(search.study)
     if not cands:
-        raise _nothing_measured(search, cfg)
+        raise search.driver.nothing_measured(search.study_name)
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
     provenance = _provenance(search, cfg)
     # the last step: the chosen plan beside its baselines, timed when the target is here
@@ -498,19 +480,6 @@ def _per_layer(prep: Prepared, space: SearchSpace, policy: Policy) -> dict[str, 
     return assignment(policy, prep.net, paths=space.layers)
 
 
-def _nothing_measured(search: Search, cfg: TuneConfig) -> InputError:
-    """No trial of the study measured a plan: there is no closest policy to write. Name why
-    (every trial failed — the first reason — or none ran) instead of choosing from nothing."""
-    failed = search.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
-    reasons = [t.user_attrs.get("fail_reason") for t in failed]
-    reasons = [r for r in reasons if r]
-    if reasons:
-        return InputError(f"no plan could be measured: all {len(failed)} trials failed, "
-                          f"the first with {reasons[0]}; no policy written")
-    return InputError(f"no plan was measured in study {search.study_name!r} (trials run: "
-                      f"{search.driver.ran}); no policy written")
-
-
 def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                  cands: list[select.Candidate], provenance: dict[str, Any]
                  ) -> tuple[list[Policy], list[Path]]:
@@ -566,6 +535,7 @@ def tune(
     cache_dir: str | Path | None = None,
     train_aware: bool = False,
     measure: bool = True,
+    report: str | Path | None = None,
 ) -> TuneResult:
     """Find the fastest plan within the budget and write it as a policy.
 
@@ -575,7 +545,9 @@ def tune(
     MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). ``measure`` (a target that is
     this machine: ``cpu``, or the GPU here): price on a profile calibrated here and time the
     winner beside fp32 and one global autocast, never writing a plan measured slower
-    (``search/confirm_speed.py``). See DESIGN.md for the contract.
+    (``search/confirm_speed.py``). ``report``: a folder to write the tables and plots into
+    (trials, Pareto front, per-layer precisions, and the tuned plan beside one global
+    autocast per precision), MLflow or not. See DESIGN.md for the contract.
     """
     started = time.monotonic()
     cfg = TuneConfig.make(max_error=max_error, max_drop=max_drop, target=target,
@@ -586,11 +558,25 @@ def tune(
                           progress=progress, cache_dir=cache_dir, train_aware=train_aware,
                           measure=measure)
     tracker = tracker or NullTracker()
+    if report is not None:  # before any work: the folder, and matplotlib for its plots
+        from autoprec.extras import require
+        from autoprec.paths import check_dir
+
+        check_dir(Path(report), "--report")
+        require("matplotlib", "tune --report's plots")
     prep = prepare(model, cfg)
     space = make_space(prep, cfg)
     interrupted: list[bool] = []
     search = run_search(prep, space, cfg, tracker, interrupted)
-    return write(prep, space, search, cfg, tracker, started)
+    result = write(prep, space, search, cfg, tracker, started)
+    if report is not None:
+        from autoprec.search.baselines import write_report
+
+        result.report = write_report(Path(report), result, search.evaluator, prep.cost,
+                                     list(space.region.choices),
+                                     _per_layer(prep, space, result.policy))
+    return result
+
 
 
 __all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: search/config.py

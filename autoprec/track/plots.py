@@ -184,3 +184,26 @@ def layers_plot(layers: dict[str, str], path: Path, *,
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"{title} ({n} layers)", fontsize=10)
     return _save(fig, path)
+
+
+def baselines_plot(rows: pd.DataFrame, path: Path, *, budget: float | None = None,
+                   title: str = "Tuned plan against one global autocast") -> Path:
+    """Bars of estimated speed-up (``plan``, ``est_speedup``, ``error`` columns; the tuned
+    plan first), green within ``budget`` and grey over it, each labelled with its error.
+    Returns ``path`` (PNG)."""
+    names = [str(v) for v in rows["plan"]]
+    speed = [float(v) for v in rows["est_speedup"]]
+    errors = [float(v) for v in rows["error"]]
+    fig = _figure(7.0, 1.4 + 0.45 * len(names))
+    ax = fig.add_subplot()
+    ok = [budget is None or (math.isfinite(e) and e <= budget) for e in errors]
+    positions = list(range(len(names) - 1, -1, -1))
+    ax.barh(positions, speed, color=["#2ca02c" if k else "#b0b0b0" for k in ok], height=0.7)
+    ax.set_yticks(positions, names, fontsize=8)
+    for y, s, e, k in zip(positions, speed, errors, ok):
+        label = f" {s:.2f}x, error {e:.3g}" if math.isfinite(e) else f" {s:.2f}x, error inf"
+        ax.text(s, y, label + ("" if k else " (over budget)"), va="center", fontsize=7)
+    ax.set_xlabel("estimated speed-up over fp32 (x)")
+    ax.set_xlim(0, max(speed + [1.0]) * 1.45)
+    ax.set_title(title + (f" (budget {budget:g})" if budget is not None else ""), fontsize=10)
+    return _save(fig, path)
