@@ -138,4 +138,4 @@ def test_graph_fits_a_terminal() -> None:
     text = _fit(frame, 100)
     assert max(len(line) for line in text.splitlines()) <= 100
     assert "67.1M" in text and "--json gives every reason" in text
-    assert "multiple of 16 " * 5 in _fit(frame, None)
+    assert frame["why_not"][0].rstrip() in _fit(frame, None)
