@@ -27,15 +27,18 @@ from autoprec.fused import FUSED_OPS
 from autoprec.paths import normalize_path, unwrap_model
 
 _GEMM_TARGETS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm")
-_WRAPPED = re.compile(r"\.forward\.__closure__.*?__self__")
+# a wrapped forward is a method bound to its module (apply._bound_to): `.forward.__func__`
+_WRAPPED = re.compile(r"\.forward(?:\.__func__)?\.__closure__.*?__self__")
 
 
 def _module_path(expr: str) -> str:
     """dynamo's source of a module ("L['module'].encoder.layers[0].forward.__closure__[0]
     .cell_contents.__self__.linear1") -> its path ("encoder.layers.0.linear1")."""
     expr = _WRAPPED.sub("", expr)
-    # the root: L['module'] / L['self'], or L['inner'].__self__ (the root's own wrapper)
-    expr = re.sub(r"^L\[['\"]\w+['\"]\](\.__self__)?\.?", "", expr)
+    # the root: L['module'] / L['self'], or L['inner'].__self__ / L['fwd'].__closure__[1]
+    # .cell_contents.__self__ (reached through the root's own wrapper)
+    expr = re.sub(r"^L\[['\"]\w+['\"]\]((\.__closure__\[\d+\]\.cell_contents)*\.__self__)?\.?",
+                  "", expr)
     expr = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", expr)
     expr = re.sub(r"\[(\d+)\]", r".\1", expr)
     expr = expr.replace("._modules.", ".").lstrip(".")
