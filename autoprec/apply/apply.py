@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import types
 import weakref
 from collections.abc import Callable, Mapping
@@ -107,6 +108,13 @@ def _bound_to(module: torch.nn.Module, fwd: Callable[..., Any], old: Any) -> Any
         return type(self).forward(self, *args, **kwargs)
 
     functools.update_wrapper(forward, fwd)
+    try:  # the bound method shows the module's own signature (HF Trainer reads it)
+        sig = inspect.signature(fwd)
+        forward.__signature__ = sig.replace(parameters=[  # type: ignore[attr-defined]
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+            *sig.parameters.values()])
+    except (TypeError, ValueError):
+        pass
     return types.MethodType(forward, module)
 
 
