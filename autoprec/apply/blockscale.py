@@ -25,7 +25,7 @@ Training (gradient recipes):
 - nvfp4: forward-only. NVIDIA's NVFP4 training recipe needs stochastic rounding of the
   gradients, random Hadamard transforms on the wgrad GEMM and 16x16 weight blocks (TE
   docs, "NVFP4"); none is implemented here, so a backward through an nvfp4 layer raises
-  :class:`NoGradientRecipe` and ``mx_ineligible_reason(..., training=True)`` says so.
+  :class:`NoGradientRecipe` and ``formats.gemm.ineligible_reason(..., training=True)`` says so.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from autoprec.apply.fp8 import linear_dims, linear_weight
 from autoprec.errors import CapabilityError
 from autoprec.formats import BLOCK_FORMATS, BLOCK_SIZE, BlockShapeError
 from autoprec.formats.elements import pack_e2m1
+from autoprec.formats.gemm import ineligible_reason, linear_weight
 from autoprec.formats.layout import to_blocked
 from autoprec.formats.mx import MXTensor, dequantize_mx, fake_quant_mxfp8, quantize_mx
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
@@ -51,14 +51,6 @@ BLOCK_BACKENDS = ("emulated", "torch")
 #: experiments/results/blockscale_error.md measured it 1.1-2x fp8's error on outlier layers.
 MX_SCALE_MODE = "rceil"
 
-#: Which formats can be trained through, and how (see the module docstring).
-GRADIENT_RECIPES: dict[str, str | None] = {
-    "mxfp8": "MXFP8 (TE MXFP8BlockScaling / torchao MXLinear): E4M3 + E8M0 per 32 along "
-             "each backward GEMM's reduction dim, re-quantised from high precision",
-    "nvfp4": None,
-}
-
-
 class NoGradientRecipe(CapabilityError, RuntimeError):
     """A backward pass reached a format that autoprec runs forward-only (nvfp4)."""
 
@@ -68,45 +60,6 @@ def _check_fmt(fmt: str) -> str:
         raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of "
                          f"{', '.join(BLOCK_FORMATS)}")
     return fmt
-
-
-def mx_ineligible_reason(module: torch.nn.Module, fmt: str, training: bool = False) -> str | None:
-    """Why ``module`` cannot run in ``fmt`` ("mxfp8" / "nvfp4"); None when it can.
-
-    Rules (K = in_features, N = out_features):
-    - K a multiple of the block (32 for mxfp8, 16 for nvfp4): scales are per block along K.
-    - nvfp4: K a multiple of 32 — the fp4 GEMM reads two elements per byte and
-      ``torch._scaled_mm`` requires the packed K (K / 2) to be a multiple of 16.
-    - N a multiple of 16: ``torch._scaled_mm`` requires both dims of its second operand
-      (K, N) to be multiples of 16 (``_check_scaled_mm_sizes`` in torch 2.13's
-      ``_meta_registrations.py``, the same check as ``ScaledBlas.cpp``).
-    - training: nvfp4 has no gradient recipe; mxfp8 also needs N a multiple of 32 (the
-      input-gradient GEMM reduces over N in 32-blocks).
-    """
-    _check_fmt(fmt)
-    dims = linear_dims(module)
-    if dims is None:
-        return f"{fmt}: {type(module).__name__} is not a Linear-like GEMM"
-    k, n = dims
-    block = BLOCK_SIZE[fmt]
-    if k % block:
-        return (f"{fmt}: in_features {k} not a multiple of the block size {block} "
-                f"(one scale per {block} elements along K)")
-    if fmt == "nvfp4" and k % 32:
-        return (f"nvfp4: in_features {k} not a multiple of 32 (fp4 packs two elements per "
-                f"byte; torch._scaled_mm needs the packed K {k // 2} to be a multiple of 16)")
-    if n % 16:
-        return (f"{fmt}: out_features {n} not a multiple of 16 "
-                f"(torch._scaled_mm needs both dims of the weight operand divisible by 16)")
-    if training:
-        if GRADIENT_RECIPES[fmt] is None:
-            return (f"{fmt}: forward-only in autoprec (no gradient recipe: NVIDIA's needs "
-                    f"stochastic rounding and Hadamard transforms); train in mxfp8, fp8 or "
-                    f"a 16-bit precision")
-        if n % 32:
-            return (f"{fmt}: out_features {n} not a multiple of 32 (training: the input "
-                    f"gradient GEMM reduces over N in blocks of 32)")
-    return None
 
 
 def blockscale_capability(fmt: str, backend: str = "emulated",
@@ -308,7 +261,7 @@ def blockscaled_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
             raise CapabilityError(why)
     weight = linear_weight(module)
     if weight.shape[-1] % BLOCK_SIZE[fmt]:
-        why = mx_ineligible_reason(module, fmt)
+        why = ineligible_reason(module, fmt)
         raise BlockShapeError(why or f"{fmt}: weight {tuple(weight.shape)} not block-aligned")
     bias = getattr(module, "bias", None)
     out_dtype = _out_dtype(x)
@@ -334,6 +287,6 @@ def reference_blockscaled_linear(x: torch.Tensor, weight: torch.Tensor,
     return y.reshape(*x.shape[:-1], -1)
 
 
-__all__ = ["BLOCK_BACKENDS", "GRADIENT_RECIPES", "MXTensor", "NVFP4Tensor", "NoGradientRecipe",
-           "blockscale_capability", "blockscaled_linear", "mx_ineligible_reason",
+__all__ = ["BLOCK_BACKENDS", "MXTensor", "NVFP4Tensor", "NoGradientRecipe",
+           "blockscale_capability", "blockscaled_linear",
            "reference_blockscaled_linear", "scaled_mm_call"]

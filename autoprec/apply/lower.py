@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec.apply import backends
 from autoprec.errors import CapabilityError, PolicyError
+from autoprec.formats.gemm import ineligible_reason
 from autoprec.plan.autocast import suspend_target_fp32_ops, target_fp32_ops
 from autoprec.precisions import AUTOCAST_DTYPES, check_precision, is_gemm_format
 
@@ -275,7 +276,7 @@ def lowered_forward(
     check_precision(precision)
     inner = forward if forward is not None else module.forward
     if is_gemm_format(precision):
-        why = backends.ineligible_reason(module, precision)
+        why = ineligible_reason(module, precision)
         if why is not None:
             raise ValueError(why)
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autoprec.apply import backends
 from autoprec.errors import PolicyError
+from autoprec.formats import gemm
 from autoprec.fused import not_called_reason
 from autoprec.paths import normalize_path, unwrap_model
 from autoprec.precisions import is_gemm_format
@@ -63,11 +63,7 @@ def is_gemm_leaf(module: torch.nn.Module) -> bool:
 
 def format_eligible(module: torch.nn.Module, precision: str) -> bool:
     """A leaf that can run GEMM format ``precision`` (fp8 / mxfp8 / nvfp4)."""
-    return backends.eligible(module, precision)
-
-
-def fp8_eligible(module: torch.nn.Module) -> bool:
-    return format_eligible(module, "fp8")
+    return gemm.eligible(module, precision)
 
 
 def _ancestors(path: str) -> Iterator[str]:
@@ -231,7 +227,7 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
             continue
         m = table[p]
         if is_leaf(m):
-            why = backends.ineligible_reason(m, prec)
+            why = gemm.ineligible_reason(m, prec)
             if why is not None:
                 raise PolicyError(f"{src}: layers[{p!r}]: {prec} rule on an ineligible layer: "
                                   f"{why}")
@@ -242,5 +238,5 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
 
 
 __all__ = ["Resolved", "assignment", "canonical_rules", "check_model", "first_paths",
-           "format_eligible", "fp8_eligible", "gemm_leaf_paths",
+           "format_eligible", "gemm_leaf_paths",
            "is_gemm_leaf", "module_table", "resolve", "resolve_path"]
