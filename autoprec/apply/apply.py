@@ -30,10 +30,9 @@ from typing import Any
 import torch
 
 from autoprec.apply.audit import AuditReport, audit_run, notify_compute
-from autoprec.apply.blockscale import blockscale_capability
 from autoprec.apply.compiled import audit_compiled
 from autoprec.apply.lower import lowered_forward
-from autoprec.capability import FP8_BACKENDS, best_fp8_backend, capability
+from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
 from autoprec.errors import CapabilityError, InputError
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.paths import unwrap_model

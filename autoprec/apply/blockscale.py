@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from autoprec.capability import BLOCK_BACKENDS, blockscale_capability
 from autoprec.errors import CapabilityError
 from autoprec.formats import BLOCK_FORMATS, BLOCK_SIZE, BlockShapeError
 from autoprec.formats.elements import pack_e2m1
@@ -41,8 +42,6 @@ from autoprec.formats.gemm import ineligible_reason, linear_weight
 from autoprec.formats.layout import to_blocked
 from autoprec.formats.mx import MXTensor, dequantize_mx, fake_quant_mxfp8, quantize_mx
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
-
-BLOCK_BACKENDS = ("emulated", "torch")
 
 #: How MXFP8 scales are chosen here: NVIDIA's "rceil" (X = 2^ceil(log2(amax / 448)): the
 #: block max never saturates), what cuBLAS and Transformer Engine compute on Blackwell, so
@@ -60,43 +59,6 @@ def _check_fmt(fmt: str) -> str:
         raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of "
                          f"{', '.join(BLOCK_FORMATS)}")
     return fmt
-
-
-def blockscale_capability(fmt: str, backend: str = "emulated",
-                          device: str | torch.device | None = None) -> tuple[bool, str]:
-    """``(ok, reason)``: can ``fmt`` run with ``backend`` on ``device`` (default: cuda if any)?"""
-    _check_fmt(fmt)
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    if backend == "emulated":
-        need = ["float8_e4m3fn"] + (["float8_e8m0fnu"] if fmt == "mxfp8" else [])
-        missing = [d for d in need if not hasattr(torch, d)]
-        if missing:
-            return False, f"emulated {fmt}: torch {torch.__version__} lacks {', '.join(missing)}"
-        return True, f"emulated {fmt}: quantise-dequantise in fp32 (accuracy only)"
-    if backend != "torch":
-        return False, (f"unknown {fmt} backend {backend!r}; expected one of "
-                       f"{', '.join(BLOCK_BACKENDS)}")
-    F = torch.nn.functional
-    scaling = getattr(F, "ScalingType", None)
-    recipe = "BlockWise1x32" if fmt == "mxfp8" else "BlockWise1x16"
-    if not hasattr(F, "scaled_mm") or scaling is None or not hasattr(scaling, recipe):
-        return False, (f"torch {fmt}: torch {torch.__version__} has no "
-                       f"torch.nn.functional.scaled_mm with ScalingType.{recipe}")
-    if fmt == "nvfp4" and not hasattr(torch, "float4_e2m1fn_x2"):
-        return False, f"torch nvfp4: torch {torch.__version__} has no float4_e2m1fn_x2"
-    if dev.type != "cuda":
-        return False, f"torch {fmt}: needs a CUDA device, this is {dev.type}"
-    if not torch.cuda.is_available():
-        return False, f"torch {fmt}: CUDA is not available"
-    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
-    if cuda < (12, 8):
-        return False, f"torch {fmt}: needs CUDA >= 12.8 (block-scaled cuBLAS), torch has {cuda}"
-    sm = torch.cuda.get_device_capability(dev.index or 0)
-    if sm < (10, 0):
-        return False, (f"torch {fmt}: block-scaled GEMMs need Blackwell (SM >= 10.0), "
-                       f"this is SM {sm[0]}.{sm[1]}")
-    return True, f"torch {fmt}: scaled_mm {recipe} on SM {sm[0]}.{sm[1]}"
 
 
 # --- the GEMMs ------------------------------------------------------------------------
