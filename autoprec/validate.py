@@ -14,6 +14,7 @@ from typing import Any
 
 from autoprec.errors import InputError
 from autoprec.fileio import brief
+from autoprec.targets import DEFAULT_TARGET
 
 #: numpy's RandomState (Optuna's samplers) takes seeds in [0, 2**32 - 1].
 MAX_SEED = 2**32 - 1
@@ -92,7 +93,7 @@ def check_tune_args(
     *,
     max_error: Any = None,
     max_drop: Any = None,
-    target: Any = "h100",
+    target: Any = DEFAULT_TARGET,
     batch_size: Any = None,
     trials: Any = 40,
     timeout: Any = None,

@@ -40,6 +40,7 @@ from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
 from autoprec.policy.resolve import Resolved, assignment, module_table, resolve
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BLOCK_SCALED, is_gemm_format
+from autoprec.targets import device_type
 
 _LOW = (torch.float16, torch.bfloat16)
 _MISSING = object()
@@ -235,9 +236,7 @@ def target_device_type(target: str | None, policy: Policy, device: torch.device)
     name = target or policy.target_device
     if name is None:
         return device.type
-    if name in ("cuda", "cpu"):
-        return name
-    return "cpu" if name.startswith("cpu") else "cuda"
+    return device_type(name)
 
 
 def _check_apply_args(model: Any, policy: Any) -> Policy:
