@@ -138,6 +138,27 @@ def signature(sch: Schedule, row: int = 0) -> tuple:
     return ops, casts, fp8, bool(sch.invalid[row])
 
 
+def same_as(sch: Schedule, ref: int = 0) -> np.ndarray:
+    """(T,) bool: plan row runs what row ``ref`` runs — ``signature`` equality for every
+    row at once (vectorised; False also where two rows differ only in the order of casts
+    of one value at one event, which the replay never produces)."""
+    ok = sch.invalid == sch.invalid[ref]
+    for i in range(len(sch.reads)):
+        ok &= (sch.reads[i] == sch.reads[i][:, ref:ref + 1]).all(axis=0)
+        ok &= (sch.writes[i] == sch.writes[i][:, ref:ref + 1]).all(axis=0)
+        comp = sch.compute[i]
+        if comp is not None:
+            ok &= comp == comp[ref]
+        kern = sch.kernel[i]
+        if isinstance(kern, np.ndarray) and kern.ndim:
+            ok &= kern == kern[ref]
+    for c in sch.casts:
+        ok &= (c.on == c.on[ref]) & (~c.on | ((c.src == c.src[ref]) & (c.dst == c.dst[ref])))
+    for f in sch.quant_inputs:
+        ok &= (f.on == f.on[ref]) & (~f.on | ((f.src == f.src[ref]) & (f.fmt == f.fmt[ref])))
+    return ok
+
+
 def _fixed(name: str | None) -> int:
     return _CODE.get(name or "", OTHER)
 
@@ -368,4 +389,4 @@ def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, va
 
 
 __all__ = ["BF16", "Cast", "DTYPES", "F8", "FP16", "FP32", "OTHER", "QuantInput", "Schedule",
-           "WIDTH", "replay", "signature"]
+           "WIDTH", "replay", "same_as", "signature"]
