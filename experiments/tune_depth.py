@@ -177,8 +177,18 @@ def main() -> None:
     ap.add_argument("--llama", type=int, nargs="*", default=[],
                     help="also tune a Llama-shaped GQA model at these depths")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--planner-check", type=int, nargs="*", default=[],
+                    help="compare the planner with a long descent at these depths (GPT-2)")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.001, 0.003, 0.01])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (imports outside the timing)
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    if args.planner_check:
+        with tempfile.TemporaryDirectory() as tmp:
+            for n in args.planner_check:
+                print("\n".join(planner_check("gpt2", n, args.budgets, Path(tmp) / str(n))))
+        return
     rows = []
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,6 +228,39 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"| {r['alt_tf32']:.2f} / {r['alt_bf16']:.2f} / {r['alt_fp16']:.2f} "
             f"| {r['error']:.4f} |")
     return "\n".join(out)
+
+
+def planner_check(kind: str, blocks: int, budgets: list[float], workdir: Path) -> list[str]:
+    """The planner's best plan (fastest predicted within budget) against a much longer run:
+    the full Lagrangian descent with block moves (``planner.descend``) from every uniform
+    start, per budget. Prints the two times, the ratio and the plans each priced."""
+    from autoprec.search.config import TuneConfig
+
+    cfg = TuneConfig.make(max_error=0.01, max_drop=None, target="h100", batch_size=256,
+                          precisions=None, trials=40, timeout=None, seed=0, patience=None,
+                          min_speedup=None, storage=None, study_name=None, resume=False,
+                          pareto=False, out=workdir / "check.yaml", locked=(),
+                          progress=False, cache_dir=workdir / "cache", train_aware=False)
+    prep = tune_mod.prepare(spec(kind, blocks), cfg)
+    space = tune_mod.make_space(prep, cfg)
+    est = prep.table.estimate
+    lines = [f"planner check, {kind} {blocks} blocks ({len(space.variables)} variables, "
+             f"space {space.size:.3g} plans):",
+             "| budget | planner (s/fwd) | method | plans priced | planner s | long descent "
+             "(s/fwd) | plans priced | descent s | planner / long |", "|" + "---|" * 9]
+    for b in budgets:
+        t0 = time.perf_counter()
+        pl = planner_mod.Planner(space, prep.cost, est, budget=b)
+        t1 = time.perf_counter()
+        ok = pl.preds <= b
+        mine = float(pl.times[ok].min())
+        found = planner_mod.descend(planner_mod.PlanSpace(space, prep.cost, est), b,
+                                    lambdas=np.geomspace(1e-3, 1e3, 25), max_steps=400)
+        t2 = time.perf_counter()
+        long = min(t for t, p in found.values() if p <= b)
+        lines.append(f"| {b:g} | {mine:.4g} | {pl.method} | {pl.priced} | {t1 - t0:.1f} "
+                     f"| {long:.4g} | {len(found)} | {t2 - t1:.1f} | {mine / long:.4f} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import numpy as np
 from autoprec.cost import CostModel
 from autoprec.plan.schedule import signature
 from autoprec.precisions import PRECISIONS
-from autoprec.search.space import Key, SearchSpace
+from autoprec.search.space import Key, SearchSpace, group_key
 
 #: Spaces with at most this many plans are enumerated (all priced).
 ENUMERATE = 2_000_000
@@ -184,6 +184,83 @@ def descend(ps: PlanSpace, budget: float, lambdas: Iterable[float] | None = None
     return seen
 
 
+def tie_by_position(space: SearchSpace) -> tuple[list[list[int]], list[list[int]]] | None:
+    """Variables of repeated blocks tied by their position in the block
+    (``h.3.attn.c_proj`` -> ``h.*.attn.c_proj``): (members of each tied variable, its
+    choices — those all members allow). None when nothing repeats."""
+    groups: dict[str, list[int]] = {}
+    for j, v in enumerate(space.variables):
+        groups.setdefault(group_key(v.name), []).append(j)
+    if len(groups) == len(space.variables):
+        return None
+    members = list(groups.values())
+    choices = []
+    for js in members:
+        common = [PRECISIONS.index(c) for c in space.variables[js[0]].choices
+                  if all(c in space.variables[j].choices for j in js)]
+        choices.append(common)
+    return members, choices
+
+
+def untie(keys: np.ndarray, members: list[list[int]], n_vars: int) -> np.ndarray:
+    """Full keys (N, 1 + V) of tied keys (N, 1 + G)."""
+    out = np.empty((len(keys), 1 + n_vars), dtype=np.int8)
+    out[:, 0] = keys[:, 0]
+    for g, js in enumerate(members):
+        for j in js:
+            out[:, 1 + j] = keys[:, 1 + g]
+    return out
+
+
+def refine(ps: PlanSpace, budget: float, seen: dict[Key, tuple[float, float]],
+           lambdas: Iterable[float] | None = None, max_steps: int = 20) -> None:
+    """Per-layer refinements of the tied plans, for each λ: from the best plan so far,
+    price every one-variable (and region) change in one batch, apply all improving changes
+    of distinct variables together when that improves ``time / t_fp32 + λ (pred /
+    budget)²`` (else the single best one), until none improves. A step costs one batched
+    replay, whatever the depth; every plan it prices is added to ``seen``."""
+    space = ps.space
+    choices = _choice_codes(space)
+    t32 = ps.cost.fp32_time
+    scale = max(budget, 1e-12)
+
+    def score(keys: list[Key]) -> np.ndarray:
+        new = [k for k in dict.fromkeys(keys) if k not in seen]
+        if new:
+            arr = np.array(new, dtype=np.intp)
+            for k, t, p in zip(new, ps.times(arr), ps.predicted(arr), strict=True):
+                seen[k] = (float(t), float(p))
+        return np.array([seen[k] for k in keys])
+
+    def objective(tp: np.ndarray, lam: float) -> np.ndarray:
+        t, p = np.atleast_2d(tp).T
+        return np.where(np.isfinite(t), t / t32 + lam * (p / scale) ** 2, np.inf)
+
+    lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 13))
+    for lam in lambdas:
+        pool = list(seen)
+        best = pool[int(np.argmin(objective(np.array([seen[k] for k in pool]), lam)))]
+        for _ in range(max_steps):
+            cur = float(objective(np.array(seen[best]), lam)[0])
+            moves = [(j, c) for j in range(len(best)) for c in choices[j] if c != best[j]]
+            keys = [best[:j] + (c,) + best[j + 1:] for j, c in moves]
+            vals = objective(score(keys), lam)
+            gain = cur - vals
+            if not len(moves) or gain.max() <= cur * 1e-12:
+                break
+            pick: dict[int, tuple[float, int]] = {}
+            for (j, c), g in zip(moves, gain, strict=True):
+                if g > cur * 1e-12 and (j not in pick or g > pick[j][0]):
+                    pick[j] = (float(g), c)
+            joint = list(best)
+            for j, (_g, c) in pick.items():
+                joint[j] = c
+            single = keys[int(np.argmax(gain))]
+            cand = [tuple(joint), single] if len(pick) > 1 else [single]
+            vals2 = objective(score(cand), lam)
+            best = cand[int(np.argmin(vals2))]
+
+
 class Planner:
     """Candidate plans in order of time, and the rule for which one to measure next."""
 
@@ -201,11 +278,27 @@ class Planner:
             preds = self.ps.predicted(keys)
             self.method = "enumeration"
         else:
-            found = descend(self.ps, budget)
+            tied = tie_by_position(space)
+            size = math.prod(len(c) for c in tied[1]) * len(space.region.choices) if tied else 0
+            if tied and size <= ENUMERATE:
+                # repeated blocks: every per-position plan (exact), then per-layer refinements
+                members, choices = tied
+                grids = np.meshgrid(np.array(_choice_codes(space)[0], dtype=np.int8),
+                                    *[np.array(c, dtype=np.int8) for c in choices],
+                                    indexing="ij")
+                tkeys = untie(np.stack([g.reshape(-1) for g in grids], axis=1), members,
+                              len(space.variables))
+                tt, tp = self.ps.times(tkeys), self.ps.predicted(tkeys)
+                found = {tuple(int(c) for c in k): (float(a), float(b))
+                         for k, a, b in zip(tkeys, tt, tp, strict=True)}
+                refine(self.ps, budget, found)
+                self.method = "repetition"
+            else:
+                found = descend(self.ps, budget)
+                self.method = "descent"
             keys = np.array(list(found), dtype=np.int8)
             times = np.array([v[0] for v in found.values()])
             preds = np.array([v[1] for v in found.values()])
-            self.method = "descent"
         finite = np.isfinite(times)
         keys, times, preds = keys[finite], times[finite], preds[finite]
         buckets = np.floor(np.log(times / times.min()) / np.log1p(TIE)) if len(times) else times
@@ -311,4 +404,5 @@ def uniform_keys(space: SearchSpace) -> dict[str, Key]:
     return {p: space.uniform(p) for p in PRECISIONS}
 
 
-__all__ = ["ENUMERATE", "SLACK", "SPREAD_AFTER", "TIE", "PlanSpace", "Planner", "descend", "enumerate_keys", "uniform_keys"]
+__all__ = ["ENUMERATE", "SLACK", "SPREAD_AFTER", "TIE", "PlanSpace", "Planner", "descend", "enumerate_keys", "refine", "tie_by_position", "uniform_keys",
+           "untie"]
