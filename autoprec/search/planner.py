@@ -213,12 +213,14 @@ def untie(keys: np.ndarray, members: list[list[int]], n_vars: int) -> np.ndarray
 
 
 def refine(ps: PlanSpace, budget: float, seen: dict[Key, tuple[float, float]],
-           lambdas: Iterable[float] | None = None, max_steps: int = 20) -> None:
+           lambdas: Iterable[float] | None = None, max_steps: int = 20,
+           base: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
     """Per-layer refinements of the tied plans, for each λ: from the best plan so far,
     price every one-variable (and region) change in one batch, apply all improving changes
     of distinct variables together when that improves ``time / t_fp32 + λ (pred /
     budget)²`` (else the single best one), until none improves. A step costs one batched
-    replay, whatever the depth; every plan it prices is added to ``seen``."""
+    replay, whatever the depth; every plan it prices is added to ``seen``. ``base``: plans
+    already priced, as arrays (keys, times, predictions), starting points too."""
     space = ps.space
     choices = _choice_codes(space)
     t32 = ps.cost.fp32_time
@@ -239,7 +241,14 @@ def refine(ps: PlanSpace, budget: float, seen: dict[Key, tuple[float, float]],
     lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 13))
     for lam in lambdas:
         pool = list(seen)
-        best = pool[int(np.argmin(objective(np.array([seen[k] for k in pool]), lam)))]
+        best = pool[int(np.argmin(objective(np.array([seen[k] for k in pool]), lam)))] \
+            if pool else None
+        if base is not None:
+            vals = objective(np.stack([base[1], base[2]], axis=1), lam)
+            i = int(np.argmin(vals))
+            if best is None or vals[i] < objective(np.array(seen[best]), lam)[0]:
+                best = tuple(int(c) for c in base[0][i])
+                seen.setdefault(best, (float(base[1][i]), float(base[2][i])))
         for _ in range(max_steps):
             cur = float(objective(np.array(seen[best]), lam)[0])
             moves = [(j, c) for j in range(len(best)) for c in choices[j] if c != best[j]]
@@ -289,16 +298,22 @@ class Planner:
                 tkeys = untie(np.stack([g.reshape(-1) for g in grids], axis=1), members,
                               len(space.variables))
                 tt, tp = self.ps.times(tkeys), self.ps.predicted(tkeys)
-                found = {tuple(int(c) for c in k): (float(a), float(b))
-                         for k, a, b in zip(tkeys, tt, tp, strict=True)}
-                refine(self.ps, budget, found)
+                found: dict[Key, tuple[float, float]] = {}
+                refine(self.ps, budget, found, base=(tkeys, tt, tp))
                 self.method = "repetition"
             else:
+                tkeys, tt, tp = None, np.empty(0), np.empty(0)
                 found = descend(self.ps, budget)
                 self.method = "descent"
-            keys = np.array(list(found), dtype=np.int8)
+            keys = np.array(list(found), dtype=np.int8).reshape(len(found), -1)
             times = np.array([v[0] for v in found.values()])
             preds = np.array([v[1] for v in found.values()])
+            if tkeys is not None:  # the tied plans (a refinement may repeat one: kept once)
+                keys = np.concatenate([tkeys, keys.reshape(-1, tkeys.shape[1])])
+                times = np.concatenate([tt, times])
+                preds = np.concatenate([tp, preds])
+                keys, first = np.unique(keys, axis=0, return_index=True)
+                times, preds = times[first], preds[first]
         finite = np.isfinite(times)
         keys, times, preds = keys[finite], times[finite], preds[finite]
         buckets = np.floor(np.log(times / times.min()) / np.log1p(TIE)) if len(times) else times
