@@ -91,7 +91,9 @@ def spec(kind: str, blocks: int) -> ModelSpec:
 class Clock:
     """Seconds per stage, by wrapping the stage functions tune calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, forwards: list[int]) -> None:
+        self.forwards = forwards  # [model forwards so far]
+        self.f: dict[str, int] = defaultdict(int)  # model forwards per stage
         self.s: dict[str, float] = defaultdict(float)
         self.n: dict[str, int] = defaultdict(int)
         self.first: dict[str, Any] = {}  # stage -> the first call's first argument
@@ -102,13 +104,14 @@ class Clock:
 
         @functools.wraps(fn)
         def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, f0 = time.perf_counter(), self.forwards[0]
             if a:
                 self.first.setdefault(stage, a[0])
             try:
                 return fn(*a, **k)
             finally:
                 self.s[stage] += time.perf_counter() - t0
+                self.f[stage] += self.forwards[0] - f0
                 self.n[stage] += 1
 
         setattr(owner, name, timed)
@@ -119,8 +122,8 @@ class Clock:
 
 
 def run_one(kind: str, blocks: int, workdir: Path) -> dict[str, Any]:
-    clock = Clock()
     forwards = [0]
+    clock = Clock(forwards)
     sp = spec(kind, blocks)
     build = sp.build_model
 
@@ -149,7 +152,10 @@ def run_one(kind: str, blocks: int, workdir: Path) -> dict[str, Any]:
     stage["other"] = total - sum(stage.values())
     layers = len([n for n in res.graph.gemm_nodes if n.is_leaf])
     return {"model": kind, "blocks": blocks, "layers": layers, "total": total, **stage,
-            "forwards": forwards[0], "evaluations": res.evaluations, "trials": res.trials,
+            "forwards": forwards[0], "fwd_trace": clock.f["trace"], "fwd_probe": clock.f["probe"],
+            "fwd_eval": clock.f["evaluate"], "evaluated": clock.n["evaluate"],
+            "fwd_other": forwards[0] - clock.f["trace"] - clock.f["probe"] - clock.f["evaluate"],
+            "evaluations": res.evaluations, "trials": res.trials,
             "priced": pl.priced, "method": pl.method, "speedup": res.est_speedup,
             "error": res.error, "feasible": res.feasible, **{f"alt_{k}": v for k, v in alt.items()}}
 
@@ -173,7 +179,7 @@ def fit_exponent(layers: list[int], seconds: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--blocks", type=int, nargs="*", default=[4, 16, 64])
     ap.add_argument("--llama", type=int, nargs="*", default=[],
                     help="also tune a Llama-shaped GQA model at these depths")
     ap.add_argument("--threads", type=int, default=1)
@@ -217,14 +223,15 @@ def _line(r: dict[str, Any]) -> str:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | blocks | GEMM layers | total s | trace | probes | cost model | planner "
-            "| evaluations | other | forwards | plans priced | speed-up | tf32 / bf16 / fp16 "
+            "| evaluations | other | forwards (refs+trace+probes+evals) | plans priced | speed-up | tf32 / bf16 / fp16 "
             "| error |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(
             f"| {r['model']} | {r['blocks']} | {r['layers']} | {r['total']:.1f} | {r['trace']:.1f} "
             f"| {r['probe']:.1f} | {r['cost']:.1f} | {r['planner']:.1f} | {r['evaluate']:.1f} "
-            f"| {r['other']:.1f} | {r['forwards']} | {r['priced']} | {r['speedup']:.2f}x "
+            f"| {r['other']:.1f} | {r['forwards']} ({r['fwd_other']}+{r['fwd_trace']}+"
+            f"{r['fwd_probe']}+{r['fwd_eval']} in {r['evaluated']} runs) | {r['priced']} | {r['speedup']:.2f}x "
             f"| {r['alt_tf32']:.2f} / {r['alt_bf16']:.2f} / {r['alt_fp16']:.2f} "
             f"| {r['error']:.4f} |")
     return "\n".join(out)

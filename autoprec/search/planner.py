@@ -37,10 +37,13 @@ import numpy as np
 from autoprec.cost import CostModel
 from autoprec.plan.schedule import signature
 from autoprec.precisions import PRECISIONS
-from autoprec.search.space import Key, SearchSpace, group_key
+from autoprec.search.space import Key, SearchSpace, Variable, group_key
 
 #: Spaces with at most this many plans are enumerated (all priced).
 ENUMERATE = 2_000_000
+#: Spaces of repeated blocks tied by position with at most this many plans are enumerated
+#: (each plan is a replay of the whole forward: priced by the chunk, but not by millions).
+TIED_ENUMERATE = 100_000
 #: Plans priced per vectorised call.
 CHUNK = 8192
 #: Measured/predicted correction bounds.
@@ -184,22 +187,22 @@ def descend(ps: PlanSpace, budget: float, lambdas: Iterable[float] | None = None
     return seen
 
 
-def tie_by_position(space: SearchSpace) -> tuple[list[list[int]], list[list[int]]] | None:
-    """Variables of repeated blocks tied by their position in the block
-    (``h.3.attn.c_proj`` -> ``h.*.attn.c_proj``): (members of each tied variable, its
-    choices — those all members allow). None when nothing repeats."""
+def tie_by_position(space: SearchSpace) -> tuple[SearchSpace, list[list[int]]] | None:
+    """The space with the variables of repeated blocks tied by their position in the block
+    (``h.3.attn.c_proj`` -> ``h.*.attn.c_proj``; a tied variable takes what all its
+    members allow), and the members of each tied variable. None when nothing repeats."""
     groups: dict[str, list[int]] = {}
     for j, v in enumerate(space.variables):
         groups.setdefault(group_key(v.name), []).append(j)
     if len(groups) == len(space.variables):
         return None
     members = list(groups.values())
-    choices = []
-    for js in members:
-        common = [PRECISIONS.index(c) for c in space.variables[js[0]].choices
-                  if all(c in space.variables[j].choices for j in js)]
-        choices.append(common)
-    return members, choices
+    tied = []
+    for name, js in groups.items():
+        vs = [space.variables[j] for j in js]
+        tied.append(Variable(name, [lay for v in vs for lay in v.layers],
+                             [c for c in vs[0].choices if all(c in v.choices for v in vs)]))
+    return SearchSpace(tied, space.region, dict(space.locked)), members
 
 
 def untie(keys: np.ndarray, members: list[list[int]], n_vars: int) -> np.ndarray:
@@ -213,11 +216,11 @@ def untie(keys: np.ndarray, members: list[list[int]], n_vars: int) -> np.ndarray
 
 
 def refine(ps: PlanSpace, budget: float, seen: dict[Key, tuple[float, float]],
-           lambdas: Iterable[float] | None = None, max_steps: int = 20,
+           lambdas: Iterable[float] | None = None, max_steps: int = 10,
            base: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
-    """Per-layer refinements of the tied plans, for each λ: from the best plan so far,
-    price every one-variable (and region) change in one batch, apply all improving changes
-    of distinct variables together when that improves ``time / t_fp32 + λ (pred /
+    """Per-layer refinements of the tied plans, for each λ and default region: from the
+    best plan so far, price every one-variable change in one batch, apply all improving
+    changes of distinct variables together when that improves ``time / t_fp32 + λ (pred /
     budget)²`` (else the single best one), until none improves. A step costs one batched
     replay, whatever the depth; every plan it prices is added to ``seen``. ``base``: plans
     already priced, as arrays (keys, times, predictions), starting points too."""
@@ -238,36 +241,56 @@ def refine(ps: PlanSpace, budget: float, seen: dict[Key, tuple[float, float]],
         t, p = np.atleast_2d(tp).T
         return np.where(np.isfinite(t), t / t32 + lam * (p / scale) ** 2, np.inf)
 
-    lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 13))
+    lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 7))
+    regions = choices[0]
     for lam in lambdas:
-        pool = list(seen)
-        best = pool[int(np.argmin(objective(np.array([seen[k] for k in pool]), lam)))] \
-            if pool else None
-        if base is not None:
-            vals = objective(np.stack([base[1], base[2]], axis=1), lam)
+        for region in regions:  # one start per default region: a one-layer step never
+            best = _best_start(seen, base, region, lam, objective)  # crosses regions
+            if best is None:
+                continue
+            for _ in range(max_steps):
+                cur = float(objective(np.array(seen[best]), lam)[0])
+                moves = [(j, c) for j in range(1, len(best)) for c in choices[j]
+                         if c != best[j]]
+                keys = [best[:j] + (c,) + best[j + 1:] for j, c in moves]
+                if not keys:
+                    break
+                gain = cur - objective(score(keys), lam)
+                if gain.max() <= cur * 1e-12:
+                    break
+                pick: dict[int, tuple[float, int]] = {}
+                for (j, c), g in zip(moves, gain, strict=True):
+                    if g > cur * 1e-12 and (j not in pick or g > pick[j][0]):
+                        pick[j] = (float(g), c)
+                joint = list(best)
+                for j, (_g, c) in pick.items():
+                    joint[j] = c
+                single = keys[int(np.argmax(gain))]
+                cand = [tuple(joint), single] if len(pick) > 1 else [single]
+                best = cand[int(np.argmin(objective(score(cand), lam)))]
+
+
+def _best_start(seen: dict[Key, tuple[float, float]],
+                base: tuple[np.ndarray, np.ndarray, np.ndarray] | None, region: int,
+                lam: float, objective: Callable[[np.ndarray, float], np.ndarray]
+                ) -> Key | None:
+    """The plan of ``region`` minimising the objective among ``seen`` and ``base``."""
+    best, val = None, math.inf
+    pool = [k for k in seen if k[0] == region]
+    if pool:
+        vals = objective(np.array([seen[k] for k in pool]), lam)
+        i = int(np.argmin(vals))
+        best, val = pool[i], float(vals[i])
+    if base is not None:
+        rows = np.flatnonzero(base[0][:, 0] == region)
+        if rows.size:
+            vals = objective(np.stack([base[1][rows], base[2][rows]], axis=1), lam)
             i = int(np.argmin(vals))
-            if best is None or vals[i] < objective(np.array(seen[best]), lam)[0]:
-                best = tuple(int(c) for c in base[0][i])
-                seen.setdefault(best, (float(base[1][i]), float(base[2][i])))
-        for _ in range(max_steps):
-            cur = float(objective(np.array(seen[best]), lam)[0])
-            moves = [(j, c) for j in range(len(best)) for c in choices[j] if c != best[j]]
-            keys = [best[:j] + (c,) + best[j + 1:] for j, c in moves]
-            vals = objective(score(keys), lam)
-            gain = cur - vals
-            if not len(moves) or gain.max() <= cur * 1e-12:
-                break
-            pick: dict[int, tuple[float, int]] = {}
-            for (j, c), g in zip(moves, gain, strict=True):
-                if g > cur * 1e-12 and (j not in pick or g > pick[j][0]):
-                    pick[j] = (float(g), c)
-            joint = list(best)
-            for j, (_g, c) in pick.items():
-                joint[j] = c
-            single = keys[int(np.argmax(gain))]
-            cand = [tuple(joint), single] if len(pick) > 1 else [single]
-            vals2 = objective(score(cand), lam)
-            best = cand[int(np.argmin(vals2))]
+            if vals[i] < val:
+                r = rows[i]
+                best = tuple(int(c) for c in base[0][r])
+                seen.setdefault(best, (float(base[1][r]), float(base[2][r])))
+    return best
 
 
 class Planner:
@@ -288,16 +311,20 @@ class Planner:
             self.method = "enumeration"
         else:
             tied = tie_by_position(space)
-            size = math.prod(len(c) for c in tied[1]) * len(space.region.choices) if tied else 0
-            if tied and size <= ENUMERATE:
-                # repeated blocks: every per-position plan (exact), then per-layer refinements
-                members, choices = tied
-                grids = np.meshgrid(np.array(_choice_codes(space)[0], dtype=np.int8),
-                                    *[np.array(c, dtype=np.int8) for c in choices],
-                                    indexing="ij")
-                tkeys = untie(np.stack([g.reshape(-1) for g in grids], axis=1), members,
-                              len(space.variables))
-                tt, tp = self.ps.times(tkeys), self.ps.predicted(tkeys)
+            if tied is not None:
+                # repeated blocks: per-position plans (every one where TIED_ENUMERATE
+                # allows, else the descent over them), then per-layer refinements
+                tspace, members = tied
+                tps = PlanSpace(tspace, cost, estimate)
+                if tspace.size <= TIED_ENUMERATE:
+                    tk = enumerate_keys(tspace)
+                    tt, tp = tps.times(tk), tps.predicted(tk)
+                else:
+                    got = descend(tps, budget)
+                    tk = np.array(list(got), dtype=np.int8)
+                    tt = np.array([v[0] for v in got.values()])
+                    tp = np.array([v[1] for v in got.values()])
+                tkeys = untie(tk, members, len(space.variables))
                 found: dict[Key, tuple[float, float]] = {}
                 refine(self.ps, budget, found, base=(tkeys, tt, tp))
                 self.method = "repetition"
