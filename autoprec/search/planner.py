@@ -241,7 +241,7 @@ def refine(ps: PlanSpace, budget: float, seen: dict[Key, tuple[float, float]],
         t, p = np.atleast_2d(tp).T
         return np.where(np.isfinite(t), t / t32 + lam * (p / scale) ** 2, np.inf)
 
-    lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 7))
+    lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 13))
     regions = choices[0]
     for lam in lambdas:
         for region in regions:  # one start per default region: a one-layer step never
