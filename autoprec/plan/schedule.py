@@ -174,6 +174,8 @@ _LOW = np.array([BF16, FP16], dtype=np.int8)
 #: precision code -> a GEMM format.
 _IS_LOW = np.isin(np.arange(len(DTYPES)), _LOW)
 _IS_FMT = np.isin(np.arange(len(CODE)), FORMAT_CODES)
+#: Precision code -> the dtype code a GEMM format's operands are read in (F8 elsewhere).
+_OPERAND_OF = np.array([_OPERAND.get(c, F8) for c in range(len(CODE))], dtype=np.int8)
 
 
 class _Replay:
@@ -375,7 +377,7 @@ def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, va
     out = np.where(ac, tgt, first).astype(np.int8)
     if fmt.any():
         compute = np.where(fmt, prec, compute).astype(np.int8)
-        operand = np.array([_OPERAND.get(int(c), F8) for c in prec], dtype=np.int8)
+        operand = _OPERAND_OF[prec]
         x = acts[0] if acts else (flo[0] if flo else 0)
         for k in flo:
             quantised = k == x or (k in params and vals[ins[k]].ndim >= 2)  # not the bias
