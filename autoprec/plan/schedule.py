@@ -271,7 +271,7 @@ class _Replay:
         r = self.region[:, m] if m >= 0 else np.zeros(t, dtype=np.intp)  # outside: fp32
         ac = self.ac_region[:, m] if m >= 0 else np.zeros(t, dtype=bool)
         ins = list(op.inputs)
-        reads = np.array([state[i] for i in ins], dtype=np.int8).reshape(len(ins), t)
+        reads = state[ins] if ins else np.empty((0, t), dtype=np.int8)  # (n_in, T) copy
         policy = self.policies[idx]
         compute: np.ndarray | None = None
         kernel: np.ndarray | bool = op.kind != "view"
@@ -298,8 +298,8 @@ class _Replay:
                 state[o] = out
         sch = self.sch
         sch.reads.append(reads)
-        sch.writes.append(np.array([out] * len(op.outputs),
-                                   dtype=np.int8).reshape(len(op.outputs), t))
+        sch.writes.append(np.repeat(np.asarray(out, dtype=np.int8).reshape(1, t),
+                                    len(op.outputs), axis=0))
         sch.compute.append(compute)
         sch.kernel.append(kernel)
 
