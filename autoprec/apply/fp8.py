@@ -29,14 +29,17 @@ _FMAX = {E4M3: FORMATS["fp8"].max, E5M2: FP8_E5M2.max}
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor current scaling: returns (x_fp8, scale) with x ≈ x_fp8 / scale."""
     x = x.float()
-    amax = x.abs().amax().clamp(min=1e-12)
+    # amax in one pass without an |x| buffer; the scaled copy clamped in place (exact same
+    # values as abs().amax() and an out-of-place clamp: the CPU emulation's hot path)
+    lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
+    amax = torch.maximum(-lo, hi).clamp(min=1e-12)
     scale = _FMAX[dtype] / amax
-    q = (x * scale).clamp(-_FMAX[dtype], _FMAX[dtype]).to(dtype)
+    q = (x * scale).clamp_(-_FMAX[dtype], _FMAX[dtype]).to(dtype)
     return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() / scale
+    return q.float().div_(scale)
 
 
 def fake_quant(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
