@@ -50,10 +50,10 @@ def tune_cmd(
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
     from autoprec.cli import current_argv
+    from autoprec.search.config import check_tune_args
     from autoprec.search.tune import tune
     from autoprec.search.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
-    from autoprec.validate import check_tune_args
 
     # Every option is checked before anything runs: workers, tracking, model.py, probes.
     check_tune_args(max_error=max_error, max_drop=max_drop, target=target,

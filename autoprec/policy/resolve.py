@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autoprec.errors import PolicyError
+from autoprec.errors import FingerprintMismatch, PolicyError, warn
 from autoprec.formats import gemm
 from autoprec.fused import not_called_reason
 from autoprec.paths import normalize_path, unwrap_model
@@ -189,8 +189,6 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
     ineligible leaves, conflicting rules on a shared module. Warnings: no fingerprint, a
     forced mismatch, an fp8 container rule that reaches no eligible leaf.
     """
-    from autoprec.policy.schema import FingerprintMismatch, warn
-
     src = policy.source
     root = unwrap_model(model)
     if policy.fingerprint is None:
