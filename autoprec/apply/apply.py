@@ -37,7 +37,7 @@ from autoprec.errors import CapabilityError, InputError
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
-from autoprec.policy.resolve import Resolved, assignment, module_table, resolve
+from autoprec.policy.resolve import Resolved, assignment, module_table
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BLOCK_SCALED, is_gemm_format
 from autoprec.targets import device_type
@@ -287,7 +287,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     dev = torch.device(device) if device is not None else _model_device(root)
     plan = compile_plan(policy, root)
     table = module_table(root)
-    res = resolve(policy, root)  # a shared module: one precision under every path
+    res = plan.resolution()  # the plan decides; a shared module: one precision per alias
     modules = dict(root.named_modules())
     chosen = [(modules[w.path] if w.path in modules else table[w.path], w)
               for w in plan.wrappers()]

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from autoprec.paths import normalize_path, unwrap_model
-from autoprec.policy.resolve import format_eligible
+from autoprec.policy.resolve import Resolved, format_eligible
 from autoprec.policy.schema import Policy
 from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import LayerGraph
@@ -234,6 +234,20 @@ class ExecutionPlan:
         """Leaves that run a GEMM format (fp8 / mxfp8 / nvfp4)."""
         return [self.tree.paths[j] for j in np.flatnonzero(np.isin(self.precision,
                                                                    FORMAT_CODES))]
+
+    def resolution(self) -> dict[str, Resolved]:
+        """Every module path's precision, region and deciding rule, as compiled here (an
+        alias of a shared module resolves as its first path): what apply and the audit
+        read, so a policy is resolved once, by this plan."""
+        out: dict[str, Resolved] = {}
+        for j, path in enumerate(self.tree.paths):
+            prec = PRECISIONS[int(self.precision[j])]
+            out[path] = Resolved(path, prec, PRECISIONS[int(self.region[j])],
+                                 _deciding_rule(self.policy, path, prec))
+        for alias, first in self.tree.aliases.items():
+            r = out[first]
+            out[alias] = Resolved(alias, r.precision, r.region, r.rule)
+        return out
 
     def used(self) -> set[str]:
         """Precisions some module computes in."""
