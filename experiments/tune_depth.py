@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 import autoprec.search.tune as tune_mod
+from autoprec.cost import get_profile
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search import planner as planner_mod
@@ -146,7 +147,7 @@ def run_one(kind: str, blocks: int, workdir: Path) -> dict[str, Any]:
                             cache_dir=workdir / "cache", trials=40)
     total = time.perf_counter() - t0
     pl = clock.first["planner"]
-    cost = tune_mod.CostModel(res.graph, tune_mod.get_profile("h100"), batch_size=256)
+    cost = tune_mod.CostModel(res.graph, get_profile("h100"), batch_size=256)
     alt = {p: cost.speedup(Policy(default=p)) for p in ("tf32", "bf16", "fp16")}
     stage = {k: clock.s.get(k, 0.0) for k in ("trace", "probe", "cost", "planner", "evaluate")}
     stage["other"] = total - sum(stage.values())
