@@ -142,12 +142,15 @@ def eval_cmd(
     measure: Annotated[bool, typer.Option(
         "--measure", help="Also time the model here (fp32 vs the policy, median of repeats) "
                           "and report the measured speed-up on this device.")] = False,
+    compile_mode: Annotated[bool | None, typer.Option(
+        "--compile/--eager", help="Price the plan as torch.compile (inductor) runs it, or op "
+                                  "by op (default: the policy's target.mode, else eager).")] = None,
 ) -> None:
     """Apply POLICY to MODEL: error vs fp32 on the eval data, per-layer precisions
     (rule vs computed), and the estimated speed-up on the target."""
     with _warnings_to_stderr():
         summary = evaluate_policy(model, policy, target=target, batch_size=batch_size,
-                                  force=force, measure=measure)
+                                  force=force, measure=measure, compile=compile_mode)
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -160,12 +163,13 @@ def eval_cmd(
 
 def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
                     batch_size: int | None = None, force: bool = False,
-                    measure: bool = False) -> dict[str, Any]:
+                    measure: bool = False, compile: bool | None = None) -> dict[str, Any]:
     """What ``eval --json`` prints: score, audit and cost of a policy on model.py."""
     import torch
 
     from autoprec.apply.apply import apply_policy
-    from autoprec.cost import CostModel, get_profile
+    from autoprec.cost import get_profile
+    from autoprec.cost.fusion import make_cost_model
     from autoprec.evaluate import reference, score
     from autoprec.loading import load_model_file
     from autoprec.metrics import batch_size_of
@@ -196,7 +200,8 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     # "price at the deployment shape"): GEMMs, casts, norms, activations, fp8 scaling.
     graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
     bs = batch_size or pol.batch_size or batch_size_of(calib0) or graph.batch_size
-    cost = CostModel(graph, profile, batch_size=bs)
+    mode = pol.mode if compile is None else ("compile" if compile else "eager")
+    cost = make_cost_model(graph, profile, bs, mode)
     est = cost.speedup(pol)
     infeasible = cost.infeasible(pol)
     bd = cost.breakdown(pol)
@@ -230,7 +235,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     out.update({
         "budget": budget, "within_budget": within,
         "est_speedup": speedup(est, runnable=not infeasible), "feasible": feasible,
-        "target": device, "batch_size": bs,
+        "target": device, "batch_size": bs, "mode": mode,
         "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
         "fp8_backend": fp8_backend,
         "reasons": reasons_json(why_not),
@@ -240,14 +245,15 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         "layers": layers,
     })
     if measure:
-        out["measured"] = _measure(spec, net, pol, calib0, force)
+        out["measured"] = _measure(spec, net, pol, calib0, force, mode)
     return out
 
 
-def _measure(spec: Any, net: Any, pol: Any, batch: Any, force: bool) -> dict[str, Any]:
+def _measure(spec: Any, net: Any, pol: Any, batch: Any, force: bool,
+             mode: str = "eager") -> dict[str, Any]:
     """Median latency of one calibration batch, fp32 vs the policy, on this machine's
     device (CUDA events on a GPU; wall clock elsewhere — a CPU says nothing about GPU
-    speed, DESIGN.md)."""
+    speed, DESIGN.md); compile mode: both ``torch.compile``d (apply, then compile)."""
     import torch
 
     from autoprec.apply.apply import apply_policy
@@ -255,14 +261,22 @@ def _measure(spec: Any, net: Any, pol: Any, batch: Any, force: bool) -> dict[str
 
     device = next((p.device.type for p in net.parameters()), "cpu")
 
+    model = [net]
+
     def run() -> Any:
         with torch.no_grad(), fused_paths_off():
-            return spec.forward(net, batch)
+            return spec.forward(model[0], batch)
 
-    base = measure_latency(run, device)
+    def timed() -> Any:
+        if mode == "compile":
+            torch._dynamo.reset()
+            model[0] = torch.compile(net)
+        return measure_latency(run, device)
+
+    base = timed()
     with apply_policy(net, pol, force=force):
-        lowered = measure_latency(run, device)
-    return {"device": device, "fp32_ms": round(base.median_s * 1e3, 4),
+        lowered = timed()
+    return {"device": device, "mode": mode, "fp32_ms": round(base.median_s * 1e3, 4),
             "policy_ms": round(lowered.median_s * 1e3, 4),
             "speedup": round(base.median_s / lowered.median_s, 4) if lowered.median_s else None}
 

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 import autoprec
 from autoprec.cost import CostModel, get_profile
+from autoprec.cost.fusion import make_cost_model
 from autoprec.errors import InputError
 from autoprec.evaluate import Reference, reference, score
 from autoprec.hashing import code_hash, data_hash, weights_hash
@@ -138,7 +139,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
                   budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
-    cost = CostModel(graph, get_profile(cfg.target), batch_size=deploy_bs)
+    cost = make_cost_model(graph, get_profile(cfg.target), deploy_bs, cfg.mode)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
@@ -206,6 +207,7 @@ def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
         "locked": sorted(cfg.locked), "min_speedup": cfg.min_speedup,
         "data": data_hash(prep.calib), "weights": weights_hash(prep.net),
         "code": code_hash(prep.spec, prep.net), "search": 2,
+        **({"mode": cfg.mode} if cfg.compile else {}),  # eager studies keep their names
     }))
 
 
@@ -386,6 +388,8 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
     policy.target["batch_size"] = prep.deploy_bs
+    if cfg.compile:
+        policy.target["mode"] = "compile"
     bd = prep.cost.breakdown(policy)
     policy.metrics.update({"est_casts": bd.casts})
     if chosen.calib.train_fidelity is not None:
@@ -475,13 +479,16 @@ def tune(
     progress: bool = True,
     cache_dir: str | Path | None = None,
     train_aware: bool = False,
+    compile: bool = False,
 ) -> TuneResult:
     """Find the fastest plan within the budget and write it as a policy.
 
     ``trials`` is the number of trials this process runs at most (the search stops sooner
     once nothing faster is predicted within budget); ``resume=True``: run until the study
     holds that many finished trials. ``tracker``: None logs nothing (the CLI's default is
-    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). See DESIGN.md for the contract.
+    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). ``compile=True`` prices every
+    plan as ``torch.compile`` runs it (cost/fusion.py) and records ``target.mode: compile``.
+    See DESIGN.md for the contract.
     """
     started = time.monotonic()
     cfg = TuneConfig.make(max_error=max_error, max_drop=max_drop, target=target,
@@ -489,7 +496,8 @@ def tune(
                           timeout=timeout, seed=seed, patience=patience,
                           min_speedup=min_speedup, storage=storage, study_name=study_name,
                           resume=resume, pareto=pareto, out=out, locked=locked,
-                          progress=progress, cache_dir=cache_dir, train_aware=train_aware)
+                          progress=progress, cache_dir=cache_dir, train_aware=train_aware,
+                          compile=compile)
     tracker = tracker or NullTracker()
     prep = prepare(model, cfg)
     space = make_space(prep, cfg)
