@@ -108,7 +108,7 @@ class Prepared:
     out_path: Path
 
 
-def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
+def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None) -> Prepared:
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     if cfg.use_metric and spec.metric is None:
         raise InputError(f"{spec.path}: --max-drop needs a metric(outputs, batch) in model.py")
@@ -139,7 +139,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
                   budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
-    cost = make_cost_model(graph, get_profile(cfg.target), deploy_bs, cfg.mode)
+    cost = make_cost_model(graph, profile or get_profile(cfg.target), deploy_bs, cfg.mode)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
@@ -480,6 +480,7 @@ def tune(
     cache_dir: str | Path | None = None,
     train_aware: bool = False,
     compile: bool = False,
+    profile: Any = None,
 ) -> TuneResult:
     """Find the fastest plan within the budget and write it as a policy.
 
@@ -487,7 +488,8 @@ def tune(
     once nothing faster is predicted within budget); ``resume=True``: run until the study
     holds that many finished trials. ``tracker``: None logs nothing (the CLI's default is
     MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). ``compile=True`` prices every
-    plan as ``torch.compile`` runs it (cost/fusion.py) and records ``target.mode: compile``.
+    plan as ``torch.compile`` runs it (cost/fusion.py) and records ``target.mode: compile``;
+    ``profile``: a DeviceProfile to price with (e.g. calibrated here) instead of ``target``'s.
     See DESIGN.md for the contract.
     """
     started = time.monotonic()
@@ -499,7 +501,7 @@ def tune(
                           progress=progress, cache_dir=cache_dir, train_aware=train_aware,
                           compile=compile)
     tracker = tracker or NullTracker()
-    prep = prepare(model, cfg)
+    prep = prepare(model, cfg, profile)
     space = make_space(prep, cfg)
     interrupted: list[bool] = []
     search = run_search(prep, space, cfg, tracker, interrupted)
