@@ -1,0 +1,162 @@
+"""Eager vs compiled deployment: does tuning for ``torch.compile`` pick another plan, and is
+each winner the fastest in its own mode here?
+
+For each model: the CPU profile is calibrated twice on this machine — on eager micro-
+benchmarks (``experiments/cost_model_cpu.py``'s single GEMMs, copy, tiny add) and on the
+same micro-benchmarks compiled (``experiments/compile_cost.py``) — then ``tune(...,
+target="cpu")`` runs once per mode (``compile=True`` prices plans as inductor runs them),
+each with its mode's calibrated profile. The two winners and the baselines (all-fp32, one
+autocast bf16 region) are then run here in both modes (eager; ``torch.compile`` after
+``apply_policy``) and timed (one thread, the thread's CPU time, median). Printed per
+model: each plan's estimate and measured latency in both modes, the compiled winner's
+measured speed-up over the faster compiled baseline, and its estimated vs measured
+speed-up over compiled fp32.
+
+    python experiments/compile_winners.py                       # mixed8, wide, minilm
+    python experiments/compile_winners.py --models mixed8 --trials 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoprec.apply.apply import apply_policy
+from autoprec.cost import CostModel, fit, get_profile
+from autoprec.cost.fusion import CompiledCostModel
+from autoprec.loading import load_model_file
+from autoprec.policy import Policy, PolicyWarning
+from autoprec.search.tune import tune
+from autoprec.trace import trace
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import compile_cost  # noqa: E402
+import cost_model_cpu  # noqa: E402
+
+MODELS = {"mixed8": HERE / "mixed8" / "model.py", "wide": HERE / "wide" / "model.py",
+          "minilm": HERE / "minilm" / "model.py"}
+
+
+def measure(spec: Any, net: Any, batch: Any, pol: Policy, mode: str, repeats: int) -> float:
+    """Median seconds of one forward of ``pol`` applied to ``net``, eager or compiled."""
+    with torch.no_grad(), apply_policy(net, pol, target="cpu"):
+        run_net = net
+        if mode == "compile":
+            run_net, _, _ = compile_cost.compile_and_count(net, lambda c: spec.forward(c, batch))
+        return compile_cost.timed(lambda: spec.forward(run_net, batch), 3, repeats)
+
+
+def fmt_pol(p: Policy) -> str:
+    rules = ", ".join(f"{k}: {v}" for k, v in p.layers.items())
+    return f"default {p.default}" + (f" + {{{rules}}}" if rules else "")
+
+
+def run_model(name: str, profiles: dict[str, Any], args: argparse.Namespace,
+              out_dir: Path) -> dict[str, Any]:
+    spec = load_model_file(MODELS[name])
+    winners: dict[str, Policy] = {}
+    for mode in ("eager", "compile"):
+        t0 = time.monotonic()
+        r = tune(MODELS[name], target="cpu", max_error=args.max_error, trials=args.trials,
+                 out=out_dir / f"{name}-{mode}.yaml", progress=False,
+                 compile=mode == "compile", profile=profiles[mode],
+                 cache_dir=out_dir / "cache")
+        winners[mode] = r.policy
+        print(f"  {name}: tuned for {mode} in {time.monotonic() - t0:.0f} s: "
+              f"{fmt_pol(r.policy)} (est. {r.est_speedup:.2f}x, error {r.eval_error:.3g})",
+              file=sys.stderr, flush=True)
+    net = spec.model()
+    batch = spec.calibration_batches()[0]
+    graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
+    models = {"eager": CostModel(graph, profiles["eager"]),
+              "compile": CompiledCostModel(graph, profiles["compile"])}
+    plans = {"eager winner": winners["eager"], "compiled winner": winners["compile"],
+             "fp32": Policy(default="fp32"), "autocast bf16": Policy(default="bf16")}
+    rows = []
+    for label, pol in plans.items():
+        pol = Policy(default=pol.default, layers=dict(pol.layers))  # the rules only
+        row: dict[str, Any] = {"plan": label, "policy": fmt_pol(pol)}
+        for mode in ("eager", "compile"):
+            row[f"est_{mode}"] = models[mode].estimate(pol)
+            row[f"meas_{mode}"] = measure(spec, net, batch, pol, mode, args.repeats)
+        rows.append(row)
+        print(f"    {label:16s} eager est {row['est_eager'] * 1e3:8.2f} ms meas "
+              f"{row['meas_eager'] * 1e3:8.2f} ms | compiled est "
+              f"{row['est_compile'] * 1e3:8.2f} ms meas {row['meas_compile'] * 1e3:8.2f} ms",
+              file=sys.stderr, flush=True)
+    torch._dynamo.reset()
+    return {"model": name, "rows": rows, "same": winners["eager"].layers ==
+            winners["compile"].layers and winners["eager"].default == winners["compile"].default}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--trials", type=int, default=30)
+    ap.add_argument("--max-error", type=float, default=0.01)
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore", PolicyWarning)
+    warnings.simplefilter("ignore", UserWarning)
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    base = get_profile("cpu")
+    eager_cal = fit(base, cost_model_cpu.microbench_samples(base, args.repeats, False),
+                    fit_setup=True, note="eager micro-benchmarks")
+    compile_cal = compile_cost.calibrate(base, args.repeats, False)
+    profiles = {"eager": eager_cal.profile, "compile": compile_cal.profile}
+    for mode, cal in (("eager", eager_cal), ("compile", compile_cal)):
+        p = cal.profile
+        print(f"{mode} calibration: rel. RMSE {cal.calibration.rel_rmse:.2f}; launch "
+              f"{p.launch_overhead_s * 1e6:.1f} us, mem {p.bandwidth / 1e9:.1f} GB/s, fp32 "
+              f"{p.peak('fp32') / 1e12:.2f} TF, bf16 {p.peak('bf16') / 1e12:.2f} TF")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in [m for m in args.models.split(",") if m]:
+            results.append(run_model(name, profiles, args, Path(tmp)))
+    print()
+    print("| model | plan | policy | eager est. ms | eager measured ms | compiled est. ms | "
+          "compiled measured ms |")
+    print("|---|---|---|---|---|---|---|")
+    for res in results:
+        for r in res["rows"]:
+            print(f"| {res['model']} | {r['plan']} | {r['policy']} | {r['est_eager'] * 1e3:.2f} "
+                  f"| {r['meas_eager'] * 1e3:.2f} | {r['est_compile'] * 1e3:.2f} | "
+                  f"{r['meas_compile'] * 1e3:.2f} |")
+    print()
+    print("| model | winners differ | eager winner best eager (measured) | compiled winner "
+          "best compiled (measured) | compiled winner / faster compiled baseline | "
+          "est. vs measured speed-up over compiled fp32 |")
+    print("|---|---|---|---|---|---|")
+    for res in results:
+        rows = {r["plan"]: r for r in res["rows"]}
+        same = {"eager winner", "compiled winner"}
+        best_e = min(rows.values(), key=lambda r: r["meas_eager"])["plan"]
+        best_c = min(rows.values(), key=lambda r: r["meas_compile"])["plan"]
+        if res["same"]:  # one plan under two labels
+            best_e = "eager winner" if best_e in same else best_e
+            best_c = "compiled winner" if best_c in same else best_c
+        cw = rows["compiled winner"]
+        base_c = min(rows["fp32"]["meas_compile"], rows["autocast bf16"]["meas_compile"])
+        est_sp = rows["fp32"]["est_compile"] / cw["est_compile"]
+        meas_sp = rows["fp32"]["meas_compile"] / cw["meas_compile"]
+        print(f"| {res['model']} | {'no' if res['same'] else 'yes'} | "
+              f"{'yes' if best_e == 'eager winner' else 'no: ' + best_e} | "
+              f"{'yes' if best_c == 'compiled winner' else 'no: ' + best_c} | "
+              f"{base_c / cw['meas_compile']:.2f}x | {est_sp:.2f}x vs {meas_sp:.2f}x "
+              f"({(est_sp - meas_sp) / meas_sp:+.0%}) |")
+    print(f"\n({time.monotonic() - started:.0f} s; torch {torch.__version__}, 1 thread, "
+          f"{args.trials} trials per tune, max error {args.max_error:g})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
