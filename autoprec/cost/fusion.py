@@ -62,6 +62,15 @@ _PARAM = -2  # producer of parameters and model inputs (read, never written)
 _EXTERN = -3  # producer/consumer id of an extern kernel (its bytes are priced with it)
 _OUT = -4  # consumer id of the model's outputs (always written)
 _SHIFT = 16  # dtype codes < 16: key = unit * _SHIFT + dtype
+#: aten ops that produce a view in inductor although their schema returns a new tensor.
+_VIEWS = frozenset({"_unsafe_view", "alias", "lift_fresh", "detach"})
+
+
+def _is_extern(op) -> bool:  # noqa: ANN001
+    """A GEMM/conv/SDPA: its own kernel call in inductor's program. SDPA reached below the
+    function level (``nn.MultiheadAttention`` calls aten's
+    ``_scaled_dot_product_flash_attention_for_cpu`` & co. directly) counts too."""
+    return op.kind in ("gemm", "attention") or "scaled_dot_product" in op.name
 
 
 @dataclass
@@ -190,7 +199,7 @@ class CompiledCostModel(CostModel):
                 continue
             op = tr.ops[idx]
             reads = sch.reads[idx]
-            if op.kind == "view":
+            if op.kind == "view" or op.name in _VIEWS:
                 if op.inputs:
                     src = op.inputs[0]
                     for o in op.outputs:
@@ -201,7 +210,7 @@ class CompiledCostModel(CostModel):
             for c in casts_at.get(ev, ()):
                 temp[c.value] = cast(c, op.module)
             kern = sch.kernel[idx]
-            extern = op.kind in ("gemm", "attention")
+            extern = _is_extern(op)
             if extern:
                 for f in quant_at.get(idx, ()):
                     quant.append((seg, f))
@@ -267,11 +276,16 @@ class CompiledCostModel(CostModel):
         bw, launch = self._bw, self._launch
         # extern kernels: as in eager mode
         for i, op in enumerate(tr.ops):
-            if op.kind not in ("gemm", "attention") or sch.compute[i] is None:
+            if not _is_extern(op):
                 continue
             nbytes = self._bytes(list(op.inputs), sch.reads[i]) + self._bytes(
                 op.outputs, sch.writes[i])
             comp = sch.compute[i]
+            if comp is None:  # an aten-level SDPA: no FLOPs recorded, memory-bound
+                parts[:, _GEMM] += nbytes / bw + launch
+                if collect is not None:
+                    collect.append((op.module, Kernel("attention", float(nbytes[0]))))
+                continue
             peak = self._peak[comp]
             with np.errstate(divide="ignore"):
                 ct = np.where(peak > 0, self._op_flops[i] / np.where(peak > 0, peak, 1.0),
