@@ -31,6 +31,7 @@ import torch
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, fit, get_profile
 from autoprec.cost.fusion import CompiledCostModel
+from autoprec.evaluate import reference, score
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, PolicyWarning
 from autoprec.search.tune import tune
@@ -80,10 +81,15 @@ def run_model(name: str, profiles: dict[str, Any], args: argparse.Namespace,
               "compile": CompiledCostModel(graph, profiles["compile"])}
     plans = {"eager winner": winners["eager"], "compiled winner": winners["compile"],
              "fp32": Policy(default="fp32"), "autocast bf16": Policy(default="bf16")}
+    eval_batches = spec.eval_batches()
+    ref = reference(spec, net, eval_batches, "of eval_data", need_outputs=True)
     rows = []
     for label, pol in plans.items():
         pol = Policy(default=pol.default, layers=dict(pol.layers))  # the rules only
-        row: dict[str, Any] = {"plan": label, "policy": fmt_pol(pol)}
+        with torch.no_grad(), apply_policy(net, pol, target="cpu"):
+            err = score(spec, net, eval_batches, ref, "of eval_data").error
+        row: dict[str, Any] = {"plan": label, "policy": fmt_pol(pol), "error": err,
+                               "feasible": err <= args.max_error}
         for mode in ("eager", "compile"):
             row[f"est_{mode}"] = models[mode].estimate(pol)
             row[f"meas_{mode}"] = measure(spec, net, batch, pol, mode, args.repeats)
@@ -123,34 +129,30 @@ def main(argv: list[str] | None = None) -> int:
         for name in [m for m in args.models.split(",") if m]:
             results.append(run_model(name, profiles, args, Path(tmp)))
     print()
-    print("| model | plan | policy | eager est. ms | eager measured ms | compiled est. ms | "
-          "compiled measured ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | plan | policy | error (eval) | eager est. ms | eager measured ms | "
+          "compiled est. ms | compiled measured ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for res in results:
         for r in res["rows"]:
-            print(f"| {res['model']} | {r['plan']} | {r['policy']} | {r['est_eager'] * 1e3:.2f} "
+            print(f"| {res['model']} | {r['plan']} | {r['policy']} | {r['error']:.3g}"
+                  f"{'' if r['feasible'] else ' (over budget)'} | {r['est_eager'] * 1e3:.2f} "
                   f"| {r['meas_eager'] * 1e3:.2f} | {r['est_compile'] * 1e3:.2f} | "
                   f"{r['meas_compile'] * 1e3:.2f} |")
     print()
-    print("| model | winners differ | eager winner best eager (measured) | compiled winner "
-          "best compiled (measured) | compiled winner / faster compiled baseline | "
-          "est. vs measured speed-up over compiled fp32 |")
+    print("| model | winners differ | eager winner: eager / compiled winner: eager (measured) "
+          "| compiled winner: compiled / eager winner: compiled (measured) | compiled winner "
+          "/ faster compiled baseline | est. vs measured speed-up over compiled fp32 |")
     print("|---|---|---|---|---|---|")
     for res in results:
         rows = {r["plan"]: r for r in res["rows"]}
-        same = {"eager winner", "compiled winner"}
-        best_e = min(rows.values(), key=lambda r: r["meas_eager"])["plan"]
-        best_c = min(rows.values(), key=lambda r: r["meas_compile"])["plan"]
-        if res["same"]:  # one plan under two labels
-            best_e = "eager winner" if best_e in same else best_e
-            best_c = "compiled winner" if best_c in same else best_c
-        cw = rows["compiled winner"]
+        ew, cw = rows["eager winner"], rows["compiled winner"]
+        in_e = ew["meas_eager"] / cw["meas_eager"]  # < 1: the eager winner is faster eager
+        in_c = cw["meas_compile"] / ew["meas_compile"]  # < 1: the compiled one, compiled
         base_c = min(rows["fp32"]["meas_compile"], rows["autocast bf16"]["meas_compile"])
         est_sp = rows["fp32"]["est_compile"] / cw["est_compile"]
         meas_sp = rows["fp32"]["meas_compile"] / cw["meas_compile"]
         print(f"| {res['model']} | {'no' if res['same'] else 'yes'} | "
-              f"{'yes' if best_e == 'eager winner' else 'no: ' + best_e} | "
-              f"{'yes' if best_c == 'compiled winner' else 'no: ' + best_c} | "
+              f"{in_e:.2f} | {in_c:.2f} | "
               f"{base_c / cw['meas_compile']:.2f}x | {est_sp:.2f}x vs {meas_sp:.2f}x "
               f"({(est_sp - meas_sp) / meas_sp:+.0%}) |")
     print(f"\n({time.monotonic() - started:.0f} s; torch {torch.__version__}, 1 thread, "
