@@ -106,9 +106,39 @@ class Scale(nn.Module):
         return x * 2.0
 
 
+class TinyChain(nn.Module):
+    """k tiny (4 x 4) GEMM + scale pairs: 2k kernels of (almost) nothing."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(4, 4)) for _ in range(k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w in self.w:
+            x = (x @ w) * 0.5
+        return x
+
+
+def call_overhead(repeats: int) -> tuple[float, float]:
+    """(per forward, per kernel pair) seconds of a compiled call: the intercept and slope
+    of tiny chains of 1 and 8 pairs (dynamo's guards and the wrapper's Python vs the
+    kernels' launches)."""
+    x = torch.randn(4, 4)
+    t = {}
+    with torch.no_grad():
+        for k in (1, 8):
+            compiled, _, _ = compile_and_count(TinyChain(k).eval(), lambda c: c(x))
+            t[k] = timed(lambda c=compiled: c(x), 5, max(repeats, 25))
+    pair = max(0.0, (t[8] - t[1]) / 7)
+    return max(0.0, t[1] - pair), pair
+
+
 def calibrate(profile: Any, repeats: int, smoke: bool) -> Any:
     """Fit the profile on compiled micro-benchmarks: single GEMMs per precision, an
-    elementwise kernel (8 MiB) and a tiny one (launch)."""
+    elementwise kernel (8 MiB) and a tiny one (launch), each less the per-forward
+    overhead of a compiled call (``call_overhead``; kept in ``.call_overhead_s`` of the
+    result, for ``CompiledCostModel(call_overhead_s=...)``)."""
+    per_call, _ = call_overhead(repeats)
     shapes = [(32, 64, 64)] if smoke else [(512, 512, 2048), (512, 1024, 1024), (256, 128, 128)]
     samples = []
     with torch.no_grad():
@@ -120,15 +150,19 @@ def calibrate(profile: Any, repeats: int, smoke: bool) -> Any:
                 with apply_policy(one, pol, target="cpu"):
                     compiled, _, _ = compile_and_count(one, lambda c, x=x: c(x))
                     t = timed(lambda c=compiled, x=x: c(x), 3, repeats)
-                samples.append(Sample(cm, pol, t, f"gemm {m}x{k}x{n} {prec}"))
+                samples.append(Sample(cm, pol, max(t - per_call, 0.1 * t),
+                                      f"gemm {m}x{k}x{n} {prec}"))
         for elems, label in ((1 << (13 if smoke else 21), "copy"), (16, "tiny")):
             x = torch.randn(elems)
             compiled, _, _ = compile_and_count(Scale(), lambda c, x=x: c(x))
             t = timed(lambda c=compiled, x=x: c(x), 3, max(repeats, 25 if label == "tiny" else 1))
-            samples.append(Sample(CompiledCostModel(copy_graph(elems), profile), {}, t, label))
+            samples.append(Sample(CompiledCostModel(copy_graph(elems), profile), {},
+                                  max(t - per_call, 0.1 * t), label))
     torch._dynamo.reset()
-    return fit(profile, samples, fit_setup=True, note="compiled micro-benchmarks, "
-               "experiments/compile_cost.py")
+    res = fit(profile, samples, fit_setup=True, note="compiled micro-benchmarks, "
+              "experiments/compile_cost.py")
+    res.call_overhead_s = per_call
+    return res
 
 
 def plans(net: nn.Module, n_random: int, rng: random.Random) -> list[tuple[str, Policy]]:
@@ -160,7 +194,7 @@ def run_model(name: str, path: Path, profile: Any, args: argparse.Namespace,
     net = spec.model()
     batch = spec.calibration_batches()[0]
     graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
-    cm = CompiledCostModel(graph, profile)
+    cm = CompiledCostModel(graph, profile, call_overhead_s=args.call_overhead_s)
     todo = plans(net, args.random, rng)
     if args.smoke:
         todo = todo[:2]
@@ -205,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cal = calibrate(base, 5 if args.smoke else args.repeats, args.smoke)
     profile = cal.profile
+    args.call_overhead_s = cal.call_overhead_s
     print(f"calibrated on compiled micro-benchmarks: rel. RMSE {cal.calibration.rel_rmse:.2f}; "
-          f"launch {profile.launch_overhead_s * 1e6:.1f} us, mem "
+          f"per compiled call {cal.call_overhead_s * 1e6:.1f} us; launch {profile.launch_overhead_s * 1e6:.1f} us, mem "
           f"{profile.bandwidth / 1e9:.1f} GB/s, fp32 {profile.peak('fp32') / 1e12:.2f} TF, "
           f"bf16 {profile.peak('bf16') / 1e12:.2f} TF, fp16 {profile.peak('fp16') / 1e12:.2f} TF")
     rng = random.Random(args.seed)

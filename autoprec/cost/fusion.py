@@ -94,16 +94,22 @@ class CompiledCostModel(CostModel):
     ``horizontal``: one kernel per segment (inductor's C++ backend; default on the cpu
     profile) or one per data-connected group (Triton; default on GPU profiles).
     ``frozen``: weight casts constant-folded (``torch._inductor.config.freezing``).
+    ``call_overhead_s``: seconds per forward outside the kernels (dynamo's guards and the
+    compiled wrapper's Python; measured by ``experiments/compile_cost.py`` as the
+    intercept of compiled chains of 1 and 8 tiny kernel pairs): the same for every plan,
+    so it moves speed-ups, not rankings.
     """
 
     mode = "compile"
 
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None,
-                 horizontal: bool | None = None, frozen: bool = False) -> None:
+                 horizontal: bool | None = None, frozen: bool = False,
+                 call_overhead_s: float = 0.0) -> None:
         self.horizontal = (device_type_of(profile) == "cpu" if horizontal is None
                            else horizontal)
         self.frozen = frozen
+        self.call_overhead_s = max(0.0, float(call_overhead_s))
         super().__init__(graph, profile, batch_size, device_type=device_type)
 
     # -- the fused program ---------------------------------------------------------------
@@ -351,7 +357,7 @@ class CompiledCostModel(CostModel):
                     qbytes += np.where(on, n * (src * passes + written), 0.0)
                     if not self.horizontal:
                         launches += np.where(on, passes - 1, 0)  # the cast waits for amax
-        parts[:, _OTHER] += fused / bw + launches * launch
+        parts[:, _OTHER] += fused / bw + launches * launch + self.call_overhead_s
         parts[:, _FP8] += qbytes / bw
         if collect is not None:
             for u, a in live.items():
