@@ -12,7 +12,7 @@ model: each plan's estimate and measured latency in both modes, the compiled win
 measured speed-up over the faster compiled baseline, and its estimated vs measured
 speed-up over compiled fp32.
 
-    python experiments/compile_winners.py                       # mixed8, wide, minilm
+    python experiments/compile_winners.py       # mixed8, wide, minilm, compile_mix
     python experiments/compile_winners.py --models mixed8 --trials 20
 """
 
@@ -43,7 +43,8 @@ import compile_cost  # noqa: E402
 import cost_model_cpu  # noqa: E402
 
 MODELS = {"mixed8": HERE / "mixed8" / "model.py", "wide": HERE / "wide" / "model.py",
-          "minilm": HERE / "minilm" / "model.py"}
+          "minilm": HERE / "minilm" / "model.py",
+          "compile_mix": HERE / "compile_mix" / "model.py"}
 
 
 def measure(spec: Any, net: Any, batch: Any, pol: Policy, mode: str, repeats: int) -> float:
