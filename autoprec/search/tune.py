@@ -233,7 +233,8 @@ def open_study(prep: Prepared, space: SearchSpace, cfg: TuneConfig, sampler: Pla
         study.set_user_attr(META_KEY, meta)
     else:
         old = study.user_attrs[META_KEY].get("settings", {})
-        for key, value in settings.items():
+        for key in dict.fromkeys([*settings, *old]):  # a key only one side has counts too
+            value = settings.get(key)
             if old.get(key) != value:
                 raise InputError(f"study {name!r} in {shown} was tuned with other settings "
                                  f"({key}: {old.get(key)!r} there, {value!r} now); use "
