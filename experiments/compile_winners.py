@@ -7,7 +7,9 @@ same micro-benchmarks compiled (``experiments/compile_cost.py``) — then ``tune
 target="cpu")`` runs once per mode (``compile=True`` prices plans as inductor runs them),
 each with its mode's calibrated profile. The two winners and the baselines (all-fp32, one
 autocast bf16 region) are then run here in both modes (eager; ``torch.compile`` after
-``apply_policy``) and timed (one thread, the thread's CPU time, median). Printed per
+``apply_policy``, one model copy per plan) and timed interleaved (one thread, the thread's
+CPU time; every round runs all 8 in a fresh order; ratios are medians of per-round
+ratios, which cancel the shared machine's drifting load). Printed per
 model: each plan's estimate and measured latency in both modes, the compiled winner's
 measured speed-up over the faster compiled baseline, and its estimated vs measured
 speed-up over compiled fp32.
@@ -19,6 +21,9 @@ speed-up over compiled fp32.
 from __future__ import annotations
 
 import argparse
+import copy
+import random
+import statistics
 import sys
 import tempfile
 import time
@@ -47,13 +52,31 @@ MODELS = {"mixed8": HERE / "mixed8" / "model.py", "wide": HERE / "wide" / "model
           "compile_mix": HERE / "compile_mix" / "model.py"}
 
 
-def measure(spec: Any, net: Any, batch: Any, pol: Policy, mode: str, repeats: int) -> float:
-    """Median seconds of one forward of ``pol`` applied to ``net``, eager or compiled."""
-    with torch.no_grad(), apply_policy(net, pol, target="cpu"):
-        run_net = net
-        if mode == "compile":
-            run_net, _, _ = compile_cost.compile_and_count(net, lambda c: spec.forward(c, batch))
-        return compile_cost.timed(lambda: spec.forward(run_net, batch), 3, repeats)
+def interleaved(runs: dict[str, Any], rounds: int, inner: int, seed: int = 0
+                ) -> dict[str, list[float]]:
+    """Thread CPU seconds per run of every entry, one sample (mean of ``inner`` runs) per
+    round, the entries in a fresh random order each round: a shared 2-vCPU machine's load
+    (an SMT sibling busy doubles a thread's CPU time) drifts over minutes, and the ratios
+    of one round cancel it."""
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {k: [] for k in runs}
+    for run in runs.values():
+        for _ in range(2):
+            run()  # warm-up
+    for _ in range(rounds):
+        names = list(runs)
+        rng.shuffle(names)
+        for n in names:
+            t0 = time.thread_time()
+            for _ in range(inner):
+                runs[n]()
+            out[n].append((time.thread_time() - t0) / inner)
+    return out
+
+
+def ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of a's time / b's time."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
 
 
 def fmt_pol(p: Policy) -> str:
@@ -88,22 +111,40 @@ def run_model(name: str, profiles: dict[str, Any], args: argparse.Namespace,
     eval_batches = spec.eval_batches()
     ref = reference(spec, net, eval_batches, "of eval_data", need_outputs=True)
     rows = []
+    handles, runs = [], {}
+    torch._dynamo.reset()
     for label, pol in plans.items():
         pol = Policy(default=pol.default, layers=dict(pol.layers))  # the rules only
         with torch.no_grad(), apply_policy(net, pol, target="cpu"):
             err = score(spec, net, eval_batches, ref, "of eval_data").error
-        row: dict[str, Any] = {"plan": label, "policy": fmt_pol(pol), "error": err,
-                               "feasible": err <= args.max_error}
+        rows.append({"plan": label, "policy": fmt_pol(pol), "error": err,
+                     "feasible": err <= args.max_error,
+                     **{f"est_{m}": models[m].estimate(pol) for m in ("eager", "compile")}})
+        # one copy of the model per plan, the policy applied for the whole measurement
+        mine = copy.deepcopy(net)
+        handles.append(apply_policy(mine, pol, target="cpu"))
+        with torch.no_grad():
+            compiled, _, _ = compile_cost.compile_and_count(mine, lambda c: spec.forward(c, batch))
+        runs[(label, "eager")] = lambda m=mine: spec.forward(m, batch)
+        runs[(label, "compile")] = lambda c=compiled: spec.forward(c, batch)
+    with torch.no_grad():
+        samples = interleaved(runs, args.rounds, args.inner)
+    for h in handles:
+        h.remove()
+    for row in rows:
         for mode in ("eager", "compile"):
-            row[f"est_{mode}"] = models[mode].estimate(pol)
-            row[f"meas_{mode}"] = measure(spec, net, batch, pol, mode, args.repeats)
-        rows.append(row)
-        print(f"    {label:16s} eager est {row['est_eager'] * 1e3:8.2f} ms meas "
+            row[f"meas_{mode}"] = statistics.median(samples[(row["plan"], mode)])
+            row[f"ratio_{mode}"] = ratio(samples, (row["plan"], mode), ("fp32", mode))
+        print(f"    {row['plan']:16s} eager est {row['est_eager'] * 1e3:8.2f} ms meas "
               f"{row['meas_eager'] * 1e3:8.2f} ms | compiled est "
               f"{row['est_compile'] * 1e3:8.2f} ms meas {row['meas_compile'] * 1e3:8.2f} ms",
               file=sys.stderr, flush=True)
+    samples_by = {f"{k[0]}|{k[1]}": v for k, v in samples.items()}
+    winners_ratio = {m: ratio(samples, ("eager winner", m), ("compiled winner", m))
+                     for m in ("eager", "compile")}
     torch._dynamo.reset()
-    return {"model": name, "rows": rows, "printed": printed, "same": winners["eager"].layers ==
+    return {"model": name, "rows": rows, "printed": printed, "samples": samples_by,
+            "winners_ratio": winners_ratio, "same": winners["eager"].layers ==
             winners["compile"].layers and winners["eager"].default == winners["compile"].default}
 
 
@@ -112,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--max-error", type=float, default=0.01)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=15, help="calibration repeats")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    ap.add_argument("--inner", type=int, default=3, help="forwards per timed sample")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore", PolicyWarning)
     warnings.simplefilter("ignore", UserWarning)
@@ -151,15 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for res in results:
         rows = {r["plan"]: r for r in res["rows"]}
-        ew, cw = rows["eager winner"], rows["compiled winner"]
-        in_e = ew["meas_eager"] / cw["meas_eager"]  # < 1: the eager winner is faster eager
-        in_c = cw["meas_compile"] / ew["meas_compile"]  # < 1: the compiled one, compiled
-        base_c = min(rows["fp32"]["meas_compile"], rows["autocast bf16"]["meas_compile"])
+        cw = rows["compiled winner"]
+        in_e = res["winners_ratio"]["eager"]  # < 1: the eager winner is faster eager
+        in_c = 1.0 / res["winners_ratio"]["compile"]  # < 1: the compiled one, compiled
+        # per-round ratios to compiled fp32: speed-up = 1 / ratio
+        meas_sp = 1.0 / cw["ratio_compile"]
+        best_base = max(1.0, 1.0 / rows["autocast bf16"]["ratio_compile"])
+        base_c = meas_sp / best_base  # the winner over the faster of fp32 / autocast bf16
         est_sp = rows["fp32"]["est_compile"] / cw["est_compile"]
-        meas_sp = rows["fp32"]["meas_compile"] / cw["meas_compile"]
         print(f"| {res['model']} | {'no' if res['same'] else 'yes'} | "
               f"{in_e:.2f} | {in_c:.2f} | "
-              f"{base_c / cw['meas_compile']:.2f}x | {est_sp:.2f}x vs {meas_sp:.2f}x "
+              f"{base_c:.2f}x | {est_sp:.2f}x vs {meas_sp:.2f}x "
               f"({(est_sp - meas_sp) / meas_sp:+.0%}) | {res['printed']['compile']:.2f}x "
               f"({(res['printed']['compile'] - meas_sp) / meas_sp:+.0%}) |")
     print(f"\n({time.monotonic() - started:.0f} s; torch {torch.__version__}, 1 thread, "
