@@ -54,10 +54,9 @@ from autoprec.cost.model import _FP8, _GEMM, _OTHER, CostModel, Kernel, device_t
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.plan.compile import CODE
 from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule
+from autoprec.policy.schema import MODES  # deployment modes (policy ``target.mode``)
 from autoprec.trace.graph import LayerGraph
 
-#: Deployment modes a plan is priced for (policy ``target.mode``).
-MODES = ("eager", "compile")
 _PARAM = -2  # producer of parameters and model inputs (read, never written)
 _EXTERN = -3  # producer/consumer id of an extern kernel (its bytes are priced with it)
 _OUT = -4  # consumer id of the model's outputs (always written)
