@@ -96,7 +96,8 @@ def show_cmd(
         typer.echo("model: - (no fingerprint: not checked against the model's structure)")
     if pol.target:
         bs = f", batch size {pol.batch_size}" if pol.batch_size else ""
-        typer.echo(f"target: {pol.target_device or '-'}{bs}")
+        mode = ", torch.compile" if pol.mode == "compile" else ""
+        typer.echo(f"target: {pol.target_device or '-'}{bs}{mode}")
     typer.echo(f"default: {pol.default}")
     paths = show_order(pol, order)
     if paths:
