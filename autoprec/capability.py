@@ -133,18 +133,27 @@ def runnable_precisions(device: str | torch.device | None = None) -> tuple[str, 
 CPU_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f")
 
 
-def cpu_facts() -> str:
-    """This CPU's model name and its 16-bit matmul features, from /proc/cpuinfo."""
-    name, flags = platform.processor() or "unknown CPU", set()
+def cpu_flags() -> tuple[str, frozenset[str]]:
+    """This CPU's model name and its feature flags, from /proc/cpuinfo (no flags when the
+    file cannot be read)."""
+    name, flags = platform.processor() or "unknown CPU", frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 name = value.strip()
             elif key.strip() == "flags":
-                flags = set(value.split())
+                flags = frozenset(value.split())
                 break
     except OSError:
+        pass
+    return name, flags
+
+
+def cpu_facts() -> str:
+    """This CPU's model name and its 16-bit matmul features, from /proc/cpuinfo."""
+    name, flags = cpu_flags()
+    if not flags and not Path("/proc/cpuinfo").is_file():
         return f"{name} (no /proc/cpuinfo)"
     have = [f for f in CPU_FLAGS if f in flags]
     lack = [f for f in CPU_FLAGS if f not in flags]

@@ -37,7 +37,7 @@ from autoprec.evaluate import nonfinite_watch, reference, score
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of, iter_floats
-from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, resolve_path
+from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, resolve
 from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.report_json import Reason, audit_reasons, feasible, number, reasons_json, speedup
 from autoprec.trace import trace
@@ -225,8 +225,9 @@ def _layer_rows(spec: ModelSpec, net: torch.nn.Module, policy: Policy, batch: An
     bd = cost.breakdown(policy)
     times = bd.by_module
     rows = {}
+    resolved = resolve(policy, net)  # a shared module: its rule under any of its paths
     for node in graph.gemm_nodes:
-        r = resolve_path(policy, node.path, net.get_submodule(node.path))
+        r = resolved[node.path]
         t = times.get(node.path)
         rows[node.path] = {
             "layer": node.path, "kind": node.kind, "precision": assign[node.path],

@@ -198,3 +198,22 @@ def score(spec: ModelSpec, model: torch.nn.Module, batches: Sequence[Any], ref: 
         metric = mean_metric(spec.metric, outs, batches)
         drop = ref.metric - metric if math.isfinite(metric) else math.inf
     return Score(acc.error, metric, drop, acc.nonfinite)
+
+
+def batch_tensors(batch: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Copies of the tensors in a batch (tensor / tuple / list / dict), in order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch.detach().clone()]
+    if depth > 4:
+        return []
+    items = (batch.values() if isinstance(batch, dict)
+             else batch if isinstance(batch, (tuple, list)) else ())
+    return [t for v in items for t in batch_tensors(v, depth + 1)]
+
+
+def same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype
+        and (torch.equal(x, y) if not x.is_floating_point()
+             else bool(torch.isclose(x, y, rtol=0, atol=0, equal_nan=True).all()))
+        for x, y in zip(a, b))

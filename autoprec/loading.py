@@ -24,6 +24,7 @@ import hashlib
 import importlib.util
 import numbers
 import os
+import re
 import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -134,6 +135,19 @@ def _checked_metric(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any,
     return metric
 
 
+def _has_grad(value: Any, depth: int = 0) -> bool:
+    """Some tensor in ``value`` (tensors, tuples, lists, dicts, ModelOutput) needs a grad."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if depth > 4:
+        return False
+    if isinstance(value, dict):
+        return any(_has_grad(v, depth + 1) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(_has_grad(v, depth + 1) for v in value[:64])
+    return False
+
+
 def _checked_loss(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     @functools.wraps(fn)
     def loss(outputs: Any, batch: Any) -> torch.Tensor:
@@ -149,6 +163,11 @@ def _checked_loss(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, A
         if value.numel() != 1:
             raise ModelFileError(f"{path}: loss() must return a scalar tensor, got shape "
                                  f"{tuple(value.shape)} (reduce it, e.g. .mean())")
+        if torch.is_grad_enabled() and not value.requires_grad and _has_grad(outputs):
+            raise ModelFileError(f"{path}: loss() returned a tensor with no gradient although "
+                                 "the outputs have one (computed under torch.no_grad() or "
+                                 "detached?); gradient probes and --train-aware backpropagate "
+                                 "through loss()")
         return value
 
     loss.__autoprec_checked__ = True  # type: ignore[attr-defined]
@@ -187,6 +206,13 @@ class ModelSpec:
                 f"{self.path}: build_model() must return a torch.nn.Module, "
                 f"got {type(model).__name__}"
             )
+        if isinstance(model, torch.jit.ScriptModule):
+            # A scripted module runs its compiled graph: no Python forward to wrap in a
+            # region, no hooks for the probes, no named_modules() rules can reach.
+            raise ModelFileError(
+                f"{self.path}: build_model() returned a TorchScript module "
+                f"({type(model).__name__}); autoprec tunes and applies the eager "
+                "nn.Module: return it before torch.jit.script / torch.jit.trace")
         for pname, p in model.named_parameters():
             if p.is_floating_point() and p.dtype != torch.float32:
                 raise ModelFileError(
@@ -261,8 +287,17 @@ def _model_name(module: Any, path: Path) -> str:
     """MODEL_NAME from model.py, else the folder name for model.py, else the file stem."""
     explicit = getattr(module, "MODEL_NAME", None)
     if isinstance(explicit, str) and explicit:
+        # It names files (policies/NAME-TARGET.yaml, the study and cache): a plain name,
+        # never a path that would write outside policies/.
+        if not _PLAIN_NAME.fullmatch(explicit):
+            raise ModelFileError(f"{path}: MODEL_NAME must be a plain name (letters, digits, "
+                                 f"'.', '_', '-'; not starting with '.'), got {brief(explicit)}")
         return explicit
     return path.resolve().parent.name if path.stem == "model" else path.stem
+
+
+#: A MODEL_NAME usable as a file-name part.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 
 def _nul_line(path: Path) -> int | None:

@@ -40,6 +40,17 @@ def detach_floats(obj: Any) -> list[torch.Tensor]:
     return [t.detach().float().cpu() for t in iter_floats(obj)]
 
 
+def relative_error(sq_err: float, sq_ref: float, nonfinite: int = 0) -> float:
+    """``sqrt(sq_err / sq_ref)``, the one rule for every relative L2 error autoprec reports
+    (outputs, a layer's local error, its gradients): any non-finite value -> inf; nothing
+    to compare against (``sq_ref`` 0) -> 0 when nothing differs, else inf."""
+    if nonfinite:
+        return math.inf
+    if sq_ref == 0.0:
+        return 0.0 if sq_err == 0.0 else math.inf
+    return math.sqrt(sq_err / sq_ref)
+
+
 @dataclasses.dataclass
 class ErrorAccumulator:
     """Accumulates the relative L2 error batch by batch."""
@@ -67,23 +78,11 @@ class ErrorAccumulator:
 
     @property
     def error(self) -> float:
-        if self.nonfinite:
-            return math.inf
-        if self.sq_ref == 0.0:
-            return 0.0 if self.sq_err == 0.0 else math.inf
-        return math.sqrt(self.sq_err) / math.sqrt(self.sq_ref)
+        return relative_error(self.sq_err, self.sq_ref, self.nonfinite)
 
 
 def _is_tensor_list(obj: Any) -> bool:
     return isinstance(obj, list) and all(isinstance(t, torch.Tensor) for t in obj)
-
-
-def relative_l2(outputs: Sequence[Any], references: Sequence[Sequence[torch.Tensor]]) -> float:
-    """Relative L2 error of a list of per-batch outputs against per-batch references."""
-    acc = ErrorAccumulator()
-    for out, ref in zip(outputs, references):
-        acc.add(out, ref)
-    return acc.error
 
 
 def mean_metric(

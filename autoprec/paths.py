@@ -58,6 +58,35 @@ def check_out_path(path: Path) -> None:
     check_writable(path)
 
 
+def same_file(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` name one file (links and ``..`` followed; either may not exist yet)."""
+    try:
+        if a.exists() and b.exists():
+            return a.samefile(b)
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def check_not_an_input(out: Path, inputs: dict[str, Path | None], flag: str = "--out") -> None:
+    """``out`` is none of the run's own inputs (``{what: path}``): writing the policy there
+    would destroy it (model.py turned into YAML, a study database's every trial lost).
+    OutputError (exit 2) naming both otherwise."""
+    for what, path in inputs.items():
+        if path is not None and same_file(Path(out), Path(path)):
+            raise OutputError(f"{flag} {out}: is {what} this run reads; write the output to "
+                              "another file")
+
+
+def storage_file(url: str | None) -> Path | None:
+    """The file of a ``sqlite:///PATH`` or ``journal:PATH`` storage URL (None otherwise)."""
+    if not isinstance(url, str):
+        return None
+    if url.startswith("journal:"):
+        return Path(url[len("journal:"):]) if url[len("journal:"):] else None
+    return sqlite_file(url)
+
+
 def check_dir(path: Path, what: str) -> None:
     """``path`` is, or can be created as, a folder autoprec may write in (a cache, the
     policy folder): OutputError (exit 2) naming it and ``what`` it is for otherwise.

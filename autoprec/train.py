@@ -39,7 +39,7 @@ from autoprec.apply.apply import PolicyHandle, apply_policy
 from autoprec.errors import CapabilityError, InputError
 from autoprec.loading import ModelSpec, default_forward
 from autoprec.metrics import mean_metric
-from autoprec.policy import Policy, load_policy, resolve_path
+from autoprec.policy import Policy, load_policy, resolve
 
 Batch = Any
 LossFn = Callable[[Any, Batch], torch.Tensor]
@@ -73,8 +73,6 @@ def needs_grad_scaler(handle_or_policy: PolicyHandle | Policy,
     else:
         if model is None:
             return "fp16" in handle_or_policy.precisions
-        from autoprec.policy import resolve
-
         layers = resolve(handle_or_policy, model)
     return any(r.precision == "fp16" for r in layers.values())
 
@@ -146,8 +144,9 @@ def prepare_training(
         policy = load_policy(policy, model, force=force)
     from autoprec.plan.compile import compile_plan
 
+    resolved = resolve(policy, model)
     fwd_only = [p for p in compile_plan(policy, model).format_leaves
-                if resolve_path(policy, p, model.get_submodule(p)).precision == "nvfp4"]
+                if resolved[p].precision == "nvfp4"]
     if fwd_only:
         more = f" and {len(fwd_only) - 1} more" if len(fwd_only) > 1 else ""
         raise CapabilityError(f"{policy.source}: layer {fwd_only[0]!r}{more} runs nvfp4, which "

@@ -104,6 +104,8 @@ def check_tune_args(
     out: Any = None,
     cache_dir: Any = None,
     workers: int = 1,
+    model: Any = None,
+    mlflow_uri: Any = None,
 ) -> None:
     """Every check of ``tune``'s arguments that needs neither the model nor the data.
 
@@ -134,11 +136,26 @@ def check_tune_args(
         check_storage_url(storage)
     if out is not None:
         check_out_path(Path(out))
+        check_out_not_input(Path(out), model=model, storage=storage, mlflow_uri=mlflow_uri)
     else:  # tune's default: policies/<model>-<target>.yaml
         check_dir(Path("policies"), "the policy folder")
     if cache_dir is not None:
         check_dir(Path(cache_dir), "--cache-dir")
 
 
+def check_out_not_input(out: Path, *, model: Any = None, storage: Any = None,
+                        mlflow_uri: Any = None) -> None:
+    """tune's ``--out`` is not model.py, the study's SQLite / journal file or the MLflow
+    database: OutputError (exit 2) instead of overwriting one of them with the policy."""
+    from autoprec.paths import check_not_an_input, sqlite_file, storage_file
+
+    check_not_an_input(out, {
+        "the model file": Path(model) if isinstance(model, (str, Path)) else None,
+        "the --storage study file": storage_file(storage),
+        "the --mlflow-uri database": (sqlite_file(mlflow_uri) if isinstance(mlflow_uri, str)
+                                      else None),
+    })
+
+
 __all__ = ["MAX_BATCH_SIZE", "MAX_SEED", "check_batch_size", "check_budget", "check_count",
-           "check_seconds", "check_seed", "check_tune_args"]
+           "check_out_not_input", "check_seconds", "check_seed", "check_tune_args"]

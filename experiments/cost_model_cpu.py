@@ -38,8 +38,7 @@ from torch import nn
 
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import cpu_facts
-from autoprec.cost import CostModel, Sample, fit, get_profile, measure_latency
-from autoprec.cost.calibrate import copy_graph, gemm_graph
+from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 
@@ -113,29 +112,20 @@ def policies(model: nn.Module, hidden: list[int], n_random: int, rng: random.Ran
 
 
 def microbench_samples(profile, repeats: int, smoke: bool) -> list[Sample]:
-    """Single GEMMs per precision, a copy and a tiny add, with their one-op cost models."""
+    """Single GEMMs per precision, a copy and a tiny add, with their one-op cost models
+    (``calibrate.micro_samples``: the micro-benchmarks ``autoprec tune`` calibrates a local
+    target with, at this script's shapes)."""
     shapes = [(512, 512, 2048), (512, 2048, 512), (512, 1024, 1024), (512, 128, 128),
               (512, 64, 64)]
     if smoke:
         shapes = [(32, 64, 64)]
-    samples = []
-    with torch.no_grad():
-        for m, k, n in shapes:
-            one, x = One(k, n).eval(), torch.randn(m, k)
-            cm = CostModel(gemm_graph(m, k, n), profile)
-            for prec in PRECS:
-                pol = gemm_policy(prec)
-                with apply_policy(one, pol, target="cpu"):
-                    t = timed(lambda one=one, x=x: one(x), 2, repeats)
-                samples.append(Sample(cm, pol, t, f"gemm {m}x{k}x{n} {prec}"))
-        elems = 1 << (13 if smoke else 21)  # 2 Mi fp32 elements = 8 MiB (see measure_profile)
-        x = torch.randn(elems)
-        t = timed(lambda: x.clone(), 2, repeats)
-        samples.append(Sample(CostModel(copy_graph(elems), profile), {}, t, "copy"))
-        y = torch.randn(16)
-        t = timed(lambda: y.add(1.0), 5, max(repeats, 25))
-        samples.append(Sample(CostModel(copy_graph(16), profile), {}, t, "tiny add"))
-    return samples
+
+    def run_as(module: nn.Module, pol: Policy) -> Any:
+        return apply_policy(module, pol, target="cpu")
+
+    return calibrate.micro_samples(profile, {p: gemm_policy(p) for p in PRECS}, shapes,
+                                   lambda run: timed(run, 2, repeats), run_as,
+                                   copy_elems=1 << (13 if smoke else 21))
 
 
 def measure_profile(repeats: int) -> None:

@@ -64,8 +64,7 @@ from torch import nn
 
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import capability
-from autoprec.cost import CostModel, Sample, fit, get_profile, measure_latency
-from autoprec.cost.calibrate import copy_graph, gemm_graph
+from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
 from autoprec.cost.fusion import CompiledCostModel
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
@@ -137,17 +136,6 @@ class GPTStack(nn.Module):
         return self.ln_f(x)
 
 
-class OneGemm(nn.Module):
-    """A container holding one GEMM leaf ``gemm`` (no bias): what ``gemm_graph`` records."""
-
-    def __init__(self, k: int, n: int, device: torch.device) -> None:
-        super().__init__()
-        self.gemm = nn.Linear(k, n, bias=False, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x)
-
-
 # --------------------------------------------------------------------------- runs
 
 
@@ -211,36 +199,19 @@ def tf32_flags(on: bool) -> Iterator[None]:
 def micro_samples(profile, device: torch.device, d: int, tokens: int, target: str,
                   fp8_backend: str | None, timer: Callable[[Callable[[], Any]], float]
                   ) -> list[Sample]:
-    """Single GEMMs per precision, a copy and a tiny add, for the calibration fit.
-
-    Each GEMM runs as autoprec runs it: ``apply_policy`` on a one-GEMM container with
-    ``default: prec`` (input and weight cast at the GEMM, output left in prec: the kernels
-    gemm_graph's plan prices); fp8 as a rule under ``default: bf16``.
+    """Single GEMMs per precision, a copy and a tiny add, for the calibration fit: the
+    micro-benchmarks ``autoprec tune`` runs on a local target
+    (``autoprec.cost.calibrate.micro_samples``: each GEMM applied as autoprec applies it).
     """
-    shapes = sorted({(tokens, d, d), (tokens, d, 3 * d), (tokens, d, 4 * d),
-                     (tokens, 4 * d, d), (max(16, tokens // 16), d, d),
-                     (max(16, tokens // 256), d, 4 * d)})
     plans = {p: Policy(default=p) for p in ("fp32", "tf32", "bf16", "fp16")}
     if fp8_backend is not None:
         plans["fp8"] = Policy(default="bf16", layers={"gemm": "fp8"})
-    out = []
-    for m, k, n in shapes:
-        one = OneGemm(k, n, device).eval()
-        x = torch.randn(m, k, device=device)
-        cm = CostModel(gemm_graph(m, k, n), profile)
-        for prec, pol in plans.items():
-            with apply_policy(one, pol, target=target, fp8_backend=fp8_backend):
-                t = timer(lambda one=one, x=x: one(x))
-            out.append(Sample(cm, pol, t, f"gemm {m}x{k}x{n} {prec}"))
-        del one, x
-    elems = tokens * d
-    x = torch.randn(elems, device=device)
-    out.append(Sample(CostModel(copy_graph(elems), profile), {}, timer(lambda: x.clone()),
-                      f"copy {elems}"))
-    y = torch.randn(16, device=device)
-    out.append(Sample(CostModel(copy_graph(16), profile), {}, timer(lambda: y.add(1.0)),
-                      "tiny add"))
-    return out
+
+    def run_as(module: nn.Module, pol: Policy) -> Any:
+        return apply_policy(module, pol, target=target, fp8_backend=fp8_backend)
+
+    return calibrate.micro_samples(profile, plans, calibrate.gpu_shapes(d, tokens), timer,
+                                   run_as, device=str(device), copy_elems=tokens * d)
 
 
 # --------------------------------------------------------------------------- compiled

@@ -202,13 +202,13 @@ def tune_walk(r: TuneResult, problem: Problem) -> str:
     parts, keys = [], []
     for t in r.trials_table:
         params = {k[len("params_"):]: v for k, v in t.items() if k.startswith("params_")}
-        if t.get("state") != "COMPLETE" or not names <= set(params) or t.get("error") is None:
+        if t.get("state") != "COMPLETE" or not names <= set(params) or t.get("calibration_error") is None:
             continue
         key = space.key(params)
         keys.append(key)
         pred = float(problem.plans.predicted(np.array([key]))[0])
         mark = "+" if t.get("feasible") else "-"
-        parts.append(f"{t['est_speedup']:.3f}x pred {pred:.3g} meas {t['error']:.3g}{mark}")
+        parts.append(f"{t['est_speedup']:.3f}x pred {pred:.3g} meas {t['calibration_error']:.3g}{mark}")
     pruned = sum(1 for t in r.trials_table if t.get("state") == "PRUNED")
     distinct = len({problem.signature(k) for k in keys})
     head = (f"{len(keys)} plans ({distinct} distinct: keys with one "

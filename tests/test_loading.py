@@ -124,3 +124,18 @@ def test_entry_point_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "hidden_size 30 is not divisible by 4 heads" in proc.stderr
+
+
+def test_graph_fits_a_terminal() -> None:
+    """Issue 25: the graph table was ~300 columns wide; in a terminal every line fits (cut
+    at why_not, the last column), FLOPs read as 67.1M; a pipe gets every reason whole."""
+    import pandas as pd
+
+    from autoprec.cli.graph_cmd import _fit, _si
+
+    frame = pd.DataFrame({"layer": ["a", "b"], "flops": [_si(67108864), _si(0)],
+                          "why_not": ["fp8: in_features 100 not a multiple of 16 " * 5, ""]})
+    text = _fit(frame, 100)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "67.1M" in text and "--json gives every reason" in text
+    assert frame["why_not"][0].rstrip() in _fit(frame, None)

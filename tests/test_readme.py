@@ -62,3 +62,79 @@ def test_the_python_snippets_run_as_written(tmp_path: Path) -> None:
         outputs.append(run.stdout)
     assert (tmp_path / "policies" / "trap-api.yaml").is_file()
     assert "trap-api.yaml" in outputs[0] and outputs[1].startswith("loss ")
+
+
+def _cli_options(spellings: bool = False) -> dict[str, set[str]]:
+    """Every command of the CLI and its options (the first spelling of each; with
+    ``spellings`` every spelling, ``--no-resume`` too)."""
+    import typer
+
+    from autoprec.cli.main import _register, app
+
+    _register()
+    group = typer.main.get_command(app)
+    return {name: {o for p in cmd.params
+                   if p.param_type_name == "option" and p.opts[0] != "--help"
+                   for o in ([*p.opts, *p.secondary_opts] if spellings else p.opts[:1])}
+            for name, cmd in group.commands.items()}
+
+
+def _synopsis() -> dict[str, set[str]]:
+    (block,) = [b for b in _blocks("", "Command line") if b.startswith("autoprec ")]
+    out: dict[str, set[str]] = {}
+    command = None
+    for line in block.splitlines():
+        text = line.split("#", 1)[0]
+        if line.startswith("autoprec "):
+            command = line.split()[1]
+            out[command] = set()
+        assert command is not None, line
+        out[command] |= set(re.findall(r"--[a-z][a-z0-9-]*", text))
+    return out
+
+
+def test_the_synopsis_is_the_clis_options() -> None:
+    """Issue 25: the README's synopsis lists every command and every option, and nothing
+    else (it had drifted: tune's --min-speedup, --lock, --json missing, probe's --layer …)."""
+    readme, cli, spelled = _synopsis(), _cli_options(), _cli_options(spellings=True)
+    assert sorted(readme) == sorted(cli)
+    for name in cli:
+        assert cli[name] <= readme[name] <= spelled[name], (
+            name, "missing in README:", sorted(cli[name] - readme[name]),
+            "not in the CLI:", sorted(readme[name] - spelled[name]))
+
+
+def test_target_help_lists_every_profile() -> None:
+    from autoprec.cli import target_names
+    from autoprec.cost import known_devices
+
+    assert target_names() == ", ".join(known_devices())
+    assert f"({target_names()}; `autoprec tune --help`" in " ".join(README.split())
+
+
+@pytest.mark.slow
+def test_the_first_command_leaves_the_checkout_clean(tmp_path: Path) -> None:
+    """Issue 25: the README's first command in a fresh clone writes only ignored files (it
+    used to rewrite the tracked policies/mixed8-h100.yaml); what it writes is what the
+    README says."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    (setup,) = _blocks("bash")[:1]
+    tune_line = next(line for line in setup.splitlines() if "autoprec tune" in line)
+    tune_cmd = tune_line[tune_line.index(".venv/bin/autoprec tune"):]
+    args = tune_cmd.split()[2:]  # after ".venv/bin/autoprec tune"
+    env = {**os.environ, "PYTHONPATH": str(clone)}
+    run = subprocess.run([sys.executable, "-m", "autoprec.cli.main", "tune", *args,
+                          "--quiet"], cwd=clone, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True,
+                            text=True, check=True).stdout
+    assert status == "", status
+    out = args[args.index("--out") + 1]
+    assert (clone / out).is_file() and f"`{out}`" in README
+    assert (clone / "quickstart" / "studies" / "mixed8.db").is_file()
+    load_policy(clone / out)

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import types
 import weakref
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +38,7 @@ from autoprec.errors import CapabilityError, InputError
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
-from autoprec.policy.resolve import Resolved, assignment, module_table, resolve_path
+from autoprec.policy.resolve import Resolved, assignment, module_table, resolve
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BLOCK_SCALED, is_gemm_format
 
@@ -87,6 +90,34 @@ def _wrapper(module: torch.nn.Module, precision: str, fp8_backend: str,
     return fwd
 
 
+def _bound_to(module: torch.nn.Module, fwd: Callable[..., Any], old: Any) -> Any:
+    """``fwd`` installed as a method bound to ``module``.
+
+    ``copy.deepcopy`` of a model under a policy (EMA, checkpoint averaging) rebinds a
+    bound method to the copied module: the copy then runs its *own* forward, with no
+    policy — never the original's wrapped forward, which would compute with the original's
+    weights. The copy is a plain model (apply a policy to it if wanted); the original keeps
+    its policy and its handle. A user's own instance forward (``old``) is rebound to the
+    copy when it is a method, else the class's forward runs."""
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self is module:
+            return fwd(*args, **kwargs)
+        if isinstance(old, types.MethodType):
+            return old.__func__(self, *args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, fwd)
+    try:  # the bound method shows the module's own signature (HF Trainer reads it)
+        sig = inspect.signature(fwd)
+        forward.__signature__ = sig.replace(parameters=[  # type: ignore[attr-defined]
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+            *sig.parameters.values()])
+    except (TypeError, ValueError):
+        pass
+    return types.MethodType(forward, module)
+
+
 class PolicyHandle:
     """A policy installed on a model. ``remove()`` restores the original forwards exactly.
 
@@ -126,8 +157,9 @@ class PolicyHandle:
             for mod, fwd in modules:
                 # An instance-level forward (set by the user or another library) is kept
                 # as is and put back; otherwise the class method shows through again.
-                self._saved.append((weakref.ref(mod), mod.__dict__.get("forward", _MISSING)))
-                mod.forward = fwd  # type: ignore[method-assign]
+                old = mod.__dict__.get("forward", _MISSING)
+                self._saved.append((weakref.ref(mod), old))
+                mod.forward = _bound_to(mod, fwd, old)  # type: ignore[method-assign]
         except BaseException:
             self.remove()
             raise
@@ -209,7 +241,27 @@ def target_device_type(target: str | None, policy: Policy, device: torch.device)
     return "cpu" if name.startswith("cpu") else "cuda"
 
 
-def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None = None,
+def _check_apply_args(model: Any, policy: Any) -> Policy:
+    """The documented errors for wrong argument types, before anything is touched."""
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"apply_policy: model must be a torch.nn.Module, got "
+                         f"{type(model).__name__}")
+    if isinstance(unwrap_model(model), torch.jit.ScriptModule):
+        raise InputError("apply_policy: model is a TorchScript module; apply the policy to "
+                         "the eager nn.Module (before torch.jit.script / trace)")
+    if isinstance(policy, (str, Path)):
+        from autoprec.policy.schema import load_policy
+
+        return load_policy(policy)
+    if not isinstance(policy, Policy):
+        hint = (" (Policy.from_dict(d) builds one from a mapping)"
+                if isinstance(policy, Mapping) else "")
+        raise InputError(f"apply_policy: policy must be a Policy or the path of a policy file, "
+                         f"got {type(policy).__name__}{hint}")
+    return policy
+
+
+def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backend: str | None = None,
                  device: str | torch.device | None = None, force: bool = False,
                  target: str | None = None) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
@@ -220,10 +272,13 @@ def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None
     default: the policy's ``target``, else ``device``): on a CPU, a CUDA target's autocast
     op lists are followed. ``force`` applies a policy whose fingerprint does not match,
     with a warning.
+    ``policy`` may also be a path to a policy file (read with ``load_policy``).
     Raises PolicyError (does not validate), CapabilityError (a precision or backend cannot
-    run here, with the reason) or InputError (a policy is already applied); the model is
-    untouched when anything is raised.
+    run here, with the reason) or InputError (a policy is already applied; ``model`` is not
+    an nn.Module, or a TorchScript one; ``policy`` is neither a Policy nor a path); the
+    model is untouched when anything is raised.
     """
+    policy = _check_apply_args(model, policy)
     root = unwrap_model(model)
     for path, mod in root.named_modules():
         if mod in _UNDER_POLICY:
@@ -234,7 +289,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy, fp8_backend: str | None
     dev = torch.device(device) if device is not None else _model_device(root)
     plan = compile_plan(policy, root)
     table = module_table(root)
-    res = {p: resolve_path(policy, p, m) for p, m in table.items()}
+    res = resolve(policy, root)  # a shared module: one precision under every path
     modules = dict(root.named_modules())
     chosen = [(modules[w.path] if w.path in modules else table[w.path], w)
               for w in plan.wrappers()]

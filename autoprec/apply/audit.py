@@ -126,10 +126,11 @@ def _classify(name: str, args: tuple[Any, ...], device: str) -> str | None:
     """The precision a GEMM op computes in, from its floating operands' dtypes."""
     dtypes: set[torch.dtype] = set()
     _float_dtypes(args, dtypes)
-    return _precision(dtypes, name, device)
+    return gemm_precision(dtypes, name, device)
 
 
-def _precision(dtypes: set[torch.dtype], name: str, device: str) -> str | None:
+def gemm_precision(dtypes: set[torch.dtype], name: str, device: str) -> str | None:
+    """The precision a GEMM with floating operands of ``dtypes`` computes in."""
     if any(d in _FP8 for d in dtypes):
         return "fp8"
     if torch.float16 in dtypes:
@@ -171,7 +172,7 @@ class _SdpaAsOneOp(TorchFunctionMode):
         q = args[0] if args else kwargs["query"]
         dev = q.device.type
         if torch.is_autocast_enabled(dev):  # SDPA is on autocast's lower-precision list
-            prec = _precision({torch.get_autocast_dtype(dev)}, "sdpa", dev)
+            prec = gemm_precision({torch.get_autocast_dtype(dev)}, "sdpa", dev)
         else:
             prec = _classify("sdpa", tuple(args[:3]), dev)
         if prec is not None:

@@ -8,7 +8,8 @@ operands (``node.meta["val"]``) and the module it came from (``node.meta["nn_mod
 which dynamo keeps through AOT), and compares them with the plan like the eager audit does.
 
 What counts as which precision: fp16 / bf16 operands as themselves; fp32 operands as fp32
-(tf32 on CUDA with its flag on); a GEMM of a module whose graph casts to a float8 dtype as
+(tf32 on CUDA with its flag on; elsewhere where the module's graph holds the tf32
+emulation's mantissa masking); a GEMM of a module whose graph casts to a float8 dtype as
 fp8 (the emulated backend multiplies dequantised operands, ``_scaled_mm`` fp8 ones).
 """
 
@@ -21,20 +22,23 @@ from typing import Any
 
 import torch
 
-from autoprec.apply.audit import _FP8, AuditReport, AuditRow, _fmt
+from autoprec.apply.audit import _FP8, AuditReport, AuditRow, _fmt, gemm_precision
 from autoprec.fused import FUSED_OPS
 from autoprec.paths import normalize_path, unwrap_model
 
 _GEMM_TARGETS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm")
-_WRAPPED = re.compile(r"\.forward\.__closure__.*?__self__")
+# a wrapped forward is a method bound to its module (apply._bound_to): `.forward.__func__`
+_WRAPPED = re.compile(r"\.forward(?:\.__func__)?\.__closure__.*?__self__")
 
 
 def _module_path(expr: str) -> str:
     """dynamo's source of a module ("L['module'].encoder.layers[0].forward.__closure__[0]
     .cell_contents.__self__.linear1") -> its path ("encoder.layers.0.linear1")."""
     expr = _WRAPPED.sub("", expr)
-    # the root: L['module'] / L['self'], or L['inner'].__self__ (the root's own wrapper)
-    expr = re.sub(r"^L\[['\"]\w+['\"]\](\.__self__)?\.?", "", expr)
+    # the root: L['module'] / L['self'], or L['inner'].__self__ / L['fwd'].__closure__[1]
+    # .cell_contents.__self__ (reached through the root's own wrapper)
+    expr = re.sub(r"^L\[['\"]\w+['\"]\]((\.__closure__\[\d+\]\.cell_contents)*\.__self__)?\.?",
+                  "", expr)
     expr = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", expr)
     expr = re.sub(r"\[(\d+)\]", r".\1", expr)
     expr = expr.replace("._modules.", ".").lstrip(".")
@@ -63,19 +67,6 @@ def _dtypes(node: torch.fx.Node) -> set[torch.dtype]:
     return out
 
 
-def _precision(dtypes: set[torch.dtype], device: str, fp8_module: bool) -> str | None:
-    if fp8_module or any(d in _FP8 for d in dtypes):
-        return "fp8"
-    if torch.float16 in dtypes:
-        return "fp16"
-    if torch.bfloat16 in dtypes:
-        return "bf16"
-    if torch.float32 in dtypes:
-        on = device == "cuda" and torch.backends.cuda.matmul.allow_tf32
-        return "tf32" if on else "fp32"
-    return None
-
-
 def compiled_gemms(model: torch.nn.Module, call: Callable[[torch.nn.Module], Any],
                    ) -> tuple[dict[str, Counter[str]], list[str], Any]:
     """Compile ``model`` with a capturing backend, run ``call(compiled)``, and return
@@ -95,9 +86,12 @@ def compiled_gemms(model: torch.nn.Module, call: Callable[[torch.nn.Module], Any
     seen: dict[str, Counter[str]] = defaultdict(Counter)
     fused: list[str] = []
     for gm in graphs:
-        fp8_modules = {_innermost(n) for n in gm.graph.nodes if n.op == "call_function"
-                       and _name(n) in ("_to_copy", "convert_element_type")
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        fp8_modules = {_innermost(n) for n in calls
+                       if _name(n) in ("_to_copy", "convert_element_type")
                        and getattr(n.meta.get("val"), "dtype", None) in _FP8}
+        # lower.round_to_tf32 (tf32 emulated off CUDA) masks mantissa bits of the operands
+        tf32_modules = {_innermost(n) for n in calls if _name(n) == "bitwise_and"}
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -111,8 +105,10 @@ def compiled_gemms(model: torch.nn.Module, call: Callable[[torch.nn.Module], Any
                 continue
             vals = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]
             device = next((v.device.type for v in vals if isinstance(v, torch.Tensor)), "cpu")
-            prec = _precision(_dtypes(node), device, path in fp8_modules and
-                              not name.startswith("_scaled_dot_product"))
+            fp8 = path in fp8_modules and not name.startswith("_scaled_dot_product")
+            prec = "fp8" if fp8 else gemm_precision(_dtypes(node), name, device)
+            if prec == "fp32" and path in tf32_modules:
+                prec = "tf32"
             if prec is not None:
                 seen[path][prec] += 1
     return seen, fused, result

@@ -95,6 +95,27 @@ _BIAS_THIRD = {
 }
 
 
+#: F.multi_head_attention_forward is a Python function with its own torch-function check:
+#: a mode handling it runs its insides with the mode popped, so its projections would not
+#: be rounded. Its GEMM operands are rounded on the way in instead: query/key/value and the
+#: projection weights (positions 0-2, 5, 11; the separate q/k/v weights by keyword). Not
+#: rounded: SDPA's own matmuls and the out-projection's activation operand (README, Limits).
+_MHA = torch.nn.functional.multi_head_attention_forward
+_MHA_OPERANDS = (0, 1, 2, 5, 11)
+_MHA_WEIGHT_KWARGS = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+def _mha_operands(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Round MHA's GEMM operands, keeping ``query is key is value`` (its packed path)."""
+    done: dict[int, torch.Tensor] = {}
+    out = []
+    for i, a in enumerate(args):
+        if i in _MHA_OPERANDS and isinstance(a, torch.Tensor):
+            a = done.setdefault(id(a), round_to_tf32(a))
+        out.append(a)
+    return tuple(out)
+
+
 #: Tf32Emulation modes currently entered (innermost last). A fp32/bf16/fp16 region nested
 #: inside a tf32 one suspends them: the function-mode stack is not scoped by autocast, so
 #: without this a fp32 island inside a tf32 container was still rounded to tf32.
@@ -118,6 +139,10 @@ class Tf32Emulation(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if func is _MHA and not self.suspended:
+            return func(*_mha_operands(args), **{
+                k: round_to_tf32(v) if k in _MHA_WEIGHT_KWARGS and v is not None else v
+                for k, v in kwargs.items()})
         if func in _TF32_OPS and not self.suspended:
             # Only the multiplied operands are read at tf32; a bias (linear/conv's third
             # argument, addmm's first) is added in the fp32 epilogue.

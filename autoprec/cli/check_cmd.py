@@ -8,13 +8,15 @@ from typing import Annotated, Any
 
 import typer
 
+from autoprec.cli import target_names
+
 
 def check_cmd(
     model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, …)")],
     policy: Annotated[Path, typer.Option(help="Policy file to gate.")],
     max_error: Annotated[float | None, typer.Option(help="Budget: relative L2 error of the outputs (default: the policy's budget).")] = None,
     max_drop: Annotated[float | None, typer.Option(help="Budget: drop of model.py's metric (default: the policy's budget).")] = None,
-    target: Annotated[str | None, typer.Option(help="Target device profile (default: the policy's).")] = None,
+    target: Annotated[str | None, typer.Option(help=f"Target device profile: {target_names()} (default: the policy's).")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Deployment batch size (default: the policy's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Accept a changed model fingerprint (noted, not failed).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,

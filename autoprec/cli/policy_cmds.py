@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
+from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 from autoprec.fused import fused_paths_off
 
@@ -133,7 +134,7 @@ def eval_cmd(
     model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, ...)")],
     policy: Annotated[Path, typer.Option("--policy", help="Policy file to apply.")],
     target: Annotated[str | None, typer.Option(
-        help="Target device profile for est_speedup (default: the policy's, else h100).")] = None,
+        help=f"Target device profile for est_speedup: {target_names()} (default: the policy's, else h100).")] = None,
     batch_size: Annotated[int | None, typer.Option(
         help="Deployment batch size the speed is priced at (default: the policy's, else the "
              "calibration batch's).")] = None,
@@ -141,8 +142,9 @@ def eval_cmd(
         "--force", help="Apply a policy whose model fingerprint does not match.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     measure: Annotated[bool, typer.Option(
-        "--measure", help="Also time the model here (fp32 vs the policy, median of repeats) "
-                          "and report the measured speed-up on this device.")] = False,
+        "--measure", help="When the target is this machine (cpu, or the GPU here): calibrate "
+                          "its profile here if not cached, and time the policy beside fp32 "
+                          "and one global autocast (interleaved rounds).")] = False,
     compile_mode: Annotated[bool | None, typer.Option(
         "--compile/--eager", help="Price the plan as torch.compile (inductor) runs it, or op "
                                   "by op (default: the policy's target.mode, else eager).")] = None,
@@ -177,6 +179,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     from autoprec.policy import load_policy
     from autoprec.report_json import feasible as feasible_rule
     from autoprec.report_json import reasons_json, speedup, verdict_reasons
+    from autoprec.search.local_profile import speed_source
     from autoprec.trace import trace
     from autoprec.validate import check_batch_size
 
@@ -185,7 +188,11 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     net = spec.model()
     pol = load_policy(policy_path, model=net, force=force)
     device = target or pol.target_device or DEFAULT_TARGET
-    profile = get_profile(device)  # an unknown device is exit 2 before the long work
+    get_profile(device)  # an unknown device is exit 2 before the long work
+    # a local target is priced on this machine's calibration (as tune does; issue 21)
+    source = speed_source(device, measure=measure,
+                          cache_dir=policy_path.parent / ".autoprec" / "calibration")
+    profile = source.profile
     batches = spec.eval_batches()
     calib0 = spec.calibration_batches()[0]
     ref = reference(spec, net, batches, "of eval_data")
@@ -245,44 +252,64 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         "warnings": warns,
         "layers": layers,
     })
+    speed = _beside_baselines(spec, net, pol, batches, ref, sc.value, budget, cost, graph,
+                              calib0, device, source, measure, force)
+    out["speed_source"] = source.note
+    out["baselines"] = speed.to_dict()
     if measure:
-        out["measured"] = _measure(spec, net, pol, calib0, force, mode)
+        row = speed.rows[0]
+        out["measured"] = None if row.speedup is None else {
+            "device": speed.device, "batch_size": speed.batch_size, "timing": speed.how,
+            "speedup": round(row.speedup, 4), "p10": round(row.p10, 4),
+            "p90": round(row.p90, 4), "rounds": speed.rounds}
     return out
 
 
-def _measure(spec: Any, net: Any, pol: Any, batch: Any, force: bool,
-             mode: str = "eager") -> dict[str, Any]:
-    """Median latency of one calibration batch, fp32 vs the policy, on this machine's
-    device (CUDA events on a GPU; wall clock elsewhere — a CPU says nothing about GPU
-    speed, DESIGN.md); compile mode: both ``torch.compile``d (apply, then compile)."""
-    import torch
-
+def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, value: float,
+                      budget: Any, cost: Any, graph: Any, batch: Any, device: str, source: Any,
+                      measure: bool, force: bool = False) -> Any:
+    """The policy next to fp32, one global bf16 / fp16 autocast and uniform tf32 (where the
+    target has it): error on the eval data, estimated speed-up, measured where local."""
     from autoprec.apply.apply import apply_policy
-    from autoprec.cost.measure import measure_latency
+    from autoprec.cost import CostModel
+    from autoprec.evaluate import score
+    from autoprec.metrics import batch_size_of
+    from autoprec.policy import Policy
+    from autoprec.search.confirm_speed import BASELINES, Row, check_speed, label, measure_rows
 
-    device = next((p.device.type for p in net.parameters()), "cpu")
+    def ok(err: float) -> bool:
+        return budget is not None and err <= float(budget)
 
-    model = [net]
-
-    def run() -> Any:
-        with torch.no_grad(), fused_paths_off():
-            return spec.forward(model[0], batch)
-
-    def timed() -> Any:
-        if mode == "compile":
-            torch._dynamo.reset()
-            model[0] = torch.compile(net)
-        return measure_latency(run, device)
-
-    base = timed()
-    with apply_policy(net, pol, force=force):
-        lowered = timed()
-    return {"device": device, "mode": mode, "fp32_ms": round(base.median_s * 1e3, 4),
-            "policy_ms": round(lowered.median_s * 1e3, 4),
-            "speedup": round(base.median_s / lowered.median_s, 4) if lowered.median_s else None}
+    rows = [Row("policy", "tuned", pol, value, ok(value) or budget is None,
+                cost.speedup(pol))]
+    for p in BASELINES:
+        if not cost.profile.supports(p)[0]:
+            rows.append(Row(label(p), "baseline", None, why_not=f"not on {device}"))
+            continue
+        base = Policy(default=p)
+        err = 0.0
+        if p != "fp32":
+            with apply_policy(net, base, target=device):
+                err = score(spec, net, batches, ref, "of eval_data").value
+        why = "" if ok(err) or p == "fp32" else (
+            "no budget recorded" if budget is None else f"over budget ({err:.3g} > {budget:g})")
+        rows.append(Row(label(p), "baseline", base, err, not why, cost.speedup(base),
+                        why_not=why))
+    if not (measure and source.local):
+        check = check_speed(rows, None)
+        check.winner = None  # eval writes nothing: no row is marked
+        check.reason = source.note if not source.local else "not measured (no --measure)"
+        return check
+    at_batch = CostModel(graph, cost.profile, batch_size=batch_size_of(batch) or 1)
+    check = measure_rows(rows, spec.forward, net, batch, source.device, device, at_batch,
+                         force=force)
+    check.mark = "fastest within budget"
+    return check
 
 
 def _print_summary(s: dict[str, Any]) -> None:
+    from autoprec.search.confirm_speed import format_rows
+
     rows = [(r["layer"], r["rule"], r["precision"], r["computed"],
              "" if r["ok"] else "MISMATCH",
              "" if r["est_time_us"] is None else f"{r['est_time_us']:.2f}")
@@ -306,10 +333,14 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"forward, {b['kernels']} kernels")
     if s["fp8_backend"]:
         typer.echo(f"fp8 backend: {s['fp8_backend']}")
-    if "measured" in s:
-        m = s["measured"]
-        typer.echo(f"measured on {m['device']}: fp32 {m['fp32_ms']} ms, policy "
-                   f"{m['policy_ms']} ms per calibration batch ({m['speedup']}x)")
+    b = s["baselines"]
+    typer.echo("")
+    typer.echo(format_rows(b))
+    where = (f"measured on {b['measured_on']} at batch size {b['measured_batch_size']} "
+             f"({b['timing']}, {b['rounds']} interleaved rounds)" if b["measured_on"]
+             else "estimated")
+    typer.echo(f"speed: {where}; {b['reason']}")
+    typer.echo(f"pick: {b['recommendation']}")
     for why in s["infeasible"]:
         typer.echo(f"infeasible on {s['target']}: {why}")
     for r in s["layers"]:

@@ -12,7 +12,7 @@ import typer
 
 from autoprec.errors import InputError
 from autoprec.fileio import atomic_write, brief
-from autoprec.paths import check_dir, check_out_path
+from autoprec.paths import check_dir, check_not_an_input, check_out_path
 from autoprec.precisions import parse_precisions
 
 #: What the printed table shows (the CSV / JSON carry every column).
@@ -47,6 +47,7 @@ def probe_cmd(
     check_budget(max_error, max_drop)
     if out is not None:
         check_out_path(out)  # before the probes run
+        check_not_an_input(out, {"the model file": model})
     if cache_dir is not None:
         check_dir(cache_dir, "--cache-dir")
     spec = load_model_file(model)
@@ -72,27 +73,37 @@ def probe_cmd(
         doc["model"] = spec.name
         typer.echo(json.dumps(doc, indent=2))
         return
-    _print(spec.name, table, out)
+    _print(spec.name, table, out, default_budget=max_error is None and max_drop is None)
 
 
-def _print(name: str, table: Any, out: Path | None) -> None:
+def _print(name: str, table: Any, out: Path | None, default_budget: bool = False) -> None:
     import pandas as pd
 
-    frame = table.ranked()[_SHOWN]
+    frame = table.ranked()[_SHOWN].copy()
+    if default_budget:  # no budget was given: the reasons compare with the default one
+        frame["reason"] = frame["reason"].str.replace("> budget ", "> default budget ",
+                                                      regex=False)
     fmt = {c: _num for c in ("local_error", "cheap_estimate", "e2e_error", "max_abs")}
     fmt["underflow_frac"] = lambda v: f"{v:.0%}" if v >= 0.005 else ("<1%" if v else "0")
     with pd.option_context("display.max_rows", None, "display.max_colwidth", 100,
                            "display.width", 250):  # fmt: skip
-        typer.echo(frame.to_string(index=False, formatters=fmt))
+        typer.echo(frame.to_string(index=False, formatters=fmt, na_rep="-"))
     meta = table.meta
     cost = meta.get("cost_total", math.nan)
     naive = meta.get("cost_naive", math.nan)
     typer.echo("")
+    budget = (f"{meta.get('budget')} ({meta.get('units')}; the default, --max-error E or "
+              "--max-drop D to set one)" if default_budget
+              else f"{meta.get('budget')} ({meta.get('units')})")
     typer.echo(
         f"model: {name}   layers: {meta.get('layers')}   precisions: "
-        f"{','.join(meta.get('precisions', []))}   budget: {meta.get('budget')} "
-        f"({meta.get('units')})   hard exclusions: {len(table.hard_excluded())}"
+        f"{','.join(meta.get('precisions', []))}   budget: {budget}   hard exclusions: "
+        f"{len(table.hard_excluded())}"
     )
+    if frame["e2e_error"].isna().any():
+        typer.echo("e2e_error '-': not measured. The end-to-end error is run only where the "
+                   "cheap estimate (local errors carried to the output by one backward) is "
+                   "near the budget (--e2e auto); --e2e all measures every row.")
     typer.echo(
         f"cost: {cost:.1f} forward-pass equivalents ({meta.get('e2e_runs')} end-to-end runs) "
         f"vs {naive:.0f} one layer at a time; {meta.get('seconds', 0):.1f}s"

@@ -7,19 +7,23 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 from autoprec.precisions import parse_precisions
+
+if TYPE_CHECKING:
+    from autoprec.search.confirm_speed import SpeedCheck
 
 
 def tune_cmd(
     model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, …)")],
     max_error: Annotated[float | None, typer.Option(help="Budget: relative L2 error of the outputs vs fp32 (default 0.01).")] = None,
     max_drop: Annotated[float | None, typer.Option(help="Budget: drop of model.py's metric vs fp32.")] = None,
-    target: Annotated[str, typer.Option(help="Target device profile (h100, h200, a100, l4, t4, cpu).")] = "h100",
+    target: Annotated[str, typer.Option(help=f"Target device profile: {target_names()}.")] = "h100",
     batch_size: Annotated[int | None, typer.Option(help="Deployment batch size the speed is priced at (default: the calibration batch's).")] = None,
     precisions: Annotated[str | None, typer.Option(help="Comma list, e.g. fp16,bf16,fp8 (default: all the target supports).")] = None,
     trials: Annotated[int, typer.Option(help="Trials this process runs.")] = 40,
@@ -36,11 +40,13 @@ def tune_cmd(
     train_aware: Annotated[bool, typer.Option(help="Also probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
     compile_mode: Annotated[bool, typer.Option("--compile", help="Price plans as torch.compile (inductor) runs them: casts and pointwise ops fused between GEMMs; the policy records target.mode: compile.")] = False,
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
+    measure: Annotated[bool, typer.Option("--measure/--no-measure", help="When the target is this machine (cpu, or the GPU here): calibrate its profile here first and time the winner against fp32 and one global autocast, never writing a plan measured slower.")] = True,
     mlflow_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: ./mlflow.db).")] = None,
     experiment: Annotated[str, typer.Option(help="MLflow experiment name.")] = "autoprec",
     no_track: Annotated[bool, typer.Option("--no-track", help="Do not log to MLflow.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    report: Annotated[Path | None, typer.Option(help="Also write the tables and plots (trials, per-layer precisions, tuned vs one global autocast) into this folder.")] = None,
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
     from autoprec.cli import current_argv
@@ -53,9 +59,20 @@ def tune_cmd(
     check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
                     batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
                     patience=patience, min_speedup=min_speedup, storage=storage,
-                    study_name=study_name, out=out, workers=workers)
+                    study_name=study_name, out=out, workers=workers, model=model,
+                    mlflow_uri=None if no_track else mlflow_uri)
     parse_precisions(precisions)
+    if report is not None:
+        from autoprec.extras import require
+        from autoprec.paths import check_dir
+
+        check_dir(report, "--report")
+        require("matplotlib", "tune --report's plots")
     if workers > 1:
+        if measure:  # calibrate a local target once: every worker prices on the same profile
+            from autoprec.search.local_profile import calibration_dir, speed_source
+
+            speed_source(target, measure=True, cache_dir=calibration_dir(out))
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
     # A worker started by --workers: its own seed (environment read at the CLI boundary).
@@ -69,7 +86,8 @@ def tune_cmd(
         precisions=parse_precisions(precisions), trials=trials, timeout=timeout, seed=seed,
         patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
-        train_aware=train_aware, progress=not quiet and not json_out, compile=compile_mode,
+        train_aware=train_aware, progress=not quiet and not json_out, measure=measure,
+        report=report, compile=compile_mode,
     )
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
@@ -83,7 +101,11 @@ def tune_cmd(
         "storage": result.storage, "front": [str(p) for p in result.front_paths],
         "mlflow_run": result.policy.provenance.get("mlflow_run"),
         "search_complete": result.complete, "candidates": result.method,
+        "plans_priced": result.priced, "plans_measured": result.measured,
         "est_casts": result.policy.metrics.get("est_casts"), "notes": result.notes,
+        "measured_speedup": result.policy.metrics.get("measured_speedup"),
+        "baselines": result.speed.to_dict() if result.speed is not None else None,
+        "report": [str(p) for p in result.report],
     }
     if json_out:
         print(json.dumps(summary, indent=2))
@@ -92,11 +114,20 @@ def tune_cmd(
         print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
         for k, v in lowered.items():
             print(f"  {k:<50} {v}")
+        measured = summary["measured_speedup"]
         print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
-              f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''} "
-              f"({summary['est_casts']} casts per "
+              f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''}"
+              + (f", measured {measured:.2f}x here" if measured is not None else "")
+              + f" ({summary['est_casts']} casts per "
               f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "
-              f"{result.seconds:.0f}s" + ("; search complete" if result.complete else ""))
+              f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
+                                          f"{result.measured} measured)"
+                                          if result.complete else ""))
+        if result.speed is not None:
+            _print_speed(result.speed)
+        if result.report:
+            print(f"report: {report}/ ({', '.join(p.name for p in result.report)})")
+        _next_steps(model, result, target, tracker)
     if not result.feasible:
         if (min_speedup is not None and result.eval_error <= result.budget
                 and result.est_speedup < min_speedup):
@@ -108,6 +139,31 @@ def tune_cmd(
         raise CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
                           f"closest (error {_sig(result.eval_error)}) to {result.path} marked "
                           "feasible: false")
+
+
+def _print_speed(speed: SpeedCheck) -> None:
+    """The written plan beside its baselines, and why it was written."""
+    print("")
+    print(speed.table())
+    where = (f"measured on {speed.device} at batch size {speed.batch_size} ({speed.how}, "
+             f"{speed.rounds} interleaved rounds)" if speed.measured else "estimated")
+    print(f"speed: {where}; {speed.reason}")
+    print(f"pick: {speed.recommendation()}")
+
+
+def _next_steps(model: Path, result: object, target: str, tracker: object) -> None:
+    """What to do with the policy: check it, see where the time goes, apply it; where the
+    MLflow run is."""
+    path = result.path  # type: ignore[attr-defined]
+    print(f"next: autoprec check {model} --policy {path}      # the CI gate, on eval data")
+    print(f"      autoprec eval {model} --policy {path} --target {target}   # where the "
+          "time goes")
+    print(f'      python: autoprec.apply_policy(model, "{path}")')
+    run_id = result.policy.provenance.get("mlflow_run")  # type: ignore[attr-defined]
+    if run_id:
+        where = getattr(tracker, "run_url", None) or (
+            f"mlflow ui --backend-store-uri {getattr(tracker, 'shown_uri', '')}")
+        print(f"      MLflow run {run_id}: {where}")
 
 
 def _num(x: float) -> float | str:

@@ -7,7 +7,7 @@ measurements into a profile's efficiency factors.
 
 from autoprec.cost.calibrate import FitResult, Sample, fit
 from autoprec.cost.fusion import MODES, CompiledCostModel, make_cost_model
-from autoprec.cost.measure import Timing, measure_latency
+from autoprec.cost.measure import Timing, measure_interleaved, measure_latency
 from autoprec.cost.model import Breakdown, CostModel, Kernel
 from autoprec.cost.profiles import (
     Calibration,
@@ -37,5 +37,6 @@ __all__ = [
     "load_calibration",
     "load_profiles",
     "make_cost_model",
+    "measure_interleaved",
     "measure_latency",
 ]

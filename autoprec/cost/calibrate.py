@@ -15,8 +15,10 @@ micro-benchmark samples (one GEMM, one copy) that pin each factor down separatel
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -239,4 +241,66 @@ def copy_graph(elems: int, calls: int = 1, path: str = "copy") -> LayerGraph:
                   f"copy {elems}")
 
 
-__all__ = ["FitResult", "Sample", "copy_graph", "fit", "gemm_graph"]
+# --- micro-benchmarks: single GEMMs per precision, a copy, a tiny add -----------------
+
+#: GEMM shapes (m, k, n) a CPU calibration times: from attention-sized (256 rows, widths
+#: 384 / 1536, MiniLM's) to 1024-wide, and narrow ones where the 16-bit set-up and the
+#: casts dominate. About a second per precision on one thread.
+CPU_SHAPES = ((256, 384, 384), (256, 384, 1536), (256, 1536, 384), (512, 1024, 1024),
+              (512, 2048, 512), (256, 128, 128), (64, 64, 64))
+#: 8 MiB of fp32: a CPU's activations fit its L3; larger fresh allocations are mmap'd and
+#: page-faulted on every clone (experiments/cost_model_cpu.py measure_profile).
+CPU_COPY_ELEMS = 1 << 21
+
+
+def gpu_shapes(d: int, tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """A transformer's GEMMs at width ``d`` and ``tokens`` rows, plus small-batch ones."""
+    return tuple(sorted({(tokens, d, d), (tokens, d, 3 * d), (tokens, d, 4 * d),
+                         (tokens, 4 * d, d), (max(16, tokens // 16), d, d),
+                         (max(16, tokens // 256), d, 4 * d)}))
+
+
+def micro_samples(
+    profile: DeviceProfile,
+    plans: Mapping[str, Policy],
+    shapes: Sequence[tuple[int, int, int]],
+    timer: Callable[[Callable[[], Any]], float],
+    run_as: Callable[[Any, Policy], AbstractContextManager[Any]],
+    *,
+    device: str = "cpu",
+    copy_elems: int = CPU_COPY_ELEMS,
+) -> list[Sample]:
+    """Micro-benchmark samples for ``fit``: one GEMM per shape and plan, a copy, a tiny add.
+
+    Each GEMM runs as autoprec runs it: ``run_as(module, plan)`` (``apply_policy``; passed
+    in, the cost stage does not apply) around a container holding one bias-free Linear
+    ``gemm``. ``plans`` maps a label to the plan: ``default: prec`` casts the input and the
+    weight at the GEMM and leaves the output in ``prec`` — the kernels ``gemm_graph``'s
+    plan prices; fp8 is a rule under ``default: bf16``. ``timer(run)`` returns seconds.
+    """
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for m, k, n in shapes:
+            one = torch.nn.Sequential()
+            one.add_module("gemm", torch.nn.Linear(k, n, bias=False, device=device))
+            one.eval()
+            x = torch.randn(m, k, device=device)
+            cm = CostModel(gemm_graph(m, k, n), profile)
+            for label, pol in plans.items():
+                with run_as(one, pol):
+                    t = timer(lambda one=one, x=x: one(x))
+                out.append(Sample(cm, pol, t, f"gemm {m}x{k}x{n} {label}"))
+            del one, x
+        x = torch.randn(copy_elems, device=device)
+        out.append(Sample(CostModel(copy_graph(copy_elems), profile), {},
+                          timer(lambda: x.clone()), f"copy {copy_elems}"))
+        y = torch.randn(16, device=device)
+        out.append(Sample(CostModel(copy_graph(16), profile), {}, timer(lambda: y.add(1.0)),
+                          "tiny add"))
+    return out
+
+
+__all__ = ["CPU_COPY_ELEMS", "CPU_SHAPES", "FitResult", "Sample", "copy_graph", "fit",
+           "gemm_graph", "gpu_shapes", "micro_samples"]

@@ -14,7 +14,8 @@ i.e. after ``torch.set_num_threads(1)`` (checked).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,4 +109,76 @@ def _measure_cuda(run: Callable[[], Any], device: str, warmup: int, repeats: int
                                     for s, e in zip(starts, ends, strict=True)])
 
 
-__all__ = ["Timing", "measure_latency"]
+def measure_interleaved(
+    runs: Mapping[str, Callable[[], Any]],
+    device: str = "cpu",
+    *,
+    around: Mapping[str, Callable[[], AbstractContextManager[Any]]] | None = None,
+    rounds: int = 7,
+    max_rounds: int | None = None,
+    more: Callable[[Mapping[str, list[float]]], bool] | None = None,
+    time_budget_s: float = 60.0,
+    warmup: int = 1,
+    inner: int = 1,
+    clock: str = "wall",
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Seconds per run of every entry of ``runs``, one sample per round.
+
+    Each round runs every entry once, in a fresh random order (slow drift of a shared
+    machine then hits all alike, and ratios of one round cancel it): ``around[name]()`` is
+    entered untimed (e.g. ``apply_policy``), ``warmup`` runs, then ``inner`` timed runs
+    (their mean is the sample). After ``rounds`` rounds, more follow while ``more(samples)``
+    says so, up to ``max_rounds`` and ``time_budget_s`` wall seconds. CPU clocks as in
+    ``measure_latency``; on CUDA, events around the inner runs.
+    """
+    import random
+
+    _check_counts(warmup, rounds)
+    if inner < 1:
+        raise InputError(f"`inner >= 1` must hold, but got inner={inner}")
+    kind = device.split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        raise InputError(f"measure_interleaved: unknown device {device!r}")
+    if clock == "thread" and kind != "cpu":
+        raise InputError("measure_interleaved: clock='thread' is for the CPU only")
+    around = around or {}
+    rng = random.Random(seed)
+    names = list(runs)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
+    cap = max(rounds, max_rounds or rounds)
+    for r in range(cap):
+        if r >= rounds and (more is None or not more(samples)
+                            or time.perf_counter() - start > time_budget_s):
+            break
+        rng.shuffle(names)
+        for name in names:
+            ctx = around.get(name)
+            with ctx() if ctx is not None else nullcontext():
+                samples[name].append(_sample(runs[name], device, warmup, inner, clock))
+    return samples
+
+
+def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock: str) -> float:
+    for _ in range(warmup):
+        run()
+    if device.startswith("cuda"):
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(inner):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / inner  # elapsed_time is in milliseconds
+    now = time.thread_time if clock == "thread" else time.perf_counter
+    t0 = now()
+    for _ in range(inner):
+        run()
+    return (now() - t0) / inner
+
+
+__all__ = ["Timing", "measure_interleaved", "measure_latency"]

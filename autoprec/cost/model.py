@@ -326,9 +326,12 @@ class CostModel:
         return self._fp32
 
     def speedup(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> float:
-        """All-fp32 time over the plan's (0.0 when it cannot run on the target)."""
+        """All-fp32 time over the plan's (0.0 when it cannot run on the target; 1.0 for a
+        forward with nothing to price, e.g. ``nn.Identity``: no precision changes it)."""
         t = self.estimate(policy, default)
-        return 0.0 if not math.isfinite(t) else self._fp32 / t
+        if not math.isfinite(t):
+            return 0.0
+        return self._fp32 / t if t > 0 else 1.0
 
     def infeasible(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> list[str]:
         """Why the plan cannot run on the target (empty: it can)."""
@@ -367,11 +370,6 @@ class CostModel:
         out: list[tuple[int, Kernel]] = []
         self._price(sch, out)
         return [(self.tree.paths[m] if m >= 0 else "<outside>", k) for m, k in out]
-
-    def layer_times(self, policy: Policy | Mapping[str, str], default: str = "fp32"
-                    ) -> dict[str, float]:
-        """Seconds per module's own code (casts where they run), execution order."""
-        return self.breakdown(policy, default).by_module
 
 
 __all__ = ["Breakdown", "CostModel", "Kernel", "PARTS", "Priced", "device_type_of"]

@@ -234,6 +234,7 @@ class Calibration:
     n_samples: int = 0
     rel_rmse: float | None = None  # relative RMS error of the fit on its samples
     note: str = ""  # what was measured, where, when
+    machine: Mapping[str, Any] = field(default_factory=dict)  # cost.machine.Machine facts
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"autoprec_calibration": CALIBRATION_SCHEMA, "device": self.device}
@@ -251,6 +252,8 @@ class Calibration:
             out["rel_rmse"] = round(float(self.rel_rmse), 6)
         if self.note:
             out["note"] = self.note
+        if self.machine:
+            out["machine"] = dict(self.machine)
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -287,6 +290,7 @@ def load_calibration(path: str | Path) -> Calibration:
         n_samples=int(data.get("n_samples", 0)),
         rel_rmse=data.get("rel_rmse"),
         note=str(data.get("note", "")),
+        machine=dict(data["machine"]) if isinstance(data.get("machine"), Mapping) else {},
     )
 
 

@@ -89,23 +89,38 @@ def cast_policy(op_name: str, device_type: str) -> str | None:
 # -- running CUDA's fp32 list on a CPU -------------------------------------------------------
 
 _F = torch.nn.functional
-#: Functions CUDA autocast runs in fp32 that CPU autocast does not; "opt": called with
-#: dtype=float32 (reads 16-bit, writes fp32), "cast": inputs cast to fp32 first.
-_TARGET_FP32: dict[Any, str] = {
-    _F.layer_norm: "cast", _F.group_norm: "cast", _F.softplus: "cast",
-    _F.cosine_similarity: "cast",
-    torch.exp: "cast", torch.Tensor.exp: "cast", torch.log: "cast", torch.Tensor.log: "cast",
-    torch.log1p: "cast", torch.Tensor.log1p: "cast", torch.expm1: "cast",
-    torch.rsqrt: "cast", torch.Tensor.rsqrt: "cast",
-    torch.reciprocal: "cast", torch.Tensor.reciprocal: "cast",
-    torch.pow: "cast", torch.Tensor.pow: "cast", torch.Tensor.__pow__: "cast",
-    torch.logsumexp: "cast", torch.Tensor.logsumexp: "cast",
-    torch.norm: "cast", torch.Tensor.norm: "cast",
-    _F.softmax: "opt", _F.log_softmax: "opt", torch.softmax: "opt", torch.log_softmax: "opt",
-    torch.Tensor.softmax: "opt", torch.Tensor.log_softmax: "opt",
-    torch.sum: "opt", torch.Tensor.sum: "opt", torch.cumsum: "opt", torch.Tensor.cumsum: "opt",
-    torch.linalg.vector_norm: "opt",
-}
+
+
+def _callables(op: str) -> list[Any]:
+    """The public Python callables that run aten op ``op`` (``torch.X``, ``Tensor.X``,
+    ``F.X``, ``torch.linalg.X`` for ``linalg_X``; ``Tensor.__pow__`` for ``pow``)."""
+    if op.startswith("_"):
+        return []  # private aten entry points (torch._softmax) take no dtype; their
+        # public callers (softmax) are listed under their own names
+    spaces: list[tuple[Any, str]] = [(torch, op), (torch.Tensor, op), (_F, op)]
+    if op.startswith("linalg_"):
+        spaces = [(torch.linalg, op.removeprefix("linalg_"))]
+    found = [f for ns, name in spaces if (f := getattr(ns, name, None)) is not None]
+    if op == "pow":
+        found.append(torch.Tensor.__pow__)
+    return found
+
+
+def _target_fp32() -> dict[Any, str]:
+    """Functions CUDA autocast runs in fp32 that CPU autocast does not, from the op lists
+    above (one source for the schedule and for apply): "cast" (fp32 list: 16-bit inputs
+    cast to fp32 first) or "opt" (fp32_set_opt_dtype: called with ``dtype=float32``)."""
+    table: dict[Any, str] = {}
+    cpu = _FP32_CPU | _PROMOTE_CPU | _LOWER_COMMON
+    for ops, how in ((_FP32_CUDA, "cast"), (_FP32_OPT_CUDA, "opt")):
+        for op in sorted(ops - cpu):
+            for f in _callables(op):
+                table.setdefault(f, how)
+    return table
+
+
+#: Function -> how CUDA autocast keeps it in fp32, for ``TargetFp32Ops``.
+_TARGET_FP32 = _target_fp32()
 _LOW = (torch.float16, torch.bfloat16)
 
 

@@ -50,7 +50,6 @@ from autoprec.trace.graph import LayerGraph
 #: Precision codes (index into PRECISIONS): 0 fp32, 1 tf32, 2 bf16, 3 fp16, 4 fp8, 5 mxfp8,
 #: 6 nvfp4.
 CODE = {p: i for i, p in enumerate(PRECISIONS)}
-FP8 = CODE["fp8"]
 #: Codes of the GEMM formats (module backends, never a region), in GEMM_FORMATS order.
 FORMAT_CODES = np.array([CODE[f] for f in GEMM_FORMATS], dtype=np.intp)
 NO_RULE = -1
@@ -196,12 +195,6 @@ class ExecutionPlan:
     precision: np.ndarray  # (M,) precision code
     wrapped: np.ndarray  # (M,) bool
 
-    def region_of(self, path: str) -> str:
-        return PRECISIONS[int(self.region[self.tree.index()[path]])]
-
-    def precision_of(self, path: str) -> str:
-        return PRECISIONS[int(self.precision[self.tree.index()[path]])]
-
     def wrappers(self) -> list[Wrapped]:
         """Where apply installs a wrapper, with the deciding rule (for messages)."""
         out = []
@@ -249,5 +242,5 @@ def compile_plan(policy: Policy, model: torch.nn.Module | ModuleTree) -> Executi
     return ExecutionPlan(policy, tree, rules, row, region[0], prec[0], wrapped[0])
 
 
-__all__ = ["CODE", "ExecutionPlan", "FORMAT_CODES", "FP8", "ModuleTree", "NO_RULE", "RuleSet",
+__all__ = ["CODE", "ExecutionPlan", "FORMAT_CODES", "ModuleTree", "NO_RULE", "RuleSet",
            "Wrapped", "compile_plan"]

@@ -79,11 +79,19 @@ def _ancestors(path: str) -> Iterator[str]:
 
 
 def resolve_path(policy: Policy, path: str, module: torch.nn.Module) -> Resolved:
-    """The precision ``module`` (at ``path``) computes in under ``policy``."""
-    region, region_rule = policy.default, None
+    """The precision ``module`` (at ``path``) computes in under ``policy``.
+
+    ``path`` is taken as written: for a module registered under several paths, ask
+    :func:`resolve`, which resolves every alias as the module's first path."""
+    return _resolve_rules(policy.default, policy.layers, path, module)
+
+
+def _resolve_rules(default: str, layers: dict[str, str], path: str,
+                   module: torch.nn.Module) -> Resolved:
+    region, region_rule = default, None
     first: tuple[str, str] | None = None
     for anc in _ancestors(path):
-        prec = policy.layers.get(anc)
+        prec = layers.get(anc)
         if prec is None:
             continue
         if first is None:
@@ -102,9 +110,46 @@ def module_table(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {normalize_path(p): m for p, m in root.named_modules(remove_duplicate=False)}
 
 
+def first_paths(model: torch.nn.Module) -> dict[int, str]:
+    """``id(module) -> its first path`` (``named_modules()`` order): the path a module
+    registered under several names (``self.mid2 = self.mid``) is known by."""
+    return {id(m): normalize_path(p) for p, m in unwrap_model(model).named_modules()}
+
+
+def canonical_rules(policy: Policy, model: torch.nn.Module) -> dict[str, str]:
+    """The policy's rules with every path written as its module's first path.
+
+    One module object computes in one precision, so a rule on any of a shared module's
+    paths is a rule on the module (what the compiled plan does: ModuleTree.aliases). Two
+    rules naming one module with different precisions are a PolicyError."""
+    table = module_table(model)
+    first = first_paths(model)
+    out: dict[str, str] = {}
+    named: dict[str, str] = {}
+    for p, prec in policy.layers.items():
+        m = table.get(p)
+        c = p if m is None else first.get(id(m), p)
+        if c in out and out[c] != prec:
+            a, b = (named[c], p) if named[c] == c else (p, named[c])
+            raise PolicyError(
+                f"{policy.source}: layers: module {a!r} is also registered as {b!r} (one "
+                f"shared module), and the policy gives it {policy.layers[a]} there and "
+                f"{policy.layers[b]} here; give both paths the same precision (or name one)")
+        out.setdefault(c, prec)
+        named.setdefault(c, p)
+    return out
+
+
 def resolve(policy: Policy, model: torch.nn.Module) -> dict[str, Resolved]:
-    """Resolution of every module path of ``model`` (shared modules under each alias)."""
-    return {p: resolve_path(policy, p, m) for p, m in module_table(model).items()}
+    """Resolution of every module path of ``model``; a shared module resolves as its first
+    path under every alias (one module object, one precision)."""
+    rules = canonical_rules(policy, model)
+    first = first_paths(model)
+    out = {}
+    for p, m in module_table(model).items():
+        r = _resolve_rules(policy.default, rules, first.get(id(m), p), m)
+        out[p] = Resolved(p, r.precision, r.region, r.rule)
+    return out
 
 
 def gemm_leaf_paths(model: torch.nn.Module) -> list[str]:
@@ -122,11 +167,13 @@ def assignment(policy: Policy, model: torch.nn.Module,
     """
     table = module_table(model)
     wanted = gemm_leaf_paths(model) if paths is None else [normalize_path(p) for p in paths]
+    rules, first = canonical_rules(policy, model), first_paths(model)
     out = {}
     for p in wanted:
         if p not in table:
             raise PolicyError(f"{policy.source}: the model has no module {p!r}")
-        out[p] = resolve_path(policy, p, table[p]).precision
+        m = table[p]
+        out[p] = _resolve_rules(policy.default, rules, first.get(id(m), p), m).precision
     return out
 
 
@@ -177,7 +224,8 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
         if why is not None:
             raise PolicyError(f"{src}: layers[{p!r}]: a rule here cannot run: {why}")
 
-    res = {p: resolve_path(policy, p, m) for p, m in table.items()}
+    res = resolve(policy, root)  # also: two rules naming one shared module agree
+    first = first_paths(root)
     for p, prec in policy.layers.items():
         if not is_gemm_format(prec):
             continue
@@ -187,22 +235,12 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
             if why is not None:
                 raise PolicyError(f"{src}: layers[{p!r}]: {prec} rule on an ineligible layer: "
                                   f"{why}")
-        elif not any(r.precision == prec and r.rule == p for r in res.values()):
+        elif not any(r.precision == prec and r.rule == first.get(id(m), p)
+                     for r in res.values()):
             warn(f"{src}: layers[{p!r}]: the {prec} rule reaches no {prec}-eligible Linear "
                  f"layer; everything inside takes {res[p].region}")
 
-    # One module object computes in one precision: its aliases must agree.
-    first: dict[int, Resolved] = {}
-    for p, m in table.items():
-        r = res[p]
-        seen = first.setdefault(id(m), r)
-        if seen.precision != r.precision:
-            raise PolicyError(
-                f"{src}: layers: module {seen.path!r} is also registered as {p!r} (one "
-                f"shared module), and the policy gives it {seen.precision} there and "
-                f"{r.precision} here; give both paths the same precision")
 
-
-__all__ = ["Resolved", "assignment", "check_model", "format_eligible", "fp8_eligible",
-           "gemm_leaf_paths",
+__all__ = ["Resolved", "assignment", "canonical_rules", "check_model", "first_paths",
+           "format_eligible", "fp8_eligible", "gemm_leaf_paths",
            "is_gemm_leaf", "module_table", "resolve", "resolve_path"]

@@ -34,7 +34,7 @@ SCHEMA_VERSION = 1
 #: Top-level keys in the order they are written.
 KEYS = ("autoprec_policy", "model", "target", "default", "layers", "locked", "reasons",
         "metrics", "provenance")
-REQUIRED = ("autoprec_policy", "default", "layers")
+REQUIRED = ("autoprec_policy", "default")  # no `layers`: no rules
 _MODEL_KEYS = ("name", "fingerprint")
 _TARGET_KEYS = ("device", "batch_size", "mode")
 #: Deployment modes a policy's speed figures refer to (target.mode; absent: eager).
@@ -368,7 +368,7 @@ def _parse(data: Any, source: str) -> Policy:
 
     layers: dict[str, str] = {}
     seen: dict[str, Any] = {}
-    for raw, prec in _mapping(source, "layers", data["layers"], allow_empty=True).items():
+    for raw, prec in _mapping(source, "layers", data.get("layers"), allow_empty=True).items():
         path = _path_key(source, "layers", raw)
         key = f"layers[{brief(str(raw))}]"
         if path in layers:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from autoprec.metrics import iter_floats
+from autoprec.metrics import iter_floats, relative_error
 from autoprec.probe.layers import lowered_call
 from autoprec.probe.ranges import grad_flush
 from autoprec.probe.shadow import Call
@@ -134,21 +134,13 @@ class GradStats:
     nonfinite: int = 0
     nonfinite_scaled: int = 0
 
-    @staticmethod
-    def _rel(err: float, ref: float, bad: int) -> float:
-        if bad:
-            return math.inf
-        if ref == 0.0:
-            return math.nan if err == 0.0 else math.inf
-        return math.sqrt(err / ref)
-
     @property
     def grad_error(self) -> float:
-        return self._rel(self.sq_err, self.sq_ref, self.nonfinite)
+        return relative_error(self.sq_err, self.sq_ref, self.nonfinite)
 
     @property
     def grad_error_scaled(self) -> float:
-        return self._rel(self.sq_err_scaled, self.sq_ref, self.nonfinite_scaled)
+        return relative_error(self.sq_err_scaled, self.sq_ref, self.nonfinite_scaled)
 
     @property
     def loss_effect(self) -> float:

@@ -101,20 +101,6 @@ class TensorRange:
         return self.underflow.get(precision, 0) / self.nonzero if self.nonzero else 0.0
 
 
-def _over_under(a: torch.Tensor, nonzero: torch.Tensor, amax: float, fmt: NumericFormat,
-                scaled: bool) -> tuple[int, int]:
-    """(overflow, underflow) counts of the finite magnitudes ``a`` in format ``fmt``."""
-    if scaled:
-        # Current scaling maps amax to fmt.max: nothing overflows; the threshold moves.
-        if amax == 0.0:
-            return 0, 0
-        threshold = amax * fmt.smallest_normal / fmt.max
-        return 0, int((nonzero & (a < threshold)).sum())
-    over = int((a > fmt.max).sum()) if fmt.max < 3.0e38 else 0
-    under = int((nonzero & (a < fmt.smallest_normal)).sum())
-    return over, under
-
-
 def grad_flush(g: torch.Tensor, precision: str, scale: float = 1.0) -> tuple[int, int, int]:
     """(nonzero, flushed to zero, overflowed) when gradient ``g`` is cast to ``precision``.
 

@@ -30,7 +30,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from autoprec.errors import AutoprecError
 from autoprec.fused import fused_paths_off
-from autoprec.metrics import iter_floats
+from autoprec.metrics import iter_floats, relative_error
 from autoprec.probe.layers import ProbeLayer, lowered_call
 from autoprec.probe.ranges import TensorRange
 
@@ -50,11 +50,7 @@ class LocalStats:
     def error(self) -> float:
         if not self.calls:
             return math.nan  # the layer did not run on this data
-        if self.nonfinite:
-            return math.inf
-        if self.sq_ref == 0.0:
-            return 0.0 if self.sq_err == 0.0 else math.inf
-        return math.sqrt(self.sq_err / self.sq_ref)
+        return relative_error(self.sq_err, self.sq_ref, self.nonfinite)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from autoprec.cost import CostModel
 from autoprec.plan.schedule import signature
+from autoprec.precisions import REGIONS
 
 
 def _depth(path: str) -> int:
@@ -102,6 +103,13 @@ def compact(cost: CostModel, default: str, layers: Mapping[str, str],
         trial = _compact_with(check, cost, other, start)
         if len(trial) < len(best[1]) and check.same(other, trial):
             best = (other, trial)
+    root = best[1].get("")
+    if root is not None and root in REGIONS and root != best[0]:
+        # a rule on the root covers every module: read it as the default when that runs the
+        # same plan (`default: bf16` + `'': fp16` -> `default: fp16`)
+        rest = {k: v for k, v in best[1].items() if k != ""}
+        if check.same(root, rest):
+            best = (root, _compact_with(check, cost, root, rest))
     return best
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from autoprec.errors import InputError
 from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.validate import check_tune_args
 
@@ -40,6 +41,7 @@ class TuneConfig:
     progress: bool
     cache_dir: Path | None
     train_aware: bool
+    measure: bool = True  # a local target: calibrate here, time the winner (issue 21)
     compile: bool = False  # price plans as torch.compile (inductor) runs them
 
     @classmethod
@@ -49,7 +51,7 @@ class TuneConfig:
              min_speedup: float | None, storage: str | None, study_name: str | None,
              resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
              progress: bool, cache_dir: str | Path | None, train_aware: bool,
-             compile: bool = False) -> TuneConfig:
+             measure: bool = True, compile: bool = False) -> TuneConfig:
         check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
                         batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
                         patience=patience, min_speedup=min_speedup, storage=storage,
@@ -63,10 +65,21 @@ class TuneConfig:
         given = precisions or get_profile(target).precisions
         wanted = tuple(check_precision(p, "--precisions") for p in given)
         wanted = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
+        if precisions:  # before any work: a list the target runs none of tunes nothing
+            profile = get_profile(target)
+            lower = [p for p in wanted if p != "fp32"]
+            if not lower:
+                raise InputError("--precisions: give at least one precision below fp32 "
+                                 f"(the target {target} runs {', '.join(profile.precisions)})")
+            if not any(profile.supports(p)[0] for p in lower):
+                why = "; ".join(profile.supports(p)[1] for p in lower)
+                raise InputError(f"--precisions {','.join(lower)}: the target {target} runs "
+                                 f"none of them ({why[:300]}); it runs "
+                                 f"{', '.join(profile.precisions)}")
         return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
                    patience, min_speedup, storage, study_name, resume, pareto,
                    Path(out) if out is not None else None, tuple(locked), progress,
-                   Path(cache_dir) if cache_dir is not None else None, train_aware,
+                   Path(cache_dir) if cache_dir is not None else None, train_aware, measure,
                    bool(compile))
 
     @property

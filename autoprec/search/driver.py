@@ -10,13 +10,16 @@ is failed and retried by the others.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import optuna
 
+from autoprec.errors import InputError
 from autoprec.search.evaluation import Evaluation
 from autoprec.search.objective import Evaluator
 from autoprec.search.sampler import PlanSampler, measured_state
@@ -53,6 +56,7 @@ class Driver:
         self.since_best = 0
         self.stopped = False
         self.complete = False  # the planner had nothing left to measure
+        self.fatal: InputError | None = None  # a trial's bad-input error: stops the run
         self.by_key: dict[Key, int] = {}
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if {v.name for v in space.all_variables} <= set(t.params):
@@ -76,7 +80,8 @@ class Driver:
     @property
     def exhausted(self) -> bool:
         left = self.time_left()
-        return self.stopped or self.ran >= self.trials or (left is not None and left <= 0)
+        return (self.stopped or self.fatal is not None or self.ran >= self.trials
+                or (left is not None and left <= 0))
 
     def _objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
         params = {v.name: str(trial.suggest_categorical(v.name, v.choices))
@@ -98,6 +103,10 @@ class Driver:
             ev = self.evaluator(key)
         except Exception as err:  # recorded on the trial; Optuna marks it FAIL and goes on
             trial.set_user_attr("fail_reason", f"{type(err).__name__}: {err}"[:500])
+            if isinstance(err, InputError) and self.fatal is None:
+                # model.py / the policy is at fault: every other trial would fail the same
+                # way; the run stops after this one and says why (exit 2)
+                self.fatal = err
             raise
         for k, v in ev.as_attrs().items():
             trial.set_user_attr(k, v)
@@ -147,29 +156,86 @@ class Driver:
         if self.complete or self.exhausted:
             study.stop()
 
+    def nothing_measured(self, study_name: str) -> InputError:
+        """No trial of the study measured a plan: there is no closest policy to write. Name
+        why (every trial failed: the first reason; or none ran), never choose from nothing."""
+        failed = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+        reasons = [r for t in failed if (r := t.user_attrs.get("fail_reason"))]
+        if reasons:
+            return InputError(f"no plan could be measured: all {len(failed)} trials failed, "
+                              f"the first with {reasons[0]}; no policy written")
+        return InputError(f"no plan was measured in study {study_name!r} (trials run: "
+                          f"{self.ran}); no policy written")
+
+    def measured_any(self) -> bool:
+        """The study holds a measured plan (this run's or an earlier one's)."""
+        return any("error" in t.user_attrs for t in self.study.get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
     def run(self) -> None:
-        """Propose, measure, record until done."""
-        if self.exhausted:
+        """Propose, measure, record until done.
+
+        ``--timeout`` bounds the search, not its first step: a study without a measured plan
+        measures one whatever the clock says, so a tiny timeout still writes a policy (the
+        planner's first candidate) instead of nothing."""
+        if self.stopped or self.ran >= self.trials:
             return
         if self.planner_done():
             self.complete = True
             return
         left = self.time_left()
-        self.study.optimize(self._objective, n_trials=self.trials - self.ran,
-                            timeout=None if left is None else max(left, 0.0),
-                            callbacks=[self._after], catch=(Exception,))
+        with _quiet_failed_trials():
+            if left is not None and left <= 0:
+                if not self.measured_any():
+                    self.study.optimize(self._objective, n_trials=1, callbacks=[self._after],
+                                        catch=(Exception,))
+            else:
+                self.study.optimize(self._objective, n_trials=self.trials - self.ran,
+                                    timeout=None if left is None else max(left, 0.0),
+                                    callbacks=[self._after], catch=(Exception,))
+        if self.fatal is not None:
+            raise self.fatal
+
+
+class _DropFailedTrialLogs(logging.Filter):
+    """Optuna logs every failed trial with its traceback; the reason is on the trial
+    (``fail_reason``, tune's error line and trial table), so the console stays one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("Trial ") and " failed" in msg)
+
+
+@contextlib.contextmanager
+def _quiet_failed_trials() -> Iterator[None]:
+    logger = logging.getLogger("optuna")
+    f = _DropFailedTrialLogs()
+    handlers = [*logger.handlers, *logging.getLogger("optuna.study.study").handlers]
+    logger.addFilter(f)
+    for h in handlers:
+        h.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
+        for h in handlers:
+            h.removeFilter(f)
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, object]]:
-    """One row per trial for tables and MLflow: number, state, error, times, params."""
+    """One row per trial for tables and MLflow: number, state, errors, times, params.
+
+    The policy file's vocabulary: ``calibration_error`` is what the search scored,
+    ``error`` the held-out (eval data) error where the trial was confirmed there."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         row: dict[str, object] = {"number": t.number, "state": t.state.name}
-        for k in ("error", "eval_error", "est_time", "est_speedup", "feasible", "screened",
-                  "skipped", "fail_reason"):
+        row["calibration_error"] = t.user_attrs.get("error")
+        row["error"] = t.user_attrs.get("eval_error")
+        for k in ("est_time", "est_speedup", "feasible", "screened", "skipped", "fail_reason"):
             row[k] = t.user_attrs.get(k)
         if t.user_attrs.get("nonfinite"):
-            row["error"] = math.inf
+            row["calibration_error"] = math.inf
         for k, v in t.params.items():
             row[f"params_{k}"] = v
         rows.append(row)

@@ -20,7 +20,7 @@ import torch
 
 import autoprec
 from autoprec.errors import InputError
-from autoprec.paths import check_out_path
+from autoprec.paths import check_not_an_input, check_out_path, storage_file
 from autoprec.policy import Policy
 from autoprec.search import select
 from autoprec.search.space import REGION, SearchSpace, Variable
@@ -99,6 +99,7 @@ def _num(x: float) -> float:
 def export_policy(storage: str, study_name: str, out: str | Path) -> tuple[Policy, bool]:
     """Choose from the study at ``storage`` and write the policy to ``out``."""
     check_out_path(Path(out))
+    check_not_an_input(Path(out), {"the --storage study file": storage_file(storage)})
     if storage.startswith(("sqlite:///", "journal:")):  # reading: never create an empty store
         file = Path(storage.split("sqlite:///", 1)[-1] if storage.startswith("sqlite")
                     else storage.split("journal:", 1)[-1])

@@ -28,11 +28,13 @@ the URL, with any password replaced by ``***``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import re
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ from optuna.storages import BaseStorage, RDBStorage, RetryHeartbeatStaleTrialCal
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 
-from autoprec.errors import InputError
+from autoprec.errors import AutoprecError, InputError, OutputError
 from autoprec.paths import check_sqlite_url, sqlite_file
 
 #: Seconds between heartbeats of a running trial (RDB storages only).
@@ -150,6 +152,26 @@ def check_storage_url(url: str) -> None:
         _check_sqlite_path(rest, shown)
     elif scheme not in _PG_SCHEMES:
         raise InputError(f"--storage '{shown}': unsupported scheme '{scheme}'; {_RULE}")
+    else:
+        _check_pg_url(url, shown)
+
+
+def _check_pg_url(url: str, shown: str) -> None:
+    """A PostgreSQL URL parses (port a number in [1, 65535], a database named) before any
+    work: connecting is left to the run, a typo'd URL is not."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+        port = parsed.port
+    except Exception as err:  # SQLAlchemy: ArgumentError / ValueError on a bad port
+        why = f"the port is not a number ({err})" if isinstance(err, ValueError) else str(err)
+        raise InputError(f"--storage '{shown}': not a valid PostgreSQL URL: {why[:200]}; "
+                         f"{_RULE}") from None
+    if port is not None and not 1 <= port <= 65535:
+        raise InputError(f"--storage '{shown}': port {port} is not in [1, 65535]")
+    if not parsed.database:
+        raise InputError(f"--storage '{shown}': no database named (postgresql://USER@HOST/DB)")
 
 
 def _default_pg_scheme() -> str:
@@ -260,6 +282,9 @@ def _open_rdb(
             time.sleep(0.2 * (attempt + 1))
         except sqlalchemy.exc.OperationalError as err:
             if not _is_init_race(err):
+                full_or_read_only = storage_failure(err, shown)
+                if full_or_read_only is not None:
+                    raise full_or_read_only from err
                 raise InputError(
                     f"--storage '{shown}': cannot open the database "
                     f"({_first_line(err.orig or err)})"
@@ -373,6 +398,46 @@ def _storage_name(storage: BaseStorage | None) -> str:
     backend = getattr(storage, "_backend", None)
     path = getattr(backend, "_file_path", None)
     return f"journal:{path}" if path else type(storage).__name__
+
+
+def storage_failure(err: BaseException, shown: str) -> OutputError | None:
+    """A study write that failed for a reason the user can fix — a read-only database or
+    file system, a full disk — as one line naming the storage (exit 2); None otherwise.
+
+    Optuna wraps the cause (StorageInternalError, or its own ``AssertionError: Should not
+    reach.`` when a trial's final state could not be written): the chain is searched."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        orig = getattr(e, "orig", None)
+        text = str(orig or e).lower()
+        code = getattr(orig, "errno", None) or getattr(e, "errno", None)
+        if code == errno.ENOSPC or "disk is full" in text or "no space left" in text:
+            return OutputError(f"--storage '{shown}': cannot write the study: no space left "
+                               "on the device; the trials finished before are kept (free "
+                               "space, then --resume goes on from them)")
+        if (code == errno.EROFS or "readonly database" in text or "read-only" in text
+                or "read only" in text):
+            return OutputError(f"--storage '{shown}': cannot write the study: the database "
+                               "is read-only; copy it somewhere writable or give another "
+                               "--storage")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def storage_errors(shown: str) -> Iterator[None]:
+    """Turn a read-only or full study storage into one line (``storage_failure``)."""
+    try:
+        yield
+    except AutoprecError:
+        raise
+    except Exception as err:
+        mapped = storage_failure(err, shown)
+        if mapped is None:
+            raise
+        raise mapped from err
 
 
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)

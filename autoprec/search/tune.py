@@ -31,10 +31,10 @@ import torch
 from tqdm.auto import tqdm
 
 import autoprec
-from autoprec.cost import CostModel, get_profile
+from autoprec.cost import CostModel
 from autoprec.cost.fusion import make_cost_model
 from autoprec.errors import InputError
-from autoprec.evaluate import Reference, reference, score
+from autoprec.evaluate import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
@@ -44,16 +44,25 @@ from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.search import compact, select
 from autoprec.search.config import TuneConfig
+from autoprec.search.confirm_speed import SpeedCheck, confirm_tune, speed_metrics
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
+from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
 from autoprec.search.objective import Evaluator
 from autoprec.search.planner import Planner
 from autoprec.search.sampler import PlanSampler
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
-from autoprec.search.storage import count_finished, describe_storage, join_study, open_storage
+from autoprec.search.storage import (
+    count_finished,
+    describe_storage,
+    join_study,
+    open_storage,
+    storage_errors,
+)
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, Tracker, log_tune_artifacts
+from autoprec.validate import check_out_not_input
 
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
 MARGIN = 1.25
@@ -85,6 +94,10 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)  # things the user should be told
     complete: bool = False  # the planner had nothing faster left to measure
     method: str = ""  # how the candidates were found (enumeration / descent)
+    speed: SpeedCheck | None = None  # the plan beside its baselines; measured where local
+    report: list[Path] = field(default_factory=list)  # files tune(report=DIR) wrote
+    priced: int = 0  # plans the planner priced (the candidates it considered)
+    measured: int = 0  # distinct plans measured on the model (this study, all runs)
 
 
 # -- stage 1: prepare ---------------------------------------------------------------------
@@ -106,6 +119,7 @@ class Prepared:
     deploy_bs: int
     calib_bs: int
     out_path: Path
+    source: SpeedSource | None = None  # where the speed figures come from (issue 21)
 
 
 def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None) -> Prepared:
@@ -116,15 +130,22 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
         raise InputError(f"{spec.path}: --train-aware needs loss(outputs, batch) in model.py")
     out_path = cfg.out or Path("policies") / f"{spec.name}-{cfg.target}.yaml"
     check_out_path(out_path)  # before any expensive work
+    check_out_not_input(out_path, model=spec.path, storage=cfg.storage)
     net = spec.model()
     calib = spec.calibration_batches()
     eval_batches = spec.eval_batches()
     same_data = spec.eval_data is None
+    before = batch_tensors(calib[0])  # to tell an input changed in place from randomness
     ref = reference(spec, net, calib, "of calibration_data",  # also: the model accepts it
                     need_outputs=not cfg.use_metric)
     eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
     check = score(spec, net, calib, ref, "of calibration_data")
     if check.error != 0.0:
+        if not same_tensors(before, batch_tensors(calib[0])):
+            raise InputError(f"{spec.path}: forward() changes its input in place (batch 0 of "
+                             "calibration_data differs after one forward, e.g. x.mul_()); "
+                             "autoprec runs every batch many times: compute on a copy "
+                             "(x = x * 2, or x.clone())")
         raise InputError(f"{spec.path}: the fp32 model is not deterministic (two runs differ "
                          f"by {check.error:.3g}); put it in eval mode / fix random ops")
     graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
@@ -139,11 +160,13 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
                   budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
-    cost = make_cost_model(graph, profile or get_profile(cfg.target), deploy_bs, cfg.mode)
+    source = speed_source(cfg.target, measure=cfg.measure,
+                          cache_dir=calibration_dir(out_path, cfg.cache_dir))
+    cost = make_cost_model(graph, profile or source.profile, deploy_bs, cfg.mode)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
-                    cost, deploy_bs, calib_bs, out_path)
+                    cost, deploy_bs, calib_bs, out_path, source)
 
 
 # -- stage 2: the space -------------------------------------------------------------------
@@ -170,6 +193,11 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
         allowed[node.path] = [p for p in node.allowed if p in cfg.precisions
                               and p not in why_not and p not in device_why]
         excluded[node.path] = why_not
+    if not layers:
+        raise InputError(
+            f"nothing to tune: {prep.spec.path} has no GEMM layer (Linear, Conv, matmul, "
+            "attention) whose precision autoprec can choose; its forward is priced at "
+            f"{prep.cost.fp32_time * 1e6:.3g} µs in fp32 on {cfg.target}")
     regions = [p for p in REGIONS if p in cfg.precisions and p not in device_why]
     space = build_space(layers, allowed, excluded, cfg.precisions, locked=cfg.locked,
                         regions=regions)
@@ -201,7 +229,9 @@ class Search:
 def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
     """What a study's trials depend on besides the structure (the fingerprint): joining a
     study made under other settings would reuse errors and times that do not hold here."""
+    here = prep.source is not None and prep.source.how != "stored profile"  # priced as measured
     return json.loads(json.dumps({
+        **({"profile": prep.cost.profile.to_dict()} if here else {}),
         "target": cfg.target, "batch_size": prep.deploy_bs, "budget": cfg.budget,
         "budget_kind": cfg.budget_name, "precisions": list(cfg.precisions),
         "locked": sorted(cfg.locked), "min_speedup": cfg.min_speedup,
@@ -219,19 +249,21 @@ def open_study(prep: Prepared, space: SearchSpace, cfg: TuneConfig, sampler: Pla
         f"{prep.spec.name}-{cfg.target}-{cfg.budget_name}{cfg.budget:g}-{tag}")
     default_db = prep.out_path.parent / "studies" / f"{prep.spec.name}.db"
     shown = describe_storage(cfg.storage or f"sqlite:///{default_db}")
-    study = join_study(open_storage(cfg.storage, default_db), name,
-                       fingerprint=prep.graph.fingerprint,
-                       directions=["minimize", "minimize"] if cfg.pareto else ["minimize"],
-                       sampler=sampler)
     meta = study_meta(space, model=prep.spec.name, fingerprint=prep.graph.fingerprint,
                       target=cfg.target, batch_size=prep.deploy_bs, budget=cfg.budget,
                       budget_kind=cfg.budget_name, min_speedup=cfg.min_speedup,
                       seed=cfg.seed, data=settings["data"], locked_paths=list(cfg.locked),
                       settings=settings)
     notes = []
-    if META_KEY not in study.user_attrs:
-        study.set_user_attr(META_KEY, meta)
-    else:
+    with storage_errors(shown):  # a read-only or full study storage: one line, exit 2
+        study = join_study(open_storage(cfg.storage, default_db), name,
+                           fingerprint=prep.graph.fingerprint,
+                           directions=["minimize", "minimize"] if cfg.pareto else ["minimize"],
+                           sampler=sampler)
+        fresh = META_KEY not in study.user_attrs
+        if fresh:
+            study.set_user_attr(META_KEY, meta)
+    if not fresh:
         old = study.user_attrs[META_KEY].get("settings", {})
         for key in dict.fromkeys([*settings, *old]):  # a key only one side has counts too
             value = settings.get(key)
@@ -287,10 +319,17 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
                     compact=compact_key)
     status = "FAILED"
     try:
-        with _graceful_interrupt(driver, interrupted):
+        with _graceful_interrupt(driver, interrupted), storage_errors(shown):
             driver.run()
         status = "KILLED" if interrupted else "FINISHED"
     finally:
+        if driver.complete and not interrupted:
+            # the walk ended before --trials: say so, not a bar frozen at "1/40 [2%]"
+            bar.total = bar.n
+            bar.set_description_str(f"tune {prep.spec.name}: search complete "
+                                    f"({planner.priced} plans priced, "
+                                    f"{len(driver.by_key)} measured)")
+            bar.refresh()
         bar.close()
         if status != "FINISHED":
             tracker.finish(status)
@@ -317,11 +356,14 @@ def _progress(bar: Any, tracker: Tracker, study_name: str) -> Any:
                          "autoprec.skipped": (res.skipped or "not measured")[:250]})
             tracker.log_trial(res.number, dict(res.params), {}, tags)
             return
+        # one vocabulary with the policy file: `error` is on the held-out (eval) data, where
+        # the budget binds (confirmed trials only); `calibration_error` is what the search
+        # scores
         tracker.log_trial(res.number, dict(res.params),
-                          {"error": min(ev.error, 1e30), "est_time": ev.est_time,
+                          {"calibration_error": min(ev.error, 1e30), "est_time": ev.est_time,
                            "est_speedup": ev.est_speedup, "feasible": float(ev.feasible),
                            **({} if ev.eval_error is None
-                              else {"eval_error": min(ev.eval_error, 1e30)})}, tags)
+                              else {"error": min(ev.eval_error, 1e30)})}, tags)
 
     return on_trial
 
@@ -380,19 +422,24 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
 def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
           tracker: Tracker, started: float) -> TuneResult:
     cands = select.completed(search.study)
+    if not cands:
+        raise search.driver.nothing_measured(search.study_name)
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
     provenance = _provenance(search, cfg)
-    rules = None
-    if not chosen.policy:  # an infeasible closest plan: compact it here
-        default, layers = space.rules(space.key(chosen.params))
-        rules = compact.compact(prep.cost, default, layers, defaults=space.region.choices)
+    # the last step: the chosen plan beside its baselines, timed when the target is here
+    speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible,
+                                        prep.source)
+    if prep.source is not None:
+        provenance.update(prep.source.provenance())
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
     policy.target["batch_size"] = prep.deploy_bs
     if cfg.compile:
         policy.target["mode"] = "compile"
     bd = prep.cost.breakdown(policy)
-    policy.metrics.update({"est_casts": bd.casts})
+    policy.metrics.update({"est_casts": bd.casts, **speed_metrics(speed)})
+    if chosen.number < 0:  # a baseline won the measurement: no trial of the study
+        policy.provenance["trial"] = None
     if chosen.calib.train_fidelity is not None:
         policy.metrics["train_fidelity"] = chosen.calib.train_fidelity
     policy.save(prep.out_path)
@@ -401,15 +448,16 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     eval_error = chosen.eval_error if chosen.eval_error is not None else chosen.calib.error
     rows = trial_rows(search.study)
     sens = prep.table.to_frame() if prep.table is not None else None
-    tracker.log_metrics({"error": min(chosen.calib.error, 1e30),
-                         "eval_error": min(eval_error, 1e30),
+    tracker.log_metrics({"error": min(eval_error, 1e30),  # held-out, as in the policy
+                         "calibration_error": min(chosen.calib.error, 1e30),
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
+                         **{k: v for k, v in policy.metrics.items() if k == "measured_speedup"},
                          "evaluations": search.evaluator.evaluations,
                          "trials": search.driver.ran})
     import pandas as pd
 
     log_tune_artifacts(tracker, policy_path=prep.out_path, sensitivity=sens,
-                       trials=pd.DataFrame(rows), layers=policy.layers,
+                       trials=pd.DataFrame(rows), layers=_per_layer(prep, space, policy),
                        chosen_trial=chosen.number, budget=cfg.budget,
                        workdir=prep.out_path.parent / ".autoprec" / search.study_name)
     for p in front_paths:
@@ -422,8 +470,19 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       trials=search.driver.ran, evaluations=search.evaluator.evaluations,
                       seconds=time.monotonic() - started, front=front_pols,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
-                      graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg),
-                      complete=search.driver.complete, method=search.planner.method)
+                      graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
+                      + ([prep.source.note] if prep.source is not None else []),
+                      complete=search.driver.complete, method=search.planner.method,
+                      speed=speed, priced=search.planner.priced,
+                      measured=len(search.driver.by_key))
+
+
+def _per_layer(prep: Prepared, space: SearchSpace, policy: Policy) -> dict[str, str]:
+    """The precision every GEMM layer computes in under ``policy`` (not only the layers
+    with a rule: the default's too), in the model's order — for the layers plot."""
+    from autoprec.policy import assignment
+
+    return assignment(policy, prep.net, paths=space.layers)
 
 
 def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
@@ -482,15 +541,23 @@ def tune(
     train_aware: bool = False,
     compile: bool = False,
     profile: Any = None,
+    measure: bool = True,
+    report: str | Path | None = None,
 ) -> TuneResult:
     """Find the fastest plan within the budget and write it as a policy.
 
     ``trials`` is the number of trials this process runs at most (the search stops sooner
     once nothing faster is predicted within budget); ``resume=True``: run until the study
     holds that many finished trials. ``tracker``: None logs nothing (the CLI's default is
-    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). ``compile=True`` prices every
-    plan as ``torch.compile`` runs it (cost/fusion.py) and records ``target.mode: compile``;
-    ``profile``: a DeviceProfile to price with (e.g. calibrated here) instead of ``target``'s.
+    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). ``measure`` (a target that is
+    this machine: ``cpu``, or the GPU here): price on a profile calibrated here and time the
+    winner beside fp32 and one global autocast, never writing a plan measured slower
+    (``search/confirm_speed.py``). ``report``: a folder to write the tables and plots into
+    (trials, Pareto front, per-layer precisions, and the tuned plan beside one global
+    autocast per precision), MLflow or not. ``compile=True`` prices every plan as
+    ``torch.compile`` runs it (cost/fusion.py) and records ``target.mode: compile`` (the
+    measured confirmation times eager forwards, so it is skipped then); ``profile``: a
+    DeviceProfile to price with (e.g. calibrated here) instead of ``target``'s.
     See DESIGN.md for the contract.
     """
     started = time.monotonic()
@@ -500,13 +567,27 @@ def tune(
                           min_speedup=min_speedup, storage=storage, study_name=study_name,
                           resume=resume, pareto=pareto, out=out, locked=locked,
                           progress=progress, cache_dir=cache_dir, train_aware=train_aware,
-                          compile=compile)
+                          measure=measure, compile=compile)
     tracker = tracker or NullTracker()
+    if report is not None:  # before any work: the folder, and matplotlib for its plots
+        from autoprec.extras import require
+        from autoprec.paths import check_dir
+
+        check_dir(Path(report), "--report")
+        require("matplotlib", "tune --report's plots")
     prep = prepare(model, cfg, profile)
     space = make_space(prep, cfg)
     interrupted: list[bool] = []
     search = run_search(prep, space, cfg, tracker, interrupted)
-    return write(prep, space, search, cfg, tracker, started)
+    result = write(prep, space, search, cfg, tracker, started)
+    if report is not None:
+        from autoprec.search.baselines import write_report
+
+        result.report = write_report(Path(report), result, search.evaluator, prep.cost,
+                                     list(space.region.choices),
+                                     _per_layer(prep, space, result.policy))
+    return result
+
 
 
 __all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: search/config.py

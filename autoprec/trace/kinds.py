@@ -178,11 +178,6 @@ def format_reason(module: nn.Module, kind: str, precision: str = "fp8") -> str |
     return why.removeprefix(f"{precision}: ") if why else None
 
 
-def fp8_reason(module: nn.Module, kind: str) -> str | None:
-    """Why a leaf may not take fp8 (None when it may)."""
-    return format_reason(module, kind, "fp8")
-
-
 def eligibility(
     module: nn.Module,
     kind: str,

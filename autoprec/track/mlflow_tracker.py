@@ -44,7 +44,7 @@ from urllib.parse import urlparse
 from autoprec import __version__
 from autoprec.errors import TrackingError
 from autoprec.extras import require
-from autoprec.paths import check_sqlite_url
+from autoprec.paths import check_sqlite_url, sqlite_file
 from autoprec.track.base import NullTracker, Tracker, TrackingWarning, check_status
 
 #: Seconds the reachability check waits for a tracking server to answer.
@@ -80,6 +80,26 @@ PARENT_TAG = "mlflow.parentRunId"  # mlflow.utils.mlflow_tags.MLFLOW_PARENT_RUN_
 def default_tracking_uri(workdir: Path) -> str:
     """MLflow's embedded SQLite store in ``workdir``: ``sqlite:///WORKDIR/mlflow.db``."""
     return f"sqlite:///{Path(workdir).resolve()}/mlflow.db"
+
+
+def _check_sqlite_writable(uri: str) -> None:
+    """A SQLite store (and its mlruns/ beside it) can be written, checked in milliseconds:
+    MLflow itself would retry for minutes and print dozens of warnings first."""
+    from autoprec.errors import OutputError
+    from autoprec.fileio import check_writable
+
+    db = sqlite_file(uri)
+    if db is None:
+        return
+    try:
+        if db.is_file():
+            with db.open("r+b"):  # opening for writing is enough: EROFS / EACCES show here
+                pass
+        check_writable(db.parent / "mlruns" / ".autoprec-write-check")
+    except (OSError, OutputError) as err:
+        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise TrackingError(f"--mlflow-uri '{_redact(uri)}': cannot write the MLflow store "
+                            f"({why}); give a writable --mlflow-uri, or --no-track") from None
 
 
 def _artifact_location(uri: str) -> str | None:
@@ -444,6 +464,7 @@ def make_tracker(
         uri = default_tracking_uri(workdir)
     # The rule --storage follows: a SQLite file's folder must exist (MLflow would create it).
     check_sqlite_url(uri, "--mlflow-uri", _redact(uri), TrackingError)
+    _check_sqlite_writable(uri)
     # MLflow logs "Creating initial MLflow database tables..." at INFO on a new SQLite
     # store; the CLI's stderr is for progress and errors.
     logging.getLogger("mlflow.store").setLevel(logging.WARNING)

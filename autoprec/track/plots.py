@@ -81,7 +81,9 @@ def pareto_plot(
     front, the budget and the chosen trial. Trials with a non-finite error are counted in
     the title, not drawn. Returns ``path`` (PNG)."""
     df = _completed(trials)
-    error = pd.to_numeric(df.get("error"), errors="coerce").astype(float)
+    # what the search scored (tune's trials table: calibration_error; else `error`)
+    error = pd.to_numeric(df.get("calibration_error", df.get("error")),
+                          errors="coerce").astype(float)
     speedup = pd.to_numeric(df.get("est_speedup"), errors="coerce").astype(float)
     if "feasible" in df.columns:
         feasible = df["feasible"].astype("boolean").fillna(False).astype(bool)
@@ -144,7 +146,8 @@ def pareto_plot(
     return _save(fig, path)
 
 
-def layers_plot(layers: dict[str, str], path: Path, *, title: str = "Precision per layer") -> Path:
+def layers_plot(layers: dict[str, str], path: Path, *,
+                title: str = "Precision per GEMM layer") -> Path:
     """One bar per layer (in the given order, top to bottom), coloured by precision; the
     bar's length is the precision's compute bits. Returns ``path`` (PNG)."""
     names = list(layers)
@@ -180,4 +183,27 @@ def layers_plot(layers: dict[str, str], path: Path, *, title: str = "Precision p
     ]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"{title} ({n} layers)", fontsize=10)
+    return _save(fig, path)
+
+
+def baselines_plot(rows: pd.DataFrame, path: Path, *, budget: float | None = None,
+                   title: str = "Tuned plan against one global autocast") -> Path:
+    """Bars of estimated speed-up (``plan``, ``est_speedup``, ``error`` columns; the tuned
+    plan first), green within ``budget`` and grey over it, each labelled with its error.
+    Returns ``path`` (PNG)."""
+    names = [str(v) for v in rows["plan"]]
+    speed = [float(v) for v in rows["est_speedup"]]
+    errors = [float(v) for v in rows["error"]]
+    fig = _figure(7.0, 1.4 + 0.45 * len(names))
+    ax = fig.add_subplot()
+    ok = [budget is None or (math.isfinite(e) and e <= budget) for e in errors]
+    positions = list(range(len(names) - 1, -1, -1))
+    ax.barh(positions, speed, color=["#2ca02c" if k else "#b0b0b0" for k in ok], height=0.7)
+    ax.set_yticks(positions, names, fontsize=8)
+    for y, s, e, k in zip(positions, speed, errors, ok):
+        label = f" {s:.2f}x, error {e:.3g}" if math.isfinite(e) else f" {s:.2f}x, error inf"
+        ax.text(s, y, label + ("" if k else " (over budget)"), va="center", fontsize=7)
+    ax.set_xlabel("estimated speed-up over fp32 (x)")
+    ax.set_xlim(0, max(speed + [1.0]) * 1.45)
+    ax.set_title(title + (f" (budget {budget:g})" if budget is not None else ""), fontsize=10)
     return _save(fig, path)

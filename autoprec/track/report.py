@@ -4,10 +4,16 @@ Artifact layout on the parent run::
 
     policy/<policy file name>      the policy YAML, as written by tune
     tables/sensitivity.csv         the probe's SensitivityTable (when there is one)
-    tables/trials.csv              one row per trial: number, state, error, est_time,
+    tables/trials.csv              one row per trial: number, state, calibration_error,
+                                   error (held-out, where confirmed), est_time,
                                    est_speedup, feasible, params_<layer> (precision)
-    plots/pareto.png               error vs estimated speed-up, chosen trial marked
+    plots/pareto.png               calibration error vs estimated speed-up, chosen marked
+
+One vocabulary with the policy file (``metrics``): ``error`` is always the held-out (eval
+data) error, where the budget binds; ``calibration_error`` is what the search scored.
     plots/layers.png               the chosen precision of every layer
+    tables/baselines.csv,          ``tune --report`` only: the tuned plan beside one global
+    plots/baselines.png            autocast per precision (held-out error, est. speed-up)
 
 The parent also gets the tag ``autoprec.policy_artifact`` (the policy's artifact path).
 """
@@ -21,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from autoprec.track.base import Tracker, TrackingWarning
-from autoprec.track.plots import layers_plot, pareto_plot
+from autoprec.track.plots import baselines_plot, layers_plot, pareto_plot
 
 POLICY_DIR = "policy"
 TABLES_DIR = "tables"
@@ -35,6 +41,7 @@ def _writers(
     layers: dict[str, str],
     chosen_trial: int | None,
     budget: float | None,
+    baselines: pd.DataFrame | None = None,
 ) -> list[tuple[str, str, Callable[[Path], object]]]:
     """(file name, artifact folder, writer) for every report file."""
 
@@ -55,6 +62,12 @@ def _writers(
         ),
         ("layers.png", PLOTS_DIR, lambda path: layers_plot(layers, path)),
     ]
+    if baselines is not None:
+        writers += [
+            ("baselines.csv", TABLES_DIR, table(baselines)),
+            ("baselines.png", PLOTS_DIR,
+             lambda path: baselines_plot(baselines, path, budget=budget)),
+        ]
     return writers
 
 
@@ -66,9 +79,11 @@ def write_tune_report(
     layers: dict[str, str],
     chosen_trial: int | None,
     budget: float | None = None,
+    baselines: pd.DataFrame | None = None,
 ) -> dict[str, Path]:
-    """Write sensitivity.csv (if given), trials.csv, pareto.png and layers.png into
-    ``workdir``; return file name -> path. Raises on the first failure."""
+    """Write sensitivity.csv (if given), trials.csv, pareto.png and layers.png (and
+    baselines.csv / baselines.png when given) into ``workdir``; return file name -> path.
+    Raises on the first failure."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
@@ -78,6 +93,7 @@ def write_tune_report(
         layers=layers,
         chosen_trial=chosen_trial,
         budget=budget,
+        baselines=baselines,
     ):
         write(workdir / name)
         written[name] = workdir / name

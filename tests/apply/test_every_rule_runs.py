@@ -58,8 +58,8 @@ def _error(out, ref: list[torch.Tensor]) -> float:
 
 
 def _mixed_policy(model: torch.nn.Module) -> Policy:
-    """default bf16; GEMM leaves in turn fp16, fp32, fp8 (where eligible), bf16."""
-    cycle = ["fp16", "fp32", "fp8", "bf16"]
+    """default bf16; GEMM leaves in turn fp16, fp32, fp8 (where eligible), tf32, bf16."""
+    cycle = ["fp16", "fp32", "fp8", "tf32", "bf16"]
     layers = {}
     for i, path in enumerate(gemm_leaf_paths(model)):
         p = cycle[i % len(cycle)]
@@ -243,3 +243,28 @@ def test_inductor_compiled_error_equals_eager() -> None:
         e_compiled = _error(torch.compile(net)(x), ref)
     assert e_eager > 1e-4
     assert e_compiled == pytest.approx(e_eager, rel=0.05)
+
+
+@pytest.mark.slow
+def test_tune_eval_check_and_the_applied_model_measure_the_same_error(tmp_path: Path) -> None:
+    """The issue's `tune --precisions fp8` case: tune's recorded error (held-out), eval's,
+    check's and the applied model's own error under no_grad agree (before: 0 vs 0.0067)."""
+    from autoprec import load_model_file, load_policy, tune
+    from autoprec.cli.policy_cmds import evaluate_policy
+    from autoprec.evaluate import reference, score
+
+    res = tune(NN_MODEL, max_error=0.005, precisions=["fp8"], batch_size=4096, trials=6,
+               out=tmp_path / "p.yaml", progress=False, cache_dir=tmp_path / "cache")
+    pol = load_policy(res.path)
+    assert any(p == "fp8" for p in pol.layers.values())  # it lowered something
+    recorded = float(pol.metrics["error"])
+    assert 0 < recorded <= 0.005
+    evaluated = evaluate_policy(NN_MODEL, Path(res.path))["error"]
+    checked = check(str(NN_MODEL), pol).error
+    spec = load_model_file(NN_MODEL)
+    net, batches = spec.model(), spec.eval_batches()
+    ref = reference(spec, net, batches)
+    with apply_policy(net, pol):
+        applied = score(spec, net, batches, ref).error
+    for e in (evaluated, checked, applied):
+        assert e == pytest.approx(recorded, rel=1e-4)

@@ -13,16 +13,40 @@ from autoprec.policy import Policy
 TRAP = Path(__file__).resolve().parents[2] / "experiments" / "trap" / "model.py"
 
 
-def test_eval_measure_reports_both_latencies(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_eval_measure_times_the_policy_beside_its_baselines_on_a_local_target(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     pol = tmp_path / "p.yaml"
     Policy(default="fp32", layers={"head": "bf16"}, metrics={"budget": 0.01}).save(pol)
     with pytest.raises(SystemExit) as exc:
-        main(["eval", str(TRAP), "--policy", str(pol), "--measure", "--json"])
+        main(["eval", str(TRAP), "--policy", str(pol), "--target", "cpu", "--measure", "--json"])
     assert exc.value.code == 0
     out = json.loads(capsys.readouterr().out)
     m = out["measured"]
-    assert m["device"] == "cpu" and m["fp32_ms"] > 0 and m["policy_ms"] > 0
-    assert m["speedup"] == pytest.approx(m["fp32_ms"] / m["policy_ms"], rel=1e-2)
+    assert m["device"] == "cpu" and m["batch_size"] == 32 and m["rounds"] >= 7
+    assert m["p10"] <= m["speedup"] <= m["p90"]
+    assert "calibrated the cpu profile on this machine" in out["speed_source"]
+    rows = {r["name"]: r for r in out["baselines"]["rows"]}
+    assert rows["policy"]["measured_speedup"] == m["speedup"]
+    assert rows["fp32 (no autocast)"]["measured_speedup"] == 1.0
+    assert rows["bf16 (one global autocast)"]["error"] > 0.01  # trap: bf16 loses offset
+    assert not rows["bf16 (one global autocast)"]["feasible"]
+    assert rows["tf32 (global flag)"]["why_not"] == "not on cpu"
+    assert (tmp_path / ".autoprec" / "calibration").is_dir()  # cached beside the policy
+
+
+def test_eval_of_a_remote_target_prints_the_baselines_estimated(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    pol = tmp_path / "p.yaml"
+    Policy(default="fp32", layers={"head": "bf16"}, metrics={"budget": 0.01}).save(pol)
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", str(TRAP), "--policy", str(pol), "--target", "h100", "--measure"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for name in ("policy", "fp32 (no autocast)", "bf16 (one global autocast)",
+                 "fp16 (one global autocast)", "tf32 (global flag)"):
+        assert name in text
+    assert "no h100 here" in text and "not measured" in text
+    assert "pick: " in text
 
 
 def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path, capsys):

@@ -148,12 +148,20 @@ def test_fp8_container_without_eligible_leaves_warns() -> None:
 
 
 def test_shared_module_must_get_one_precision() -> None:
+    """One module object, one precision: a rule on any of its paths is a rule on the module
+    (issue 25: ``self.mid2 = self.mid`` must tune); two rules naming it must agree."""
+    from autoprec.policy import resolve
+
     m = Model()
     m.alias = m.enc[0]  # the same module under a second path
     Policy(layers={"enc.0": "bf16", "alias": "bf16"}).validate(m)
+    Policy(layers={"enc.0": "bf16"}).validate(m)  # the alias follows the module's rule
+    res = resolve(Policy(layers={"alias": "bf16"}), m)
+    assert res["enc.0"].precision == res["alias"].precision == "bf16"
+    assert res["alias.q"].precision == res["enc.0.q"].precision == "bf16"
     with pytest.raises(PolicyError, match=r"module 'enc.0' is also registered as "
                                           r"'alias'.*bf16 there and fp32 here"):
-        Policy(layers={"enc.0": "bf16"}).validate(m)
+        Policy(layers={"enc.0": "bf16", "alias": "fp32"}).validate(m)
     with pytest.raises(PolicyError, match=r"module 'enc.0.q' is also registered as "
                                           r"'alias.q'.*bf16 there and fp16 here"):
-        Policy(layers={"enc.0": "bf16", "alias": "bf16", "alias.q": "fp16"}).validate(m)
+        Policy(layers={"enc.0.q": "bf16", "alias.q": "fp16"}).validate(m)

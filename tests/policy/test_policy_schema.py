@@ -104,7 +104,6 @@ BAD = {
         "autoprec_policy: must be the schema version (an integer), got a string '1'"),
     "missing version": ("default: fp32\nlayers: {}\n", "autoprec_policy: required key is missing"),
     "missing default": ("autoprec_policy: 1\nlayers: {}\n", "default: required key is missing"),
-    "missing layers": ("autoprec_policy: 1\ndefault: fp32\n", "layers: required key is missing"),
     "default wrong type": ("autoprec_policy: 1\ndefault: 16\nlayers: {}\n",
                            "default: must be a precision name"),
     "default fp8": ("autoprec_policy: 1\ndefault: fp8\nlayers: {}\n",
@@ -178,3 +177,12 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
 def test_loads_policy_from_text() -> None:
     p = loads_policy("autoprec_policy: 1\ndefault: fp16\nlayers:\n", source="inline")
     assert p.layers == {} and p.source == "inline"
+
+
+def test_a_policy_without_layers_has_no_rules() -> None:
+    """README: `default: bf16` with no rules runs like one global autocast; a file that
+    leaves `layers` out says just that (issue 25)."""
+    from autoprec.policy import loads_policy
+
+    p = loads_policy("autoprec_policy: 1\ndefault: bf16\n")
+    assert p.default == "bf16" and p.layers == {}

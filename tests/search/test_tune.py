@@ -144,7 +144,7 @@ def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
         (["--precisions", "fp16,fp12"], "unknown precision 'fp12'"),
         (["--trials", "0"], "--trials: must be >= 1"),
         (["--precisions", ""], "--precisions: give at least one"),
-        (["--precisions", "fp8", "--target", "t4"], "nothing to tune"),
+        (["--precisions", "fp8", "--target", "t4"], "the target t4 runs none of them"),
         (["--lock", "nope"], "--lock 'nope'"),
         (["--study-name", ""], "--study-name: must not be empty"),
         (["--workers", "0"], "--workers: must be >= 1"),

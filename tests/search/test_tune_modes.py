@@ -76,7 +76,7 @@ def test_train_aware_checks_training_fidelity(tmp_path: Path):
     res = tune(model, max_error=0.05, precisions=["bf16", "fp16"], batch_size=65536,
                trials=4, out=tmp_path / "p.yaml", progress=False, train_aware=True)
     pol = load_policy(res.path)
-    assert pol.layers  # something was lowered, and a short fp32-vs-policy training run agreed
+    assert pol.layers or pol.default != "fp32"  # lowered; fp32-vs-policy training agreed
     assert pol.metrics["train_fidelity"] is True
     assert res.feasible
 

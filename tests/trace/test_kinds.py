@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autoprec.trace import trace
-from autoprec.trace.kinds import classify, eligibility, fp8_reason, linear_dims
+from autoprec.trace.kinds import classify, eligibility, format_reason, linear_dims
 
 
 class Scale(nn.Module):
@@ -61,12 +61,12 @@ def test_functional_matmuls_make_attention_and_matmul_kinds() -> None:
 
 
 def test_fp8_reasons() -> None:
-    assert fp8_reason(nn.Linear(64, 32), "linear") is None
-    assert fp8_reason(nn.Linear(100, 64), "linear") == "in_features 100 not a multiple of 16"
-    assert fp8_reason(nn.Linear(100, 10), "linear") == (
+    assert format_reason(nn.Linear(64, 32), "linear") is None
+    assert format_reason(nn.Linear(100, 64), "linear") == "in_features 100 not a multiple of 16"
+    assert format_reason(nn.Linear(100, 10), "linear") == (
         "in_features 100 not a multiple of 16, out_features 10 not a multiple of 16"
     )
-    assert fp8_reason(nn.LayerNorm(16), "norm") == "not a GEMM"
+    assert format_reason(nn.LayerNorm(16), "norm") == "not a GEMM"
 
 
 def test_hf_conv1d_is_linear_like() -> None:

@@ -52,7 +52,7 @@ def test_tune_is_tracked_end_to_end(
         if run.data.tags.get("autoprec.state") == "PRUNED":
             assert run.data.tags["autoprec.skipped"]
             continue
-        assert {"error", "est_speedup"} <= set(run.data.metrics)
+        assert {"calibration_error", "est_speedup"} <= set(run.data.metrics)
         assert run.data.params  # the trial's assignment: layer -> precision
 
     artifact = parent.data.tags["autoprec.policy_artifact"]

@@ -1,0 +1,143 @@
+"""The profile a tune prices with: measured here when the target is this machine (issue 21).
+
+A remote target (``h100`` from a CPU machine) is priced on its stored datasheet profile:
+estimated, and said so. A local one (``cpu``, or the CUDA device here when its name matches
+the profile) is calibrated on this machine first: single GEMMs per precision, a copy and a
+tiny add, run as autoprec runs them (``apply_policy``) and fitted with
+``autoprec.cost.calibrate.fit`` — a couple of seconds, cached per machine under
+``<cache>/calibration/<profile>-<machine key>.yaml`` with the facts that identify the
+machine (CPU matmul flags such as AMX / AVX512-BF16, or GPU name and compute capability;
+torch version; threads). Seen here: the shipped ``cpu`` profile (fitted on a CPU with AMX)
+priced a bf16 policy 1.82x faster than fp32 on a CPU without AMX, where it measured 0.56x.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autoprec.cost import apply_calibration, fit, get_profile, measure_latency
+from autoprec.cost.calibrate import CPU_SHAPES, gpu_shapes, micro_samples
+from autoprec.cost.machine import (
+    Machine,
+    cached_calibration,
+    calibration_path,
+    local_device,
+    this_machine,
+    timing_threads,
+)
+from autoprec.cost.profiles import DeviceProfile
+from autoprec.policy import Policy, PolicyWarning
+
+
+@dataclass
+class SpeedSource:
+    """Where a tune's speed figures come from."""
+
+    profile: DeviceProfile  # what the cost model prices with
+    device: str | None  # the device here that runs the target; None: a remote target
+    machine: Machine | None
+    how: str  # "calibrated here" | "cached calibration" | "stored profile"
+    note: str  # one line for the user
+    path: Path | None = None  # the cached calibration file
+
+    @property
+    def local(self) -> bool:
+        return self.device is not None
+
+    def provenance(self) -> dict[str, Any]:
+        """What the policy's provenance records about its speed figures."""
+        out: dict[str, Any] = {"speed_profile": self.profile.name, "speed_source": self.how}
+        if self.machine is not None:
+            out["machine"] = self.machine.describe()
+        if self.how == "stored profile":
+            out["speed_note"] = (f"stored {self.profile.name} profile: "
+                                 f"{self.profile.description}")
+        return out
+
+
+def calibration_dir(out: Path | None, cache_dir: Path | None = None) -> Path:
+    """Where a tune writing ``out`` (default ``policies/…``) caches calibrations: beside the
+    probe cache (``<out's folder>/.autoprec``, or ``cache_dir``)."""
+    base = cache_dir if cache_dir is not None else (
+        Path(out).parent if out is not None else Path("policies")) / ".autoprec"
+    return Path(base) / "calibration"
+
+
+def speed_source(target: str, *, measure: bool, cache_dir: Path) -> SpeedSource:
+    """The profile for ``target``. Remote: the stored one. Local: this machine's cached
+    calibration; else, with ``measure``, one calibrated here now (and cached); else the
+    stored profile, named as another machine's."""
+    stored = get_profile(target)
+    device, why = local_device(stored)
+    if device is None:
+        return SpeedSource(stored, None, None, "stored profile", why)
+    machine = this_machine(device)
+    path = calibration_path(cache_dir, stored, machine)
+    cal = cached_calibration(cache_dir, stored, machine)
+    if cal is not None:
+        return SpeedSource(apply_calibration(stored, cal, source=str(path)), device, machine,
+                           "cached calibration",
+                           f"{stored.name} profile calibrated on this machine "
+                           f"({machine.describe()}); cached in {path}", path)
+    if not measure:
+        return SpeedSource(stored, device, machine, "stored profile",
+                           f"speed estimated from the stored {stored.name} profile, measured "
+                           f"on another machine ({stored.description}), not on this one "
+                           f"({machine.describe()}); --measure calibrates it here")
+    t0 = time.perf_counter()
+    res = calibrate_here(stored, device, machine)
+    res.calibration.save(path)
+    return SpeedSource(res.profile.with_factors(calibrated_from=str(path)), device, machine,
+                       "calibrated here",
+                       f"calibrated the {stored.name} profile on this machine "
+                       f"({machine.describe()}): {res.calibration.n_samples} micro-benchmarks "
+                       f"in {time.perf_counter() - t0:.1f}s, rel. RMSE "
+                       f"{res.calibration.rel_rmse:.0%}; cached in {path}", path)
+
+
+def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None = None) -> Any:
+    """Fit ``profile``'s factors on micro-benchmarks run on ``device`` (a FitResult)."""
+    import torch
+
+    from autoprec.apply.apply import apply_policy
+    from autoprec.capability import capability
+
+    machine = machine or this_machine(device)
+    kind = device.split(":", 1)[0]
+    plans = {p: Policy(default=p) for p in ("fp32", "tf32", "bf16", "fp16")
+             if profile.supports(p)[0] and capability(p, None, device)[0]}
+    fp8 = None
+    if profile.supports("fp8")[0] and capability("fp8", "torch", device)[0]:
+        fp8 = "torch"
+        plans["fp8"] = Policy(default="bf16", layers={"gemm": "fp8"})
+
+    def run_as(module: Any, pol: Policy) -> Any:
+        return apply_policy(module, pol, target=profile.name, fp8_backend=fp8)
+
+    if kind == "cpu":
+        def timer(run: Any) -> float:
+            return measure_latency(run, "cpu", warmup=2, repeats=5, clock="thread").median_s
+
+        shapes, elems, fit_setup = CPU_SHAPES, None, True
+    else:
+        def timer(run: Any) -> float:
+            return measure_latency(run, device, warmup=3, repeats=10).median_s
+
+        shapes, elems, fit_setup = gpu_shapes(4096, 8192), 8192 * 4096, False
+    with timing_threads(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyWarning)  # one-GEMM plans: no fingerprint
+        kw = {} if elems is None else {"copy_elems": elems}
+        samples = micro_samples(profile, plans, shapes, timer, run_as, device=device, **kw)
+    res = fit(profile, samples, fit_setup=fit_setup,
+              note=f"autoprec tune: micro-benchmarks on {machine.describe()}, "
+                   f"torch {torch.__version__}")
+    res.calibration = type(res.calibration)(**{**res.calibration.__dict__,
+                                               "machine": machine.to_dict()})
+    return res
+
+
+__all__ = ["SpeedSource", "calibrate_here", "calibration_dir", "speed_source"]

@@ -1,0 +1,189 @@
+"""tune's last step (issue 21): the winner timed beside its baselines; a plan measured
+slower than fp32 or a one-liner within budget is never written.
+
+The decision is tested with injected timings (no wall-clock assertions); one end-to-end
+tune on a tiny MLP for ``--target cpu`` swaps the timer for one that makes the tuned plan
+slow, and must write the baseline instead."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+import autoprec.search.confirm_speed as cs
+from autoprec.policy import Policy, load_policy
+from autoprec.search.confirm_speed import Row, check_speed, decide, label
+from autoprec.search.tune import tune
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = ROOT / "tests" / "fixtures" / "models" / "mlp.py"
+
+
+def rows(tuned_ok: bool = True, bf16_ok: bool = True) -> list[Row]:
+    return [
+        Row("tuned", "tuned", Policy(default="fp32", layers={"0": "bf16"}), 0.01, tuned_ok,
+            1.8),
+        Row("next candidate (trial 3)", "candidate", Policy(default="fp32", layers={"2": "bf16"}),
+            0.005, True, 1.4),
+        Row(label("fp32"), "baseline", Policy(default="fp32"), 0.0, True, 1.0),
+        Row(label("bf16"), "baseline", Policy(default="bf16"), 0.02 if bf16_ok else 0.2,
+            bf16_ok, 1.9, why_not="" if bf16_ok else "over budget (0.2 > 0.03)"),
+        Row(label("tf32"), "baseline", None, why_not="not on cpu"),
+    ]
+
+
+def timer_of(ms: Mapping[str, float], rounds: int = 5):
+    """A timer returning fixed per-round seconds (a little jitter, the same every run)."""
+    seen: list[list[str]] = []
+
+    def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+        seen.append(list(plans))
+        return {n: [ms[n] * 1e-3 * (1 + 0.01 * ((i % 3) - 1)) for i in range(rounds)]
+                for n in plans}
+
+    timer.seen = seen  # type: ignore[attr-defined]
+    return timer
+
+
+def test_a_tuned_plan_measured_slower_than_fp32_is_not_written():
+    rs = rows(bf16_ok=False)
+    t = timer_of({"tuned": 60, "next candidate (trial 3)": 40, label("fp32"): 34,
+                  label("bf16"): 20})
+    check = check_speed(rs, t, device="cpu", batch_size=16)
+    assert check.winner is not None and check.winner.name == label("fp32")
+    assert "tuned (est. 1.80x) measured 0.57x" in check.reason
+    assert "slower than fp32" in check.reason
+    tuned = rs[0]
+    assert tuned.speedup == pytest.approx(34 / 60, rel=1e-6)
+    assert tuned.p10 <= tuned.speedup <= tuned.p90
+    # the over-budget bf16 one-liner is timed and shown, never chosen
+    assert rs[3].speedup == pytest.approx(34 / 20, rel=1e-6) and not rs[3].feasible
+    assert label("tf32") not in t.seen[0]  # the target cannot run it: not timed
+    assert "fp32" in check.recommendation()
+
+
+def test_the_next_candidate_is_written_when_it_beats_the_tuned_one_and_every_baseline():
+    rs = rows()
+    t = timer_of({"tuned": 40, "next candidate (trial 3)": 25, label("fp32"): 34,
+                  label("bf16"): 30})
+    winner, reason = decide(_filled(rs, t))
+    assert winner is rs[1]
+    assert "next candidate (trial 3)" in reason
+
+
+def test_a_faster_one_liner_within_budget_wins_over_the_tuned_plan():
+    rs = rows()
+    t = timer_of({"tuned": 30, "next candidate (trial 3)": 32, label("fp32"): 34,
+                  label("bf16"): 20})
+    check = check_speed(rs, t, device="cpu", batch_size=16)
+    assert check.winner is rs[3]
+    assert "one global autocast" in check.recommendation()
+
+
+def test_the_tuned_plan_stands_when_it_is_the_fastest_and_ties_keep_it():
+    rs = rows()
+    t = timer_of({"tuned": 20, "next candidate (trial 3)": 20, label("fp32"): 34,
+                  label("bf16"): 20})
+    check = check_speed(rs, t, device="cpu", batch_size=16)
+    assert check.winner is rs[0]
+    assert check.to_dict()["chosen"] == "tuned"
+    assert "<- written" in check.table().splitlines()[2]
+
+
+def test_the_same_plan_is_timed_once():
+    rs = rows()
+    rs[3] = Row(label("bf16"), "baseline", Policy(default="fp32", layers={"0": "bf16"}), 0.01,
+                True, 1.8)
+    t = timer_of({"tuned": 20, "next candidate (trial 3)": 30, label("fp32"): 34})
+    check_speed(rs, t, device="cpu", batch_size=16)
+    assert label("bf16") not in t.seen[0] and rs[3].same_as == "tuned"
+    assert rs[3].speedup == rs[0].speedup
+
+
+def test_a_remote_target_stays_estimated():
+    rs = rows()
+    check = check_speed(rs, None)
+    assert not check.measured and check.winner is rs[0]
+    assert all(r.speedup is None for r in rs)
+    assert "not measured" in check.table()
+    assert "estimated" in check.recommendation()
+
+
+def _filled(rs: list[Row], timer) -> list[Row]:
+    plans = {r.name: r.policy for r in rs if r.policy is not None}
+    cs.fill_measured(rs, timer(plans))
+    return rs
+
+
+def test_tune_for_the_local_cpu_writes_the_baseline_when_the_tuned_plan_measures_slower(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """End to end: the CPU target is calibrated here (cached), and a timer that makes every
+    lowered plan slower than fp32 makes tune write ``default: fp32`` with no rules."""
+
+    def slow_low(model, run, device, target, **kw):
+        def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+            return {n: [(0.010 if p.default == "fp32" and not p.layers else 0.020)] * 3
+                    for n, p in plans.items()}
+        return timer
+
+    monkeypatch.setattr(cs, "interleaved_timer", slow_low)
+    out = tmp_path / "p.yaml"
+    # priced at a large batch, bf16 pays on the calibrated profile: the tuned plan is lowered
+    res = tune(MLP, max_error=0.05, target="cpu", precisions=["bf16"], trials=5,
+               batch_size=65536, out=out, progress=False)
+    assert res.speed is not None
+    tuned = res.speed.rows[0].policy
+    assert tuned.default != "fp32" or tuned.layers, tuned
+    pol = load_policy(out)
+    assert pol.default == "fp32" and pol.layers == {}
+    assert pol.metrics["measured_speedup"] == pytest.approx(1.0)
+    assert "batch size 2" in pol.metrics["measured_on"]
+    assert pol.provenance["speed_source"] == "calibrated here"
+    assert "avx" in pol.provenance["machine"] or "torch" in pol.provenance["machine"]
+    assert res.speed is not None and res.speed.winner.role == "baseline"
+    assert any("calibrated the cpu profile on this machine" in n for n in res.notes)
+    # a second tune reads this machine's calibration from the cache
+    res2 = tune(MLP, max_error=0.05, target="cpu", precisions=["bf16"], trials=5,
+                batch_size=65536, out=tmp_path / "q.yaml", progress=False)
+    assert load_policy(tmp_path / "q.yaml").provenance["speed_source"] == "cached calibration"
+    assert any("cached in" in n for n in res2.notes)
+
+
+def test_tune_for_a_remote_target_says_it_is_estimated(tmp_path: Path):
+    res = tune(MLP, max_error=0.05, target="h100", precisions=["bf16"], trials=3,
+               out=tmp_path / "p.yaml", progress=False)
+    assert res.speed is not None and not res.speed.measured
+    assert "no h100 here" in res.speed.reason
+    names = [r.name for r in res.speed.rows]
+    assert names[0] == "tuned" and label("fp32") in names and label("tf32") in names
+    pol = load_policy(tmp_path / "p.yaml")
+    assert pol.provenance["speed_source"] == "stored profile"
+    assert "measured_speedup" not in pol.metrics
+
+
+def _local_gpu_profile() -> str | None:
+    import torch
+
+    from autoprec.cost import get_profile, known_devices
+    from autoprec.cost.machine import local_device
+
+    if not torch.cuda.is_available():
+        return None
+    return next((d for d in known_devices() if d != "cpu"
+                 and local_device(get_profile(d))[0] is not None), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_local_gpu_profile() is None,
+                    reason="no CUDA device here that a device profile names")
+def test_tune_for_the_gpu_at_hand_calibrates_and_times_with_cuda_events(tmp_path: Path):
+    target = _local_gpu_profile()
+    res = tune(MLP, max_error=0.05, target=target, precisions=["bf16", "fp16"], trials=3,
+               batch_size=4096, out=tmp_path / "p.yaml", progress=False)
+    assert res.speed is not None and res.speed.measured
+    assert res.speed.device.startswith("cuda") and "CUDA events" in res.speed.how
+    pol = load_policy(tmp_path / "p.yaml")
+    assert pol.provenance["speed_source"] == "calibrated here"
+    assert pol.metrics["measured_speedup"] > 0

@@ -1,0 +1,41 @@
+"""``tune --report DIR`` (issue 25, item 11): the plots outside MLflow, for the user's own
+model — the tuned plan beside one global autocast per precision, and the per-layer map."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from autoprec.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAP = ROOT / "experiments" / "trap" / "model.py"
+
+
+def test_report_dir_holds_the_tables_and_plots(tmp_path: Path, capsys, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    report = tmp_path / "report"
+    with pytest.raises(SystemExit) as info:
+        main(["tune", str(TRAP), "--no-track", "--quiet", "--batch-size", "65536",
+              "--precisions", "bf16,fp16", "--out", str(tmp_path / "p.yaml"),
+              "--report", str(report)])
+    out, err = capsys.readouterr()
+    assert info.value.code in (0, None), err
+    names = {p.name for p in report.iterdir()}
+    assert {"baselines.csv", "baselines.png", "layers.png", "pareto.png", "trials.csv"} <= names
+    rows = list(csv.DictReader((report / "baselines.csv").open()))
+    assert [r["plan"] for r in rows] == ["tuned", "fp32", "one global bf16", "one global fp16"]
+    assert float(rows[2]["error"]) > 0.01  # bf16 drowns `offset`'s signal: over budget
+    assert rows[3]["error"] == "inf"  # fp16 overflows `blow`
+    assert f"report: {report}/" in out
+
+
+def test_report_dir_is_checked_before_any_work(tmp_path: Path, capsys) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(SystemExit) as info:
+        main(["tune", str(TRAP), "--no-track", "--quiet", "--report", str(tmp_path / "file")])
+    _, err = capsys.readouterr()
+    assert info.value.code == 2 and "--report" in err and "is not a directory" in err
