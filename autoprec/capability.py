@@ -54,6 +54,50 @@ def fp8_backend_capability(
     return True, f"{backend} fp8: available on SM {sm[0]}.{sm[1]}"
 
 
+#: Backends of the block-scaled formats (mxfp8, nvfp4).
+BLOCK_BACKENDS = ("emulated", "torch")
+
+
+def blockscale_capability(fmt: str, backend: str = "emulated",
+                          device: str | torch.device | None = None) -> tuple[bool, str]:
+    """``(ok, reason)``: can ``fmt`` run with ``backend`` on ``device`` (default: cuda if any)?"""
+    if fmt not in BLOCK_SCALED:
+        raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of "
+                         f"{', '.join(BLOCK_SCALED)}")
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "emulated":
+        need = ["float8_e4m3fn"] + (["float8_e8m0fnu"] if fmt == "mxfp8" else [])
+        missing = [d for d in need if not hasattr(torch, d)]
+        if missing:
+            return False, f"emulated {fmt}: torch {torch.__version__} lacks {', '.join(missing)}"
+        return True, f"emulated {fmt}: quantise-dequantise in fp32 (accuracy only)"
+    if backend != "torch":
+        return False, (f"unknown {fmt} backend {backend!r}; expected one of "
+                       f"{', '.join(BLOCK_BACKENDS)}")
+    F = torch.nn.functional
+    scaling = getattr(F, "ScalingType", None)
+    recipe = "BlockWise1x32" if fmt == "mxfp8" else "BlockWise1x16"
+    if not hasattr(F, "scaled_mm") or scaling is None or not hasattr(scaling, recipe):
+        return False, (f"torch {fmt}: torch {torch.__version__} has no "
+                       f"torch.nn.functional.scaled_mm with ScalingType.{recipe}")
+    if fmt == "nvfp4" and not hasattr(torch, "float4_e2m1fn_x2"):
+        return False, f"torch nvfp4: torch {torch.__version__} has no float4_e2m1fn_x2"
+    if dev.type != "cuda":
+        return False, f"torch {fmt}: needs a CUDA device, this is {dev.type}"
+    if not torch.cuda.is_available():
+        return False, f"torch {fmt}: CUDA is not available"
+    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    if cuda < (12, 8):
+        return False, f"torch {fmt}: needs CUDA >= 12.8 (block-scaled cuBLAS), torch has {cuda}"
+    sm = torch.cuda.get_device_capability(dev.index or 0)
+    if sm < (10, 0):
+        return False, (f"torch {fmt}: block-scaled GEMMs need Blackwell (SM >= 10.0), "
+                       f"this is SM {sm[0]}.{sm[1]}")
+    return True, f"torch {fmt}: scaled_mm {recipe} on SM {sm[0]}.{sm[1]}"
+
+
+
 def capability(
     precision: str, backend: str | None = None, device: str | torch.device | None = None
 ) -> tuple[bool, str]:
@@ -69,8 +113,6 @@ def capability(
     if precision == "fp32":
         return True, "fp32: always available"
     if precision in BLOCK_SCALED:
-        from autoprec.apply.blockscale import blockscale_capability
-
         return blockscale_capability(precision, backend or "torch", dev)
     if dev.type == "cuda" and not torch.cuda.is_available() and precision != "fp8":
         return False, (f"{precision}: CUDA is not available here (torch {torch.__version__}"

@@ -40,12 +40,12 @@ from autoprec.metrics import batch_size_of, iter_floats
 from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, resolve
 from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.report_json import Reason, audit_reasons, feasible, number, reasons_json, speedup
+from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace import trace
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
 
 DEFAULT_MAX_ERROR = 0.01  # DESIGN.md: --max-error 0.01 when nothing else says
-DEFAULT_TARGET = "h100"  # what tune prices for when no target is given (as eval)
 
 
 @dataclass

@@ -6,6 +6,8 @@ User-facing messages name the file, the layer or the value and the rule broken.
 
 from __future__ import annotations
 
+import warnings
+
 
 class AutoprecError(Exception):
     """Root of every error autoprec raises on purpose."""
@@ -25,6 +27,19 @@ class ModelFileError(InputError):
 
 class PolicyError(InputError):
     """A policy file does not validate (schema, precision, path, fingerprint, YAML)."""
+
+
+class FingerprintMismatch(PolicyError):
+    """The policy was written for a model of another structure (refused unless forced)."""
+
+
+class PolicyWarning(UserWarning):
+    """Something a reviewer should know that does not stop the policy from applying."""
+
+
+def warn(message: str) -> None:
+    """Emit a PolicyWarning (the CLI prints these as one line each)."""
+    warnings.warn(message, PolicyWarning, stacklevel=3)
 
 
 class CapabilityError(AutoprecError):

@@ -26,7 +26,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -55,7 +55,7 @@ def check_seconds(value: Any, flag: str, allow_zero: bool = False) -> float | No
     ``nan`` and ``inf`` are refused: neither is a time limit (leave the option out)."""
     if value is None:
         return None
-    ok = _is_number(value) and math.isfinite(value) and (value >= 0 if allow_zero
+    ok = is_number(value) and math.isfinite(value) and (value >= 0 if allow_zero
                                                          else value > 0)
     if not ok:
         rule = ">= 0 (0: no limit)" if allow_zero else "> 0"
@@ -82,65 +82,10 @@ def check_budget(max_error: Any, max_drop: Any) -> None:
     for flag, value in (("--max-error", max_error), ("--max-drop", max_drop)):
         if value is None:
             continue
-        if not (_is_number(value) and math.isfinite(value)):
+        if not (is_number(value) and math.isfinite(value)):
             raise InputError(f"{flag}: must be a finite number, got {brief(value)}")
         if value < 0:
             raise InputError(f"{flag}: must be >= 0, got {value}")
-
-
-def check_tune_args(
-    *,
-    max_error: Any = None,
-    max_drop: Any = None,
-    target: Any = "h100",
-    batch_size: Any = None,
-    trials: Any = 40,
-    timeout: Any = None,
-    seed: Any = 0,
-    patience: Any = None,
-    min_speedup: Any = None,
-    storage: Any = None,
-    study_name: Any = None,
-    out: Any = None,
-    cache_dir: Any = None,
-    workers: int = 1,
-    model: Any = None,
-    mlflow_uri: Any = None,
-) -> None:
-    """Every check of ``tune``'s arguments that needs neither the model nor the data.
-
-    Called by ``autoprec tune`` before anything else (tracking, workers) and by
-    ``autoprec.tune`` first thing, so that no probe runs and no study database is made for
-    a value that was wrong from the start.
-    """
-    from autoprec.cost import get_profile
-    from autoprec.paths import check_dir, check_out_path
-    from autoprec.search.storage import check_storage_url
-
-    check_budget(max_error, max_drop)
-    check_count(workers, "--workers")
-    check_count(trials, "--trials")
-    check_count(patience, "--patience", optional=True)
-    check_seed(seed, workers=workers)
-    check_seconds(timeout, "--timeout")
-    check_batch_size(batch_size)
-    if min_speedup is not None and not (_is_number(min_speedup) and math.isfinite(min_speedup)
-                                        and min_speedup > 0):
-        raise InputError(f"--min-speedup: must be a finite number > 0, got {brief(min_speedup)}")
-    if study_name is not None and (not isinstance(study_name, str) or not study_name.strip()):
-        raise InputError("--study-name: must not be empty")
-    if not isinstance(target, str):
-        raise InputError(f"--target: must be a device name, got {brief(target)}")
-    get_profile(target)  # an unknown device: InputError naming the known ones
-    if storage is not None:
-        check_storage_url(storage)
-    if out is not None:
-        check_out_path(Path(out))
-        check_out_not_input(Path(out), model=model, storage=storage, mlflow_uri=mlflow_uri)
-    else:  # tune's default: policies/<model>-<target>.yaml
-        check_dir(Path("policies"), "the policy folder")
-    if cache_dir is not None:
-        check_dir(Path(cache_dir), "--cache-dir")
 
 
 def check_out_not_input(out: Path, *, model: Any = None, storage: Any = None,
@@ -158,4 +103,4 @@ def check_out_not_input(out: Path, *, model: Any = None, storage: Any = None,
 
 
 __all__ = ["MAX_BATCH_SIZE", "MAX_SEED", "check_batch_size", "check_budget", "check_count",
-           "check_out_not_input", "check_seconds", "check_seed", "check_tune_args"]
+           "check_out_not_input", "check_seconds", "check_seed", "is_number"]

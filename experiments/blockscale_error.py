@@ -30,10 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.apply.blockscale import mx_ineligible_reason
 from autoprec.apply.fp8 import fake_quant as fp8_fake_quant
-from autoprec.apply.fp8 import fp8_ineligible_reason
 from autoprec.formats import fake_quant_mxfp8, fake_quant_nvfp4
+from autoprec.formats.gemm import ineligible_reason
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import ErrorAccumulator, detach_floats
 
@@ -64,8 +63,8 @@ def _gemm(fmt: str, x: torch.Tensor, wq: torch.Tensor, b: torch.Tensor | None) -
 
 def _why_not(module: nn.Linear, fmt: str) -> str | None:
     if fmt == "fp8":
-        return fp8_ineligible_reason(module)
-    return mx_ineligible_reason(module, "mxfp8" if fmt == "mxfp8r" else fmt)
+        return ineligible_reason(module, "fp8")
+    return ineligible_reason(module, "mxfp8" if fmt == "mxfp8r" else fmt)
 
 
 def _run(spec: ModelSpec, model: nn.Module, batches: list[Any]) -> list[list[torch.Tensor]]:

@@ -47,7 +47,7 @@ from autoprec.evaluate import Score, reference, score
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
 from autoprec.policy import Policy, assignment, gemm_leaf_paths
-from autoprec.policy.resolve import fp8_eligible
+from autoprec.policy.resolve import format_eligible
 from autoprec.precisions import PRECISIONS
 from autoprec.search.tune import TuneResult, tune
 from autoprec.trace import trace
@@ -159,7 +159,7 @@ def baseline_policy(name: str, net: torch.nn.Module) -> Policy:
         return Policy(default=name.split()[1])
     if name == "tf32":
         return Policy(default="tf32")
-    paths = [p for p in gemm_leaf_paths(net) if fp8_eligible(net.get_submodule(p))]
+    paths = [p for p in gemm_leaf_paths(net) if format_eligible(net.get_submodule(p), "fp8")]
     return Policy(default="bf16", layers=dict.fromkeys(paths, "fp8"))
 
 

@@ -30,17 +30,17 @@ from typing import Any
 import torch
 
 from autoprec.apply.audit import AuditReport, audit_run, notify_compute
-from autoprec.apply.blockscale import blockscale_capability
 from autoprec.apply.compiled import audit_compiled
 from autoprec.apply.lower import lowered_forward
-from autoprec.capability import FP8_BACKENDS, best_fp8_backend, capability
+from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
 from autoprec.errors import CapabilityError, InputError
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
-from autoprec.policy.resolve import Resolved, assignment, module_table, resolve
+from autoprec.policy.resolve import Resolved, assignment, module_table
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BLOCK_SCALED, is_gemm_format
+from autoprec.targets import device_type
 
 _LOW = (torch.float16, torch.bfloat16)
 _MISSING = object()
@@ -236,9 +236,7 @@ def target_device_type(target: str | None, policy: Policy, device: torch.device)
     name = target or policy.target_device
     if name is None:
         return device.type
-    if name in ("cuda", "cpu"):
-        return name
-    return "cpu" if name.startswith("cpu") else "cuda"
+    return device_type(name)
 
 
 def _check_apply_args(model: Any, policy: Any) -> Policy:
@@ -289,7 +287,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     dev = torch.device(device) if device is not None else _model_device(root)
     plan = compile_plan(policy, root)
     table = module_table(root)
-    res = resolve(policy, root)  # a shared module: one precision under every path
+    res = plan.resolution()  # the plan decides; a shared module: one precision per alias
     modules = dict(root.named_modules())
     chosen = [(modules[w.path] if w.path in modules else table[w.path], w)
               for w in plan.wrappers()]

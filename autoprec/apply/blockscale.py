@@ -25,7 +25,7 @@ Training (gradient recipes):
 - nvfp4: forward-only. NVIDIA's NVFP4 training recipe needs stochastic rounding of the
   gradients, random Hadamard transforms on the wgrad GEMM and 16x16 weight blocks (TE
   docs, "NVFP4"); none is implemented here, so a backward through an nvfp4 layer raises
-  :class:`NoGradientRecipe` and ``mx_ineligible_reason(..., training=True)`` says so.
+  :class:`NoGradientRecipe` and ``formats.gemm.ineligible_reason(..., training=True)`` says so.
 """
 
 from __future__ import annotations
@@ -34,15 +34,14 @@ from typing import Any
 
 import torch
 
-from autoprec.apply.fp8 import linear_dims, linear_weight
+from autoprec.capability import BLOCK_BACKENDS, blockscale_capability
 from autoprec.errors import CapabilityError
 from autoprec.formats import BLOCK_FORMATS, BLOCK_SIZE, BlockShapeError
 from autoprec.formats.elements import pack_e2m1
+from autoprec.formats.gemm import ineligible_reason, linear_weight
 from autoprec.formats.layout import to_blocked
 from autoprec.formats.mx import MXTensor, dequantize_mx, fake_quant_mxfp8, quantize_mx
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
-
-BLOCK_BACKENDS = ("emulated", "torch")
 
 #: How MXFP8 scales are chosen here: NVIDIA's "rceil" (X = 2^ceil(log2(amax / 448)): the
 #: block max never saturates), what cuBLAS and Transformer Engine compute on Blackwell, so
@@ -50,14 +49,6 @@ BLOCK_BACKENDS = ("emulated", "torch")
 #: ``autoprec.formats.mx`` default) saturates a block's largest values by up to 12.5 %:
 #: experiments/results/blockscale_error.md measured it 1.1-2x fp8's error on outlier layers.
 MX_SCALE_MODE = "rceil"
-
-#: Which formats can be trained through, and how (see the module docstring).
-GRADIENT_RECIPES: dict[str, str | None] = {
-    "mxfp8": "MXFP8 (TE MXFP8BlockScaling / torchao MXLinear): E4M3 + E8M0 per 32 along "
-             "each backward GEMM's reduction dim, re-quantised from high precision",
-    "nvfp4": None,
-}
-
 
 class NoGradientRecipe(CapabilityError, RuntimeError):
     """A backward pass reached a format that autoprec runs forward-only (nvfp4)."""
@@ -68,82 +59,6 @@ def _check_fmt(fmt: str) -> str:
         raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of "
                          f"{', '.join(BLOCK_FORMATS)}")
     return fmt
-
-
-def mx_ineligible_reason(module: torch.nn.Module, fmt: str, training: bool = False) -> str | None:
-    """Why ``module`` cannot run in ``fmt`` ("mxfp8" / "nvfp4"); None when it can.
-
-    Rules (K = in_features, N = out_features):
-    - K a multiple of the block (32 for mxfp8, 16 for nvfp4): scales are per block along K.
-    - nvfp4: K a multiple of 32 — the fp4 GEMM reads two elements per byte and
-      ``torch._scaled_mm`` requires the packed K (K / 2) to be a multiple of 16.
-    - N a multiple of 16: ``torch._scaled_mm`` requires both dims of its second operand
-      (K, N) to be multiples of 16 (``_check_scaled_mm_sizes`` in torch 2.13's
-      ``_meta_registrations.py``, the same check as ``ScaledBlas.cpp``).
-    - training: nvfp4 has no gradient recipe; mxfp8 also needs N a multiple of 32 (the
-      input-gradient GEMM reduces over N in 32-blocks).
-    """
-    _check_fmt(fmt)
-    dims = linear_dims(module)
-    if dims is None:
-        return f"{fmt}: {type(module).__name__} is not a Linear-like GEMM"
-    k, n = dims
-    block = BLOCK_SIZE[fmt]
-    if k % block:
-        return (f"{fmt}: in_features {k} not a multiple of the block size {block} "
-                f"(one scale per {block} elements along K)")
-    if fmt == "nvfp4" and k % 32:
-        return (f"nvfp4: in_features {k} not a multiple of 32 (fp4 packs two elements per "
-                f"byte; torch._scaled_mm needs the packed K {k // 2} to be a multiple of 16)")
-    if n % 16:
-        return (f"{fmt}: out_features {n} not a multiple of 16 "
-                f"(torch._scaled_mm needs both dims of the weight operand divisible by 16)")
-    if training:
-        if GRADIENT_RECIPES[fmt] is None:
-            return (f"{fmt}: forward-only in autoprec (no gradient recipe: NVIDIA's needs "
-                    f"stochastic rounding and Hadamard transforms); train in mxfp8, fp8 or "
-                    f"a 16-bit precision")
-        if n % 32:
-            return (f"{fmt}: out_features {n} not a multiple of 32 (training: the input "
-                    f"gradient GEMM reduces over N in blocks of 32)")
-    return None
-
-
-def blockscale_capability(fmt: str, backend: str = "emulated",
-                          device: str | torch.device | None = None) -> tuple[bool, str]:
-    """``(ok, reason)``: can ``fmt`` run with ``backend`` on ``device`` (default: cuda if any)?"""
-    _check_fmt(fmt)
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    if backend == "emulated":
-        need = ["float8_e4m3fn"] + (["float8_e8m0fnu"] if fmt == "mxfp8" else [])
-        missing = [d for d in need if not hasattr(torch, d)]
-        if missing:
-            return False, f"emulated {fmt}: torch {torch.__version__} lacks {', '.join(missing)}"
-        return True, f"emulated {fmt}: quantise-dequantise in fp32 (accuracy only)"
-    if backend != "torch":
-        return False, (f"unknown {fmt} backend {backend!r}; expected one of "
-                       f"{', '.join(BLOCK_BACKENDS)}")
-    F = torch.nn.functional
-    scaling = getattr(F, "ScalingType", None)
-    recipe = "BlockWise1x32" if fmt == "mxfp8" else "BlockWise1x16"
-    if not hasattr(F, "scaled_mm") or scaling is None or not hasattr(scaling, recipe):
-        return False, (f"torch {fmt}: torch {torch.__version__} has no "
-                       f"torch.nn.functional.scaled_mm with ScalingType.{recipe}")
-    if fmt == "nvfp4" and not hasattr(torch, "float4_e2m1fn_x2"):
-        return False, f"torch nvfp4: torch {torch.__version__} has no float4_e2m1fn_x2"
-    if dev.type != "cuda":
-        return False, f"torch {fmt}: needs a CUDA device, this is {dev.type}"
-    if not torch.cuda.is_available():
-        return False, f"torch {fmt}: CUDA is not available"
-    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
-    if cuda < (12, 8):
-        return False, f"torch {fmt}: needs CUDA >= 12.8 (block-scaled cuBLAS), torch has {cuda}"
-    sm = torch.cuda.get_device_capability(dev.index or 0)
-    if sm < (10, 0):
-        return False, (f"torch {fmt}: block-scaled GEMMs need Blackwell (SM >= 10.0), "
-                       f"this is SM {sm[0]}.{sm[1]}")
-    return True, f"torch {fmt}: scaled_mm {recipe} on SM {sm[0]}.{sm[1]}"
 
 
 # --- the GEMMs ------------------------------------------------------------------------
@@ -308,7 +223,7 @@ def blockscaled_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
             raise CapabilityError(why)
     weight = linear_weight(module)
     if weight.shape[-1] % BLOCK_SIZE[fmt]:
-        why = mx_ineligible_reason(module, fmt)
+        why = ineligible_reason(module, fmt)
         raise BlockShapeError(why or f"{fmt}: weight {tuple(weight.shape)} not block-aligned")
     bias = getattr(module, "bias", None)
     out_dtype = _out_dtype(x)
@@ -334,6 +249,6 @@ def reference_blockscaled_linear(x: torch.Tensor, weight: torch.Tensor,
     return y.reshape(*x.shape[:-1], -1)
 
 
-__all__ = ["BLOCK_BACKENDS", "GRADIENT_RECIPES", "MXTensor", "NVFP4Tensor", "NoGradientRecipe",
-           "blockscale_capability", "blockscaled_linear", "mx_ineligible_reason",
+__all__ = ["BLOCK_BACKENDS", "MXTensor", "NVFP4Tensor", "NoGradientRecipe",
+           "blockscale_capability", "blockscaled_linear",
            "reference_blockscaled_linear", "scaled_mm_call"]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from autoprec.formats.gemm import linear_dims, linear_weight
 from autoprec.precisions import FORMATS, FP8_E5M2
 
 E4M3 = torch.float8_e4m3fn
@@ -25,50 +26,20 @@ E5M2 = torch.float8_e5m2
 _FMAX = {E4M3: FORMATS["fp8"].max, E5M2: FP8_E5M2.max}
 
 
-def linear_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The (out_features, in_features) weight of a Linear-like module.
-
-    HuggingFace's ``Conv1D`` (GPT-2) stores (in, out) and computes ``x @ W + b``.
-    """
-    if type(module).__name__ == "Conv1D":
-        return module.weight.t()
-    return module.weight
-
-
-def linear_dims(module: torch.nn.Module) -> tuple[int, int] | None:
-    """(in_features, out_features) of a Linear-like module, else None."""
-    if isinstance(module, torch.nn.Linear):
-        return module.in_features, module.out_features
-    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
-        w = module.weight
-        return int(w.shape[0]), int(w.shape[1])
-    return None
-
-
-def fp8_ineligible_reason(module: torch.nn.Module) -> str | None:
-    """Why this module cannot run in fp8 (None when it can)."""
-    dims = linear_dims(module)
-    if dims is None:
-        return f"fp8: {type(module).__name__} is not a Linear-like GEMM"
-    k, n = dims
-    if k % 16:
-        return f"fp8: in_features {k} not a multiple of 16"
-    if n % 16:
-        return f"fp8: out_features {n} not a multiple of 16"
-    return None
-
-
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor current scaling: returns (x_fp8, scale) with x ≈ x_fp8 / scale."""
     x = x.float()
-    amax = x.abs().amax().clamp(min=1e-12)
+    # amax in one pass without an |x| buffer; the scaled copy clamped in place (exact same
+    # values as abs().amax() and an out-of-place clamp: the CPU emulation's hot path)
+    lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
+    amax = torch.maximum(-lo, hi).clamp(min=1e-12)
     scale = _FMAX[dtype] / amax
-    q = (x * scale).clamp(-_FMAX[dtype], _FMAX[dtype]).to(dtype)
+    q = (x * scale).clamp_(-_FMAX[dtype], _FMAX[dtype]).to(dtype)
     return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() / scale
+    return q.float().div_(scale)
 
 
 def fake_quant(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
@@ -214,5 +185,5 @@ def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
     return y.reshape(*x.shape[:-1], -1)
 
 
-__all__ = ["fp8_linear", "fp8_ineligible_reason", "fake_quant", "linear_dims", "quantize",
+__all__ = ["fp8_linear", "fake_quant", "quantize",
            "reference_fp8_linear"]

@@ -22,9 +22,9 @@ import typer
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 from autoprec.fused import fused_paths_off
+from autoprec.targets import DEFAULT_TARGET
 
 #: The target tune prices for when neither --target nor the policy names one.
-DEFAULT_TARGET = "h100"
 
 
 @contextmanager

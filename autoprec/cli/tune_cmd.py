@@ -14,6 +14,7 @@ import typer
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 from autoprec.precisions import parse_precisions
+from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
     from autoprec.search.confirm_speed import SpeedCheck
@@ -23,7 +24,7 @@ def tune_cmd(
     model: Annotated[Path, typer.Argument(help="model.py (build_model, calibration_data, …)")],
     max_error: Annotated[float | None, typer.Option(help="Budget: relative L2 error of the outputs vs fp32 (default 0.01).")] = None,
     max_drop: Annotated[float | None, typer.Option(help="Budget: drop of model.py's metric vs fp32.")] = None,
-    target: Annotated[str, typer.Option(help=f"Target device profile: {target_names()}.")] = "h100",
+    target: Annotated[str, typer.Option(help=f"Target device profile: {target_names()}.")] = DEFAULT_TARGET,
     batch_size: Annotated[int | None, typer.Option(help="Deployment batch size the speed is priced at (default: the calibration batch's).")] = None,
     precisions: Annotated[str | None, typer.Option(help="Comma list, e.g. fp16,bf16,fp8 (default: all the target supports).")] = None,
     trials: Annotated[int, typer.Option(help="Trials this process runs.")] = 40,
@@ -50,10 +51,10 @@ def tune_cmd(
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
     from autoprec.cli import current_argv
+    from autoprec.search.config import check_tune_args
     from autoprec.search.tune import tune
     from autoprec.search.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
-    from autoprec.validate import check_tune_args
 
     # Every option is checked before anything runs: workers, tracking, model.py, probes.
     check_tune_args(max_error=max_error, max_drop=max_drop, target=target,

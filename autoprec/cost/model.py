@@ -40,6 +40,7 @@ from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import OTHER, WIDTH, Schedule, replay
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BYTES, PRECISIONS, check_precision
+from autoprec.targets import device_type
 from autoprec.trace.graph import LayerGraph
 
 #: Breakdown categories of a forward's time ("fp8_scaling": every GEMM format's).
@@ -120,7 +121,7 @@ class Priced:
 
 def device_type_of(profile: DeviceProfile) -> str:
     """Whose autocast lists apply: "cpu" for the cpu profile, "cuda" for the GPUs."""
-    return "cpu" if profile.name.startswith("cpu") else "cuda"
+    return device_type(profile.name)
 
 
 class CostModel:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from autoprec.paths import normalize_path, unwrap_model
-from autoprec.policy.resolve import format_eligible
+from autoprec.policy.resolve import Resolved, format_eligible
 from autoprec.policy.schema import Policy
 from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import LayerGraph
@@ -53,6 +53,9 @@ CODE = {p: i for i, p in enumerate(PRECISIONS)}
 #: Codes of the GEMM formats (module backends, never a region), in GEMM_FORMATS order.
 FORMAT_CODES = np.array([CODE[f] for f in GEMM_FORMATS], dtype=np.intp)
 NO_RULE = -1
+#: Code + 1 -> is a GEMM format (NO_RULE at 0).
+_IS_FORMAT = np.zeros(len(PRECISIONS) + 1, dtype=bool)
+_IS_FORMAT[FORMAT_CODES + 1] = True
 #: Containers whose own forward is never called (their owner iterates or indexes them).
 NEVER_CALLED = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -132,32 +135,53 @@ class RuleSet:
         self.tree = tree
         self.rule_paths = paths
         depth = [-1] + [0 if p == "" else p.count(".") + 1 for p in paths[1:]]
-        # for every module: the rules covering it, shallowest first
+        # for every module: the rules covering it (on it or an ancestor), shallowest first
+        slot = {rp: k for k, rp in enumerate(paths) if k}
         self._cover: list[list[int]] = []
         for mp in tree.paths:
-            cov = [k for k, rp in enumerate(paths)
-                   if k == 0 or rp == "" or mp == rp or mp.startswith(rp + ".")]
+            cov, p = [0], mp
+            while True:
+                if p in slot:
+                    cov.append(slot[p])
+                if not p:
+                    break
+                p = p.rpartition(".")[0]
             self._cover.append(sorted(cov, key=lambda k: (depth[k], k)))
+        # the same as a (M, W) index table, padded with K (a column that never holds a rule)
+        width = max([2, *(len(c) for c in self._cover)])
+        self._cov = np.full((len(tree.paths), width), len(paths), dtype=np.intp)
+        for j, cov in enumerate(self._cover):
+            self._cov[j, :len(cov)] = cov
 
     def encode(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(region, precision, wrapped), each (T, M); see the class docstring."""
+        """(region, precision, wrapped), each (T, M); see the class docstring.
+
+        Per module: its region is the deepest rule covering it that is set and is not a
+        GEMM format (else the default, slot 0); its precision is a GEMM format where the
+        deepest set rule is one and the module is eligible, else its region. One gather
+        over the (M, W) cover table, (T, M, W) int8 at most.
+        """
         codes = np.atleast_2d(np.asarray(codes, dtype=np.intp))
-        t, m = codes.shape[0], len(self.tree.paths)
-        region = np.empty((t, m), dtype=np.intp)
-        prec = np.empty((t, m), dtype=np.intp)
-        for j, cov in enumerate(self._cover):
-            r = codes[:, 0].copy()  # the default (never fp8: schema-checked)
-            first = np.full(t, NO_RULE, dtype=np.intp)
-            for k in cov[1:]:
-                c = codes[:, k]
-                has = c != NO_RULE
-                first = np.where(has, c, first)
-                r = np.where(has & ~np.isin(c, FORMAT_CODES), c, r)
-            region[:, j] = r
-            p = r
-            for fi, fc in enumerate(FORMAT_CODES):
-                p = np.where((first == fc) & self.tree.format_ok[j, fi], fc, p)
-            prec[:, j] = p
+        t = codes.shape[0]
+        ext = np.concatenate([codes, np.full((t, 1), NO_RULE, dtype=np.intp)], axis=1)
+        ext = ext.astype(np.int8)
+        cov = ext[:, self._cov]  # (T, M, W): the covering rules' codes, shallowest first
+        set_ = cov != NO_RULE
+        w = cov.shape[2]
+        # deepest set non-format rule (slot 0, the default, is always set and never fp8)
+        usable = set_ & ~_IS_FORMAT[cov.astype(np.intp) + 1]
+        last = w - 1 - np.argmax(usable[:, :, ::-1], axis=2)
+        region = np.take_along_axis(cov, last[:, :, None], axis=2)[:, :, 0].astype(np.intp)
+        # deepest set rule of any kind among the rules proper (slot 1 on)
+        rules = set_[:, :, 1:]
+        any_rule = rules.any(axis=2)
+        deepest = w - 1 - np.argmax(rules[:, :, ::-1], axis=2)
+        first = np.where(any_rule,
+                         np.take_along_axis(cov, deepest[:, :, None], axis=2)[:, :, 0],
+                         NO_RULE)
+        prec = region.copy()
+        for fi, fc in enumerate(FORMAT_CODES):
+            prec = np.where((first == fc) & self.tree.format_ok[None, :, fi], fc, prec)
         caller = self.tree.caller
         parent_region = np.where(caller[None, :] >= 0, region[:, np.maximum(caller, 0)], -1)
         wrapped = (prec != parent_region) & ~self.tree.never_called[None, :]
@@ -210,6 +234,20 @@ class ExecutionPlan:
         """Leaves that run a GEMM format (fp8 / mxfp8 / nvfp4)."""
         return [self.tree.paths[j] for j in np.flatnonzero(np.isin(self.precision,
                                                                    FORMAT_CODES))]
+
+    def resolution(self) -> dict[str, Resolved]:
+        """Every module path's precision, region and deciding rule, as compiled here (an
+        alias of a shared module resolves as its first path): what apply and the audit
+        read, so a policy is resolved once, by this plan."""
+        out: dict[str, Resolved] = {}
+        for j, path in enumerate(self.tree.paths):
+            prec = PRECISIONS[int(self.precision[j])]
+            out[path] = Resolved(path, prec, PRECISIONS[int(self.region[j])],
+                                 _deciding_rule(self.policy, path, prec))
+        for alias, first in self.tree.aliases.items():
+            r = out[first]
+            out[alias] = Resolved(alias, r.precision, r.region, r.rule)
+        return out
 
     def used(self) -> set[str]:
         """Precisions some module computes in."""

@@ -138,6 +138,27 @@ def signature(sch: Schedule, row: int = 0) -> tuple:
     return ops, casts, fp8, bool(sch.invalid[row])
 
 
+def same_as(sch: Schedule, ref: int = 0) -> np.ndarray:
+    """(T,) bool: plan row runs what row ``ref`` runs — ``signature`` equality for every
+    row at once (vectorised; False also where two rows differ only in the order of casts
+    of one value at one event, which the replay never produces)."""
+    ok = sch.invalid == sch.invalid[ref]
+    for i in range(len(sch.reads)):
+        ok &= (sch.reads[i] == sch.reads[i][:, ref:ref + 1]).all(axis=0)
+        ok &= (sch.writes[i] == sch.writes[i][:, ref:ref + 1]).all(axis=0)
+        comp = sch.compute[i]
+        if comp is not None:
+            ok &= comp == comp[ref]
+        kern = sch.kernel[i]
+        if isinstance(kern, np.ndarray) and kern.ndim:
+            ok &= kern == kern[ref]
+    for c in sch.casts:
+        ok &= (c.on == c.on[ref]) & (~c.on | ((c.src == c.src[ref]) & (c.dst == c.dst[ref])))
+    for f in sch.quant_inputs:
+        ok &= (f.on == f.on[ref]) & (~f.on | ((f.src == f.src[ref]) & (f.fmt == f.fmt[ref])))
+    return ok
+
+
 def _fixed(name: str | None) -> int:
     return _CODE.get(name or "", OTHER)
 
@@ -149,6 +170,12 @@ def replay(trace: OpTrace, region: np.ndarray, precision: np.ndarray, wrapped: n
 
 
 _LOW = np.array([BF16, FP16], dtype=np.int8)
+#: Lookup tables (np.isin costs ~10 us a call; a gather ~1 us): dtype code -> 16-bit;
+#: precision code -> a GEMM format.
+_IS_LOW = np.isin(np.arange(len(DTYPES)), _LOW)
+_IS_FMT = np.isin(np.arange(len(CODE)), FORMAT_CODES)
+#: Precision code -> the dtype code a GEMM format's operands are read in (F8 elsewhere).
+_OPERAND_OF = np.array([_OPERAND.get(c, F8) for c in range(len(CODE))], dtype=np.int8)
 
 
 class _Replay:
@@ -212,9 +239,9 @@ class _Replay:
         saved: dict[int, np.ndarray] = {}
         if m >= 0:
             island = (self.wrapped[:, m] & ~self.ac_region[:, m]
-                      & ~np.isin(self.precision[:, m], FORMAT_CODES))
+                      & ~_IS_FMT[self.precision[:, m]])
             for v in call.inputs:
-                on = island & np.isin(self.state[v], _LOW) if self.floating[v] else None
+                on = island & _IS_LOW[self.state[v]] if self.floating[v] else None
                 if on is not None and on.any():
                     saved[v] = self.state[v].copy()
                     self._cast_to_fp32("enter", ev, v, on)
@@ -233,7 +260,7 @@ class _Replay:
             return  # the root returns to the user's code as it is
         to_fp32 = self.wrapped[:, m] & ~self.ac_region[:, caller]
         for v in call.outputs:
-            on = to_fp32 & np.isin(self.state[v], _LOW) if self.floating[v] else None
+            on = to_fp32 & _IS_LOW[self.state[v]] if self.floating[v] else None
             if on is not None and on.any():
                 self._cast_to_fp32("exit", ev, v, on)
 
@@ -244,7 +271,7 @@ class _Replay:
         r = self.region[:, m] if m >= 0 else np.zeros(t, dtype=np.intp)  # outside: fp32
         ac = self.ac_region[:, m] if m >= 0 else np.zeros(t, dtype=bool)
         ins = list(op.inputs)
-        reads = np.array([state[i] for i in ins], dtype=np.int8).reshape(len(ins), t)
+        reads = state[ins] if ins else np.empty((0, t), dtype=np.int8)  # (n_in, T) copy
         policy = self.policies[idx]
         compute: np.ndarray | None = None
         kernel: np.ndarray | bool = op.kind != "view"
@@ -271,8 +298,8 @@ class _Replay:
                 state[o] = out
         sch = self.sch
         sch.reads.append(reads)
-        sch.writes.append(np.array([out] * len(op.outputs),
-                                   dtype=np.int8).reshape(len(op.outputs), t))
+        sch.writes.append(np.repeat(np.asarray(out, dtype=np.int8).reshape(1, t),
+                                    len(op.outputs), axis=0))
         sch.compute.append(compute)
         sch.kernel.append(kernel)
 
@@ -298,7 +325,7 @@ class _Replay:
             # autocast's prioritize(): a 16-bit input other than the region's dtype
             other = np.zeros(t, dtype=bool)
             for k in flo:
-                other |= np.isin(state[ins[k]], _LOW) & (state[ins[k]] != tgt)
+                other |= _IS_LOW[state[ins[k]]] & (state[ins[k]] != tgt)
             self.fail(ac & other, f"{op.name} in {_where(self.trace, op.module)} gets a "
                                   "16-bit input other than its autocast region's dtype "
                                   "(autocast's promote ops refuse that)")
@@ -328,7 +355,7 @@ def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, va
     weight quantised once (cached); outside autocast every operand must share one dtype."""
     t = r.shape[0]
     flo = [k for k, i in enumerate(ins) if floating[i]]
-    fmt = (np.isin(prec, FORMAT_CODES) if prec is not None and op.kind == "gemm"
+    fmt = (_IS_FMT[prec] if prec is not None and op.kind == "gemm"
            else np.zeros(t, dtype=bool))
     params = {k for k in flo if vals[ins[k]].source == "param"}
     acts = [k for k in flo if k not in params]
@@ -350,7 +377,7 @@ def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, va
     out = np.where(ac, tgt, first).astype(np.int8)
     if fmt.any():
         compute = np.where(fmt, prec, compute).astype(np.int8)
-        operand = np.array([_OPERAND.get(int(c), F8) for c in prec], dtype=np.int8)
+        operand = _OPERAND_OF[prec]
         x = acts[0] if acts else (flo[0] if flo else 0)
         for k in flo:
             quantised = k == x or (k in params and vals[ins[k]].ndim >= 2)  # not the bias
@@ -364,4 +391,4 @@ def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, va
 
 
 __all__ = ["BF16", "Cast", "DTYPES", "F8", "FP16", "FP32", "OTHER", "QuantInput", "Schedule",
-           "WIDTH", "replay", "signature"]
+           "WIDTH", "replay", "same_as", "signature"]

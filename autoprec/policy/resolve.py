@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autoprec.apply import backends
-from autoprec.errors import PolicyError
+from autoprec.errors import FingerprintMismatch, PolicyError, warn
+from autoprec.formats import gemm
 from autoprec.fused import not_called_reason
 from autoprec.paths import normalize_path, unwrap_model
 from autoprec.precisions import is_gemm_format
@@ -63,11 +63,7 @@ def is_gemm_leaf(module: torch.nn.Module) -> bool:
 
 def format_eligible(module: torch.nn.Module, precision: str) -> bool:
     """A leaf that can run GEMM format ``precision`` (fp8 / mxfp8 / nvfp4)."""
-    return backends.eligible(module, precision)
-
-
-def fp8_eligible(module: torch.nn.Module) -> bool:
-    return format_eligible(module, "fp8")
+    return gemm.eligible(module, precision)
 
 
 def _ancestors(path: str) -> Iterator[str]:
@@ -193,8 +189,6 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
     ineligible leaves, conflicting rules on a shared module. Warnings: no fingerprint, a
     forced mismatch, an fp8 container rule that reaches no eligible leaf.
     """
-    from autoprec.policy.schema import FingerprintMismatch, warn
-
     src = policy.source
     root = unwrap_model(model)
     if policy.fingerprint is None:
@@ -231,7 +225,7 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
             continue
         m = table[p]
         if is_leaf(m):
-            why = backends.ineligible_reason(m, prec)
+            why = gemm.ineligible_reason(m, prec)
             if why is not None:
                 raise PolicyError(f"{src}: layers[{p!r}]: {prec} rule on an ineligible layer: "
                                   f"{why}")
@@ -242,5 +236,5 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
 
 
 __all__ = ["Resolved", "assignment", "canonical_rules", "check_model", "first_paths",
-           "format_eligible", "fp8_eligible", "gemm_leaf_paths",
+           "format_eligible", "gemm_leaf_paths",
            "is_gemm_leaf", "module_table", "resolve", "resolve_path"]

@@ -13,7 +13,6 @@ that need the model (paths, fingerprint, fp8 eligibility) live in resolve.py and
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from autoprec.errors import PolicyError
+from autoprec.errors import FingerprintMismatch, PolicyError, PolicyWarning
 from autoprec.fileio import MiB, atomic_write, brief, read_regular
 from autoprec.paths import normalize_path
 from autoprec.precisions import GEMM_FORMATS, PRECISIONS
@@ -52,10 +51,6 @@ MAX_DEPTH = 16
 #: and a 5000-digit one would hit Python's int/str conversion limit.
 MAX_INT_DIGITS = 40
 _FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}\Z")
-
-
-class PolicyWarning(UserWarning):
-    """Something a reviewer should know that does not stop the policy from applying."""
 
 
 @dataclass
@@ -164,10 +159,6 @@ class Policy:
         from autoprec.policy.resolve import check_model  # resolve imports this module
 
         check_model(self, model, force=force)
-
-
-class FingerprintMismatch(PolicyError):
-    """The policy was written for a model of another structure (refused unless forced)."""
 
 
 def load_policy(path: str | Path, model: torch.nn.Module | None = None,
@@ -474,11 +465,6 @@ def _is_plain(v: Any) -> bool:
     if isinstance(v, Mapping):
         return all(isinstance(k, str) and _is_scalar(x) for k, x in v.items())
     return False
-
-
-def warn(message: str) -> None:
-    """Emit a PolicyWarning (the CLI prints these as one line each)."""
-    warnings.warn(message, PolicyWarning, stacklevel=3)
 
 
 __all__ = ["FingerprintMismatch", "Policy", "PolicyWarning", "SCHEMA_VERSION",

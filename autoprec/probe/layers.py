@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.apply import backends
 from autoprec.apply.lower import cast_floats, lowered_forward
 from autoprec.errors import InputError
+from autoprec.formats.gemm import ineligible_reason
 from autoprec.precisions import GEMM_FORMATS
 from autoprec.trace.graph import LayerGraph
 
@@ -83,7 +83,7 @@ def select_layers(model: nn.Module, graph: LayerGraph, precisions: Sequence[str]
         disallowed = {p: f"{p}: {node.disallowed[p]}" for p in precisions if p in node.disallowed}
         for f in GEMM_FORMATS:
             if f in precisions and f not in disallowed:
-                why = backends.ineligible_reason(module, f)
+                why = ineligible_reason(module, f)
                 if why is not None:
                     disallowed[f] = (f"{why}; a {f} rule here lowers the Linear layers inside"
                                      if node.kind in ("attention", "matmul") else why)

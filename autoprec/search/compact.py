@@ -16,10 +16,12 @@ and drop what that makes redundant; then try the other defaults. Keep the shorte
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
 
 from autoprec.cost import CostModel
-from autoprec.plan.schedule import signature
+from autoprec.plan.schedule import replay, same_as
 from autoprec.precisions import REGIONS
 
 
@@ -31,27 +33,84 @@ def _inside(path: str, container: str) -> bool:
     return container == "" or path.startswith(container + ".")
 
 
+def _without(layers: Mapping[str, str], paths: Iterable[str]) -> dict[str, str]:
+    drop = set(paths)
+    return {k: v for k, v in layers.items() if k not in drop}
+
+
 class _Checker:
+    """Does a (default, rules) run the same plan as the explicit one? Many at once.
+
+    One RuleSet over every path a rewrite can use (the rules and their ancestors); a
+    candidate whose module-level plan (regions, precisions, wrappers) equals the explicit
+    one's runs the same plan without a replay; the others are replayed together, one row
+    each (``plan.schedule.same_as``: the signature test, vectorised).
+    """
+
     def __init__(self, cost: CostModel, default: str, layers: Mapping[str, str]) -> None:
         self.cost = cost
-        self.want = signature(cost.schedule(dict(layers), default))
+        known = set(cost.tree.paths)
+        paths = dict.fromkeys(layers)
+        for path in layers:
+            parts = path.split(".")
+            for i in range(len(parts)):
+                anc = ".".join(parts[:i])
+                if anc in known:
+                    paths.setdefault(anc)
+        self.rules = cost.rules(list(paths))
+        self.want = self.rules.codes_of(default, layers)
+        region, prec, wrapped = self.rules.encode(self.want[None, :])
+        self._mods = (region, prec, wrapped)
         self.calls = 0
+        self.replays = 0
+
+    def same_many(self, cands: Sequence[tuple[str, Mapping[str, str]]]) -> list[bool]:
+        if not cands:
+            return []
+        self.calls += len(cands)
+        rows = np.stack([self.rules.codes_of(d, lay) for d, lay in cands])
+        mods = self.rules.encode(rows)
+        ident = np.ones(len(rows), dtype=bool)
+        for got, want in zip(mods, self._mods, strict=True):
+            ident &= (got == want).all(axis=1)
+        out = ident.copy()
+        todo = np.flatnonzero(~ident)
+        if todo.size:
+            self.replays += 1
+            both = [np.concatenate([want, got[todo]]) for got, want in zip(mods, self._mods,
+                                                                           strict=True)]
+            sch = replay(self.cost.trace, *both, self.cost.device_type)
+            out[todo] = same_as(sch, 0)[1:]
+        return [bool(x) for x in out]
 
     def same(self, default: str, layers: Mapping[str, str]) -> bool:
-        self.calls += 1
-        return signature(self.cost.schedule(dict(layers), default)) == self.want
+        return self.same_many([(default, layers)])[0]
 
 
 def _drop_redundant(check: _Checker, default: str, layers: dict[str, str],
                     among: Sequence[str] | None = None) -> dict[str, str]:
-    """Remove each rule (deepest first) whose removal keeps the plan."""
+    """Remove each rule (deepest first) whose removal keeps the plan.
+
+    Rules of one depth are tested together (none covers another, so each one's removal
+    changes only its own subtree); the joint removal is checked once more, and tested
+    rule by rule should it not hold.
+    """
     out = dict(layers)
-    for path in sorted(among if among is not None else list(out), key=_depth, reverse=True):
-        if path not in out:
+    paths = list(among if among is not None else out)
+    for depth in sorted({_depth(p) for p in paths}, reverse=True):
+        level = [p for p in paths if _depth(p) == depth and p in out]
+        ok = check.same_many([(default, _without(out, [p])) for p in level])
+        drop = [p for p, y in zip(level, ok, strict=True) if y]
+        if not drop:
             continue
-        trial = {k: v for k, v in out.items() if k != path}
-        if check.same(default, trial):
-            out = trial
+        joint = _without(out, drop)
+        if len(drop) == 1 or check.same(default, joint):
+            out = joint
+            continue
+        for p in drop:
+            trial = _without(out, [p])
+            if check.same(default, trial):
+                out = trial
     return out
 
 
@@ -67,21 +126,58 @@ def _containers(cost: CostModel, layers: Mapping[str, str]) -> list[str]:
                   key=_depth, reverse=True)
 
 
+def _inner(layers: Mapping[str, str], c: str) -> dict[str, str]:
+    return {k: v for k, v in layers.items() if k != c and _inside(k, c)}
+
+
+def _try_container(check: _Checker, default: str, out: dict[str, str], c: str,
+                   precs: Sequence[str]) -> dict[str, str]:
+    """One container rule at each of ``precs`` in turn, kept when the plan is the same and
+    the rules are fewer (rule by rule: the fallback of the batched step)."""
+    inner = _inner(out, c)
+    for prec in precs:
+        trial = {**out, c: prec}
+        if not check.same(default, trial):
+            continue
+        trial = _drop_redundant(check, default, trial, among=list(inner))
+        if len(trial) < len(out):
+            return trial
+    return out
+
+
 def _compact_with(check: _Checker, cost: CostModel, default: str,
                   layers: Mapping[str, str]) -> dict[str, str]:
+    """Containers deepest first; those of one depth (disjoint subtrees) tried together."""
     out = _drop_redundant(check, default, dict(layers))
-    for c in _containers(cost, out):
-        inner = {k: v for k, v in out.items() if _inside(k, c)}
-        if len(inner) < 2:
-            continue
-        for prec, _n in Counter(inner.values()).most_common(2):
-            trial = {**out, c: prec}
-            if not check.same(default, trial):
+    conts = _containers(cost, out)
+    for depth in sorted({_depth(c) for c in conts}, reverse=True):
+        pending = {}
+        for c in conts:
+            inner = _inner(out, c)
+            if _depth(c) == depth and len(inner) >= 2:
+                pending[c] = [p for p, _n in Counter(inner.values()).most_common(2)]
+        for attempt in range(2):
+            cands = [(c, ps[attempt]) for c, ps in pending.items() if len(ps) > attempt]
+            ok = check.same_many([(default, {**out, c: prec}) for c, prec in cands])
+            won = {c: prec for (c, prec), y in zip(cands, ok, strict=True) if y}
+            if not won:
                 continue
-            trial = _drop_redundant(check, default, trial, among=list(inner))
-            if len(trial) < len(out):
-                out = trial
-                break
+            trial = {**out, **won}
+            inner_all = [k for k in out if any(k != c and _inside(k, c) for c in won)]
+            trial = _drop_redundant(check, default, trial, among=inner_all)
+            # keep a container's rule only where it shortened its subtree
+            kept = [c for c in won
+                    if len(_inner(trial, c)) + 1 < len(_inner(out, c))]
+            new = {k: v for k, v in out.items() if not any(_inside(k, c) for c in kept)}
+            new.update({k: v for k, v in trial.items()
+                        if any(k == c or _inside(k, c) for c in kept)})
+            if kept and (len(kept) == 1 and len(won) == 1 or check.same(default, new)):
+                out = new
+            elif kept:  # the subtrees interact after all: one container at a time
+                for c in kept:
+                    out = _try_container(check, default, out, c, [won[c]])
+            for c in kept:
+                pending.pop(c)
     return out
 
 

@@ -1,20 +1,88 @@
 """The options of a tune, validated in one place before any work (``TuneConfig.make``).
 
-The rules themselves are ``autoprec.validate``'s (shared with the CLI, which checks them
-before it starts workers or tracking); this holds the normalised values the stages read.
+``check_tune_args`` holds every check that needs neither the model nor the data (the CLI
+calls it before it starts workers or tracking); the single-value rules are
+``autoprec.validate``'s. ``TuneConfig`` holds the normalised values the stages read.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from autoprec.cost import get_profile
 from autoprec.errors import InputError
+from autoprec.fileio import brief
+from autoprec.paths import check_dir, check_out_path
 from autoprec.precisions import PRECISIONS, check_precision
-from autoprec.validate import check_tune_args
+from autoprec.search.storage import check_storage_url
+from autoprec.targets import DEFAULT_TARGET
+from autoprec.validate import (
+    check_batch_size,
+    check_budget,
+    check_count,
+    check_out_not_input,
+    check_seconds,
+    check_seed,
+    is_number,
+)
 
 DEFAULT_MAX_ERROR = 0.01
+
+
+def check_tune_args(
+    *,
+    max_error: Any = None,
+    max_drop: Any = None,
+    target: Any = DEFAULT_TARGET,
+    batch_size: Any = None,
+    trials: Any = 40,
+    timeout: Any = None,
+    seed: Any = 0,
+    patience: Any = None,
+    min_speedup: Any = None,
+    storage: Any = None,
+    study_name: Any = None,
+    out: Any = None,
+    cache_dir: Any = None,
+    workers: int = 1,
+    model: Any = None,
+    mlflow_uri: Any = None,
+) -> None:
+    """Every check of ``tune``'s arguments that needs neither the model nor the data.
+
+    Called by ``autoprec tune`` before anything else (tracking, workers) and by
+    ``autoprec.tune`` first thing, so that no probe runs and no study database is made for
+    a value that was wrong from the start.
+    """
+    check_budget(max_error, max_drop)
+    check_count(workers, "--workers")
+    check_count(trials, "--trials")
+    check_count(patience, "--patience", optional=True)
+    check_seed(seed, workers=workers)
+    check_seconds(timeout, "--timeout")
+    check_batch_size(batch_size)
+    if min_speedup is not None and not (is_number(min_speedup) and math.isfinite(min_speedup)
+                                        and min_speedup > 0):
+        raise InputError(f"--min-speedup: must be a finite number > 0, got {brief(min_speedup)}")
+    if study_name is not None and (not isinstance(study_name, str) or not study_name.strip()):
+        raise InputError("--study-name: must not be empty")
+    if not isinstance(target, str):
+        raise InputError(f"--target: must be a device name, got {brief(target)}")
+    get_profile(target)  # an unknown device: InputError naming the known ones
+    if storage is not None:
+        check_storage_url(storage)
+    if out is not None:
+        check_out_path(Path(out))
+        check_out_not_input(Path(out), model=model, storage=storage, mlflow_uri=mlflow_uri)
+    else:  # tune's default: policies/<model>-<target>.yaml
+        check_dir(Path("policies"), "the policy folder")
+    if cache_dir is not None:
+        check_dir(Path(cache_dir), "--cache-dir")
+
 
 
 @dataclass

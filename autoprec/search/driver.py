@@ -108,7 +108,7 @@ class Driver:
                 # way; the run stops after this one and says why (exit 2)
                 self.fatal = err
             raise
-        for k, v in ev.as_attrs().items():
+        for k, v in ev.to_attrs().items():
             trial.set_user_attr(k, v)
         if ev.feasible and self.compact is not None:
             default, rules = self.compact(key)
@@ -230,12 +230,13 @@ def trial_rows(study: optuna.Study) -> list[dict[str, object]]:
     rows = []
     for t in study.get_trials(deepcopy=False):
         row: dict[str, object] = {"number": t.number, "state": t.state.name}
-        row["calibration_error"] = t.user_attrs.get("error")
-        row["error"] = t.user_attrs.get("eval_error")
+        ev = Evaluation.from_attrs(t.user_attrs)
+        row["calibration_error"] = ev.error if ev else None
+        row["error"] = ev.eval_error if ev else None
         for k in ("est_time", "est_speedup", "feasible", "screened", "skipped", "fail_reason"):
             row[k] = t.user_attrs.get(k)
-        if t.user_attrs.get("nonfinite"):
-            row["calibration_error"] = math.inf
+        if ev is not None:
+            row["est_time"] = ev.est_time
         for k, v in t.params.items():
             row[f"params_{k}"] = v
         rows.append(row)

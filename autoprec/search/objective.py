@@ -81,14 +81,9 @@ class Evaluator:
 
     def remember(self, key: Key, attrs: Mapping[str, Any]) -> None:
         """Prefill the cache from a finished trial's user attributes (shared studies)."""
-        if "error" not in attrs or "est_time" not in attrs:
-            return
-        err = math.inf if attrs.get("nonfinite") else float(attrs["error"])
-        eval_err = attrs.get("eval_error")
-        self.cache[key] = Evaluation(
-            err, float(attrs["est_time"]), float(attrs.get("est_speedup", 1.0)),
-            bool(attrs.get("feasible", False)), bool(attrs.get("screened", False)), True,
-            None if eval_err is None else float(eval_err))
+        ev = Evaluation.from_attrs(attrs)
+        if ev is not None:
+            self.cache[key] = ev
 
     def timing(self, key: Key) -> tuple[float, float]:
         t = self.plans.time(key)

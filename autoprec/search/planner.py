@@ -37,10 +37,13 @@ import numpy as np
 from autoprec.cost import CostModel
 from autoprec.plan.schedule import signature
 from autoprec.precisions import PRECISIONS
-from autoprec.search.space import Key, SearchSpace
+from autoprec.search.space import Key, SearchSpace, Variable, group_key
 
 #: Spaces with at most this many plans are enumerated (all priced).
 ENUMERATE = 2_000_000
+#: Spaces of repeated blocks tied by position with at most this many plans are enumerated
+#: (each plan is a replay of the whole forward: priced by the chunk, but not by millions).
+TIED_ENUMERATE = 100_000
 #: Plans priced per vectorised call.
 CHUNK = 8192
 #: Measured/predicted correction bounds.
@@ -184,6 +187,112 @@ def descend(ps: PlanSpace, budget: float, lambdas: Iterable[float] | None = None
     return seen
 
 
+def tie_by_position(space: SearchSpace) -> tuple[SearchSpace, list[list[int]]] | None:
+    """The space with the variables of repeated blocks tied by their position in the block
+    (``h.3.attn.c_proj`` -> ``h.*.attn.c_proj``; a tied variable takes what all its
+    members allow), and the members of each tied variable. None when nothing repeats."""
+    groups: dict[str, list[int]] = {}
+    for j, v in enumerate(space.variables):
+        groups.setdefault(group_key(v.name), []).append(j)
+    if len(groups) == len(space.variables):
+        return None
+    members = list(groups.values())
+    tied = []
+    for name, js in groups.items():
+        vs = [space.variables[j] for j in js]
+        tied.append(Variable(name, [lay for v in vs for lay in v.layers],
+                             [c for c in vs[0].choices if all(c in v.choices for v in vs)]))
+    return SearchSpace(tied, space.region, dict(space.locked)), members
+
+
+def untie(keys: np.ndarray, members: list[list[int]], n_vars: int) -> np.ndarray:
+    """Full keys (N, 1 + V) of tied keys (N, 1 + G)."""
+    out = np.empty((len(keys), 1 + n_vars), dtype=np.int8)
+    out[:, 0] = keys[:, 0]
+    for g, js in enumerate(members):
+        for j in js:
+            out[:, 1 + j] = keys[:, 1 + g]
+    return out
+
+
+def refine(ps: PlanSpace, budget: float, seen: dict[Key, tuple[float, float]],
+           lambdas: Iterable[float] | None = None, max_steps: int = 10,
+           base: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+    """Per-layer refinements of the tied plans, for each λ and default region: from the
+    best plan so far, price every one-variable change in one batch, apply all improving
+    changes of distinct variables together when that improves ``time / t_fp32 + λ (pred /
+    budget)²`` (else the single best one), until none improves. A step costs one batched
+    replay, whatever the depth; every plan it prices is added to ``seen``. ``base``: plans
+    already priced, as arrays (keys, times, predictions), starting points too."""
+    space = ps.space
+    choices = _choice_codes(space)
+    t32 = ps.cost.fp32_time
+    scale = max(budget, 1e-12)
+
+    def score(keys: list[Key]) -> np.ndarray:
+        new = [k for k in dict.fromkeys(keys) if k not in seen]
+        if new:
+            arr = np.array(new, dtype=np.intp)
+            for k, t, p in zip(new, ps.times(arr), ps.predicted(arr), strict=True):
+                seen[k] = (float(t), float(p))
+        return np.array([seen[k] for k in keys])
+
+    def objective(tp: np.ndarray, lam: float) -> np.ndarray:
+        t, p = np.atleast_2d(tp).T
+        return np.where(np.isfinite(t), t / t32 + lam * (p / scale) ** 2, np.inf)
+
+    lambdas = list(lambdas) if lambdas is not None else list(np.geomspace(1e-3, 1e3, 13))
+    regions = choices[0]
+    for lam in lambdas:
+        for region in regions:  # one start per default region: a one-layer step never
+            best = _best_start(seen, base, region, lam, objective)  # crosses regions
+            if best is None:
+                continue
+            for _ in range(max_steps):
+                cur = float(objective(np.array(seen[best]), lam)[0])
+                moves = [(j, c) for j in range(1, len(best)) for c in choices[j]
+                         if c != best[j]]
+                keys = [best[:j] + (c,) + best[j + 1:] for j, c in moves]
+                if not keys:
+                    break
+                gain = cur - objective(score(keys), lam)
+                if gain.max() <= cur * 1e-12:
+                    break
+                pick: dict[int, tuple[float, int]] = {}
+                for (j, c), g in zip(moves, gain, strict=True):
+                    if g > cur * 1e-12 and (j not in pick or g > pick[j][0]):
+                        pick[j] = (float(g), c)
+                joint = list(best)
+                for j, (_g, c) in pick.items():
+                    joint[j] = c
+                single = keys[int(np.argmax(gain))]
+                cand = [tuple(joint), single] if len(pick) > 1 else [single]
+                best = cand[int(np.argmin(objective(score(cand), lam)))]
+
+
+def _best_start(seen: dict[Key, tuple[float, float]],
+                base: tuple[np.ndarray, np.ndarray, np.ndarray] | None, region: int,
+                lam: float, objective: Callable[[np.ndarray, float], np.ndarray]
+                ) -> Key | None:
+    """The plan of ``region`` minimising the objective among ``seen`` and ``base``."""
+    best, val = None, math.inf
+    pool = [k for k in seen if k[0] == region]
+    if pool:
+        vals = objective(np.array([seen[k] for k in pool]), lam)
+        i = int(np.argmin(vals))
+        best, val = pool[i], float(vals[i])
+    if base is not None:
+        rows = np.flatnonzero(base[0][:, 0] == region)
+        if rows.size:
+            vals = objective(np.stack([base[1][rows], base[2][rows]], axis=1), lam)
+            i = int(np.argmin(vals))
+            if vals[i] < val:
+                r = rows[i]
+                best = tuple(int(c) for c in base[0][r])
+                seen.setdefault(best, (float(base[1][r]), float(base[2][r])))
+    return best
+
+
 class Planner:
     """Candidate plans in order of time, and the rule for which one to measure next."""
 
@@ -201,11 +310,37 @@ class Planner:
             preds = self.ps.predicted(keys)
             self.method = "enumeration"
         else:
-            found = descend(self.ps, budget)
-            keys = np.array(list(found), dtype=np.int8)
+            tied = tie_by_position(space)
+            if tied is not None:
+                # repeated blocks: per-position plans (every one where TIED_ENUMERATE
+                # allows, else the descent over them), then per-layer refinements
+                tspace, members = tied
+                tps = PlanSpace(tspace, cost, estimate)
+                if tspace.size <= TIED_ENUMERATE:
+                    tk = enumerate_keys(tspace)
+                    tt, tp = tps.times(tk), tps.predicted(tk)
+                else:
+                    got = descend(tps, budget)
+                    tk = np.array(list(got), dtype=np.int8)
+                    tt = np.array([v[0] for v in got.values()])
+                    tp = np.array([v[1] for v in got.values()])
+                tkeys = untie(tk, members, len(space.variables))
+                found: dict[Key, tuple[float, float]] = {}
+                refine(self.ps, budget, found, base=(tkeys, tt, tp))
+                self.method = "repetition"
+            else:
+                tkeys, tt, tp = None, np.empty(0), np.empty(0)
+                found = descend(self.ps, budget)
+                self.method = "descent"
+            keys = np.array(list(found), dtype=np.int8).reshape(len(found), -1)
             times = np.array([v[0] for v in found.values()])
             preds = np.array([v[1] for v in found.values()])
-            self.method = "descent"
+            if tkeys is not None:  # the tied plans (a refinement may repeat one: kept once)
+                keys = np.concatenate([tkeys, keys.reshape(-1, tkeys.shape[1])])
+                times = np.concatenate([tt, times])
+                preds = np.concatenate([tp, preds])
+                keys, first = np.unique(keys, axis=0, return_index=True)
+                times, preds = times[first], preds[first]
         finite = np.isfinite(times)
         keys, times, preds = keys[finite], times[finite], preds[finite]
         buckets = np.floor(np.log(times / times.min()) / np.log1p(TIE)) if len(times) else times
@@ -311,4 +446,5 @@ def uniform_keys(space: SearchSpace) -> dict[str, Key]:
     return {p: space.uniform(p) for p in PRECISIONS}
 
 
-__all__ = ["ENUMERATE", "SLACK", "SPREAD_AFTER", "TIE", "PlanSpace", "Planner", "descend", "enumerate_keys", "uniform_keys"]
+__all__ = ["ENUMERATE", "SLACK", "SPREAD_AFTER", "TIE", "PlanSpace", "Planner", "descend", "enumerate_keys", "refine", "tie_by_position", "uniform_keys",
+           "untie"]

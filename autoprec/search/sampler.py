@@ -13,7 +13,6 @@ records the trial as PRUNED ("search complete") and stops the study.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from autoprec.search.evaluation import Evaluation
 from autoprec.search.planner import Planner
 from autoprec.search.space import Key, SearchSpace
 
@@ -41,10 +41,9 @@ def measured_state(study: optuna.Study, space: SearchSpace, exclude: int | None 
         key = space.key(t.params)
         if t.state == TrialState.RUNNING:
             busy.add(key)
-        elif "error" in t.user_attrs:
-            err = math.inf if t.user_attrs.get("nonfinite") else float(t.user_attrs["error"])
-            measured[key] = err
-            feasible[key] = bool(t.user_attrs.get("feasible")) or feasible.get(key, False)
+        elif (ev := Evaluation.from_attrs(t.user_attrs)) is not None:
+            measured[key] = ev.error
+            feasible[key] = ev.feasible or feasible.get(key, False)
     return measured, feasible, busy
 
 

@@ -31,21 +31,13 @@ class Candidate:
         return self.calib.eval_error
 
 
-def _evaluation(t: optuna.trial.FrozenTrial) -> Evaluation:
-    a = t.user_attrs
-    err = math.inf if a.get("nonfinite") else float(a["error"])
-    ev = a.get("eval_error")
-    return Evaluation(err, float(a["est_time"]), float(a["est_speedup"]), bool(a["feasible"]),
-                      bool(a.get("screened", False)), True,
-                      None if ev is None else float(ev), a.get("train_fidelity"))
-
-
 def completed(study: optuna.Study) -> list[Candidate]:
     """Every measured trial (COMPLETE with a score), earliest first."""
     out = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        if "est_time" in t.user_attrs and "error" in t.user_attrs:
-            out.append(Candidate(t.number, dict(t.params), _evaluation(t),
+        ev = Evaluation.from_attrs(t.user_attrs)
+        if ev is not None:
+            out.append(Candidate(t.number, dict(t.params), ev,
                                  dict(t.user_attrs.get("policy") or {})))
     return out
 

@@ -25,7 +25,7 @@ from autoprec.precisions import PRECISIONS, rank
 from autoprec.precisions import REGIONS as _REGIONS
 
 #: Above this many GEMM layers, repeated blocks share a variable (``layers.*.attn.q``).
-DEFAULT_MAX_VARIABLES = 64
+DEFAULT_MAX_VARIABLES = 1024
 #: Optuna parameter name of the default region.
 REGION = "default"
 #: Precisions a region (the model's own code) can take: the GEMM formats are backends only.

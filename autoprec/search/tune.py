@@ -59,6 +59,7 @@ from autoprec.search.storage import (
     open_storage,
     storage_errors,
 )
+from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, Tracker, log_tune_artifacts
@@ -521,7 +522,7 @@ def tune(
     *,
     max_error: float | None = None,
     max_drop: float | None = None,
-    target: str = "h100",
+    target: str = DEFAULT_TARGET,
     batch_size: int | None = None,
     precisions: Sequence[str] | None = None,
     trials: int = 40,

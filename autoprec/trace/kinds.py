@@ -22,10 +22,8 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
-from autoprec.apply import backends
-
 # One definition of "Linear-like" (nn.Linear, HF Conv1D): the fp8 backends' own.
-from autoprec.apply.fp8 import linear_dims
+from autoprec.formats.gemm import ineligible_reason, linear_dims
 from autoprec.fused import not_called_reason
 from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import GEMM_KINDS
@@ -174,7 +172,7 @@ def format_reason(module: nn.Module, kind: str, precision: str = "fp8") -> str |
         bad = [f"{n} {v} not a multiple of 16"
                for n, v in zip(("in_features", "out_features"), dims, strict=True) if v % 16]
         return ", ".join(bad) if bad else None
-    why = backends.ineligible_reason(module, precision)
+    why = ineligible_reason(module, precision)
     return why.removeprefix(f"{precision}: ") if why else None
 
 

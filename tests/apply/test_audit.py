@@ -13,7 +13,7 @@ from autoprec.apply.apply import apply_policy
 from autoprec.apply.audit import AuditError
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
-from autoprec.policy.resolve import fp8_eligible
+from autoprec.policy.resolve import format_eligible
 from autoprec.precisions import PRECISIONS
 from tests import zoo
 
@@ -121,7 +121,7 @@ def _rotating_policy(model: nn.Module) -> Policy:
     cycle = ["fp16", "fp32", "fp8", "tf32", "bf16"]
     for i, path in enumerate(gemm_leaf_paths(model)):
         p = cycle[i % len(cycle)]
-        if p == "fp8" and not fp8_eligible(model.get_submodule(path)):
+        if p == "fp8" and not format_eligible(model.get_submodule(path), "fp8"):
             p = "fp16"
         layers[path] = p
     return Policy(default="bf16", layers=layers)

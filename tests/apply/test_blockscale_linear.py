@@ -9,13 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.apply.blockscale import (
-    GRADIENT_RECIPES,
     MX_SCALE_MODE,
     NoGradientRecipe,
     _quantize_weight,
     blockscale_capability,
     blockscaled_linear,
-    mx_ineligible_reason,
     reference_blockscaled_linear,
     scaled_mm_call,
 )
@@ -40,39 +38,6 @@ class Conv1D(nn.Module):
 def _lin(k: int = 64, n: int = 32, bias: bool = True) -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(k, n, bias=bias)
-
-
-# --- eligibility ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("fmt, k, n, expect", [
-    ("mxfp8", 64, 32, None),
-    ("mxfp8", 48, 32, "in_features 48 not a multiple of the block size 32"),
-    ("mxfp8", 64, 24, "out_features 24 not a multiple of 16"),
-    ("nvfp4", 64, 16, None),
-    ("nvfp4", 40, 16, "in_features 40 not a multiple of the block size 16"),
-    ("nvfp4", 48, 16, "in_features 48 not a multiple of 32 (fp4 packs two elements"),
-    ("nvfp4", 64, 40, "out_features 40 not a multiple of 16"),
-])
-def test_eligibility_rules(fmt: str, k: int, n: int, expect: str | None) -> None:
-    why = mx_ineligible_reason(nn.Linear(k, n), fmt)
-    if expect is None:
-        assert why is None
-    else:
-        assert why is not None and why.startswith(f"{fmt}: ") and expect in why
-
-
-def test_eligibility_non_gemm_conv1d_and_training() -> None:
-    assert "LayerNorm is not a Linear-like GEMM" in mx_ineligible_reason(nn.LayerNorm(64), "mxfp8")
-    assert mx_ineligible_reason(Conv1D(64, 32), "mxfp8") is None  # dims read as (in, out)
-    assert mx_ineligible_reason(nn.Linear(64, 32), "mxfp8", training=True) is None
-    assert "reduces over N in blocks of 32" in mx_ineligible_reason(
-        nn.Linear(64, 48), "mxfp8", training=True)
-    why = mx_ineligible_reason(nn.Linear(64, 32), "nvfp4", training=True)
-    assert why is not None and "forward-only" in why
-    assert GRADIENT_RECIPES["nvfp4"] is None and GRADIENT_RECIPES["mxfp8"]
-    with pytest.raises(ValueError, match="unknown block-scaled format"):
-        mx_ineligible_reason(nn.Linear(64, 32), "fp4")
 
 
 # --- capability ----------------------------------------------------------------------

@@ -126,10 +126,26 @@ def test_measured_errors_correct_the_predictions() -> None:
 
 def test_large_spaces_use_the_descent(monkeypatch) -> None:
     monkeypatch.setattr(planner_mod, "ENUMERATE", 10)
+    monkeypatch.setattr(planner_mod, "tie_by_position", lambda space: None)  # no repetition
     _, cost, space, est = _setup(n=3)
     pl = Planner(space, cost, est, budget=0.003)
     assert pl.method == "descent" and 0 < len(pl) < space.size
     assert math.isfinite(pl.times[0])
+
+
+@pytest.mark.parametrize("budget", [0.001, 0.003, 0.006, 0.02])
+@pytest.mark.parametrize("tied_enumerate", [100_000, 10])
+def test_repeated_blocks_tied_then_refined_find_the_enumerated_optimum(
+        monkeypatch, budget: float, tied_enumerate: int) -> None:
+    """fcs.* tied by position (every tied plan priced, or the descent over them), then
+    per-layer refinements: within 2 % of the exact optimum where layers differ."""
+    monkeypatch.setattr(planner_mod, "ENUMERATE", 10)
+    monkeypatch.setattr(planner_mod, "TIED_ENUMERATE", tied_enumerate)
+    _, cost, space, est = _setup(errors={(2, "bf16"): 0.05, (0, "fp16"): 0.05})
+    pl = Planner(space, cost, est, budget=budget)
+    assert pl.method == "repetition" and 0 < len(pl) < space.size
+    _want_key, want_t = _exact(pl.ps, budget)
+    assert pl.times[pl.preds <= budget].min() <= want_t * 1.02
 
 
 def test_the_walk_never_measures_one_plan_twice_under_two_keys() -> None:
