@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import Breakdown, CostModel, DeviceProfile, get_profile
+from autoprec.cost import Breakdown, DeviceProfile, get_profile
+from autoprec.cost.fusion import make_cost_model
 from autoprec.errors import CheckFailed, InputError, PolicyError
 from autoprec.evaluate import nonfinite_watch, reference, score
 from autoprec.fused import fused_paths_off
@@ -67,6 +68,7 @@ class CheckResult:
     est_speedup: float | None = None  # over all-fp32 on the target; None: cannot run there
     target: str = DEFAULT_TARGET
     batch_size: int | None = None
+    mode: str = "eager"  # deployment mode priced: eager / compile (torch.compile)
     fingerprint_match: bool | None = None  # None: the policy has no fingerprint
     notes: list[str] = field(default_factory=list)  # warnings that did not fail the gate
     layers: list[dict[str, Any]] = field(default_factory=list)
@@ -99,7 +101,7 @@ class CheckResult:
         out.update(
             budget=self.budget, budget_kind=self.budget_kind, budget_source=self.budget_source,
             est_speedup=number(self.est_speedup), feasible=self.feasible, target=self.target,
-            batch_size=self.batch_size, passed=self.passed,
+            batch_size=self.batch_size, mode=self.mode, passed=self.passed,
             reasons=reasons_json(self.reasons), notes=list(self.notes),
             fingerprint_match=self.fingerprint_match, nonfinite=self.nonfinite,
             eval_batches=self.eval_batches, model=self.model, policy=self.policy,
@@ -213,13 +215,13 @@ def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfi
 
 
 def _layer_rows(spec: ModelSpec, net: torch.nn.Module, policy: Policy, batch: Any,
-                profile: DeviceProfile, batch_size: int, layer_why: dict[str, str]
-                ) -> tuple[dict[str, dict[str, Any]], float, Breakdown]:
+                profile: DeviceProfile, batch_size: int, layer_why: dict[str, str],
+                mode: str = "eager") -> tuple[dict[str, dict[str, Any]], float, Breakdown]:
     """One row per GEMM layer, the whole forward priced under the policy's plan as tune
     prices it; the speed-up over fp32 and the breakdown."""
     graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
     assign = assignment(policy, net, [n.path for n in graph.gemm_nodes])
-    cost = CostModel(graph, profile, batch_size=batch_size)
+    cost = make_cost_model(graph, profile, batch_size, mode)
     bd = cost.breakdown(policy)
     times = bd.by_module
     rows = {}
@@ -246,13 +248,15 @@ def check(
     target: str | None = None,
     batch_size: int | None = None,
     fp8_backend: str | None = None,
+    compile: bool | None = None,
 ) -> CheckResult:
     """Gate ``policy_path`` on ``model`` (a model.py or a ModelSpec); see the module docs.
 
     Returns the verdict (``passed``) rather than raising, so a caller gets the figures
     either way (``raise_if_failed`` for exit-1 semantics). ``target`` / ``batch_size``
     default to the policy's, then h100 / the calibration batch's (as tune). ``force``
-    accepts a changed fingerprint (noted, not failed). Raises InputError/PolicyError
+    accepts a changed fingerprint (noted, not failed). ``compile``: price the plan as
+    ``torch.compile`` runs it (True), op by op (False); default: the policy's target.mode. Raises InputError/PolicyError
     (exit 2) for bad input.
     """
     check_batch_size(batch_size)
@@ -266,7 +270,9 @@ def check(
     bs = batch_size or policy.batch_size or batch_size_of(calib[0]) or 1
     result = CheckResult(model=str(spec.path), policy=policy.source, passed=False, reasons=[],
                          budget_kind=kind, budget=budget, budget_source=source, error=None,
-                         target=tgt, batch_size=bs)
+                         target=tgt, batch_size=bs,
+                         mode=policy.mode if compile is None else
+                         ("compile" if compile else "eager"))
     reasons, notes = result.reasons, result.notes
 
     # -- structure --------------------------------------------------------------------
@@ -298,7 +304,7 @@ def check(
     reasons.extend(dev_reasons)
 
     rows, result.est_speedup, bd = _layer_rows(spec, net, policy, calib[0], profile, bs,
-                                               layer_why)
+                                               layer_why, result.mode)
     result.breakdown = bd.to_dict()
 
     # -- evaluate on eval data ------------------------------------------------------------

@@ -25,6 +25,15 @@ One go on a lent GPU (made for an H200; a few minutes including CUDA start-up):
    micro.csv and <profile>.calibration.yaml (``Calibration.save``) under --out (else $OUT,
    else ./gpu_latency_out).
 
+5. compiled (``--compile``, the default on a GPU): the same stack ``torch.compile``d
+   (inductor, after ``apply_policy``; one fresh compile per run) for all-fp32, the global
+   bf16 autocast, ``default: bf16``, the fp8 mix and the per-leaf islands, timed the same
+   way and priced by ``CompiledCostModel`` (cost/fusion.py: GEMMs/SDPA extern, casts and
+   pointwise ops fused between them; Triton: one kernel per data-connected group) with the
+   datasheet and the calibrated profile (GEMM efficiencies carry over: the extern GEMMs
+   are the eager ones); written to compiled.csv and a second table in results.md. A
+   compile that fails is recorded with its error, not fatal.
+
 A global autocast is priced as ``Policy(default=...)``, which runs the same kernels (its
 weight-cast cache saves nothing when each weight is read once per forward). The all-tf32
 run flips the global flag, priced as ``Policy(default="tf32")``.
@@ -56,6 +65,7 @@ from torch import nn
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import capability
 from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
+from autoprec.cost.fusion import CompiledCostModel
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 
@@ -204,6 +214,70 @@ def micro_samples(profile, device: torch.device, d: int, tokens: int, target: st
                                    run_as, device=str(device), copy_elems=tokens * d)
 
 
+# --------------------------------------------------------------------------- compiled
+
+#: The runs measured compiled too (each one is a fresh inductor compile).
+COMPILED = ("all-fp32", "global autocast bf16", "default: bf16",
+            "fp8 mix (bf16 + fp8 qkv/fc1/fc2)", "per-leaf islands (fp32 + bf16 per leaf)")
+
+
+def compiled_rows(model: nn.Module, x: torch.Tensor, plan: list[Run], cm: CompiledCostModel,
+                  cm_cal: CompiledCostModel, target: str, fp8_backend: str | None,
+                  timer: Callable[[Callable[[], Any]], float]) -> list[dict[str, Any]]:
+    """Time the COMPILED runs under ``torch.compile`` and price them in compile mode."""
+    rows: list[dict[str, Any]] = []
+    for r in plan:
+        if r.name not in COMPILED:
+            continue
+        row: dict[str, Any] = {"run": r.name, "est_ms": cm.estimate(r.priced) * 1e3,
+                               "est_cal_ms": cm_cal.estimate(r.priced) * 1e3,
+                               "kernels_est": cm.breakdown(r.priced).kernels}
+        try:
+            with tf32_flags(r.tf32), (nullcontext() if r.applied is None else apply_policy(
+                    model, r.applied, target=target, fp8_backend=fp8_backend)):
+                torch._dynamo.reset()
+                compiled = torch.compile(model)
+
+                def fwd(r: Run = r, compiled: Any = compiled) -> Any:
+                    with r.ctx():
+                        return compiled(x)
+
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    fwd()
+                row["compile_s"] = time.perf_counter() - t0
+                row["measured_ms"] = timer(fwd) * 1e3
+        except Exception as err:  # a compile failure is a result, not the end of the run
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            row["measured_ms"] = float("nan")
+        print(f"{'compiled ' + r.name:<53} {row['measured_ms']:9.3f} ms"
+              + (f"  ({row['error']})" if "error" in row else ""), flush=True)
+        rows.append(row)
+    torch._dynamo.reset()
+    fp32 = next((r for r in rows if r["run"] == "all-fp32"), None)
+    for r in rows:
+        m = r["measured_ms"]
+        r["err"] = (r["est_ms"] - m) / m
+        r["err_cal"] = (r["est_cal_ms"] - m) / m
+        if fp32 is not None:
+            r["speedup_measured"] = fp32["measured_ms"] / m
+            r["speedup_est_cal"] = fp32["est_cal_ms"] / r["est_cal_ms"]
+    return rows
+
+
+def compiled_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| run (torch.compile) | measured ms | est ms | est ms (cal) | speed-up measured | "
+           "speed-up est (cal) | kernels est | err (cal) | compile s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['run']} | {r['measured_ms']:.3f} | {r['est_ms']:.3f} | "
+                   f"{r['est_cal_ms']:.3f} | {r.get('speedup_measured', math.nan):.2f}x | "
+                   f"{r.get('speedup_est_cal', math.nan):.2f}x | {r['kernels_est']} | "
+                   f"{r['err_cal']:+.1%} | {r.get('compile_s', math.nan):.0f} |"
+                   + (f" {r['error']}" if "error" in r else ""))
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -228,7 +302,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def write_results(out_dir: Path, rows: list[dict[str, Any]], header: list[str],
-                  calib_text: str, micro_rows: list[dict[str, Any]]) -> None:
+                  calib_text: str, micro_rows: list[dict[str, Any]],
+                  compiled: list[dict[str, Any]] | None = None) -> None:
     import pandas as pd
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -237,7 +312,13 @@ def write_results(out_dir: Path, rows: list[dict[str, Any]], header: list[str],
     micro = ["| sample | measured ms | fitted ms | err |", "|---|---|---|---|"]
     micro += [f"| {r['sample']} | {r['measured_ms']:.4f} | {r['fit_ms']:.4f} | "
               f"{r['err']:+.1%} |" for r in micro_rows]
+    extra: list[str] = []
+    if compiled:
+        pd.DataFrame(compiled).to_csv(out_dir / "compiled.csv", index=False)
+        extra = ["## compiled (torch.compile, inductor; priced by CompiledCostModel)", "",
+                 compiled_table(compiled), ""]
     lines = ["# gpu_latency results", "", *[f"- {h}" for h in header], "", table(rows), "",
+             *extra,
              "## calibration (fitted on the micro-benchmarks only)", "", "```yaml",
              calib_text.rstrip(), "```", "", *micro, ""]
     (out_dir / "results.md").write_text("\n".join(lines))
@@ -259,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="also measure compiled runs (default: on with CUDA, off for "
+                         "--dry-run: CPU inductor compiles take minutes)")
     args = ap.parse_args(argv)
     out_dir = args.out or Path(os.environ.get("OUT") or "gpu_latency_out")  # CLI boundary
 
@@ -361,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
                      "err": (est - m) / m, "err_cal": (est_c - m) / m,
                      "audit": audits.get(r.name, ""), "policy": r.priced.to_dict()})
 
+    compiled: list[dict[str, Any]] = []
+    if args.compile if args.compile is not None else not args.dry_run:
+        ccm = CompiledCostModel(graph, profile, batch_size=B)
+        compiled = compiled_rows(model, x, plan, ccm, ccm.with_profile(fitres.profile),
+                                 args.profile, fp8_backend, timer)
+
     def summary(key: str) -> str:
         e = sorted(abs(r[key]) for r in rows)
         return f"median {e[len(e) // 2]:.1%}, worst {e[-1]:.1%}"
@@ -382,9 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     write_results(out_dir, rows, header, yaml.safe_dump(fitres.calibration.to_dict(),
-                                                        sort_keys=False), micro_rows)
+                                                        sort_keys=False), micro_rows,
+                  compiled)
     print("\n".join(header))
     print(table(rows))
+    if compiled:
+        print(compiled_table(compiled))
     print(f"wrote {out_dir}/results.csv, results.md, micro.csv, {cal_path.name}")
     return 0
 

@@ -20,13 +20,14 @@ def check_cmd(
     batch_size: Annotated[int | None, typer.Option(help="Deployment batch size (default: the policy's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Accept a changed model fingerprint (noted, not failed).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    compile_mode: Annotated[bool | None, typer.Option("--compile/--eager", help="Price the plan as torch.compile (inductor) runs it, or op by op (default: the policy's target.mode, else eager).")] = None,
 ) -> None:
     """Re-evaluate POLICY on MODEL's eval data; exit 1 when over budget, when the model
     changed since tuning, or when the target cannot run a precision in the policy."""
     from autoprec.check import check
 
     result = check(model, policy, max_error=max_error, max_drop=max_drop, force=force,
-                   target=target, batch_size=batch_size)
+                   target=target, batch_size=batch_size, compile=compile_mode)
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         result.raise_if_failed()  # exit 1 with the first reason on stderr

@@ -97,7 +97,8 @@ def show_cmd(
         typer.echo("model: - (no fingerprint: not checked against the model's structure)")
     if pol.target:
         bs = f", batch size {pol.batch_size}" if pol.batch_size else ""
-        typer.echo(f"target: {pol.target_device or '-'}{bs}")
+        mode = ", torch.compile" if pol.mode == "compile" else ""
+        typer.echo(f"target: {pol.target_device or '-'}{bs}{mode}")
     typer.echo(f"default: {pol.default}")
     paths = show_order(pol, order)
     if paths:
@@ -144,12 +145,15 @@ def eval_cmd(
         "--measure", help="When the target is this machine (cpu, or the GPU here): calibrate "
                           "its profile here if not cached, and time the policy beside fp32 "
                           "and one global autocast (interleaved rounds).")] = False,
+    compile_mode: Annotated[bool | None, typer.Option(
+        "--compile/--eager", help="Price the plan as torch.compile (inductor) runs it, or op "
+                                  "by op (default: the policy's target.mode, else eager).")] = None,
 ) -> None:
     """Apply POLICY to MODEL: error vs fp32 on the eval data, per-layer precisions
     (rule vs computed), and the estimated speed-up on the target."""
     with _warnings_to_stderr():
         summary = evaluate_policy(model, policy, target=target, batch_size=batch_size,
-                                  force=force, measure=measure)
+                                  force=force, measure=measure, compile=compile_mode)
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -162,12 +166,13 @@ def eval_cmd(
 
 def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
                     batch_size: int | None = None, force: bool = False,
-                    measure: bool = False) -> dict[str, Any]:
+                    measure: bool = False, compile: bool | None = None) -> dict[str, Any]:
     """What ``eval --json`` prints: score, audit and cost of a policy on model.py."""
     import torch
 
     from autoprec.apply.apply import apply_policy
-    from autoprec.cost import CostModel, get_profile
+    from autoprec.cost import get_profile
+    from autoprec.cost.fusion import make_cost_model
     from autoprec.evaluate import reference, score
     from autoprec.loading import load_model_file
     from autoprec.metrics import batch_size_of
@@ -203,7 +208,8 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     # "price at the deployment shape"): GEMMs, casts, norms, activations, fp8 scaling.
     graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
     bs = batch_size or pol.batch_size or batch_size_of(calib0) or graph.batch_size
-    cost = CostModel(graph, profile, batch_size=bs)
+    mode = pol.mode if compile is None else ("compile" if compile else "eager")
+    cost = make_cost_model(graph, profile, bs, mode)
     est = cost.speedup(pol)
     infeasible = cost.infeasible(pol)
     bd = cost.breakdown(pol)
@@ -237,7 +243,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     out.update({
         "budget": budget, "within_budget": within,
         "est_speedup": speedup(est, runnable=not infeasible), "feasible": feasible,
-        "target": device, "batch_size": bs,
+        "target": device, "batch_size": bs, "mode": mode,
         "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
         "fp8_backend": fp8_backend,
         "reasons": reasons_json(why_not),

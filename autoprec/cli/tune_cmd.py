@@ -39,6 +39,7 @@ def tune_cmd(
     pareto: Annotated[bool, typer.Option(help="Keep the whole error/speed front; write one policy per point.")] = False,
     lock: Annotated[list[str] | None, typer.Option(help="Module path the search may not change (repeatable).")] = None,
     train_aware: Annotated[bool, typer.Option(help="Also probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
+    compile_mode: Annotated[bool, typer.Option("--compile", help="Price plans as torch.compile (inductor) runs them: casts and pointwise ops fused between GEMMs; the policy records target.mode: compile.")] = False,
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="When the target is this machine (cpu, or the GPU here): calibrate its profile here first and time the winner against fp32 and one global autocast, never writing a plan measured slower.")] = True,
     mlflow_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: ./mlflow.db).")] = None,
@@ -87,7 +88,7 @@ def tune_cmd(
         patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
         train_aware=train_aware, progress=not quiet and not json_out, measure=measure,
-        report=report,
+        report=report, compile=compile_mode,
     )
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
@@ -95,7 +96,7 @@ def tune_cmd(
         "policy": str(result.path), "feasible": result.feasible,
         "error": _num(result.eval_error), "calibration_error": _num(result.error),
         "budget": result.budget, "est_speedup": round(result.est_speedup, 4),
-        "target": target, "batch_size": result.policy.target.get("batch_size") if isinstance(result.policy.target, dict) else None,
+        "target": target, "mode": "compile" if compile_mode else "eager", "batch_size": result.policy.target.get("batch_size") if isinstance(result.policy.target, dict) else None,
         "trials": result.trials, "evaluations": round(result.evaluations, 2),
         "seconds": round(result.seconds, 1), "study": result.study_name,
         "storage": result.storage, "front": [str(p) for p in result.front_paths],
@@ -116,7 +117,7 @@ def tune_cmd(
             print(f"  {k:<50} {v}")
         measured = summary["measured_speedup"]
         print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
-              f"{result.est_speedup:.2f}x on {target}"
+              f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''}"
               + (f", measured {measured:.2f}x here" if measured is not None else "")
               + f" ({summary['est_casts']} casts per "
               f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "

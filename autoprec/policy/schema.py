@@ -35,7 +35,9 @@ KEYS = ("autoprec_policy", "model", "target", "default", "layers", "locked", "re
         "metrics", "provenance")
 REQUIRED = ("autoprec_policy", "default")  # no `layers`: no rules
 _MODEL_KEYS = ("name", "fingerprint")
-_TARGET_KEYS = ("device", "batch_size")
+_TARGET_KEYS = ("device", "batch_size", "mode")
+#: Deployment modes a policy's speed figures refer to (target.mode; absent: eager).
+MODES = ("eager", "compile")
 #: Metrics with a fixed type; others may be any scalar.
 _NUMBER_METRICS = ("error", "metric_drop", "budget", "est_speedup")
 _BOOL_METRICS = ("feasible",)
@@ -63,7 +65,7 @@ class Policy:
     default: str = "fp32"
     layers: dict[str, str] = field(default_factory=dict)
     model: dict[str, str] = field(default_factory=dict)  # {name, fingerprint}
-    target: dict[str, Any] = field(default_factory=dict)  # {device, batch_size}
+    target: dict[str, Any] = field(default_factory=dict)  # {device, batch_size, mode}
     locked: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -95,6 +97,12 @@ class Policy:
     def batch_size(self) -> int | None:
         """The deployment batch size the speed figures assume (target.batch_size)."""
         return self.target.get("batch_size")
+
+    @property
+    def mode(self) -> str:
+        """How the model is deployed (target.mode): "eager" (the default) or "compile"
+        (``torch.compile``, inductor): what the speed figures were priced for."""
+        return self.target.get("mode", "eager")
 
     # -- conversions -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -409,7 +417,7 @@ def _parse_target(source: str, value: Any) -> dict[str, Any]:
         return {"device": value}
     if not isinstance(value, Mapping):
         raise _fail(source, "target", f"must be a device name or a mapping "
-                                      f"{{device, batch_size}}, got {_type_name(value)}")
+                                      f"{{device, batch_size, mode}}, got {_type_name(value)}")
     _unknown_keys(source, "target", value, _TARGET_KEYS)
     device, batch = value.get("device"), value.get("batch_size")
     if device is not None and not isinstance(device, str):
@@ -421,7 +429,12 @@ def _parse_target(source: str, value: Any) -> dict[str, Any]:
     if batch is not None and batch > MAX_BATCH_SIZE:
         raise _fail(source, "target.batch_size",
                     f"must be at most {MAX_BATCH_SIZE}, got {brief(batch)}")
-    return {k: v for k, v in (("device", device), ("batch_size", batch)) if v is not None}
+    mode = value.get("mode")
+    if mode is not None and (not isinstance(mode, str) or mode not in MODES):
+        raise _fail(source, "target.mode",
+                    f"must be one of {', '.join(MODES)}, got {brief(mode)}")
+    return {k: v for k, v in (("device", device), ("batch_size", batch), ("mode", mode))
+            if v is not None}
 
 
 def _check_metric(source: str, key: Any, value: Any) -> None:

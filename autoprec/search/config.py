@@ -110,6 +110,7 @@ class TuneConfig:
     cache_dir: Path | None
     train_aware: bool
     measure: bool = True  # a local target: calibrate here, time the winner (issue 21)
+    compile: bool = False  # price plans as torch.compile (inductor) runs them
 
     @classmethod
     def make(cls, *, max_error: float | None, max_drop: float | None, target: str,
@@ -118,7 +119,7 @@ class TuneConfig:
              min_speedup: float | None, storage: str | None, study_name: str | None,
              resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
              progress: bool, cache_dir: str | Path | None, train_aware: bool,
-             measure: bool = True) -> TuneConfig:
+             measure: bool = True, compile: bool = False) -> TuneConfig:
         check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
                         batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
                         patience=patience, min_speedup=min_speedup, storage=storage,
@@ -146,7 +147,13 @@ class TuneConfig:
         return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
                    patience, min_speedup, storage, study_name, resume, pareto,
                    Path(out) if out is not None else None, tuple(locked), progress,
-                   Path(cache_dir) if cache_dir is not None else None, train_aware, measure)
+                   Path(cache_dir) if cache_dir is not None else None, train_aware, measure,
+                   bool(compile))
+
+    @property
+    def mode(self) -> str:
+        """The deployment mode plans are priced for: "compile" or "eager"."""
+        return "compile" if self.compile else "eager"
 
     @property
     def use_metric(self) -> bool:

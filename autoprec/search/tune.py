@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 import autoprec
 from autoprec.cost import CostModel
+from autoprec.cost.fusion import make_cost_model
 from autoprec.errors import InputError
 from autoprec.evaluate import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.hashing import code_hash, data_hash, weights_hash
@@ -122,7 +123,7 @@ class Prepared:
     source: SpeedSource | None = None  # where the speed figures come from (issue 21)
 
 
-def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
+def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None) -> Prepared:
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     if cfg.use_metric and spec.metric is None:
         raise InputError(f"{spec.path}: --max-drop needs a metric(outputs, batch) in model.py")
@@ -162,7 +163,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig) -> Prepared:
     deploy_bs = cfg.batch_size or calib_bs
     source = speed_source(cfg.target, measure=cfg.measure,
                           cache_dir=calibration_dir(out_path, cfg.cache_dir))
-    cost = CostModel(graph, source.profile, batch_size=deploy_bs)
+    cost = make_cost_model(graph, profile or source.profile, deploy_bs, cfg.mode)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
@@ -237,6 +238,7 @@ def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
         "locked": sorted(cfg.locked), "min_speedup": cfg.min_speedup,
         "data": data_hash(prep.calib), "weights": weights_hash(prep.net),
         "code": code_hash(prep.spec, prep.net), "search": 2,
+        **({"mode": cfg.mode} if cfg.compile else {}),  # eager studies keep their names
     }))
 
 
@@ -264,7 +266,8 @@ def open_study(prep: Prepared, space: SearchSpace, cfg: TuneConfig, sampler: Pla
             study.set_user_attr(META_KEY, meta)
     if not fresh:
         old = study.user_attrs[META_KEY].get("settings", {})
-        for key, value in settings.items():
+        for key in dict.fromkeys([*settings, *old]):  # a key only one side has counts too
+            value = settings.get(key)
             if old.get(key) != value:
                 raise InputError(f"study {name!r} in {shown} was tuned with other settings "
                                  f"({key}: {old.get(key)!r} there, {value!r} now); use "
@@ -432,6 +435,8 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
     policy.target["batch_size"] = prep.deploy_bs
+    if cfg.compile:
+        policy.target["mode"] = "compile"
     bd = prep.cost.breakdown(policy)
     policy.metrics.update({"est_casts": bd.casts, **speed_metrics(speed)})
     if chosen.number < 0:  # a baseline won the measurement: no trial of the study
@@ -535,6 +540,8 @@ def tune(
     progress: bool = True,
     cache_dir: str | Path | None = None,
     train_aware: bool = False,
+    compile: bool = False,
+    profile: Any = None,
     measure: bool = True,
     report: str | Path | None = None,
 ) -> TuneResult:
@@ -548,7 +555,11 @@ def tune(
     winner beside fp32 and one global autocast, never writing a plan measured slower
     (``search/confirm_speed.py``). ``report``: a folder to write the tables and plots into
     (trials, Pareto front, per-layer precisions, and the tuned plan beside one global
-    autocast per precision), MLflow or not. See DESIGN.md for the contract.
+    autocast per precision), MLflow or not. ``compile=True`` prices every plan as
+    ``torch.compile`` runs it (cost/fusion.py) and records ``target.mode: compile`` (the
+    measured confirmation times eager forwards, so it is skipped then); ``profile``: a
+    DeviceProfile to price with (e.g. calibrated here) instead of ``target``'s.
+    See DESIGN.md for the contract.
     """
     started = time.monotonic()
     cfg = TuneConfig.make(max_error=max_error, max_drop=max_drop, target=target,
@@ -557,7 +568,7 @@ def tune(
                           min_speedup=min_speedup, storage=storage, study_name=study_name,
                           resume=resume, pareto=pareto, out=out, locked=locked,
                           progress=progress, cache_dir=cache_dir, train_aware=train_aware,
-                          measure=measure)
+                          measure=measure, compile=compile)
     tracker = tracker or NullTracker()
     if report is not None:  # before any work: the folder, and matplotlib for its plots
         from autoprec.extras import require
@@ -565,7 +576,7 @@ def tune(
 
         check_dir(Path(report), "--report")
         require("matplotlib", "tune --report's plots")
-    prep = prepare(model, cfg)
+    prep = prepare(model, cfg, profile)
     space = make_space(prep, cfg)
     interrupted: list[bool] = []
     search = run_search(prep, space, cfg, tracker, interrupted)

@@ -32,12 +32,13 @@ def _variant(model_py: Path, name: str) -> None:
     (model_py.parent / "variant.txt").write_text(name)
 
 
-def _policy(model_py: Path, target: str = "t4", budget: float = 0.01, **extra) -> Path:
+def _policy(model_py: Path, target: str | dict = "t4", budget: float = 0.01, **extra) -> Path:
     """What tune writes for this model: fp16 hidden layers, its fingerprint, a budget."""
     fp = fingerprint(load_model_file(model_py).model())
     layers = extra.pop("layers", {"fc1": "fp16", "fc2": "fp16"})
     pol = Policy(default="fp32", layers=layers, model={"name": "check_mlp", "fingerprint": fp},
-                 target={"device": target, "batch_size": 16},
+                 target=target if isinstance(target, dict) else {"device": target,
+                                                                 "batch_size": 16},
                  metrics={"error": 0.0004, "budget": budget, "est_speedup": 1.0,
                           "feasible": True}, **extra)
     return pol.save(model_py.parent / "policy.yaml")
@@ -179,3 +180,19 @@ def test_text_output_says_each_reason_and_note_once(model_py: Path) -> None:
     assert run.returncode == 1, both
     assert "FAILED" in run.stdout and both.count("non-finite output values") == 1
     assert both.count("fingerprint") == 1, both
+
+
+def test_compile_mode_from_the_policy_or_the_flag(model_py: Path, capsys) -> None:
+    code, eager, _ = _cli(capsys, str(model_py), "--policy", str(_policy(model_py)))
+    assert code == 0 and eager["mode"] == "eager"
+    code, flag, _ = _cli(capsys, str(model_py), "--policy", str(_policy(model_py)), "--compile")
+    assert code == 0 and flag["mode"] == "compile"
+    # fused casts: the per-leaf fp16 plan costs less compiled than op by op
+    assert flag["est_speedup"] > eager["est_speedup"]
+    assert flag["breakdown"]["kernels"] < eager["breakdown"]["kernels"]
+    policy = _policy(model_py, target={"device": "t4", "batch_size": 16, "mode": "compile"})
+    code, recorded, _ = _cli(capsys, str(model_py), "--policy", str(policy))
+    assert code == 0 and recorded["mode"] == "compile"
+    assert recorded["est_speedup"] == flag["est_speedup"]
+    code, back, _ = _cli(capsys, str(model_py), "--policy", str(policy), "--eager")
+    assert back["mode"] == "eager" and back["est_speedup"] == eager["est_speedup"]

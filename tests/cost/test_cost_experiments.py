@@ -125,3 +125,18 @@ def test_gpu_latency_runs_on_a_gpu_at_small_sizes(tmp_path):
     df = pd.read_csv(tmp_path / "results.csv")
     assert (df["measured_ms"] > 0).all()
     assert (df["audit"].dropna() == "ok").all()
+
+
+@pytest.mark.slow
+def test_gpu_latency_dry_run_measures_compiled_runs(tmp_path):
+    r = _run("experiments/gpu_latency.py", "--dry-run", "--compile", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "compiled.csv")
+    assert list(df["run"]) == ["all-fp32", "global autocast bf16", "default: bf16",
+                               "fp8 mix (bf16 + fp8 qkv/fc1/fc2)",
+                               "per-leaf islands (fp32 + bf16 per leaf)"]
+    assert "error" not in df.columns or df["error"].isna().all(), df.get("error")
+    assert (df["measured_ms"] > 0).all() and (df["est_cal_ms"] > 0).all()
+    assert "torch.compile" in (tmp_path / "results.md").read_text()

@@ -142,6 +142,13 @@ def test_eval_json_summary(tmp_path: Path, model_py: Path, capsys) -> None:
     # the norm-only rule is a warning, on stderr and in the summary
     assert "layers['ln']: bf16 rule covers no autocast-eligible op" in err
     assert any("layers['ln']" in w for w in s["warnings"])
+    assert s["mode"] == "eager"
+    code, out, err = run(["eval", str(model_py), "--policy", str(pol), "--json", "--compile"],
+                         capsys)
+    assert code == 0, err
+    c = json.loads(out)
+    assert c["mode"] == "compile" and c["error"] == s["error"]  # apply is unchanged
+    assert c["breakdown"]["kernels"] < s["breakdown"]["kernels"]
 
 
 def test_eval_table_target_override_and_metric_drop(tmp_path: Path, model_py: Path,

@@ -41,6 +41,17 @@ def test_golden_minimal_file_with_a_target_name() -> None:
     assert p.precisions == ("fp32", "bf16")
 
 
+def test_target_mode_is_optional_and_round_trips(tmp_path: Path) -> None:
+    assert load_policy(GOLDEN / "schema1_full.yaml").mode == "eager"  # old files: eager
+    p = loads_policy("autoprec_policy: 1\ntarget: {device: cpu, batch_size: 8, mode: compile}"
+                     "\ndefault: bf16\nlayers: {}\n")
+    assert p.mode == "compile" and p.target == {"device": "cpu", "batch_size": 8,
+                                                "mode": "compile"}
+    p.save(tmp_path / "p.yaml")
+    assert load_policy(tmp_path / "p.yaml").mode == "compile"
+    assert "mode: compile" in (tmp_path / "p.yaml").read_text()
+
+
 def test_round_trip(tmp_path: Path) -> None:
     p = load_policy(GOLDEN / "schema1_full.yaml")
     out = p.save(tmp_path / "sub" / "p.yaml")
@@ -111,6 +122,8 @@ BAD = {
     "target batch size": (BASE + "target: {device: h100, batch_size: 0}\n",
                           "target.batch_size: must be a positive integer, got 0"),
     "target unknown key": (BASE + "target: {gpu: h100}\n", "target.gpu: unknown key"),
+    "target mode": (BASE + "target: {device: cpu, mode: jit}\n",
+                    "target.mode: must be one of eager, compile, got 'jit'"),
     "model fingerprint": (BASE + "model: {fingerprint: abc}\n",
                           "model.fingerprint: must look like 'sha256:<hex>'"),
     "model name type": (BASE + "model: {name: 3}\n", "model.name: must be a string"),

@@ -187,3 +187,17 @@ def test_a_study_tuned_with_other_settings_is_refused(tmp_path: Path, capsys):
     assert code == 0, err
     code, err = _cli([*common, "--batch-size", "1024"], capsys)
     assert code == 2 and "other settings (batch_size: 65536 there, 1024 now)" in err, err
+
+
+def test_compile_mode_prices_compiled_and_is_recorded(tmp_path: Path, capsys):
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    common = ["tune", str(TRAP), "--no-track", "--quiet", "--storage", db, "--study-name",
+              "s", "--trials", "2", "--precisions", "fp16", "--target", "t4",
+              "--out", str(tmp_path / "p.yaml")]
+    code, err = _cli([*common, "--compile"], capsys)
+    assert code in (0, 1), err
+    pol = load_policy(tmp_path / "p.yaml")
+    assert pol.mode == "compile" and pol.target["device"] == "t4"
+    # the compiled price is a study setting: an eager run may not join the compiled study
+    code, err = _cli(common, capsys)
+    assert code == 2 and "other settings (mode: 'compile' there, None now)" in err, err

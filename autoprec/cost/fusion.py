@@ -1,0 +1,393 @@
+"""Compile mode: a plan priced as ``torch.compile`` (inductor) runs it, not op by op.
+
+The recorded forward replayed under a plan (``autoprec.plan.schedule``: every op's dtypes,
+every cast) is regrouped into the kernels inductor generates:
+
+- *extern kernels* stay one call each at the precision they compute in, priced as in eager
+  mode (``CostModel``): GEMMs (linear -> addmm / mm with the bias inside, bmm, conv) and
+  SDPA;
+- every other op that launches a kernel in eager mode — norms, softmax, activations,
+  residual adds, the model's own casts, embedding gathers, factories — and every cast the
+  plan inserts (autocast's input casts, weights included; fp32 islands' entry casts;
+  16-bit outputs cast back to fp32) is *fused*: the ops between two extern calls, in
+  program order, form one *segment*, and a segment runs as fused kernels that read each
+  value produced outside them once (at the dtype it is stored in) and write once each value
+  read outside them (by a later extern or segment, or returned by the model). Values that
+  live only inside a segment (a bias add's output feeding GELU, a cast's source) are never
+  written: a cast costs its 16-bit store and the read of whoever reads it, not a read and
+  a write of its own.
+- *CSE*: a value cast twice to the same dtype (q, k and v projections reading one
+  LayerNorm output; a tied weight) is cast once: inductor's graph is CSE'd, autocast's
+  per-call re-cast (``cache_enabled=False`` in eager) is gone.
+- CPU (inductor's C++ backend): every fused node of a segment is *one* kernel (one launch):
+  the C++ scheduler puts the weight casts of the next GEMM in the same kernel as the
+  activation's epilogue (seen in the generated code: ``cpp_fused__to_copy_gelu_1`` casts
+  the GELU output, the weight and the bias of the next Linear). CUDA (Triton): a segment
+  runs one kernel per group of nodes connected by data (a weight cast, which reads only
+  its weight, is its own kernel); that is the rule below for ``horizontal=False``.
+- GEMM formats: per-tensor fp8 current scaling is priced as an amax pass (reading the
+  16-bit input; fused into the producing kernel on CUDA, where it is an epilogue
+  reduction) and a scale-and-cast pass (a second kernel on CUDA: it needs the finished
+  amax), MXFP8 as one fused pass; weights are quantised once (cached), as in eager.
+
+Weights are read every call and their casts run every call (the default
+``torch.compile``); freezing (``torch._inductor.config.freezing``) would constant-fold them,
+which ``frozen=True`` prices (the casts cost nothing, a GEMM reads the 16-bit weight).
+
+Uncertain (measured against inductor in ``experiments/compile_cost.py``; see README):
+whether two reductions of different shapes share one Triton kernel (the rule fuses any
+data-connected nodes of a segment, as the C++ backend does); Triton's launch overhead
+under CUDA graphs (the profile's ``launch_overhead_us`` is eager's); the amax/cast fusion
+of fp8 (no fp8 on this team's CPUs); inductor's pattern rewrites (e.g. a decomposed
+attention matched back into SDPA) are not modelled: the recorded ops are what is priced.
+Pointwise FLOPs are not priced (memory-bound), as in eager mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoprec.cost.model import _FP8, _GEMM, _OTHER, CostModel, Kernel, device_type_of
+from autoprec.cost.profiles import DeviceProfile
+from autoprec.plan.compile import CODE
+from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule
+from autoprec.policy.schema import MODES  # deployment modes (policy ``target.mode``)
+from autoprec.trace.graph import LayerGraph
+
+_PARAM = -2  # producer of parameters and model inputs (read, never written)
+_EXTERN = -3  # producer/consumer id of an extern kernel (its bytes are priced with it)
+_OUT = -4  # consumer id of the model's outputs (always written)
+_SHIFT = 16  # dtype codes < 16: key = unit * _SHIFT + dtype
+#: aten ops that produce a view in inductor although their schema returns a new tensor.
+_VIEWS = frozenset({"_unsafe_view", "alias", "lift_fresh", "detach"})
+
+
+def _is_extern(op) -> bool:  # noqa: ANN001
+    """A GEMM/conv/SDPA: its own kernel call in inductor's program. SDPA reached below the
+    function level (``nn.MultiheadAttention`` calls aten's
+    ``_scaled_dot_product_flash_attention_for_cpu`` & co. directly) counts too."""
+    return op.kind in ("gemm", "attention") or "scaled_dot_product" in op.name
+
+
+@dataclass
+class _Edge:
+    """A value version read by a node: ``chain`` lists its possible producers, latest
+    first, each with the rows where it is the one that produced the version (a cast that
+    does not run in a row leaves the read to the version before it)."""
+
+    reader: int  # node id of the reader; -1: the model's caller (outputs)
+    active: np.ndarray | bool  # (T,) rows where the reader runs
+    chain: list[tuple[int, np.ndarray | bool]]  # (node, rows) latest first
+    base: int  # value id (views resolved to the viewed value)
+    numel: float  # elements read (the viewed value's, at the deployment batch)
+    item: float  # bytes per element for the OTHER dtype code
+    dtype: np.ndarray  # (T,) dtype code the version carries
+
+
+class CompiledCostModel(CostModel):
+    """``CostModel`` for ``torch.compile``: extern GEMM/SDPA calls + fused segments.
+
+    ``horizontal``: one kernel per segment (inductor's C++ backend; default on the cpu
+    profile) or one per data-connected group (Triton; default on GPU profiles).
+    ``frozen``: weight casts constant-folded (``torch._inductor.config.freezing``).
+    ``call_overhead_s``: seconds per forward outside the kernels (dynamo's guards and the
+    compiled wrapper's Python; measured by ``experiments/compile_cost.py`` as the
+    intercept of compiled chains of 1 and 8 tiny kernel pairs): the same for every plan,
+    so it moves speed-ups, not rankings.
+    """
+
+    mode = "compile"
+
+    def __init__(self, graph: LayerGraph, profile: DeviceProfile,
+                 batch_size: int | None = None, *, device_type: str | None = None,
+                 horizontal: bool | None = None, frozen: bool = False,
+                 call_overhead_s: float = 0.0) -> None:
+        self.horizontal = (device_type_of(profile) == "cpu" if horizontal is None
+                           else horizontal)
+        self.frozen = frozen
+        self.call_overhead_s = max(0.0, float(call_overhead_s))
+        super().__init__(graph, profile, batch_size, device_type=device_type)
+
+    # -- the fused program ---------------------------------------------------------------
+    def _units(self, sch: Schedule) -> tuple[list[_Edge], np.ndarray, list[tuple[int, object]],
+                                              list[int]]:
+        """Walk the schedule: the edges, the node -> unit map, the nodes' activity and the
+        fp8 quantisation nodes. Units are segments (horizontal) or data-connected groups."""
+        tr, t = self.trace, sch.plans
+        vals = tr.values
+        node_seg: list[int] = []  # segment of each fused node (externs: _EXTERN)
+        node_on: list[np.ndarray | bool] = []
+        node_module: list[int] = []
+        edges: list[_Edge] = []
+        base = list(range(len(vals)))
+        init = np.array([DTYPES.index(v.dtype) if v.dtype in DTYPES[:6] else OTHER
+                         for v in vals], dtype=np.int8)
+        cur: dict[int, tuple[list[tuple[int, np.ndarray | bool]], np.ndarray]] = {}
+        casts_at: dict[int, list] = {}
+        for c in sch.casts:
+            casts_at.setdefault(c.event, []).append(c)
+        quant_at: dict[int, list] = {}
+        for f in sch.quant_inputs:
+            quant_at.setdefault(f.op, []).append(f)
+        cse: dict[tuple[int, int], list[tuple[int, np.ndarray, np.ndarray]]] = {}
+        saved: dict[int, dict[int, tuple]] = {}
+        quant: list[tuple[int, object]] = []  # (segment, QuantInput)
+        seg = 0
+        depth = 0
+        root_outputs: list[int] = []
+
+        def version(v: int) -> tuple[list[tuple[int, np.ndarray | bool]], np.ndarray]:
+            got = cur.get(v)
+            if got is None:
+                got = cur[v] = ([], np.full(t, init[v], dtype=np.int8))
+            return got
+
+        def node(segment: int, on: np.ndarray | bool, module: int) -> int:
+            node_seg.append(segment)
+            node_on.append(on)
+            node_module.append(module)
+            return len(node_seg) - 1
+
+        def read(reader: int, active: np.ndarray | bool, v: int, chain: list, dtype: np.ndarray,
+                 numel: float | None = None) -> None:
+            edges.append(_Edge(reader, active, chain, base[v],
+                               self._numel[v] if numel is None else numel,
+                               float(vals[v].itemsize), dtype))
+
+        def cast(c, module: int) -> tuple[list, np.ndarray]:  # noqa: ANN001
+            """A cast node reading the current version of c.value; returns the version it
+            makes (with CSE against earlier casts of the same version to the same dtype)."""
+            chain, dtype = version(c.value)
+            vid = chain[0][0] if chain else -1  # the version: the node that made it
+            on = np.asarray(c.on, dtype=bool)
+            if c.weight and self.frozen:  # constant-folded: the GEMM reads the cast weight
+                n = node(_PARAM, False, module)
+                return [(n, on)] + chain, np.where(on, c.dst, dtype).astype(np.int8)
+            earlier = cse.setdefault((vid, c.value), [])
+            dup_chain: list[tuple[int, np.ndarray | bool]] = []
+            dup = np.zeros(t, dtype=bool)
+            for n_e, on_e, dst_e in earlier:
+                hit = on & on_e & (dst_e == c.dst) & ~dup
+                if hit.any():
+                    dup_chain.append((n_e, hit))
+                    dup |= hit
+            mine = on & ~dup
+            n = node(seg, mine, module)
+            read(n, mine, c.value, chain, dtype)
+            earlier.append((n, mine, np.asarray(c.dst)))
+            new_chain = [(n, mine), *dup_chain, *chain]
+            return new_chain, np.where(on, c.dst, dtype).astype(np.int8)
+
+        for ev, (what, idx) in enumerate(tr.events):
+            if what == 1:
+                call = tr.calls[idx]
+                if depth == 0:
+                    root_outputs.extend(call.outputs)
+                depth += 1
+                mine: dict[int, tuple] = {}
+                for c in casts_at.get(ev, ()):
+                    mine.setdefault(c.value, version(c.value))
+                    cur[c.value] = cast(c, call.module)
+                saved[idx] = mine
+                continue
+            if what == 2:
+                depth -= 1
+                call = tr.calls[idx]
+                for v, old in saved.pop(idx, {}).items():
+                    if v not in call.outputs:
+                        cur[v] = old
+                for c in casts_at.get(ev, ()):
+                    cur[c.value] = cast(c, call.module)
+                continue
+            op = tr.ops[idx]
+            reads = sch.reads[idx]
+            if op.kind == "view" or op.name in _VIEWS:
+                if op.inputs:
+                    src = op.inputs[0]
+                    for o in op.outputs:
+                        cur[o] = version(src)
+                        base[o] = base[src]
+                continue
+            temp: dict[int, tuple] = {}
+            for c in casts_at.get(ev, ()):
+                temp[c.value] = cast(c, op.module)
+            kern = sch.kernel[idx]
+            extern = _is_extern(op)
+            if extern:
+                for f in quant_at.get(idx, ()):
+                    quant.append((seg, f))
+                    node(seg, np.asarray(f.on, dtype=bool), op.module)
+            unit = _EXTERN if extern else seg
+            n = node(unit, kern, op.module)
+            for k, v in enumerate(op.inputs):
+                chain, _ = temp.get(v) or version(v)
+                numel = None
+                if op.kind == "embedding" and vals[v].source == "param":
+                    numel = float(sum(self._numel[o] for o in op.outputs))  # gathered rows
+                read(n, kern, v, chain, reads[k], numel)
+            writes = sch.writes[idx]
+            for j, o in enumerate(op.outputs):
+                if op.kind == "cast" and op.inputs and not isinstance(kern, bool):
+                    chain = [(n, kern), *version(op.inputs[0])[0]]  # a no-op cast aliases
+                else:
+                    chain = [(n, True)]
+                cur[o] = (chain, writes[j].astype(np.int8))
+            if extern:
+                seg += 1
+        for v in dict.fromkeys(root_outputs):
+            if v < len(vals) and vals[v].dtype in DTYPES[:6]:
+                chain, dtype = version(v)
+                read(-1, True, v, chain, dtype)
+        unit_of = np.array(node_seg, dtype=np.int64)
+        if not self.horizontal:
+            unit_of = self._groups(unit_of, edges)
+        self._node_module = node_module
+        return edges, unit_of, list(zip(node_on, range(len(node_on)), strict=True)), \
+            [s for s, _ in quant]
+
+    @staticmethod
+    def _groups(unit_of: np.ndarray, edges: list[_Edge]) -> np.ndarray:
+        """Triton: split each segment into groups of nodes connected by data."""
+        parent = list(range(len(unit_of)))
+
+        def find(a: int) -> int:
+            while parent[a] != a:
+                parent[a] = parent[parent[a]]
+                a = parent[a]
+            return a
+
+        # an edge joins its reader with the producers in its chain that share its segment;
+        # the reader is the node created right after the edge's producers (unit = segment)
+        for e in edges:
+            if e.reader < 0 or unit_of[e.reader] < 0:
+                continue
+            for nd, _ in e.chain:
+                if unit_of[nd] == unit_of[e.reader]:
+                    parent[find(nd)] = find(e.reader)
+        out = unit_of.copy()
+        fused = unit_of >= 0
+        roots = np.array([find(i) for i in range(len(unit_of))])
+        out[fused] = roots[fused]
+        return out
+
+    def _price(self, sch: Schedule, collect: list[tuple[int, Kernel]] | None = None
+               ) -> np.ndarray:
+        t = sch.plans
+        parts = np.zeros((t, 4))
+        tr = self.trace
+        bw, launch = self._bw, self._launch
+        # extern kernels: as in eager mode
+        for i, op in enumerate(tr.ops):
+            if not _is_extern(op):
+                continue
+            nbytes = self._bytes(list(op.inputs), sch.reads[i]) + self._bytes(
+                op.outputs, sch.writes[i])
+            comp = sch.compute[i]
+            if comp is None:  # an aten-level SDPA: no FLOPs recorded, memory-bound
+                parts[:, _GEMM] += nbytes / bw + launch
+                if collect is not None:
+                    collect.append((op.module, Kernel("attention", float(nbytes[0]))))
+                continue
+            peak = self._peak[comp]
+            with np.errstate(divide="ignore"):
+                ct = np.where(peak > 0, self._op_flops[i] / np.where(peak > 0, peak, 1.0),
+                              math.inf)
+            parts[:, _GEMM] += np.maximum(ct, nbytes / bw) + launch + self._setup[comp]
+            if collect is not None:
+                collect.append((op.module, Kernel(op.kind, float(nbytes[0]),
+                                                  float(self._op_flops[i]),
+                                                  _prec_name(int(comp[0])), 1.0, 1.0)))
+        edges, unit_of, nodes, quant_segs = self._units(sch)
+        # fused bytes: per value, the distinct (unit, dtype) reads and writes of each row
+        by_value: dict[tuple[int, float], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        for e in edges:
+            prod = np.full(t, _PARAM, dtype=np.int64)
+            seen = np.zeros(t, dtype=bool)
+            for nd, rows in e.chain:
+                sel = np.asarray(rows, dtype=bool) & ~seen
+                prod = np.where(sel, unit_of[nd], prod)
+                seen |= np.asarray(rows, dtype=bool)
+            cons = _OUT if e.reader < 0 else int(unit_of[e.reader])
+            ext = np.broadcast_to(np.asarray(e.active, dtype=bool), (t,)) & (prod != cons)
+            dt = e.dtype.astype(np.int64)
+            rd = np.where(ext & (cons >= 0), cons * _SHIFT + dt, -1)
+            wr = np.where(ext & (prod >= 0), prod * _SHIFT + dt, -1)
+            by_value.setdefault((e.base, e.numel, e.item), []).append((rd, wr, prod))
+        width = WIDTH.copy()
+        fused = np.zeros(t)
+        per_unit: dict[int, float] = {}
+        for (_, numel, item), rows in by_value.items():
+            w = width.copy()
+            w[OTHER] = item
+            for col in (0, 1):
+                keys = np.sort(np.stack([r[col] for r in rows]), axis=0)  # (k, T)
+                first = np.ones_like(keys, dtype=bool)
+                first[1:] = keys[1:] != keys[:-1]
+                valid = first & (keys >= 0)
+                nb = np.where(valid, w[np.where(keys >= 0, keys % _SHIFT, 0)] * numel, 0.0)
+                fused += nb.sum(axis=0)
+                if collect is not None:
+                    for k in np.flatnonzero(valid[:, 0]):
+                        u = int(keys[k, 0] // _SHIFT)
+                        per_unit[u] = per_unit.get(u, 0.0) + float(nb[k, 0])
+        # launches: units with a node that runs
+        live: dict[int, np.ndarray] = {}
+        for on, nd in nodes:
+            u = int(unit_of[nd])
+            if u < 0:
+                continue
+            a = np.broadcast_to(np.asarray(on, dtype=bool), (t,))
+            live[u] = live[u] | a if u in live else a.copy()
+        launches = np.zeros(t)
+        for a in live.values():
+            launches += a
+        # fp8 & co: amax read + scale-and-cast pass (read, write the format's bytes)
+        qbytes = np.zeros(t)
+        for f in sch.quant_inputs:
+            n = self._numel[f.value]
+            src = WIDTH[f.src]
+            for code, written, passes in ((CODE["fp8"], 1.0, 2), (CODE["mxfp8"], WIDTH[6], 1),
+                                          (CODE["nvfp4"], WIDTH[7], 2)):
+                on = f.on & (f.fmt == code)
+                if on.any():
+                    qbytes += np.where(on, n * (src * passes + written), 0.0)
+                    if not self.horizontal:
+                        launches += np.where(on, passes - 1, 0)  # the cast waits for amax
+        parts[:, _OTHER] += fused / bw + launches * launch + self.call_overhead_s
+        parts[:, _FP8] += qbytes / bw
+        if collect is not None:
+            for u, a in live.items():
+                if a[0]:
+                    m = self._unit_module(u, unit_of)
+                    collect.append((m, Kernel("fused", per_unit.get(u, 0.0))))
+            if qbytes[0] > 0:
+                collect.append((-1, Kernel("fp8_cast", float(qbytes[0]), launches=0.0)))
+        return parts
+
+    def _unit_module(self, unit: int, unit_of: np.ndarray) -> int:
+        hits = np.flatnonzero(unit_of == unit)
+        return self._node_module[int(hits[-1])] if len(hits) else -1
+
+
+def _prec_name(code: int) -> str:
+    from autoprec.precisions import PRECISIONS
+
+    return PRECISIONS[code]
+
+
+def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int | None = None,
+                    mode: str = "eager", **kwargs: object) -> CostModel:
+    """The cost model of a deployment ``mode``: "eager" (op by op) or "compile" (inductor)."""
+    from autoprec.errors import InputError
+
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}")
+    if mode == "compile":
+        return CompiledCostModel(graph, profile, batch_size, **kwargs)  # type: ignore[arg-type]
+    return CostModel(graph, profile, batch_size, **kwargs)  # type: ignore[arg-type]
+
+
+__all__ = ["CompiledCostModel", "MODES", "make_cost_model"]

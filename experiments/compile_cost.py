@@ -1,0 +1,289 @@
+"""Does the compile-mode cost model price what inductor really runs?
+
+For each model and plan: apply the policy (``target="cpu"``), ``torch.compile`` it
+(inductor, this CPU), read the generated code (``torch._inductor.utils.run_and_get_code``)
+and count the kernels its ``call`` launches (``cpp_fused_*`` kernels + ``extern_kernels.*``
+GEMMs + aten fallbacks); time the compiled forward. The same plan is priced by
+``CompiledCostModel`` (autoprec/cost/fusion.py): its kernel count, and its time on a
+profile calibrated here on *compiled* micro-benchmarks (single Linear per precision, an
+elementwise op; never on the plans being ranked). Reported: per plan the priced vs launched
+kernel count and inductor's ``generated_kernel_count`` (it counts C++ kernel bodies
+generated, not launches: on CPU it is larger than the launches and is shown for
+reference), estimated vs measured time; Spearman's rank correlation, median and worst
+relative time error (pooled and per model).
+
+Timing: one torch thread, the thread's CPU time (``measure_latency(clock="thread")``; the
+team's 2-core machines are shared); each compiled forward is warmed up first.
+
+    python experiments/compile_cost.py              # 4 models, ~20 plans (~10 min on 2 cores)
+    python experiments/compile_cost.py --smoke      # one tiny model, 2 plans (tests)
+    python experiments/compile_cost.py --models mixed8,wide --random 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.apply.apply import apply_policy
+from autoprec.cost import Sample, fit, get_profile, measure_latency
+from autoprec.cost.calibrate import copy_graph, gemm_graph
+from autoprec.cost.fusion import CompiledCostModel
+from autoprec.loading import load_model_file
+from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
+from autoprec.trace import trace
+
+HERE = Path(__file__).resolve().parent
+MODELS = {"mixed8": HERE / "mixed8" / "model.py", "wide": HERE / "wide" / "model.py",
+          "nn_transformer": HERE / "nn_transformer" / "model.py",
+          "minilm": HERE / "minilm" / "model.py"}
+PRECS = ("fp32", "bf16", "fp16")
+_LAUNCH = re.compile(r"^\s*(?:[\w, ]+=\s*)?(cpp_fused_\w+|extern_kernels\.\w+|"
+                     r"torch\.ops\.aten\.\w+(?:\.\w+)?)\(")
+
+
+def timed(run: Any, warmup: int, repeats: int) -> float:
+    return measure_latency(run, "cpu", warmup, repeats, clock="thread").median_s
+
+
+def launches(code: str) -> dict[str, int]:
+    """Kernels the generated ``call`` function launches: fused, extern, aten fallback."""
+    out = {"fused": 0, "extern": 0, "fallback": 0}
+    body = code.split("def call(", 1)[-1]
+    body = body.split("\ndef ", 1)[0]
+    for line in body.splitlines():
+        m = _LAUNCH.match(line)
+        if not m:
+            continue
+        name = m.group(1)
+        kind = ("fused" if name.startswith("cpp_fused") else
+                "extern" if name.startswith("extern") else "fallback")
+        if kind == "fallback" and name.split(".")[3] in ("view", "reshape", "_reinterpret_tensor"):
+            continue
+        out[kind] += 1
+    return out
+
+
+def compile_and_count(net: nn.Module, run: Any) -> tuple[Any, dict[str, int], int]:
+    """Compile ``net`` fresh, run it once; (compiled, launches, generated_kernel_count)."""
+    from torch._inductor import metrics
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    metrics.reset()
+    compiled = torch.compile(net)
+    _, codes = run_and_get_code(lambda: run(compiled))
+    counts = {"fused": 0, "extern": 0, "fallback": 0}
+    for code in codes:
+        for k, v in launches(code).items():
+            counts[k] += v
+    return compiled, counts, int(metrics.generated_kernel_count)
+
+
+class One(nn.Module):
+    """One GEMM leaf ``gemm`` (what ``calibrate.gemm_graph`` describes)."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.gemm = nn.Linear(k, n, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x)
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+class TinyChain(nn.Module):
+    """k tiny (4 x 4) GEMM + scale pairs: 2k kernels of (almost) nothing."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(4, 4)) for _ in range(k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w in self.w:
+            x = (x @ w) * 0.5
+        return x
+
+
+def call_overhead(repeats: int) -> tuple[float, float]:
+    """(per forward, per kernel pair) seconds of a compiled call: the intercept and slope
+    of tiny chains of 1 and 8 pairs (dynamo's guards and the wrapper's Python vs the
+    kernels' launches)."""
+    x = torch.randn(4, 4)
+    t = {}
+    with torch.no_grad():
+        for k in (1, 8):
+            compiled, _, _ = compile_and_count(TinyChain(k).eval(), lambda c: c(x))
+            t[k] = timed(lambda c=compiled: c(x), 5, max(repeats, 25))
+    pair = max(0.0, (t[8] - t[1]) / 7)
+    return max(0.0, t[1] - pair), pair
+
+
+def calibrate(profile: Any, repeats: int, smoke: bool) -> Any:
+    """Fit the profile on compiled micro-benchmarks: single GEMMs per precision, an
+    elementwise kernel (8 MiB) and a tiny one (launch), each less the per-forward
+    overhead of a compiled call (``call_overhead``; kept in ``.call_overhead_s`` of the
+    result, for ``CompiledCostModel(call_overhead_s=...)``)."""
+    per_call, _ = call_overhead(repeats)
+    # cost_model_cpu's shapes: large GEMMs pin the peaks, small ones the per-call set-up of
+    # 16-bit GEMMs (oneDNN's, ~30 us here: it decides small layers)
+    shapes = [(32, 64, 64)] if smoke else [(512, 512, 2048), (512, 2048, 512),
+                                           (512, 1024, 1024), (512, 128, 128), (512, 64, 64)]
+    samples = []
+    with torch.no_grad():
+        for m, k, n in shapes:
+            one, x = One(k, n).eval(), torch.randn(m, k)
+            cm = CompiledCostModel(gemm_graph(m, k, n), profile)
+            for prec in PRECS:
+                pol = Policy(default=prec)
+                with apply_policy(one, pol, target="cpu"):
+                    compiled, _, _ = compile_and_count(one, lambda c, x=x: c(x))
+                    t = timed(lambda c=compiled, x=x: c(x), 3, repeats)
+                samples.append(Sample(cm, pol, max(t - per_call, 0.1 * t),
+                                      f"gemm {m}x{k}x{n} {prec}"))
+        for elems, label in ((1 << (13 if smoke else 21), "copy"), (16, "tiny")):
+            x = torch.randn(elems)
+            compiled, _, _ = compile_and_count(Scale(), lambda c, x=x: c(x))
+            t = timed(lambda c=compiled, x=x: c(x), 3, max(repeats, 25 if label == "tiny" else 1))
+            samples.append(Sample(CompiledCostModel(copy_graph(elems), profile), {},
+                                  max(t - per_call, 0.1 * t), label))
+    torch._dynamo.reset()
+    res = fit(profile, samples, fit_setup=True, note="compiled micro-benchmarks, "
+              "experiments/compile_cost.py")
+    res.call_overhead_s = per_call
+    return res
+
+
+def plans(net: nn.Module, n_random: int, rng: random.Random) -> list[tuple[str, Policy]]:
+    """Regions, per-leaf islands, a region with exceptions, random mixes."""
+    leaves = gemm_leaf_paths(net)
+    half = len(leaves) // 2
+    out = [(f"default {p}", Policy(default=p)) for p in PRECS]
+    out += [("fp32 + bf16 per leaf", Policy(default="fp32", layers=dict.fromkeys(leaves,
+                                                                                 "bf16"))),
+            ("bf16 + fp32 first half", Policy(default="bf16",
+                                              layers=dict.fromkeys(leaves[:half], "fp32")))]
+    for i in range(n_random):
+        default = rng.choice(PRECS)
+        targets = rng.sample(leaves, max(1, min(len(leaves), rng.randint(2, 6))))
+        out.append((f"random {i + 1}", Policy(default=default, layers={
+            p: rng.choice(PRECS) for p in targets})))
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic) if len(a) >= 3 else float("nan")
+
+
+def run_model(name: str, path: Path, profile: Any, args: argparse.Namespace,
+              rng: random.Random) -> list[dict[str, Any]]:
+    spec = load_model_file(path)
+    net = spec.model()
+    batch = spec.calibration_batches()[0]
+    graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
+    cm = CompiledCostModel(graph, profile, call_overhead_s=args.call_overhead_s)
+    todo = plans(net, args.random, rng)
+    if args.smoke:
+        todo = todo[:2]
+    rows = []
+    for label, pol in todo:
+        est = cm.estimate(pol)
+        priced = cm.breakdown(pol).kernels
+        t0 = time.monotonic()
+        with torch.no_grad(), apply_policy(net, pol, target="cpu"):
+            compiled, counts, generated = compile_and_count(
+                net, lambda c: spec.forward(c, batch))
+            secs = time.monotonic() - t0
+            t = timed(lambda c=compiled: spec.forward(c, batch), 3, args.repeats)
+        rows.append({"model": name, "plan": label, "priced_kernels": priced,
+                     "launched": sum(counts.values()), "fused": counts["fused"],
+                     "extern": counts["extern"] + counts["fallback"],
+                     "generated_kernel_count": generated, "est_us": est * 1e6,
+                     "measured_us": t * 1e6, "compile_s": secs})
+        r = rows[-1]
+        print(f"  {name:14s} {label:24s} kernels priced {priced:4d} launched "
+              f"{r['launched']:4d}  est {r['est_us']:9.1f} us  measured {r['measured_us']:9.1f}"
+              f" us  (compile {secs:.0f} s)", file=sys.stderr, flush=True)
+    torch._dynamo.reset()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--random", type=int, default=1, help="random plans per model")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore", PolicyWarning)
+    torch.set_num_threads(1)
+    names = ["mixed8"] if args.smoke else [m for m in args.models.split(",") if m]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}; known: {', '.join(MODELS)}")
+    base = get_profile("cpu")
+    started = time.monotonic()
+    cal = calibrate(base, 5 if args.smoke else args.repeats, args.smoke)
+    profile = cal.profile
+    args.call_overhead_s = cal.call_overhead_s
+    print(f"calibrated on compiled micro-benchmarks: rel. RMSE {cal.calibration.rel_rmse:.2f}; "
+          f"per compiled call {cal.call_overhead_s * 1e6:.1f} us; launch {profile.launch_overhead_s * 1e6:.1f} us, mem "
+          f"{profile.bandwidth / 1e9:.1f} GB/s, fp32 {profile.peak('fp32') / 1e12:.2f} TF, "
+          f"bf16 {profile.peak('bf16') / 1e12:.2f} TF, fp16 {profile.peak('fp16') / 1e12:.2f} TF")
+    rng = random.Random(args.seed)
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        rows += run_model(name, MODELS[name], profile, args, rng)
+    print()
+    print("| model | plan | kernels priced | launched (fused + extern) | "
+          "generated_kernel_count | est. µs | measured µs | est/meas |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['plan']} | {r['priced_kernels']} | {r['launched']} "
+              f"({r['fused']} + {r['extern']}) | {r['generated_kernel_count']} | "
+              f"{r['est_us']:.0f} | {r['measured_us']:.0f} | "
+              f"{r['est_us'] / r['measured_us']:.2f} |")
+    print()
+    print("| models | plans | kernels exact | kernel count error (median, worst) | "
+          "Spearman (time) | time error median | worst |")
+    print("|---|---|---|---|---|---|---|")
+    groups = [("all", rows)] + [(m, [r for r in rows if r["model"] == m]) for m in names]
+    for g, rs in groups:
+        if not rs:
+            continue
+        kerr = sorted(abs(r["priced_kernels"] - r["launched"]) / r["launched"] for r in rs)
+        terr = sorted(abs(r["est_us"] - r["measured_us"]) / r["measured_us"] for r in rs)
+        exact = sum(r["priced_kernels"] == r["launched"] for r in rs)
+        rho = spearman([r["est_us"] for r in rs], [r["measured_us"] for r in rs])
+        print(f"| {g} | {len(rs)} | {exact}/{len(rs)} | {_median(kerr):.0%}, {kerr[-1]:.0%} | "
+              f"{rho:.2f} | {_median(terr):.0%} | {terr[-1]:.0%} |")
+    print(f"\n({time.monotonic() - started:.0f} s; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread)")
+    return 0
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return math.nan if not n else (s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
