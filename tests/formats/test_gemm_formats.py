@@ -4,23 +4,10 @@ and the modules torch.nn never calls — asked the same way by every stage."""
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 from autoprec.formats.gemm import GEMM_FORMAT, eligible, ineligible_reason, linear_dims
 from autoprec.precisions import GEMM_FORMATS
-
-
-class Conv1D(nn.Module):
-    """HF GPT-2's Conv1D layout: weight (in, out), y = x @ W + b."""
-
-    def __init__(self, nx: int, nf: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.05)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.05)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight + self.bias
 
 
 def test_one_object_per_gemm_format() -> None:
@@ -52,8 +39,10 @@ def test_alignment_rules(fmt: str, k: int, n: int, expect: str | None) -> None:
 
 def test_linear_likes_training_and_unknown_formats() -> None:
     assert "LayerNorm is not a Linear-like GEMM" in ineligible_reason(nn.LayerNorm(64), "mxfp8")
-    assert linear_dims(Conv1D(64, 32)) == (64, 32)  # dims read as (in, out)
-    assert ineligible_reason(Conv1D(64, 32), "mxfp8") is None
+    from transformers.pytorch_utils import Conv1D  # GPT-2's: Conv1D(nf=out, nx=in)
+
+    assert linear_dims(Conv1D(32, 64)) == (64, 32)  # its weight is (in, out)
+    assert ineligible_reason(Conv1D(32, 64), "mxfp8") is None
     assert ineligible_reason(nn.Linear(64, 32), "mxfp8", training=True) is None
     assert "reduces over N in blocks of 32" in ineligible_reason(
         nn.Linear(64, 48), "mxfp8", training=True)
