@@ -22,26 +22,22 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from autoprec.apply.apply import apply_policy
-from autoprec.cost import Breakdown, DeviceProfile, get_profile
-from autoprec.cost.fusion import make_cost_model
+from autoprec.assess import Assessment, assess
+from autoprec.cost import DeviceProfile, get_profile
 from autoprec.errors import CheckFailed, InputError, PolicyError
-from autoprec.evaluate import nonfinite_watch, reference, score
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of, iter_floats
-from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy, resolve
+from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy
 from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.report_json import Reason, audit_reasons, feasible, number, reasons_json, speedup
 from autoprec.targets import DEFAULT_TARGET
-from autoprec.trace import trace
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
 
@@ -161,17 +157,6 @@ def _marked_infeasible(policy: Policy) -> str | None:
             "more trials")
 
 
-def _first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
-                     batches: Sequence[Any]) -> tuple[str, int] | None:
-    """(module path, batch index) of the first module whose output held inf/nan."""
-    with nonfinite_watch(model) as found, torch.no_grad(), fused_paths_off():
-        for i, b in enumerate(batches):
-            spec.run(model, b, i, "of eval_data")
-            if found:
-                return found[0], i
-    return None
-
-
 def _max_abs(model: torch.nn.Module, path: str, spec: ModelSpec, batch: Any) -> float:
     """max |output| of module ``path`` on ``batch`` (the model as it is now)."""
     seen = [0.0]
@@ -214,20 +199,14 @@ def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfi
     return reasons, layer_why
 
 
-def _layer_rows(spec: ModelSpec, net: torch.nn.Module, policy: Policy, batch: Any,
-                profile: DeviceProfile, batch_size: int, layer_why: dict[str, str],
-                mode: str = "eager") -> tuple[dict[str, dict[str, Any]], float, Breakdown]:
-    """One row per GEMM layer, the whole forward priced under the policy's plan as tune
-    prices it; the speed-up over fp32 and the breakdown."""
-    graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
-    assign = assignment(policy, net, [n.path for n in graph.gemm_nodes])
-    cost = make_cost_model(graph, profile, batch_size, mode)
-    bd = cost.breakdown(policy)
-    times = bd.by_module
+def _layer_rows(a: Assessment, net: torch.nn.Module, policy: Policy,
+                layer_why: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """One row per GEMM layer of the traced graph, with its price under the policy."""
+    assign = assignment(policy, net, [n.path for n in a.graph.gemm_nodes])
+    times = a.breakdown.by_module
     rows = {}
-    resolved = resolve(policy, net)  # a shared module: its rule under any of its paths
-    for node in graph.gemm_nodes:
-        r = resolved[node.path]
+    for node in a.graph.gemm_nodes:
+        r = a.layers[node.path]  # a shared module: its rule under any of its paths
         t = times.get(node.path)
         rows[node.path] = {
             "layer": node.path, "kind": node.kind, "precision": assign[node.path],
@@ -236,7 +215,7 @@ def _layer_rows(spec: ModelSpec, net: torch.nn.Module, policy: Policy, batch: An
             "est_time_us": None if t is None else t * 1e6,
             "reason": layer_why.get(node.path) or policy.reasons.get(node.path),
         }
-    return rows, cost.speedup(policy), bd
+    return rows
 
 
 def check(
@@ -303,31 +282,22 @@ def check(
     dev_reasons, layer_why = _device_reasons(policy, net, profile, tgt)
     reasons.extend(dev_reasons)
 
-    rows, result.est_speedup, bd = _layer_rows(spec, net, policy, calib[0], profile, bs,
-                                               layer_why, result.mode)
-    result.breakdown = bd.to_dict()
-
-    # -- evaluate on eval data ------------------------------------------------------------
-    batches = spec.eval_batches()
-    result.eval_batches = len(batches)
-    ref = reference(spec, net, batches, "of eval_data")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with apply_policy(net, policy, fp8_backend=fp8_backend, force=True,
-                          target=tgt) as handle:
-            report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
-                                  strict=False)
-            s = score(spec, net, batches, ref, "of eval_data")
-            bad = _first_nonfinite(spec, net, batches) if s.nonfinite else None
-    notes.extend(str(w.message) for w in caught if "fingerprint" not in str(w.message))
+    # -- score, audit and price: the pipeline eval shares (autoprec/assess.py) ----------
+    a = assess(spec, net, policy, target=tgt, profile=profile, batch_size=bs,
+               mode=result.mode, force=True, fp8_backend=fp8_backend,
+               capture_warnings=True)
+    s, ref, report, bd = a.score, a.reference, a.audit, a.breakdown
+    result.eval_batches = a.eval_batches
+    result.est_speedup = a.est_speedup
+    result.breakdown = {**bd.to_dict(), "audited_casts": report.casts}
+    notes.extend(n for n in a.notes if "fingerprint" not in n)
+    rows = _layer_rows(a, net, policy, layer_why)
     for row in report.rows:
         if row.layer in rows:
             rows[row.layer]["computed"] = row.computed
     reasons.extend(audit_reasons(report))
-    planned = bd.casts + bd.weight_casts
-    result.breakdown["audited_casts"] = report.casts
-    if report.casts != planned:  # priced from the calibration batch's trace
-        notes.append(f"the audited forward ran {report.casts} casts, the plan prices {planned}")
+    if a.casts_note():  # priced from the calibration batch's trace
+        notes.append(a.casts_note())
     result.layers = list(rows.values())
     result.error, result.nonfinite = s.error, s.nonfinite
     result.metric, result.metric_drop = s.metric, s.metric_drop
@@ -337,13 +307,13 @@ def check(
     name = "metric drop" if kind == "max_drop" else "error"
     if s.nonfinite:
         where, bad_layer = "", None
-        if bad is not None:  # the policy is removed by now: _max_abs measures fp32
-            path, i = bad
+        if a.first_nonfinite is not None:  # the policy is removed: _max_abs measures fp32
+            path, i = a.first_nonfinite
             bad_layer = path
-            r = handle.layers.get(path)
+            r = a.layers.get(path)
             prec = r.precision if r is not None else "?"
             fmt = FORMATS.get(prec)
-            peak = _max_abs(net, path, spec, batches[i])
+            peak = _max_abs(net, path, spec, spec.eval_batches()[i])
             limit = f" > {fmt.max:g}, the {prec} maximum" if fmt and peak > fmt.max else ""
             where = (f"; first at layer {path!r} ({prec}) on eval batch {i}: its fp32 output "
                      f"reaches max|y| {peak:.3g}{limit}")
@@ -351,7 +321,7 @@ def check(
                               f"policy{where}", bad_layer))
     elif not value <= budget:  # also catches nan
         reasons.append(f"{name} {value:.4g} > budget {budget:g} ({source}) on eval data "
-                       f"({len(batches)} batches)")
+                       f"({a.eval_batches} batches)")
     marked = _marked_infeasible(policy)
     if marked:
         reasons.append(marked)

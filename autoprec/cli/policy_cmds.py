@@ -21,7 +21,6 @@ import typer
 
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
-from autoprec.fused import fused_paths_off
 from autoprec.targets import DEFAULT_TARGET
 
 #: The target tune prices for when neither --target nor the policy names one.
@@ -168,19 +167,14 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
                     batch_size: int | None = None, force: bool = False,
                     measure: bool = False, compile: bool | None = None) -> dict[str, Any]:
     """What ``eval --json`` prints: score, audit and cost of a policy on model.py."""
-    import torch
 
-    from autoprec.apply.apply import apply_policy
+    from autoprec.assess import assess
     from autoprec.cost import get_profile
-    from autoprec.cost.fusion import make_cost_model
-    from autoprec.evaluate import reference, score
     from autoprec.loading import load_model_file
-    from autoprec.metrics import batch_size_of
     from autoprec.policy import load_policy
     from autoprec.report_json import feasible as feasible_rule
     from autoprec.report_json import reasons_json, speedup, verdict_reasons
     from autoprec.search.local_profile import speed_source
-    from autoprec.trace import trace
     from autoprec.validate import check_batch_size
 
     check_batch_size(batch_size)  # autoprec.validate: [1, MAX_BATCH_SIZE]
@@ -193,28 +187,16 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     source = speed_source(device, measure=measure,
                           cache_dir=policy_path.parent / ".autoprec" / "calibration")
     profile = source.profile
-    batches = spec.eval_batches()
-    calib0 = spec.calibration_batches()[0]
-    ref = reference(spec, net, batches, "of eval_data")
-
-    with apply_policy(net, pol, force=force, target=device) as handle:
-        sc = score(spec, net, batches, ref, "of eval_data")
-        with torch.no_grad(), fused_paths_off():
-            report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
-                                  strict=False)
-        fp8_backend = handle.fp8_backend
-
-    # The whole forward priced under the policy's plan at the deployment batch size (DESIGN:
-    # "price at the deployment shape"): GEMMs, casts, norms, activations, fp8 scaling.
-    graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
-    bs = batch_size or pol.batch_size or batch_size_of(calib0) or graph.batch_size
     mode = pol.mode if compile is None else ("compile" if compile else "eager")
-    cost = make_cost_model(graph, profile, bs, mode)
-    est = cost.speedup(pol)
-    infeasible = cost.infeasible(pol)
-    bd = cost.breakdown(pol)
-    times = bd.by_module
-    planned_casts = bd.casts + bd.weight_casts
+    # score, audit and price: the pipeline check shares (autoprec/assess.py)
+    a = assess(spec, net, pol, target=device, profile=profile, batch_size=batch_size,
+               mode=mode, force=force)
+    sc, ref, report, cost, bd = a.score, a.reference, a.audit, a.cost, a.breakdown
+    batches, calib0, graph, bs = spec.eval_batches(), spec.calibration_batches()[0], \
+        a.graph, a.batch_size
+    fp8_backend, est, infeasible, times = a.fp8_backend, a.est_speedup, a.infeasible, \
+        bd.by_module
+    planned_casts = a.planned_casts
     warns = list(report.warnings)
     if report.casts != planned_casts:  # e.g. dtype-dependent model code, or another batch
         warns.append(f"the audited forward ran {report.casts} casts, the plan prices "

@@ -1,0 +1,122 @@
+"""One evaluation of a policy on model.py, staged like tune: score, audit, price.
+
+``check`` (the gate) and ``eval`` (the report) both judge a policy the same way, so they
+share this pipeline and differ only in what they conclude from it:
+
+1. **score** — the fp32 reference on the eval data, then the policy applied and scored
+   against it (relative L2, or the metric drop), and where an output is non-finite, the
+   first module that produced it;
+2. **audit** — one real forward under the policy: every GEMM at its rule's precision,
+   every rule run (``apply.audit``), and the casts it ran;
+3. **price** — the whole forward traced on a calibration batch and priced under the
+   policy's plan on the target at the deployment batch size (eager or compiled).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autoprec.apply.apply import apply_policy
+from autoprec.apply.audit import AuditReport
+from autoprec.cost import Breakdown, DeviceProfile
+from autoprec.cost.fusion import make_cost_model
+from autoprec.evaluate import Reference, Score, nonfinite_watch, reference, score
+from autoprec.fused import fused_paths_off
+from autoprec.loading import ModelSpec
+from autoprec.metrics import batch_size_of
+from autoprec.policy import Policy
+from autoprec.policy.resolve import Resolved
+from autoprec.trace import LayerGraph, trace
+
+
+@dataclass
+class Assessment:
+    """What one evaluation of a policy found (see the module docs)."""
+
+    reference: Reference
+    score: Score
+    audit: AuditReport
+    layers: dict[str, Resolved]  # the applied plan's resolution of every module path
+    fp8_backend: str | None
+    first_nonfinite: tuple[str, int] | None  # (module path, eval batch) where inf/nan began
+    graph: LayerGraph
+    cost: Any  # CostModel or CompiledCostModel
+    breakdown: Breakdown
+    est_speedup: float  # over all-fp32 on the target (0 / inf as the cost model gives it)
+    infeasible: dict[str, str]  # precision -> why the target cannot run it
+    batch_size: int
+    eval_batches: int
+    notes: list[str] = field(default_factory=list)  # warnings captured while applying
+
+    @property
+    def planned_casts(self) -> int:
+        return self.breakdown.casts + self.breakdown.weight_casts
+
+    def casts_note(self) -> str | None:
+        """A note when the audited forward ran another number of casts than the plan
+        prices (dtype-dependent model code, or a batch other than the traced one)."""
+        if self.audit.casts == self.planned_casts:
+            return None
+        return (f"the audited forward ran {self.audit.casts} casts, the plan prices "
+                f"{self.planned_casts}")
+
+
+def first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
+                    batches: Sequence[Any]) -> tuple[str, int] | None:
+    """(module path, batch index) of the first module whose output held inf/nan."""
+    with nonfinite_watch(model) as found, torch.no_grad(), fused_paths_off():
+        for i, b in enumerate(batches):
+            spec.run(model, b, i, "of eval_data")
+            if found:
+                return found[0], i
+    return None
+
+
+def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str,
+           profile: DeviceProfile, batch_size: int | None, mode: str = "eager",
+           force: bool = False, fp8_backend: str | None = None,
+           capture_warnings: bool = False) -> Assessment:
+    """Score, audit and price ``policy`` on ``net`` (built from ``spec``) for ``target``.
+
+    ``batch_size``: the deployment batch (None: the policy's, else the calibration
+    batch's). ``capture_warnings``: policy warnings raised while applying are collected in
+    ``notes`` instead of being emitted (check reports them in its result).
+    """
+    batches = spec.eval_batches()
+    calib0 = spec.calibration_batches()[0]
+    ref = reference(spec, net, batches, "of eval_data")
+    caught: list[warnings.WarningMessage] = []
+    recording = warnings.catch_warnings(record=True) if capture_warnings else nullcontext()
+    with recording as got:
+        if capture_warnings:
+            warnings.simplefilter("always")
+            caught = got
+        with apply_policy(net, policy, fp8_backend=fp8_backend, force=force,
+                          target=target) as handle:
+            with torch.no_grad(), fused_paths_off():
+                report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
+                                      strict=False)
+            sc = score(spec, net, batches, ref, "of eval_data")
+            bad = first_nonfinite(spec, net, batches) if sc.nonfinite else None
+            layers, backend = handle.layers, handle.fp8_backend
+    notes = list(dict.fromkeys(str(w.message) for w in caught))
+
+    # The whole forward priced under the policy's plan at the deployment batch size (DESIGN:
+    # "price at the deployment shape"): GEMMs, casts, norms, activations, fp8 scaling.
+    graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
+    bs = batch_size or policy.batch_size or batch_size_of(calib0) or graph.batch_size
+    cost = make_cost_model(graph, profile, bs, mode)
+    return Assessment(
+        reference=ref, score=sc, audit=report, layers=layers, fp8_backend=backend,
+        first_nonfinite=bad, graph=graph, cost=cost, breakdown=cost.breakdown(policy),
+        est_speedup=cost.speedup(policy), infeasible=cost.infeasible(policy),
+        batch_size=bs, eval_batches=len(batches), notes=notes)
+
+
+__all__ = ["Assessment", "assess", "first_nonfinite"]
