@@ -200,7 +200,8 @@ def test_enospc_keeps_the_old_policy(tmp_path: Path, monkeypatch) -> None:
 
 
 @contextlib.contextmanager
-def _tiny_tmpfs(path: Path, size: str = "256k"):
+def tmpfs(path: Path, size: str = "256k"):
+    """A tmpfs of ``size`` mounted at ``path`` (skips without root or mount)."""
     path.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
@@ -224,7 +225,7 @@ def _fill(folder: Path) -> None:
 def test_a_really_full_disk(tmp_path: Path, capsys, monkeypatch) -> None:
     """Item 14 on a real full file system: tune's policy write fails as one line, exit 2,
     and the old policy is intact; the probe cache on that disk is a warning, not a crash."""
-    with _tiny_tmpfs(tmp_path / "disk") as disk:
+    with tmpfs(tmp_path / "disk") as disk:
         out = disk / "p.yaml"
         Policy(default="fp32").save(out)
         old = out.read_text()

@@ -23,6 +23,7 @@ from torch import nn
 
 from autoprec.cli.main import main
 from autoprec.policy import Policy, load_policy
+from tests.test_bad_input_faults import tmpfs
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAP = ROOT / "experiments" / "trap" / "model.py"
@@ -277,21 +278,8 @@ def test_no_completed_trial_is_one_line_not_a_value_error() -> None:
 
 # -- items 17 and 20: a read-only mount, a full disk (need root to mount a tmpfs) -----------
 
-@contextlib.contextmanager
 def _tmpfs(path: Path, size: str = "4m"):
-    import os
-
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+    return tmpfs(path, size)
 
 
 def _remount_ro(path: Path) -> None:

@@ -27,10 +27,10 @@ from autoprec import apply_policy
 from autoprec.check import check
 from autoprec.errors import PolicyError
 from autoprec.fused import fused_paths_off
-from autoprec.policy import Policy, gemm_leaf_paths
-from autoprec.policy.resolve import format_eligible
+from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests import zoo
+from tests.apply.test_audit import _rotating_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 NN_MODEL = ROOT / "experiments" / "nn_transformer" / "model.py"
@@ -59,14 +59,7 @@ def _error(out, ref: list[torch.Tensor]) -> float:
 
 def _mixed_policy(model: torch.nn.Module) -> Policy:
     """default bf16; GEMM leaves in turn fp16, fp32, fp8 (where eligible), tf32, bf16."""
-    cycle = ["fp16", "fp32", "fp8", "tf32", "bf16"]
-    layers = {}
-    for i, path in enumerate(gemm_leaf_paths(model)):
-        p = cycle[i % len(cycle)]
-        if p == "fp8" and not format_eligible(model.get_submodule(path), "fp8"):
-            p = "fp16"
-        layers[path] = p
-    return Policy(default="bf16", layers=layers)
+    return _rotating_policy(model)
 
 
 # -- the issue's table, redone ---------------------------------------------------------
