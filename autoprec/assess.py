@@ -26,8 +26,7 @@ from autoprec.apply.apply import apply_policy
 from autoprec.apply.audit import AuditReport
 from autoprec.cost import Breakdown, DeviceProfile
 from autoprec.cost.fusion import make_cost_model
-from autoprec.evaluate import Reference, Score, nonfinite_watch, reference, score
-from autoprec.fused import fused_paths_off
+from autoprec.evaluate import Reference, Score, first_nonfinite_module, reference, score
 from autoprec.loading import ModelSpec
 from autoprec.metrics import batch_size_of
 from autoprec.policy import Policy
@@ -70,11 +69,10 @@ class Assessment:
 def first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
                     batches: Sequence[Any]) -> tuple[str, int] | None:
     """(module path, batch index) of the first module whose output held inf/nan."""
-    with nonfinite_watch(model) as found, torch.no_grad(), fused_paths_off():
-        for i, b in enumerate(batches):
-            spec.run(model, b, i, "of eval_data")
-            if found:
-                return found[0], i
+    for i, b in enumerate(batches):
+        path = first_nonfinite_module(spec, model, b)
+        if path is not None:
+            return path, i
     return None
 
 
@@ -99,7 +97,7 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
             caught = got
         with apply_policy(net, policy, fp8_backend=fp8_backend, force=force,
                           target=target) as handle:
-            with torch.no_grad(), fused_paths_off():
+            with torch.no_grad():  # the handle holds torch.nn's fused paths off
                 report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
                                       strict=False)
             sc = score(spec, net, batches, ref, "of eval_data")

@@ -19,7 +19,6 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.evaluate import Reference, reference, score
-from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search.evaluation import Evaluation
@@ -101,7 +100,7 @@ class Evaluator:
         """The audit's errors for the plan on one real forward (empty: every rule ran)."""
         batch = (self.eval_batches or self.batches)[0]
         with apply_policy(self.model, self.policy(key), fp8_backend=self.fp8_backend) as h, \
-                torch.no_grad(), fused_paths_off():
+                torch.no_grad():  # the handle holds torch.nn's fused paths off
             return h.audit(lambda: self.spec.forward(self.model, batch), strict=False).errors
 
     def within(self, error: float, speedup: float) -> bool:
