@@ -27,6 +27,9 @@ from autoprec.search.space import Key, SearchSpace
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
+#: How long a trial waits for a higher-numbered trial proposing the same plan to decide.
+CLAIM_WAIT_S = 60.0
+
 
 @dataclass
 class TrialResult:
@@ -95,9 +98,9 @@ class Driver:
         if key in self.evaluator.cache and key in self.by_key:
             trial.set_user_attr("skipped", f"already measured in trial {self.by_key[key]}")
             raise optuna.TrialPruned()
-        other = self._same_plan_elsewhere(trial.number, key)
-        if other is not None:  # another worker proposed it a moment earlier
-            trial.set_user_attr("skipped", f"measured by trial {other}")
+        held = claim(self.study, self.space, trial, key)
+        if held is not None:  # another worker proposed it a moment earlier
+            trial.set_user_attr("skipped", held)
             raise optuna.TrialPruned()
         try:
             ev = self.evaluator(key)
@@ -122,16 +125,6 @@ class Driver:
         if self.pareto:
             return min(ev.error, 1e30), min(ev.est_time, 1e30)
         return min(ev.est_time, 1e30)
-
-    def _same_plan_elsewhere(self, number: int, key: Key) -> int | None:
-        for t in self.study.get_trials(deepcopy=False, states=(
-                optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)):
-            names = {v.name for v in self.space.all_variables}
-            if (t.number < number and t.params and t.params.keys() >= names
-                    and self.space.key(t.params) == key
-                    and (t.state == optuna.trial.TrialState.RUNNING or "error" in t.user_attrs)):
-                return t.number
-        return None
 
     def _after(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
         self.ran += 1
@@ -197,6 +190,46 @@ class Driver:
             raise self.fatal
 
 
+def claim(study: optuna.Study, space: SearchSpace, trial: optuna.Trial, key: Key, *,
+          wait_s: float = CLAIM_WAIT_S) -> str | None:
+    """Claim ``key`` for ``trial`` among workers sharing the study (None), or say which
+    trial has it. At most one trial measures a plan, by this rule (each trial's params
+    are in storage before it reads, so of two trials proposing one plan at least one
+    sees the other):
+
+    - another trial with this plan measured it, or claimed it: yield to it;
+    - a lower-numbered trial with this plan is running: yield to it (it may be slow to
+      decide: the planner runs after a trial is created);
+    - a higher-numbered one is running: it may not have seen this trial, so wait for
+      its decision (a claim, or it stops); yield if it claims, else go on.
+
+    Waiting goes only towards higher numbers, so it never cycles; a worker that stops
+    deciding (killed) is yielded to after ``wait_s``."""
+    names = {v.name for v in space.all_variables}
+    deadline = time.monotonic() + wait_s
+    while True:
+        waiting: int | None = None
+        for t in study.get_trials(deepcopy=False, states=(
+                optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)):
+            if (t.number == trial.number or not t.params or not t.params.keys() >= names
+                    or space.key(t.params) != key):
+                continue
+            if "error" in t.user_attrs or t.user_attrs.get("claimed"):
+                return f"measured by trial {t.number}"
+            if t.state != optuna.trial.TrialState.RUNNING:
+                continue
+            if t.number < trial.number:
+                return f"measured by trial {t.number}"
+            waiting = t.number  # higher-numbered, undecided
+        if waiting is None:
+            trial.set_user_attr("claimed", True)
+            return None
+        if time.monotonic() > deadline:
+            return (f"trial {waiting} proposed the same plan and did not decide within "
+                    f"{wait_s:g} s")
+        time.sleep(0.05)
+
+
 class _DropFailedTrialLogs(logging.Filter):
     """Optuna logs every failed trial with its traceback; the reason is on the trial
     (``fail_reason``, tune's error line and trial table), so the console stays one line."""
@@ -243,4 +276,4 @@ def trial_rows(study: optuna.Study) -> list[dict[str, object]]:
     return rows
 
 
-__all__ = ["Driver", "TrialResult", "trial_rows"]
+__all__ = ["Driver", "TrialResult", "claim", "trial_rows"]
