@@ -23,6 +23,7 @@ team's 2-core machines are shared); each compiled forward is warmed up first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import re
@@ -36,8 +37,8 @@ import torch
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import Sample, fit, get_profile, measure_latency
-from autoprec.cost.calibrate import copy_graph, gemm_graph
+from autoprec.cost import apply_calibration, fit, get_profile, measure_latency
+from autoprec.cost.calibrate import call_overhead, micro_samples
 from autoprec.cost.fusion import CompiledCostModel
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
@@ -90,81 +91,28 @@ def compile_and_count(net: nn.Module, run: Any) -> tuple[Any, dict[str, int], in
     return compiled, counts, int(metrics.generated_kernel_count)
 
 
-class One(nn.Module):
-    """One GEMM leaf ``gemm`` (what ``calibrate.gemm_graph`` describes)."""
-
-    def __init__(self, k: int, n: int) -> None:
-        super().__init__()
-        self.gemm = nn.Linear(k, n, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x)
-
-
-class Scale(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2.0
-
-
-class TinyChain(nn.Module):
-    """k tiny (4 x 4) GEMM + scale pairs: 2k kernels of (almost) nothing."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.w = nn.ParameterList(nn.Parameter(torch.randn(4, 4)) for _ in range(k))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for w in self.w:
-            x = (x @ w) * 0.5
-        return x
-
-
-def call_overhead(repeats: int) -> tuple[float, float]:
-    """(per forward, per kernel pair) seconds of a compiled call: the intercept and slope
-    of tiny chains of 1 and 8 pairs (dynamo's guards and the wrapper's Python vs the
-    kernels' launches)."""
-    x = torch.randn(4, 4)
-    t = {}
-    with torch.no_grad():
-        for k in (1, 8):
-            compiled, _, _ = compile_and_count(TinyChain(k).eval(), lambda c: c(x))
-            t[k] = timed(lambda c=compiled: c(x), 5, max(repeats, 25))
-    pair = max(0.0, (t[8] - t[1]) / 7)
-    return max(0.0, t[1] - pair), pair
-
-
 def calibrate(profile: Any, repeats: int, smoke: bool) -> Any:
-    """Fit the profile on compiled micro-benchmarks: single GEMMs per precision, an
-    elementwise kernel (8 MiB) and a tiny one (launch), each less the per-forward
-    overhead of a compiled call (``call_overhead``; kept in ``.call_overhead_s`` of the
-    result, for ``CompiledCostModel(call_overhead_s=...)``)."""
-    per_call, _ = call_overhead(repeats)
-    # cost_model_cpu's shapes: large GEMMs pin the peaks, small ones the per-call set-up of
-    # 16-bit GEMMs (oneDNN's, ~30 us here: it decides small layers)
+    """Fit the profile on compiled micro-benchmarks (``autoprec.cost.calibrate``, as
+    ``tune --compile --target cpu`` calibrates this machine): single GEMMs per precision,
+    a copy (8 MiB) and a tiny add, each less the per-forward time of a compiled call
+    (``call_overhead``, kept in the profile for ``CompiledCostModel``)."""
+    per_call = call_overhead(lambda run: timed(run, 5, max(repeats, 25)))
+    # large GEMMs pin the peaks, small ones the per-call set-up of 16-bit GEMMs (oneDNN's,
+    # ~30 us here: it decides small layers)
     shapes = [(32, 64, 64)] if smoke else [(512, 512, 2048), (512, 2048, 512),
                                            (512, 1024, 1024), (512, 128, 128), (512, 64, 64)]
-    samples = []
-    with torch.no_grad():
-        for m, k, n in shapes:
-            one, x = One(k, n).eval(), torch.randn(m, k)
-            cm = CompiledCostModel(gemm_graph(m, k, n), profile)
-            for prec in PRECS:
-                pol = Policy(default=prec)
-                with apply_policy(one, pol, target="cpu"):
-                    compiled, _, _ = compile_and_count(one, lambda c, x=x: c(x))
-                    t = timed(lambda c=compiled, x=x: c(x), 3, repeats)
-                samples.append(Sample(cm, pol, max(t - per_call, 0.1 * t),
-                                      f"gemm {m}x{k}x{n} {prec}"))
-        for elems, label in ((1 << (13 if smoke else 21), "copy"), (16, "tiny")):
-            x = torch.randn(elems)
-            compiled, _, _ = compile_and_count(Scale(), lambda c, x=x: c(x))
-            t = timed(lambda c=compiled, x=x: c(x), 3, max(repeats, 25 if label == "tiny" else 1))
-            samples.append(Sample(CompiledCostModel(copy_graph(elems), profile), {},
-                                  max(t - per_call, 0.1 * t), label))
-    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyWarning)
+        samples = micro_samples(profile, {p: Policy(default=p) for p in PRECS}, shapes,
+                                lambda run: timed(run, 3, repeats),
+                                lambda m, pol: apply_policy(m, pol, target="cpu"),
+                                copy_elems=1 << (13 if smoke else 21), compile=True,
+                                call_overhead_s=per_call)
     res = fit(profile, samples, fit_setup=True, note="compiled micro-benchmarks, "
               "experiments/compile_cost.py")
-    res.call_overhead_s = per_call
+    res.calibration = dataclasses.replace(res.calibration, mode="compile",
+                                          call_overhead_s=per_call)
+    res.profile = apply_calibration(profile, res.calibration)
     return res
 
 
@@ -197,7 +145,7 @@ def run_model(name: str, path: Path, profile: Any, args: argparse.Namespace,
     net = spec.model()
     batch = spec.calibration_batches()[0]
     graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
-    cm = CompiledCostModel(graph, profile, call_overhead_s=args.call_overhead_s)
+    cm = CompiledCostModel(graph, profile)  # the profile carries the per-call overhead
     todo = plans(net, args.random, rng)
     if args.smoke:
         todo = todo[:2]
@@ -242,9 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cal = calibrate(base, 5 if args.smoke else args.repeats, args.smoke)
     profile = cal.profile
-    args.call_overhead_s = cal.call_overhead_s
     print(f"calibrated on compiled micro-benchmarks: rel. RMSE {cal.calibration.rel_rmse:.2f}; "
-          f"per compiled call {cal.call_overhead_s * 1e6:.1f} us; launch {profile.launch_overhead_s * 1e6:.1f} us, mem "
+          f"per compiled call {profile.call_overhead_s * 1e6:.1f} us; launch {profile.launch_overhead_s * 1e6:.1f} us, mem "
           f"{profile.bandwidth / 1e9:.1f} GB/s, fp32 {profile.peak('fp32') / 1e12:.2f} TF, "
           f"bf16 {profile.peak('bf16') / 1e12:.2f} TF, fp16 {profile.peak('fp16') / 1e12:.2f} TF")
     rng = random.Random(args.seed)

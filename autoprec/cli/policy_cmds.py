@@ -184,10 +184,10 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     device = target or pol.target_device or DEFAULT_TARGET
     get_profile(device)  # an unknown device is exit 2 before the long work
     # a local target is priced on this machine's calibration (as tune does; issue 21)
-    source = speed_source(device, measure=measure,
-                          cache_dir=policy_path.parent / ".autoprec" / "calibration")
-    profile = source.profile
     mode = pol.mode if compile is None else ("compile" if compile else "eager")
+    source = speed_source(device, measure=measure,
+                          cache_dir=policy_path.parent / ".autoprec" / "calibration", mode=mode)
+    profile = source.profile
     # score, audit and price: the pipeline check shares (autoprec/assess.py)
     a = assess(spec, net, pol, target=device, profile=profile, batch_size=batch_size,
                mode=mode, force=force)

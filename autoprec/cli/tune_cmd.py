@@ -73,7 +73,8 @@ def tune_cmd(
         if measure:  # calibrate a local target once: every worker prices on the same profile
             from autoprec.search.local_profile import calibration_dir, speed_source
 
-            speed_source(target, measure=True, cache_dir=calibration_dir(out))
+            speed_source(target, measure=True, cache_dir=calibration_dir(out),
+                         mode="compile" if compile_mode else "eager")
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
     # A worker started by --workers: its own seed (environment read at the CLI boundary).

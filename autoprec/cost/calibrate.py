@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from autoprec.cost.fusion import CompiledCostModel
 from autoprec.cost.model import CostModel, Kernel
 from autoprec.cost.profiles import Calibration, DeviceProfile
 from autoprec.errors import InputError
@@ -269,6 +270,8 @@ def micro_samples(
     *,
     device: str = "cpu",
     copy_elems: int = CPU_COPY_ELEMS,
+    compile: bool = False,
+    call_overhead_s: float = 0.0,
 ) -> list[Sample]:
     """Micro-benchmark samples for ``fit``: one GEMM per shape and plan, a copy, a tiny add.
 
@@ -277,9 +280,26 @@ def micro_samples(
     ``gemm``. ``plans`` maps a label to the plan: ``default: prec`` casts the input and the
     weight at the GEMM and leaves the output in ``prec`` — the kernels ``gemm_graph``'s
     plan prices; fp8 is a rule under ``default: bf16``. ``timer(run)`` returns seconds.
+
+    ``compile``: every micro-benchmark runs ``torch.compile``'d (after ``run_as``), is
+    priced by ``CompiledCostModel`` and has ``call_overhead_s`` (``call_overhead``: the
+    compiled call's own time, priced per forward apart from the kernels) taken off.
     """
     import torch
 
+    def ready(call: Callable[[Any], Any], fn: Any) -> Callable[[], Any]:
+        """``call(fn)`` as a run of no arguments; with ``compile``, ``fn`` compiled (now)."""
+        if compile:
+            torch._dynamo.reset()
+            fn = torch.compile(fn)
+            call(fn)  # compiles
+        return lambda: call(fn)
+
+    def seconds(run: Callable[[], Any]) -> float:
+        t = timer(run)
+        return max(t - call_overhead_s, 0.1 * t) if compile else t
+
+    cost_model = CompiledCostModel if compile else CostModel
     out = []
     with torch.no_grad():
         for m, k, n in shapes:
@@ -287,20 +307,51 @@ def micro_samples(
             one.add_module("gemm", torch.nn.Linear(k, n, bias=False, device=device))
             one.eval()
             x = torch.randn(m, k, device=device)
-            cm = CostModel(gemm_graph(m, k, n), profile)
+            cm = cost_model(gemm_graph(m, k, n), profile)
             for label, pol in plans.items():
                 with run_as(one, pol):
-                    t = timer(lambda one=one, x=x: one(x))
+                    t = seconds(ready(lambda mod, x=x: mod(x), one))
                 out.append(Sample(cm, pol, t, f"gemm {m}x{k}x{n} {label}"))
             del one, x
         x = torch.randn(copy_elems, device=device)
-        out.append(Sample(CostModel(copy_graph(copy_elems), profile), {},
-                          timer(lambda: x.clone()), f"copy {copy_elems}"))
+        out.append(Sample(cost_model(copy_graph(copy_elems), profile), {},
+                          seconds(ready(lambda f: f(x), torch.clone)), f"copy {copy_elems}"))
         y = torch.randn(16, device=device)
-        out.append(Sample(CostModel(copy_graph(16), profile), {}, timer(lambda: y.add(1.0)),
-                          "tiny add"))
+        out.append(Sample(cost_model(copy_graph(16), profile), {},
+                          seconds(ready(lambda f: f(y, 1.0), torch.add)), "tiny add"))
+    if compile:
+        torch._dynamo.reset()
     return out
 
 
-__all__ = ["CPU_COPY_ELEMS", "CPU_SHAPES", "FitResult", "Sample", "copy_graph", "fit",
+def call_overhead(timer: Callable[[Callable[[], Any]], float], device: str = "cpu") -> float:
+    """Seconds a ``torch.compile``'d forward spends outside its kernels (dynamo's guards,
+    the compiled wrapper's Python): the intercept of compiled chains of 1 and 8 pairs of a
+    tiny (4 x 4) GEMM and a scale, whose kernels cost almost nothing."""
+    import torch
+
+    def chain(k: int) -> Callable[[Any], Any]:
+        ws = [torch.randn(4, 4, device=device) for _ in range(k)]
+
+        def run(x: Any) -> Any:
+            for w in ws:
+                x = (x @ w) * 0.5
+            return x
+        return run
+
+    x = torch.randn(4, 4, device=device)
+    t = {}
+    with torch.no_grad():
+        for k in (1, 8):
+            torch._dynamo.reset()
+            compiled = torch.compile(chain(k))
+            compiled(x)  # compiles
+            t[k] = timer(lambda c=compiled: c(x))
+        torch._dynamo.reset()
+    pair = max(0.0, (t[8] - t[1]) / 7)
+    return max(0.0, t[1] - pair)
+
+
+__all__ = ["CPU_COPY_ELEMS", "CPU_SHAPES", "FitResult", "Sample", "call_overhead", "copy_graph",
+           "fit",
            "gemm_graph", "gpu_shapes", "micro_samples"]

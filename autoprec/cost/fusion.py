@@ -94,9 +94,10 @@ class CompiledCostModel(CostModel):
     profile) or one per data-connected group (Triton; default on GPU profiles).
     ``frozen``: weight casts constant-folded (``torch._inductor.config.freezing``).
     ``call_overhead_s``: seconds per forward outside the kernels (dynamo's guards and the
-    compiled wrapper's Python; measured by ``experiments/compile_cost.py`` as the
-    intercept of compiled chains of 1 and 8 tiny kernel pairs): the same for every plan,
-    so it moves speed-ups, not rankings.
+    compiled wrapper's Python; ``calibrate.call_overhead`` measures it as the intercept of
+    compiled chains of 1 and 8 tiny kernel pairs); default: the profile's (a profile
+    calibrated in compile mode carries it; a datasheet one has 0). The same for every
+    plan, so it moves speed-ups, not rankings.
     """
 
     mode = "compile"
@@ -104,11 +105,12 @@ class CompiledCostModel(CostModel):
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None,
                  horizontal: bool | None = None, frozen: bool = False,
-                 call_overhead_s: float = 0.0) -> None:
+                 call_overhead_s: float | None = None) -> None:
         self.horizontal = (device_type_of(profile) == "cpu" if horizontal is None
                            else horizontal)
         self.frozen = frozen
-        self.call_overhead_s = max(0.0, float(call_overhead_s))
+        self.call_overhead_s = max(0.0, float(profile.call_overhead_s if call_overhead_s is None
+                                              else call_overhead_s))
         super().__init__(graph, profile, batch_size, device_type=device_type)
 
     # -- the fused program ---------------------------------------------------------------

@@ -101,23 +101,28 @@ def local_device(profile: DeviceProfile) -> tuple[str | None, str]:
                   f"estimated from the stored {profile.name} profile, not measured")
 
 
-def calibration_path(cache_dir: str | Path, profile: DeviceProfile, machine: Machine) -> Path:
-    """Where the calibration of ``profile`` measured on ``machine`` is cached."""
-    return Path(cache_dir) / f"{profile.name}-{machine.key}.yaml"
+def calibration_path(cache_dir: str | Path, profile: DeviceProfile, machine: Machine,
+                     mode: str = "eager") -> Path:
+    """Where the calibration of ``profile`` measured on ``machine`` in deployment ``mode``
+    (eager, or compiled micro-benchmarks) is cached."""
+    tag = "" if mode == "eager" else f"-{mode}"
+    return Path(cache_dir) / f"{profile.name}{tag}-{machine.key}.yaml"
 
 
-def cached_calibration(cache_dir: str | Path, profile: DeviceProfile, machine: Machine
-                       ) -> Calibration | None:
-    """The cached calibration for this profile on this machine, if one is there and was
-    measured on the same facts (a file of another machine, or unreadable, is ignored)."""
-    path = calibration_path(cache_dir, profile, machine)
+def cached_calibration(cache_dir: str | Path, profile: DeviceProfile, machine: Machine,
+                       mode: str = "eager") -> Calibration | None:
+    """The cached calibration for this profile on this machine in ``mode``, if one is there
+    and was measured on the same facts (a file of another machine or mode, or unreadable,
+    is ignored)."""
+    path = calibration_path(cache_dir, profile, machine, mode)
     if not path.is_file():
         return None
     try:
         cal = load_calibration(path)
     except InputError:
         return None  # a torn or foreign file: measure again (and overwrite it)
-    if cal.device != profile.name or dict(cal.machine) != machine.to_dict():
+    if (cal.device != profile.name or dict(cal.machine) != machine.to_dict()
+            or cal.mode != mode):
         return None
     return cal
 

@@ -43,6 +43,11 @@ class DeviceProfile:
     gemm_setup_s: Mapping[str, float] = field(default_factory=dict)  # per GEMM call
     unsupported: Mapping[str, str] = field(default_factory=dict)  # precision -> reason
     calibrated_from: str = ""  # calibration file applied, if any
+    #: The deployment mode its factors were measured in ("eager", or "compile": fitted on
+    #: compiled micro-benchmarks) and, compiled, the seconds per forward outside the
+    #: kernels (dynamo's guards, the compiled wrapper's Python).
+    mode: str = "eager"
+    call_overhead_s: float = 0.0
 
     def supports(self, precision: str) -> tuple[bool, str]:
         """``(ok, reason)``: can this device compute in ``precision``?"""
@@ -108,6 +113,8 @@ class DeviceProfile:
             "memory_efficiency": self.memory_efficiency,
             "gemm_setup_us": {p: v * 1e6 for p, v in self.gemm_setup_s.items()},
             "calibrated_from": self.calibrated_from,
+            **({"mode": self.mode, "call_overhead_us": self.call_overhead_s * 1e6}
+               if self.mode != "eager" else {}),
         }
 
 
@@ -235,6 +242,8 @@ class Calibration:
     rel_rmse: float | None = None  # relative RMS error of the fit on its samples
     note: str = ""  # what was measured, where, when
     machine: Mapping[str, Any] = field(default_factory=dict)  # cost.machine.Machine facts
+    mode: str = "eager"  # "compile": fitted on torch.compile'd micro-benchmarks
+    call_overhead_s: float | None = None  # compiled: seconds per forward outside kernels
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"autoprec_calibration": CALIBRATION_SCHEMA, "device": self.device}
@@ -247,6 +256,10 @@ class Calibration:
         if self.gemm_setup_s:
             out["gemm_setup_us"] = {p: round(float(v) * 1e6, 4)
                                     for p, v in self.gemm_setup_s.items()}
+        if self.mode != "eager":
+            out["mode"] = self.mode
+        if self.call_overhead_s is not None:
+            out["call_overhead_us"] = round(float(self.call_overhead_s) * 1e6, 4)
         out["n_samples"] = int(self.n_samples)
         if self.rel_rmse is not None:
             out["rel_rmse"] = round(float(self.rel_rmse), 6)
@@ -280,6 +293,10 @@ def load_calibration(path: str | Path) -> Calibration:
                                         where).items()}
     mem = data.get("memory_efficiency")
     launch = data.get("launch_overhead_us")
+    call = data.get("call_overhead_us")
+    mode = str(data.get("mode", "eager"))
+    if mode not in ("eager", "compile"):
+        raise InputError(f"{where}: mode: expected 'eager' or 'compile', got {mode!r}")
     return Calibration(
         device=str(data["device"]),
         efficiency=eff,
@@ -291,6 +308,9 @@ def load_calibration(path: str | Path) -> Calibration:
         rel_rmse=data.get("rel_rmse"),
         note=str(data.get("note", "")),
         machine=dict(data["machine"]) if isinstance(data.get("machine"), Mapping) else {},
+        mode=mode,
+        call_overhead_s=None if call is None
+        else _positive(call, "call_overhead_us", where, allow_zero=True) * 1e-6,
     )
 
 
@@ -300,13 +320,14 @@ def apply_calibration(profile: DeviceProfile, cal: Calibration,
     if cal.device.lower() != profile.name:
         raise InputError(f"calibration is for device {cal.device!r}, "
                          f"but the target is {profile.name!r}")
-    return profile.with_factors(
+    out = profile.with_factors(
         efficiency=cal.efficiency,
         memory_efficiency=cal.memory_efficiency,
         launch_overhead_s=cal.launch_overhead_s,
         gemm_setup_s=cal.gemm_setup_s,
         calibrated_from=source or cal.note or "calibration",
     )
+    return dataclasses.replace(out, mode=cal.mode, call_overhead_s=cal.call_overhead_s or 0.0)
 
 
 __all__ = [

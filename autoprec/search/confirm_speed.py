@@ -271,6 +271,58 @@ def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: s
     return timer
 
 
+def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, device: str,
+                   target: str, *, inner: int = 1, fp8_backend: str | None = None,
+                   seed: int = 0, force: bool = False) -> Timer:
+    """A Timer for ``check_speed`` that times plans as a ``torch.compile`` deployment runs
+    them: per plan, a copy of ``model`` with the plan applied for the whole measurement
+    (``apply_policy``, then ``torch.compile``: the README's deployment snippet), compiled
+    by one untimed forward; then interleaved rounds as ``interleaved_timer``'s. One copy per
+    plan because a compiled program keeps the policy it was traced under: applying
+    another around it would recompile it in every round."""
+    import copy
+
+    import torch
+
+    from autoprec.apply.apply import apply_policy
+    from autoprec.cost.machine import timing_threads
+    from autoprec.cost.measure import measure_interleaved
+    from autoprec.fused import fused_paths_off
+
+    clock = "thread" if device == "cpu" else "wall"
+
+    def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+        handles, runs = [], {}
+        limit = max(8, 2 * len(plans))  # each copy's forward is one more compiled entry
+        with timing_threads(device), warnings.catch_warnings(), \
+                torch._dynamo.config.patch(recompile_limit=limit):
+            warnings.simplefilter("ignore", PolicyWarning)
+            torch._dynamo.reset()
+            try:
+                for name, pol in plans.items():
+                    mine = copy.deepcopy(model)
+                    handles.append(apply_policy(mine, pol, target=target, force=force,
+                                                fp8_backend=fp8_backend))
+                    compiled = torch.compile(mine)
+
+                    def run(c: Any = compiled) -> Any:
+                        with torch.no_grad(), fused_paths_off():
+                            return forward(c, batch)
+
+                    run()  # compiles (untimed)
+                    runs[name] = run
+                return measure_interleaved(runs, device, rounds=MIN_ROUNDS,
+                                           max_rounds=MAX_ROUNDS, more=_undecided,
+                                           time_budget_s=TIME_BUDGET_S, inner=inner,
+                                           clock=clock, seed=seed)
+            finally:
+                for h in handles:
+                    h.remove()
+                torch._dynamo.reset()
+
+    return timer
+
+
 def _undecided(samples: Mapping[str, Sequence[float]]) -> bool:
     """More rounds while the two fastest plans' per-round ratio straddles 1 (p10-p90)."""
     med = sorted((float(np.median(v)), k) for k, v in samples.items() if len(v))
@@ -380,10 +432,11 @@ def _to_device(obj: Any, device: str) -> Any:
 
 def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, batch: Any,
                  device: str, target: str, at_batch: Any, *, timer: Timer | None = None,
-                 seed: int = 0, force: bool = False) -> SpeedCheck:
+                 seed: int = 0, force: bool = False, compile: bool = False) -> SpeedCheck:
     """Time ``rows`` on the local ``device`` with ``forward(net, batch)`` (a copy of the
     model on a GPU) and decide; ``at_batch``: the cost model at the timed batch size (the
-    estimate beside each measurement, and how many forwards make one sample)."""
+    estimate beside each measurement, and how many forwards make one sample).
+    ``compile``: each plan timed ``torch.compile``'d (``compiled_timer``)."""
     import copy
 
     import torch
@@ -402,20 +455,23 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
             return forward(net, batch)
 
     how = ("1 torch thread, thread CPU time" if device == "cpu" else "CUDA events") + (
-        f", {inner} forwards per sample" if inner > 1 else "")
-    return check_speed(rows, timer or interleaved_timer(net, run, device, target, inner=inner,
-                                                        seed=seed, force=force),
-                       device=device, batch_size=at_batch.batch_size, how=how)
+        f", {inner} forwards per sample" if inner > 1 else "") + (
+        ", torch.compile'd (one model copy per plan)" if compile else "")
+    if timer is None:
+        timer = (compiled_timer(net, forward, batch, device, target, inner=inner, seed=seed,
+                                force=force) if compile else
+                 interleaved_timer(net, run, device, target, inner=inner, seed=seed,
+                                   force=force))
+    return check_speed(rows, timer, device=device, batch_size=at_batch.batch_size, how=how)
 
 
 def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[Any],
                  chosen: Any, feasible: bool, source: Any,
                  timer: Timer | None = None) -> tuple[SpeedCheck, Any, tuple[str, dict[str, str]]]:
-    """tune's last step: the rows beside the chosen plan, timed where the target is local;
-    returns the check, the candidate to write and its (default, rules)."""
-
-
-    from autoprec.cost import CostModel
+    """tune's last step: the rows beside the chosen plan, timed where the target is local
+    (compiled, for a ``--compile`` tune); returns the check, the candidate to write and its
+    (default, rules)."""
+    from autoprec.cost import make_cost_model
     from autoprec.search import compact, select
     from autoprec.search.evaluation import Evaluation
     from autoprec.search.objective import policy_for
@@ -436,8 +492,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         return r
 
     rows = [row(chosen, "tuned", "tuned")]
-    # compile mode (issue 23): these timings are eager forwards, not the deployment's
-    timed = source.local and cfg.measure and feasible and not getattr(cfg, "compile", False)
+    timed = source.local and cfg.measure and feasible
     if timed:
         seen = {rows[0].key}
         nxt = sorted((c for c in select.dedupe(cands) if c.calib.feasible),
@@ -456,9 +511,10 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                         if not cfg.measure else "not measured: no plan within budget")
         return check, chosen, rules_of(chosen)
 
-    at_measured = CostModel(prep.graph, prep.cost.profile, batch_size=prep.calib_bs)
+    at_measured = make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, cfg.mode)
     check = measure_rows(rows, prep.spec.forward, prep.net, prep.calib[0], source.device,
-                         cfg.target, at_measured, timer=timer, seed=cfg.seed)
+                         cfg.target, at_measured, timer=timer, seed=cfg.seed,
+                         compile=cfg.compile)
     win = check.winner
     if win is not None and win.role != "tuned":
         check.reason += f": wrote {win.name} instead"
@@ -475,6 +531,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     return check, pseudo, (p, {})
 
 
-__all__ = ["BASELINES", "Row", "SpeedCheck", "baseline_rows", "check_speed", "confirm_tune",
+__all__ = ["BASELINES", "Row", "SpeedCheck", "baseline_rows", "check_speed", "compiled_timer",
+           "confirm_tune",
            "decide", "fill_measured", "format_rows", "interleaved_timer", "label",
            "measure_rows", "speed_metrics"]

@@ -9,10 +9,16 @@ tiny add, run as autoprec runs them (``apply_policy``) and fitted with
 machine (CPU matmul flags such as AMX / AVX512-BF16, or GPU name and compute capability;
 torch version; threads). Seen here: the shipped ``cpu`` profile (fitted on a CPU with AMX)
 priced a bf16 policy 1.82x faster than fp32 on a CPU without AMX, where it measured 0.56x.
+
+For ``torch.compile`` deployments (``mode="compile"``) the same micro-benchmarks run
+compiled and the compiled call's own per-forward time (``calibrate.call_overhead``) is
+fitted too: a second calibration, cached beside the first (``<profile>-compile-<key>``).
+Compiling ~25 tiny programs takes one to two minutes on a 2-core CPU, once per machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.cost import apply_calibration, fit, get_profile, measure_latency
-from autoprec.cost.calibrate import CPU_SHAPES, gpu_shapes, micro_samples
+from autoprec.cost.calibrate import CPU_SHAPES, call_overhead, gpu_shapes, micro_samples
 from autoprec.cost.machine import (
     Machine,
     cached_calibration,
@@ -67,21 +73,23 @@ def calibration_dir(out: Path | None, cache_dir: Path | None = None) -> Path:
     return Path(base) / "calibration"
 
 
-def speed_source(target: str, *, measure: bool, cache_dir: Path) -> SpeedSource:
-    """The profile for ``target``. Remote: the stored one. Local: this machine's cached
-    calibration; else, with ``measure``, one calibrated here now (and cached); else the
-    stored profile, named as another machine's."""
+def speed_source(target: str, *, measure: bool, cache_dir: Path,
+                 mode: str = "eager") -> SpeedSource:
+    """The profile for ``target`` deployed in ``mode``. Remote: the stored one. Local: this
+    machine's cached calibration; else, with ``measure``, one calibrated here now (and
+    cached); else the stored profile, named as another machine's."""
     stored = get_profile(target)
     device, why = local_device(stored)
     if device is None:
         return SpeedSource(stored, None, None, "stored profile", why)
     machine = this_machine(device)
-    path = calibration_path(cache_dir, stored, machine)
-    cal = cached_calibration(cache_dir, stored, machine)
+    path = calibration_path(cache_dir, stored, machine, mode)
+    cal = cached_calibration(cache_dir, stored, machine, mode)
+    compiled = " (compiled micro-benchmarks)" if mode == "compile" else ""
     if cal is not None:
         return SpeedSource(apply_calibration(stored, cal, source=str(path)), device, machine,
                            "cached calibration",
-                           f"{stored.name} profile calibrated on this machine "
+                           f"{stored.name} profile calibrated on this machine{compiled} "
                            f"({machine.describe()}); cached in {path}", path)
     if not measure:
         return SpeedSource(stored, device, machine, "stored profile",
@@ -89,18 +97,21 @@ def speed_source(target: str, *, measure: bool, cache_dir: Path) -> SpeedSource:
                            f"on another machine ({stored.description}), not on this one "
                            f"({machine.describe()}); --measure calibrates it here")
     t0 = time.perf_counter()
-    res = calibrate_here(stored, device, machine)
+    res = calibrate_here(stored, device, machine, mode=mode)
     res.calibration.save(path)
-    return SpeedSource(res.profile.with_factors(calibrated_from=str(path)), device, machine,
-                       "calibrated here",
-                       f"calibrated the {stored.name} profile on this machine "
+    return SpeedSource(apply_calibration(stored, res.calibration, source=str(path)), device,
+                       machine, "calibrated here",
+                       f"calibrated the {stored.name} profile on this machine{compiled} "
                        f"({machine.describe()}): {res.calibration.n_samples} micro-benchmarks "
                        f"in {time.perf_counter() - t0:.1f}s, rel. RMSE "
                        f"{res.calibration.rel_rmse:.0%}; cached in {path}", path)
 
 
-def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None = None) -> Any:
-    """Fit ``profile``'s factors on micro-benchmarks run on ``device`` (a FitResult)."""
+def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None = None, *,
+                   mode: str = "eager") -> Any:
+    """Fit ``profile``'s factors on micro-benchmarks run on ``device`` (a FitResult);
+    ``mode="compile"``: the micro-benchmarks ``torch.compile``'d, and the compiled call's
+    per-forward overhead measured and recorded (``Calibration.call_overhead_s``)."""
     import torch
 
     from autoprec.apply.apply import apply_policy
@@ -128,15 +139,21 @@ def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None 
             return measure_latency(run, device, warmup=3, repeats=10).median_s
 
         shapes, elems, fit_setup = gpu_shapes(4096, 8192), 8192 * 4096, False
+    compiled = mode == "compile"
+    overhead = None
     with timing_threads(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", PolicyWarning)  # one-GEMM plans: no fingerprint
         kw = {} if elems is None else {"copy_elems": elems}
+        if compiled:
+            overhead = call_overhead(timer, device)
+            kw.update(compile=True, call_overhead_s=overhead)
         samples = micro_samples(profile, plans, shapes, timer, run_as, device=device, **kw)
     res = fit(profile, samples, fit_setup=fit_setup,
-              note=f"autoprec tune: micro-benchmarks on {machine.describe()}, "
-                   f"torch {torch.__version__}")
-    res.calibration = type(res.calibration)(**{**res.calibration.__dict__,
-                                               "machine": machine.to_dict()})
+              note=f"autoprec tune: {'compiled ' if compiled else ''}micro-benchmarks on "
+                   f"{machine.describe()}, torch {torch.__version__}")
+    res.calibration = dataclasses.replace(res.calibration, machine=machine.to_dict(),
+                                          mode=mode, call_overhead_s=overhead)
+    res.profile = apply_calibration(profile, res.calibration)
     return res
 
 

@@ -162,7 +162,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
     source = speed_source(cfg.target, measure=cfg.measure,
-                          cache_dir=calibration_dir(out_path, cfg.cache_dir))
+                          cache_dir=calibration_dir(out_path, cfg.cache_dir), mode=cfg.mode)
     cost = make_cost_model(graph, profile or source.profile, deploy_bs, cfg.mode)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that

@@ -101,3 +101,41 @@ def test_timing_threads_uses_one_cpu_thread_and_restores():
     with timing_threads("cpu"):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_a_compile_calibration_is_cached_apart_and_carries_the_call_overhead(tmp_path: Path):
+    prof, m = get_profile("cpu"), this_machine("cpu")
+    eager = calibration_path(tmp_path, prof, m)
+    compiled = calibration_path(tmp_path, prof, m, "compile")
+    assert eager != compiled and "-compile-" in compiled.name
+    Calibration(device="cpu", efficiency={"bf16": 0.3}, machine=m.to_dict(), mode="compile",
+                call_overhead_s=80e-6).save(compiled)
+    # the compiled one is not the eager one: an eager tune finds nothing cached
+    assert cached_calibration(tmp_path, prof, m) is None
+    # a file of the other mode under this name is not trusted
+    Calibration(device="cpu", efficiency={"bf16": 0.2}, machine=m.to_dict()).save(compiled)
+    assert cached_calibration(tmp_path, prof, m, "compile") is None
+    Calibration(device="cpu", efficiency={"bf16": 0.3}, machine=m.to_dict(), mode="compile",
+                call_overhead_s=80e-6).save(compiled)
+    src = speed_source("cpu", measure=False, cache_dir=tmp_path, mode="compile")
+    assert src.how == "cached calibration" and "compiled micro-benchmarks" in src.note
+    assert src.profile.mode == "compile"
+    assert src.profile.call_overhead_s == pytest.approx(80e-6)
+    # the compiled cost model prices the call's own time once per forward
+    from autoprec.cost import CompiledCostModel
+    from autoprec.trace import trace
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    graph = trace(net, torch.randn(2, 8))
+    with_call = CompiledCostModel(graph, src.profile).estimate({})
+    without = CompiledCostModel(graph, src.profile, call_overhead_s=0.0).estimate({})
+    assert with_call - without == pytest.approx(80e-6)
+
+
+def test_a_calibration_file_with_an_unknown_mode_is_refused(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("autoprec_calibration: 1\ndevice: cpu\nmode: jit\n")
+    from autoprec.cost import load_calibration
+
+    with pytest.raises(InputError, match="mode: expected 'eager' or 'compile', got 'jit'"):
+        load_calibration(path)

@@ -187,3 +187,50 @@ def test_tune_for_the_gpu_at_hand_calibrates_and_times_with_cuda_events(tmp_path
     pol = load_policy(tmp_path / "p.yaml")
     assert pol.provenance["speed_source"] == "calibrated here"
     assert pol.metrics["measured_speedup"] > 0
+
+
+@pytest.mark.slow
+def test_the_compiled_timer_times_each_plan_on_its_own_compiled_copy():
+    """Each plan: a copy of the model, the plan applied, compiled once before the rounds;
+    the model handed in is left as it was (no policy, no compiled state)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(),
+                              torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(8, 16)
+    before = net(x)
+    timer = cs.compiled_timer(net, lambda m, b: m(b), x, "cpu", "cpu")
+    counters.clear()
+    samples = timer({"fp32": Policy(default="fp32"),
+                     "bf16": Policy(default="fp32", layers={"2": "bf16"})})
+    assert set(samples) == {"fp32", "bf16"}
+    assert all(len(v) >= cs.MIN_ROUNDS and min(v) > 0 for v in samples.values())
+    assert counters["stats"]["unique_graphs"] >= 2  # one compiled program per plan
+    assert not net._forward_hooks and not net._forward_pre_hooks
+    assert torch.equal(net(x), before)
+
+
+@pytest.mark.slow
+def test_tune_for_a_compiled_cpu_deployment_times_its_plans_compiled(tmp_path: Path):
+    """``--compile --target cpu``: priced on this machine's compiled calibration (seeded
+    in the cache here, so the test does not spend minutes calibrating), and the rows
+    timed compiled."""
+    from autoprec.cost import Calibration, get_profile
+    from autoprec.cost.machine import calibration_path, this_machine
+
+    m = this_machine("cpu")
+    Calibration(device="cpu", efficiency={"fp32": 0.5, "bf16": 0.5}, machine=m.to_dict(),
+                mode="compile", call_overhead_s=50e-6).save(calibration_path(
+                    tmp_path / ".autoprec" / "calibration", get_profile("cpu"), m, "compile"))
+    out = tmp_path / "p.yaml"
+    res = tune(MLP, max_error=0.05, target="cpu", precisions=["bf16"], trials=3,
+               out=out, progress=False, compile=True)
+    assert res.speed is not None and res.speed.measured
+    assert "torch.compile'd" in res.speed.how
+    pol = load_policy(out)
+    assert pol.target["mode"] == "compile"
+    assert pol.provenance["speed_source"] == "cached calibration"
+    assert "torch.compile'd" in pol.metrics["measured_on"]
+    timed = [r for r in res.speed.rows if r.speedup is not None]
+    assert {r.name for r in timed} >= {"tuned", label("fp32"), label("bf16")}
