@@ -6,7 +6,7 @@ calibration data:
 
 - local error: relative L2 error of the layer's output when it alone computes in the
   format — input and weight quantised (fp8: per-tensor e4m3 current scaling,
-  ``autoprec.apply.fp8.fake_quant``; mxfp8: E4M3 + E8M0 per 32 along K, the OCP spec's
+  ``autoprec.formats.fp8.fake_quant_fp8``; mxfp8: E4M3 + E8M0 per 32 along K, the OCP spec's
   floor scale, and ``mxfp8r`` the same with NVIDIA's rceil scale; nvfp4: E2M1 + E4M3 per
   16 along K + per-tensor fp32), fp32 accumulate, on the layer's fp32 input;
 - e2e error: relative L2 error of the model's outputs (DESIGN.md's default error) with
@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.apply.fp8 import fake_quant as fp8_fake_quant
-from autoprec.formats import fake_quant_mxfp8, fake_quant_nvfp4
+from autoprec.formats import fake_quant_fp8, fake_quant_mxfp8, fake_quant_nvfp4
 from autoprec.formats.gemm import ineligible_reason
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import ErrorAccumulator, detach_floats
@@ -48,7 +47,7 @@ Quant = Callable[[torch.Tensor], torch.Tensor]
 #: fp32 accumulate — what ``reference_fp8_linear`` / ``reference_blockscaled_linear``
 #: compute, with Q(W) computed once per layer here.
 QUANT: dict[str, Quant] = {
-    "fp8": fp8_fake_quant,
+    "fp8": fake_quant_fp8,
     "mxfp8": fake_quant_mxfp8,
     "mxfp8r": lambda t: fake_quant_mxfp8(t, "rceil"),
     "nvfp4": fake_quant_nvfp4,

@@ -8,8 +8,8 @@ Three backends compute the same thing:
   whose backward runs the same e5m2 x e4m3 arithmetic.
 - ``te``: Transformer Engine's ``te.Linear`` sharing the module's weights (lazy import).
 
-Scaling follows the "current scaling" recipe: scale = fmax / amax(tensor), so the largest
-magnitude maps to the format's max (448 for e4m3, 57344 for e5m2; OCP FP8 spec).
+The quantisation (per-tensor current scaling: scale = fmax / amax) is the format's own:
+``autoprec.formats.fp8``.
 """
 
 from __future__ import annotations
@@ -18,34 +18,8 @@ from typing import Any
 
 import torch
 
+from autoprec.formats.fp8 import E4M3, E5M2, dequantize_fp8, fake_quant_fp8, quantize_fp8
 from autoprec.formats.gemm import linear_dims, linear_weight
-from autoprec.precisions import FORMATS, FP8_E5M2
-
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-_FMAX = {E4M3: FORMATS["fp8"].max, E5M2: FP8_E5M2.max}
-
-
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor current scaling: returns (x_fp8, scale) with x ≈ x_fp8 / scale."""
-    x = x.float()
-    # amax in one pass without an |x| buffer; the scaled copy clamped in place (exact same
-    # values as abs().amax() and an out-of-place clamp: the CPU emulation's hot path)
-    lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
-    amax = torch.maximum(-lo, hi).clamp(min=1e-12)
-    scale = _FMAX[dtype] / amax
-    q = (x * scale).clamp_(-_FMAX[dtype], _FMAX[dtype]).to(dtype)
-    return q, scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float().div_(scale)
-
-
-def fake_quant(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
-    """x rounded through fp8 with per-tensor current scaling, back in fp32."""
-    q, s = quantize(x, dtype)
-    return dequantize(q, s)
 
 
 def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -72,7 +46,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 wq_sw: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K), M = tokens
-        xq, sx = quantize(x2, E4M3)
+        xq, sx = quantize_fp8(x2, E4M3)
         wq, sw = wq_sw  # (N, K) e4m3 and its scale, cast once per weight version
         if backend == "torch":
             # straight to the region's dtype (an fp16 region was rounded through bf16 before),
@@ -82,7 +56,8 @@ class _Fp8LinearFn(torch.autograd.Function):
             if bias is not None and not fused:
                 y = y + bias
         else:
-            y = dequantize(xq, sx) @ dequantize(wq, sw).t()  # fp32 accumulate, like the GEMM
+            # fp32 accumulate, like the GEMM
+            y = dequantize_fp8(xq, sx) @ dequantize_fp8(wq, sw).t()
             if bias is not None:
                 y = y + bias.float()
         ctx.save_for_backward(xq, sx, wq, sw)
@@ -95,10 +70,10 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         xq, sx, wq, sw = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
-        gq, sg = quantize(g2, E5M2)
-        g = dequantize(gq, sg)
-        grad_x = (g @ dequantize(wq, sw)).to(ctx.in_dtype)  # (M, K)
-        grad_w = (g.t() @ dequantize(xq, sx)).to(ctx.w_dtype)  # (N, K)
+        gq, sg = quantize_fp8(g2, E5M2)
+        g = dequantize_fp8(gq, sg)
+        grad_x = (g @ dequantize_fp8(wq, sw)).to(ctx.in_dtype)  # (M, K)
+        grad_w = (g.t() @ dequantize_fp8(xq, sx)).to(ctx.w_dtype)  # (N, K)
         grad_b = g2.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         return grad_x.reshape(*grad_out.shape[:-1], -1), grad_w, grad_b, None, None, None
 
@@ -132,13 +107,13 @@ def _weight_fp8(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.Te
     """
     if torch.compiler.is_compiling():  # data_ptr() would break the graph; compiled code
         with torch.no_grad():  # fuses the cast into the graph instead
-            return quantize(weight.detach(), E4M3)
+            return quantize_fp8(weight.detach(), E4M3)
     key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape))
     cached = module.__dict__.get("_autoprec_fp8_weight")
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
-        wq_sw = quantize(weight.detach(), E4M3)
+        wq_sw = quantize_fp8(weight.detach(), E4M3)
     module.__dict__["_autoprec_fp8_weight"] = (key, wq_sw)
     return wq_sw
 
@@ -179,11 +154,10 @@ def _te_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """Hand reference for tests: explicit casts, no autograd.Function."""
-    y = fake_quant(x.reshape(-1, x.shape[-1])) @ fake_quant(weight).t()
+    y = fake_quant_fp8(x.reshape(-1, x.shape[-1])) @ fake_quant_fp8(weight).t()
     if bias is not None:
         y = y + bias.float()
     return y.reshape(*x.shape[:-1], -1)
 
 
-__all__ = ["fp8_linear", "fake_quant", "quantize",
-           "reference_fp8_linear"]
+__all__ = ["fp8_linear", "reference_fp8_linear"]

@@ -1,8 +1,11 @@
-"""Block-scaled number formats (issue 17): MXFP8 (OCP MX v1.0) and NVFP4, by emulation.
+"""The GEMM number formats: fp8 (per-tensor scale), MXFP8 (OCP MX v1.0) and NVFP4, by emulation.
 
-Pure numerics: quantise, dequantise and fake-quantise along the last dim (the GEMM's
-reduction dim K). The Linear backends that use them live in ``autoprec.apply.blockscale``.
+Pure numerics: quantise, dequantise and fake-quantise (block formats along the last dim, the
+GEMM's reduction dim K). What each format is and which layers may run it: ``gemm``. The
+Linear backends that use them live in ``autoprec.apply.fp8`` / ``autoprec.apply.blockscale``.
 
+- ``fp8``: :func:`quantize_fp8`, :func:`dequantize_fp8`, :func:`fake_quant_fp8` (per-tensor
+  current scaling).
 - ``mx``: :func:`quantize_mx`, :func:`dequantize_mx`, :func:`fake_quant_mxfp8`.
 - ``nvfp4``: :func:`quantize_nvfp4`, :func:`dequantize_nvfp4`, :func:`fake_quant_nvfp4`.
 - ``elements``: the E4M3/E5M2/E2M1/E8M0 codecs, all RNE with saturation.
@@ -12,6 +15,7 @@ reduction dim K). The Linear backends that use them live in ``autoprec.apply.blo
 import torch
 
 from autoprec.formats.elements import BlockShapeError
+from autoprec.formats.fp8 import dequantize_fp8, fake_quant_fp8, quantize_fp8
 from autoprec.formats.mx import (
     MX_BLOCK,
     MXTensor,
@@ -45,7 +49,7 @@ def fake_quant_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 __all__ = [
     "BLOCK_FORMATS", "BLOCK_SIZE", "MX_BLOCK", "NVFP4_BLOCK", "BlockShapeError", "MXTensor",
-    "NVFP4Tensor", "dequantize_mx", "dequantize_nvfp4", "fake_quant_block", "fake_quant_mx",
-    "fake_quant_mxfp8", "fake_quant_nvfp4", "nvfp4_tensor_scale", "quantize_mx",
-    "quantize_nvfp4",
+    "NVFP4Tensor", "dequantize_fp8", "dequantize_mx", "dequantize_nvfp4", "fake_quant_block",
+    "fake_quant_fp8", "fake_quant_mx", "fake_quant_mxfp8", "fake_quant_nvfp4",
+    "nvfp4_tensor_scale", "quantize_fp8", "quantize_mx", "quantize_nvfp4",
 ]

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.apply.fp8 import E5M2, fake_quant
 from autoprec.apply.lower import round_to_tf32
+from autoprec.formats.fp8 import E5M2, fake_quant_fp8
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,7 +30,7 @@ class Fp8Ref(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
         x2 = x.float().reshape(-1, x.shape[-1])  # (M, K)
-        xq, wq = fake_quant(x2), fake_quant(w.float())  # (M, K), (N, K)
+        xq, wq = fake_quant_fp8(x2), fake_quant_fp8(w.float())  # (M, K), (N, K)
         ctx.save_for_backward(xq, wq)
         ctx.has_bias = b is not None
         y = xq @ wq.t()
@@ -41,7 +41,7 @@ class Fp8Ref(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor):  # type: ignore[override]
         xq, wq = ctx.saved_tensors
-        g = fake_quant(gy.reshape(-1, gy.shape[-1]).float(), E5M2)  # (M, N)
+        g = fake_quant_fp8(gy.reshape(-1, gy.shape[-1]).float(), E5M2)  # (M, N)
         gx = (g @ wq).reshape(*gy.shape[:-1], -1)
         gw = g.t() @ xq
         gb = gy.reshape(-1, gy.shape[-1]).float().sum(0) if ctx.has_bias else None

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoprec.apply.fp8 import fake_quant as fp8_fake_quant
 from autoprec.formats import (
     BlockShapeError,
     dequantize_mx,
     dequantize_nvfp4,
     fake_quant_block,
+    fake_quant_fp8,
     fake_quant_mx,
     fake_quant_mxfp8,
     fake_quant_nvfp4,
@@ -187,7 +187,7 @@ def test_mx_per_block_scaling_keeps_small_values_that_per_tensor_fp8_flushes() -
     x = torch.cat([_block([1e4]), small], dim=1)  # block 0: one outlier; block 1: small
     # per-tensor fp8: scale 448 / 1e4 puts 1e-3 at 4.5e-5 < 2**-10 (half e4m3's min
     # subnormal): the small block flushes to zero.
-    fp8 = fp8_fake_quant(x)
+    fp8 = fake_quant_fp8(x)
     assert torch.equal(fp8[:, 32:], torch.zeros(1, 32))
     mx = fake_quant_mxfp8(x)
     # its own scale: e4m3's 3 mantissa bits (measured 6.1%: this block's max sits just

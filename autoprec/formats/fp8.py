@@ -1,0 +1,40 @@
+"""fp8 with per-tensor current scaling: one fp32 scale per tensor, from its amax.
+
+Scaling follows the "current scaling" recipe: scale = fmax / amax(tensor), so the largest
+magnitude maps to the format's max (448 for e4m3, 57344 for e5m2; OCP FP8 spec,
+``elements.ELEM_MAX``). The fp8 GEMM reads e4m3 operands forward and e5m2 gradients
+backward; the Linear backend that runs it lives in ``autoprec.apply.fp8``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autoprec.formats.elements import E4M3, E5M2, ELEM_MAX
+
+
+def quantize_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor current scaling: returns (x_fp8, scale) with x ≈ x_fp8 / scale."""
+    x = x.float()
+    # amax in one pass without an |x| buffer; the scaled copy clamped in place (exact same
+    # values as abs().amax() and an out-of-place clamp: the CPU emulation's hot path)
+    lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
+    amax = torch.maximum(-lo, hi).clamp(min=1e-12)
+    fmax = ELEM_MAX[dtype]
+    scale = fmax / amax
+    q = (x * scale).clamp_(-fmax, fmax).to(dtype)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values ``q / scale`` of a :func:`quantize_fp8` result."""
+    return q.float().div_(scale)
+
+
+def fake_quant_fp8(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """x rounded through fp8 with per-tensor current scaling, back in fp32."""
+    q, s = quantize_fp8(x, dtype)
+    return dequantize_fp8(q, s)
+
+
+__all__ = ["E4M3", "E5M2", "dequantize_fp8", "fake_quant_fp8", "quantize_fp8"]
