@@ -40,15 +40,16 @@ from autoprec.formats import BLOCK_FORMATS, BLOCK_SIZE, BlockShapeError
 from autoprec.formats.elements import pack_e2m1
 from autoprec.formats.gemm import ineligible_reason, linear_weight
 from autoprec.formats.layout import to_blocked
-from autoprec.formats.mx import MXTensor, dequantize_mx, fake_quant_mxfp8, quantize_mx
+from autoprec.formats.mx import (
+    MX_SCALE_MODE,
+    MXTensor,
+    dequantize_mx,
+    fake_quant_mxfp8,
+    fake_quant_mxfp8_padded,
+    quantize_mx,
+)
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
 
-#: How MXFP8 scales are chosen here: NVIDIA's "rceil" (X = 2^ceil(log2(amax / 448)): the
-#: block max never saturates), what cuBLAS and Transformer Engine compute on Blackwell, so
-#: the emulation matches the kernels a B200 runs. The OCP spec's "floor" rule (the
-#: ``autoprec.formats.mx`` default) saturates a block's largest values by up to 12.5 %:
-#: experiments/results/blockscale_error.md measured it 1.1-2x fp8's error on outlier layers.
-MX_SCALE_MODE = "rceil"
 
 class NoGradientRecipe(CapabilityError, RuntimeError):
     """A backward pass reached a format that autoprec runs forward-only (nvfp4)."""
@@ -66,15 +67,6 @@ def _check_fmt(fmt: str) -> str:
 
 def _fake_quant(t: torch.Tensor, fmt: str) -> torch.Tensor:
     return fake_quant_mxfp8(t, MX_SCALE_MODE) if fmt == "mxfp8" else fake_quant_nvfp4(t)
-
-
-def _fq_mx_padded(t: torch.Tensor) -> torch.Tensor:
-    """MXFP8 fake-quant along the last dim, zero-padding it to a multiple of 32 first."""
-    pad = (-t.shape[-1]) % 32
-    if not pad:
-        return fake_quant_mxfp8(t, MX_SCALE_MODE)
-    return fake_quant_mxfp8(torch.nn.functional.pad(t, (0, pad)),
-                            MX_SCALE_MODE)[..., : t.shape[-1]]
 
 
 def _pad_rows(x2: torch.Tensor, multiple: int = 16) -> tuple[torch.Tensor, int]:
@@ -150,8 +142,9 @@ class _MXFP8LinearFn(torch.autograd.Function):
         x2, weight = ctx.saved_tensors  # (M, K), (N, K)
         g = grad_out.reshape(-1, grad_out.shape[-1]).float()  # (M, N)
         w = weight.float()
-        grad_x = _fq_mx_padded(g) @ _fq_mx_padded(w.t()).t()  # dX (M, K): reduce over N
-        grad_w = _fq_mx_padded(g.t()) @ _fq_mx_padded(x2.t()).t()  # dW (N, K): reduce over M
+        fq = fake_quant_mxfp8_padded
+        grad_x = fq(g) @ fq(w.t()).t()  # dX (M, K): reduce over N
+        grad_w = fq(g.t()) @ fq(x2.t()).t()  # dW (N, K): reduce over M
         grad_b = g.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         return (grad_x.to(ctx.in_dtype).reshape(*grad_out.shape[:-1], -1),
                 grad_w.to(ctx.w_dtype), grad_b, None, None, None)

@@ -53,6 +53,13 @@ from autoprec.formats.elements import (
 MX_BLOCK = 32
 SCALE_MODES = ("floor", "rceil")
 
+#: How autoprec's MXFP8 GEMMs choose scales: NVIDIA's "rceil" (X = 2^ceil(log2(amax / 448)):
+#: the block max never saturates), what cuBLAS and Transformer Engine compute on Blackwell,
+#: so the emulation matches the kernels a B200 runs. The OCP spec's "floor" rule (this
+#: module's default) saturates a block's largest values by up to 12.5 %:
+#: experiments/results/blockscale_error.md measured it 1.1-2x fp8's error on outlier layers.
+MX_SCALE_MODE = "rceil"
+
 
 @dataclass(frozen=True)
 class MXTensor:
@@ -137,5 +144,16 @@ def fake_quant_mxfp8(x: torch.Tensor, scale_mode: str = "floor") -> torch.Tensor
     return fake_quant_mx(x, MX_BLOCK, E4M3, scale_mode)
 
 
-__all__ = ["MX_BLOCK", "MXTensor", "dequantize_mx", "fake_quant_mx", "fake_quant_mxfp8",
-           "mx_scale_exponent", "quantize_mx"]
+def fake_quant_mxfp8_padded(t: torch.Tensor) -> torch.Tensor:
+    """MXFP8 fake-quant along the last dim as the GEMMs run it (``MX_SCALE_MODE``),
+    zero-padding it to a multiple of 32 first (zeros leave a block's amax unchanged: a
+    partial last block). The MXFP8 gradient recipe reduces over dims of any size."""
+    pad = (-t.shape[-1]) % 32
+    if not pad:
+        return fake_quant_mxfp8(t, MX_SCALE_MODE)
+    return fake_quant_mxfp8(torch.nn.functional.pad(t, (0, pad)),
+                            MX_SCALE_MODE)[..., : t.shape[-1]]
+
+
+__all__ = ["MX_BLOCK", "MX_SCALE_MODE", "MXTensor", "dequantize_mx", "fake_quant_mx",
+           "fake_quant_mxfp8", "fake_quant_mxfp8_padded", "mx_scale_exponent", "quantize_mx"]

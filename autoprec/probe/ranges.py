@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoprec.formats.fp8 import E5M2, fake_quant_fp8
+from autoprec.formats.mx import fake_quant_mxfp8_padded
 from autoprec.precisions import BLOCK_SCALED, FORMATS, FP8_E5M2, NumericFormat
 
 #: Formats the gradients of a lowered layer flow in (fp8 trains with e5m2 gradients).
@@ -119,9 +120,7 @@ def grad_flush(g: torch.Tensor, precision: str, scale: float = 1.0) -> tuple[int
     if precision == "fp8":
         low = fake_quant_fp8(torch.where(nz, gs, torch.zeros_like(gs)), E5M2)
     elif precision == "mxfp8":  # dY in e4m3 blocks of 32 (the MXFP8 recipe)
-        from autoprec.apply.blockscale import _fq_mx_padded
-
-        low = _fq_mx_padded(torch.where(nz, gs, torch.zeros_like(gs)))
+        low = fake_quant_mxfp8_padded(torch.where(nz, gs, torch.zeros_like(gs)))
     else:
         low = gs.to(torch.float16 if precision == "fp16" else torch.bfloat16).float()
     flushed = int((nz & (low == 0)).sum())

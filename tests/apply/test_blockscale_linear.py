@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.apply.blockscale import (
-    MX_SCALE_MODE,
     NoGradientRecipe,
     _quantize_weight,
     blockscale_capability,
@@ -19,6 +18,7 @@ from autoprec.apply.blockscale import (
 )
 from autoprec.errors import CapabilityError
 from autoprec.formats import BlockShapeError, fake_quant_mxfp8
+from autoprec.formats.mx import MX_SCALE_MODE
 
 FORMATS = ("mxfp8", "nvfp4")
 
