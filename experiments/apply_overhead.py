@@ -7,7 +7,7 @@ on a stack of 100 ``Linear -> ReLU`` layers, eager, inference (``torch.no_grad``
 - **issue 13**: ``apply_policy(Policy(default="fp16"))`` vs a user's one line,
   ``with torch.autocast(dev, dtype=torch.float16): model(x)`` (autocast's defaults);
 - the same policy vs ``torch.autocast(..., cache_enabled=False)``: the arithmetic apply
-  runs (its regions keep autocast's weight-cast cache off, see ``apply/lower.py``), so this
+  runs (its regions keep autocast's weight-cast cache off, see ``lower/forward.py``), so this
   ratio is the wrappers' own cost;
 - ``default: fp16`` plus one fp16 rule per leaf: compiles to the same plan (rules equal to
   their region install no wrapper), so it must cost what the compact form costs;

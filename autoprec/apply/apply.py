@@ -2,14 +2,14 @@
 
 ``plan.compile`` decides every module's region and precision and which modules get a
 wrapper (a module whose precision differs from the region it is called from, and the
-root); ``lower.lowered_forward`` enters the region in a ``with`` block. Leaving a wrapped
+root); ``lower.forward.lowered_forward`` enters the region in a ``with`` block. Leaving a wrapped
 module, its 16-bit outputs are cast to fp32 only when the caller's region is fp32/tf32
 (autocast off there): an autocast caller casts at the consumers that need it, as one
 global autocast would. ``plan.schedule`` replays the same rules over a recorded forward,
 so the cost model prices what this installs, and ``audit`` checks a real forward.
 
 The target: a policy tuned for a CUDA device and applied on a CPU (to measure accuracy)
-runs the ops CUDA autocast keeps in fp32 in fp32 (``lower`` ``emulate_cuda``).
+runs the ops CUDA autocast keeps in fp32 in fp32 (``lower.forward``'s ``emulate_cuda``).
 
 Weights are never cast in place: autocast casts per call (``cache_enabled=False``, so a
 tied weight or a module called twice in two dtypes gets the right cast each time) and the
@@ -31,10 +31,10 @@ import torch
 
 from autoprec.apply.audit import AuditReport, audit_run, notify_compute
 from autoprec.apply.compiled import audit_compiled
-from autoprec.apply.lower import lowered_forward
 from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
 from autoprec.errors import CapabilityError, InputError
 from autoprec.fused import FASTPATH, has_fused_paths
+from autoprec.lower.forward import lowered_forward
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
 from autoprec.policy.resolve import Resolved, assignment, module_table

@@ -12,8 +12,8 @@ its parent, or compute its GEMMs functionally. So apply is checked on a real for
   math fallback (e.g. T5's float position bias on CPU) upcasts bf16 to fp32 inside the
   kernel, an implementation detail like a tensor core's fp32 accumulator, not a rule
   that failed to apply;
-- fp32 operands count as tf32 while tf32 is on (CUDA's allow_tf32 flags, or lower.py's
-  emulation elsewhere); the fp8 wrapper reports itself through ``notify_compute``,
+- fp32 operands count as tf32 while tf32 is on (CUDA's allow_tf32 flags, or
+  lower/forward.py's emulation elsewhere); the fp8 wrapper reports itself through ``notify_compute``,
   since the emulated backend's GEMM runs on dequantised fp32 operands.
 
 A GEMM that did not compute in its rule's precision is an error; a lowering rule that
@@ -32,9 +32,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoprec.apply import lower
 from autoprec.errors import CheckFailed
 from autoprec.fused import FUSED_OPS, has_fused_paths
+from autoprec.lower.forward import tf32_emulation_active
 from autoprec.paths import normalize_path, unwrap_model
 from autoprec.policy.resolve import Resolved, is_gemm_leaf
 from autoprec.policy.schema import Policy, PolicyWarning
@@ -142,7 +142,7 @@ def gemm_precision(dtypes: set[torch.dtype], name: str, device: str) -> str | No
             on = (torch.backends.cudnn.allow_tf32 if name in _CONV_OPS
                   else torch.backends.cuda.matmul.allow_tf32)
             return "tf32" if on else "fp32"
-        return "tf32" if lower.tf32_emulation_active() else "fp32"
+        return "tf32" if tf32_emulation_active() else "fp32"
     if torch.float64 in dtypes:
         return "fp64"
     return None

@@ -90,7 +90,7 @@ def compiled_gemms(model: torch.nn.Module, call: Callable[[torch.nn.Module], Any
         fp8_modules = {_innermost(n) for n in calls
                        if _name(n) in ("_to_copy", "convert_element_type")
                        and getattr(n.meta.get("val"), "dtype", None) in _FP8}
-        # lower.round_to_tf32 (tf32 emulated off CUDA) masks mantissa bits of the operands
+        # lower.forward.round_to_tf32 (tf32 emulated off CUDA) masks mantissa bits of the operands
         tf32_modules = {_innermost(n) for n in calls if _name(n) == "bitwise_and"}
         for node in gm.graph.nodes:
             if node.op != "call_function":

@@ -2,7 +2,7 @@
 
 Pure numerics: quantise, dequantise and fake-quantise (block formats along the last dim, the
 GEMM's reduction dim K). What each format is and which layers may run it: ``gemm``. The
-Linear backends that use them live in ``autoprec.apply.fp8`` / ``autoprec.apply.blockscale``.
+Linear backends that use them live in ``autoprec.lower.fp8`` / ``autoprec.lower.blockscale``.
 
 - ``fp8``: :func:`quantize_fp8`, :func:`dequantize_fp8`, :func:`fake_quant_fp8` (per-tensor
   current scaling).

@@ -3,7 +3,7 @@
 Scaling follows the "current scaling" recipe: scale = fmax / amax(tensor), so the largest
 magnitude maps to the format's max (448 for e4m3, 57344 for e5m2; OCP FP8 spec,
 ``elements.ELEM_MAX``). The fp8 GEMM reads e4m3 operands forward and e5m2 gradients
-backward; the Linear backend that runs it lives in ``autoprec.apply.fp8``.
+backward; the Linear backend that runs it lives in ``autoprec.lower.fp8``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A GEMM format is not an autocast region but a module backend for a Linear-like *
 and giving its region's dtype. Every stage asks the format object, none re-derives its
 facts: the tracer (which leaves may take a format, and why not), policy validation, the
 probes, the plan and the cost model (the leaves a format rule reaches), apply (the
-backends in ``autoprec.apply.fp8`` / ``autoprec.apply.blockscale``). Modelled on
+backends in ``autoprec.lower.fp8`` / ``autoprec.lower.blockscale``). Modelled on
 Transformer Engine's recipe dataclasses (one per format, one support check returning the
 reason); the numerics of each format live beside this file (``mx.py``, ``nvfp4.py``).
 

@@ -197,7 +197,7 @@ class GradProbes:
                 return
             ref_sq = sum(float(r.pow(2).sum()) for r in ref)
             for p in layer.precisions:
-                if p == "nvfp4":  # forward-only: no gradient recipe (apply/blockscale.py)
+                if p == "nvfp4":  # forward-only: no gradient recipe (lower/blockscale.py)
                     continue
                 st = self.stats[(layer.path, p)]
                 st.sq_ref += ref_sq

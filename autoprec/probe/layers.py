@@ -2,7 +2,7 @@
 
 The probed layers are the trace's GEMM nodes (Linear / Conv / HF Conv1D leaves, and
 modules whose own code runs matmuls, e.g. attention). "This layer alone in precision p"
-means exactly what a policy rule on it does (``apply.lower.lowered_forward``), with the
+means exactly what a policy rule on it does (``lower.forward.lowered_forward``), with the
 GEMM modules *inside* it (an attention module's q/k/v Linears) held at fp32: they are
 layers of their own with their own rows, so each row measures one layer's own compute.
 """
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.apply.lower import cast_floats, lowered_forward
 from autoprec.errors import InputError
 from autoprec.formats.gemm import ineligible_reason
+from autoprec.lower.forward import cast_floats, lowered_forward
 from autoprec.precisions import GEMM_FORMATS
 from autoprec.trace.graph import LayerGraph
 

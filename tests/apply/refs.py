@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.apply.lower import round_to_tf32
 from autoprec.formats.fp8 import E5M2, fake_quant_fp8
+from autoprec.lower.forward import round_to_tf32
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,7 +64,7 @@ def ref_linear(x: torch.Tensor, lin: nn.Linear, p: str, out_dtype: torch.dtype |
         y = Fp8Ref.apply(x, w, b)
         return y if out_dtype is None else y.to(out_dtype)
     if p in ("mxfp8", "nvfp4"):  # forward only (the backends' own hand reference)
-        from autoprec.apply.blockscale import reference_blockscaled_linear
+        from autoprec.lower.blockscale import reference_blockscaled_linear
 
         y = reference_blockscaled_linear(x.float(), w, b, p)
         return y if out_dtype is None else y.to(out_dtype)

@@ -1,4 +1,4 @@
-"""Block-scaled Linear backends (autoprec.apply.blockscale): eligibility, capability, the
+"""Block-scaled Linear backends (autoprec.lower.blockscale): eligibility, capability, the
 emulated GEMM against a hand reference, gradients, and the real-kernel call contract."""
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.apply.blockscale import (
+from autoprec.errors import CapabilityError
+from autoprec.formats import BlockShapeError, fake_quant_mxfp8
+from autoprec.formats.mx import MX_SCALE_MODE
+from autoprec.lower.blockscale import (
     NoGradientRecipe,
     _quantize_weight,
     blockscale_capability,
@@ -16,9 +19,6 @@ from autoprec.apply.blockscale import (
     reference_blockscaled_linear,
     scaled_mm_call,
 )
-from autoprec.errors import CapabilityError
-from autoprec.formats import BlockShapeError, fake_quant_mxfp8
-from autoprec.formats.mx import MX_SCALE_MODE
 
 FORMATS = ("mxfp8", "nvfp4")
 

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autoprec.apply import backends
 from autoprec.errors import CapabilityError, PolicyError
 from autoprec.formats.gemm import ineligible_reason
+from autoprec.lower import backends
 from autoprec.plan.autocast import suspend_target_fp32_ops, target_fp32_ops
 from autoprec.precisions import AUTOCAST_DTYPES, check_precision, is_gemm_format
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from autoprec.apply import blockscale, fp8
+from autoprec.lower import blockscale, fp8
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
