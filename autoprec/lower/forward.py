@@ -13,7 +13,7 @@ A *region* is the numeric context a module's forward runs in:
   (``backends.linear``: fp8.py, blockscale.py).
 
 ``emulate_cuda``: on a CPU, autocast regions also run the ops CUDA autocast keeps in fp32
-(layer_norm, softmax, sum, exp, ...) in fp32 (``plan.autocast.TargetFp32Ops``), so that
+(layer_norm, softmax, sum, exp, ...) in fp32 (``lower.autocast.TargetFp32Ops``), so that
 accuracy measured here is that of a CUDA deployment; fp32/tf32 islands suspend it.
 
 The forward is wrapped in a ``with`` block (not pre-/post-hooks): hooks that enter and
@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from autoprec.errors import CapabilityError, PolicyError
 from autoprec.formats.gemm import ineligible_reason
 from autoprec.lower import backends
-from autoprec.plan.autocast import suspend_target_fp32_ops, target_fp32_ops
+from autoprec.lower.autocast import suspend_target_fp32_ops, target_fp32_ops
 from autoprec.precisions import AUTOCAST_DTYPES, check_precision, is_gemm_format
 
 _LOW_FLOATS = (torch.float16, torch.bfloat16)

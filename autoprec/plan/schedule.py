@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoprec.plan.autocast import cast_policy
+from autoprec.lower.autocast import cast_policy
 from autoprec.plan.compile import CODE, FORMAT_CODES
 from autoprec.precisions import BYTES
 from autoprec.trace.ops import OpTrace

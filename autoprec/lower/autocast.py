@@ -20,8 +20,8 @@ names for the rest (``native_layer_norm`` is what ``layer_norm`` runs, ``_softma
 
 CUDA and CPU differ: CUDA autocast runs layer_norm, group_norm, softmax, log_softmax, sum,
 exp, pow, rsqrt... in fp32; CPU autocast runs them in their input dtype. When accuracy is
-measured on a CPU for a CUDA target, apply makes those ops run as CUDA would
-(``TargetFp32Ops`` below), so that the measured error is the deployment's.
+measured on a CPU for a CUDA target, the lowered forwards (``lower.forward``) make those
+ops run as CUDA would (``TargetFp32Ops`` below), so that the measured error is the deployment's.
 """
 
 from __future__ import annotations
