@@ -343,8 +343,3 @@ def lowered_forward(
 
     return region_forward
 
-
-def run_lowered(module: torch.nn.Module, precision: str, *args: Any,
-                fp8_backend: str = "emulated", **kwargs: Any) -> Any:
-    """Call ``module`` once with its forward computed in ``precision`` (no state change)."""
-    return lowered_forward(module, precision, fp8_backend=fp8_backend)(*args, **kwargs)
