@@ -1,0 +1,147 @@
+"""The package's layering, read from the source: which part of ``autoprec`` imports which.
+
+A *part* is a subpackage (``autoprec.probe``) or a top-level module (``autoprec.metrics``).
+Every import counts: module-level, lazy ones inside functions and ``TYPE_CHECKING`` blocks
+(a lazy import is still a dependency, only a later one). The root ``autoprec/__init__.py``
+is left out: it is the public facade, re-exporting every stage lazily, and
+``from autoprec import __version__`` reads a constant, not a stage.
+
+The rules (STYLE.md, "the folders show the flow"): the number formats and the lowering of a
+module to a precision sit below every stage; the stages trace -> probe -> plan -> cost ->
+search -> apply -> track never import a later one, except the search, which runs the
+others; and no part imports itself back through another.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "autoprec"
+
+#: The stages in the order the data flows through them.
+STAGES = ("trace", "probe", "plan", "cost", "search", "apply", "track")
+#: Later stages an earlier one may import: the search scores plans by applying them
+#: (``apply_policy``) and logs its trials (``track``).
+LATER_ALLOWED = {("search", "apply"), ("search", "track")}
+#: Parts below every stage: they import no stage (and no policy).
+FOUNDATIONS = ("formats", "lower", "precisions", "capability", "errors")
+
+
+def _parts() -> set[str]:
+    return {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"} | {
+        p.parent.name for p in ROOT.glob("*/__init__.py")}
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imported(path: Path, root: Path = ROOT) -> Iterator[str]:
+    """Every name ``path`` imports: ``from a.b import c`` gives ``a.b.c``."""
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """part -> the other parts it imports (the root package left out, see above)."""
+    parts = _parts()
+    graph: dict[str, set[str]] = {p: set() for p in parts}
+    for path in ROOT.rglob("*.py"):
+        name = _module_name(path)
+        if name == "autoprec":
+            continue
+        src = name.split(".")[1]
+        for target in _imported(path):
+            bits = target.split(".")
+            if bits[0] == "autoprec" and len(bits) > 1 and bits[1] in parts and bits[1] != src:
+                graph[src].add(bits[1])
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one part (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _show(graph: dict[str, set[str]]) -> str:
+    return "\n".join(f"  {p} -> {', '.join(sorted(graph[p])) or '-'}" for p in sorted(graph))
+
+
+def test_no_part_imports_itself_back() -> None:
+    graph = import_graph()
+    assert _cycles(graph) == [], f"import cycles between parts; the graph:\n{_show(graph)}"
+
+
+def test_stages_import_no_later_stage() -> None:
+    graph = import_graph()
+    later = {(a, b) for i, a in enumerate(STAGES) for b in STAGES[i + 1:] if b in graph[a]}
+    assert later <= LATER_ALLOWED, (
+        f"an earlier stage imports a later one: {sorted(later - LATER_ALLOWED)}; "
+        f"the graph:\n{_show(graph)}")
+
+
+def test_nothing_before_apply_imports_apply() -> None:
+    graph = import_graph()
+    before = ("trace", "policy", "probe", "plan", "cost", "formats", "lower")
+    offenders = sorted(p for p in before if "apply" in graph.get(p, ()))
+    assert offenders == [], f"{offenders} import autoprec.apply; the graph:\n{_show(graph)}"
+
+
+def test_foundations_import_no_stage() -> None:
+    graph = import_graph()
+    stages = set(STAGES) | {"policy"}
+    found = {p: sorted(graph.get(p, set()) & stages) for p in FOUNDATIONS
+             if graph.get(p, set()) & stages}
+    assert found == {}, f"below every stage, yet imports stages: {found}"
+
+
+def test_the_reader_sees_lazy_imports(tmp_path: Path) -> None:
+    """The graph counts an import inside a function, and resolves a relative one."""
+    pkg = tmp_path / "autoprec" / "demo"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    mod = pkg / "m.py"
+    mod.write_text("def f():\n    from autoprec.apply.x import y\n"
+                   "from . import sibling\nimport autoprec.trace.graph\n")
+    assert set(_imported(mod, tmp_path / "autoprec")) == {
+        "autoprec.apply.x.y", "autoprec.demo.sibling", "autoprec.trace.graph"}
