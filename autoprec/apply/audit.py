@@ -13,8 +13,8 @@ its parent, or compute its GEMMs functionally. So apply is checked on a real for
   kernel, an implementation detail like a tensor core's fp32 accumulator, not a rule
   that failed to apply;
 - fp32 operands count as tf32 while tf32 is on (CUDA's allow_tf32 flags, or
-  lower/forward.py's emulation elsewhere); the fp8 wrapper reports itself through ``notify_compute``,
-  since the emulated backend's GEMM runs on dequantised fp32 operands.
+  lower/forward.py's emulation elsewhere); the fp8 wrapper reports itself through
+  ``notify_compute``, since the emulated backend's GEMM runs on dequantised fp32 operands.
 
 A GEMM that did not compute in its rule's precision is an error; a lowering rule that
 reaches no GEMM (a norm alone stays fp32 under autocast) is a warning.
