@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,40 @@ from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.probe import cache
 from autoprec.probe import e2e as e2emod
 from autoprec.probe.grads import SPLITS, GradProbes, Projections, edge_grads, random_projection
-from autoprec.probe.layers import select_layers
+from autoprec.probe.layers import ProbeLayer, select_layers
+from autoprec.probe.ranges import TensorRange
 from autoprec.probe.rows import build_row, judge
-from autoprec.probe.shadow import ShadowPass
+from autoprec.probe.shadow import LocalStats, ShadowPass
 from autoprec.probe.table import ProbeRow, SensitivityTable
 from autoprec.trace.graph import LayerGraph
 
 Forward = Callable[[nn.Module, Any], Any]
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What one probe run was asked for, validated (``probe``'s arguments, documented there)."""
+
+    precisions: tuple[str, ...]  # canonical order, fp32 dropped
+    forward: Forward  # model.py's forward, or the default
+    loss: Callable[[Any, Any], torch.Tensor] | None
+    metric: Callable[[Any, Any], float] | None
+    e2e: str | Sequence[Any]
+    layers: Sequence[str] | None  # normalised module paths; None: every GEMM layer
+    budget: float
+    progress: bool
+    fp8_backend: str
+    loss_scale: float
+    probes: int
+    seed: int
+    e2e_limit: int
+    underflow_limit: float
+    split: str
+
+    @property
+    def units(self) -> str:
+        """What ``e2e_error`` and the budget measure."""
+        return "metric_drop" if self.metric is not None else "error"
 
 
 def resolve_precisions(precisions: Iterable[str] | None, model: nn.Module) -> tuple[str, ...]:
@@ -120,6 +148,11 @@ def probe(
         "underflow_limit": underflow_limit, "split": split, "forward": cache.code_hash(forward),
         "loss": cache.code_hash(loss), "metric": cache.code_hash(metric),
     }
+    settings = ProbeSettings(
+        precisions=precs, forward=fwd, loss=loss, metric=metric, e2e=e2e, layers=layers,
+        budget=budget, progress=progress, fp8_backend=fp8_backend, loss_scale=loss_scale,
+        probes=probes, seed=seed, e2e_limit=e2e_limit, underflow_limit=underflow_limit,
+        split=split)
     key = ""
     if cache_dir is not None:
         key = cache.cache_key(model, batches, options)
@@ -132,9 +165,7 @@ def probe(
     flags = {m: m.training for m in model.modules()}
     model.eval()  # dropout would make the shadow re-runs differ from the fp32 pass
     try:
-        table = _probe(model, batches, precs, fwd, loss, metric, e2e, layers, graph, budget,
-                       progress, fp8_backend, loss_scale, probes, seed, e2e_limit,
-                       underflow_limit, split)
+        table = _probe(model, batches, graph, settings)
     finally:
         for m, flag in flags.items():
             m.training = flag
@@ -145,27 +176,49 @@ def probe(
     return table
 
 
-def _probe(model: nn.Module, batches: list[Any], precs: tuple[str, ...], fwd: Forward,
-           loss: Any, metric: Any, e2e: Any, layer_paths: Sequence[str] | None,
-           graph: LayerGraph | None, budget: float, progress: bool, fp8_backend: str,
-           loss_scale: float, probes: int, seed: int, e2e_limit: int,
-           underflow_limit: float, split: str) -> SensitivityTable:
+@dataclass
+class ShadowResults:
+    """What the fp32 pass with shadow hooks gathered over the calibration data."""
+
+    local: dict[tuple[str, str], LocalStats]  # (layer, precision) -> local error
+    ranges: dict[str, dict[str, TensorRange]]  # layer -> tensor class -> range
+    projections: Projections  # the cheap end-to-end estimate's sums
+    grads: GradProbes | None  # with a loss: the gradient probes
+    sq_y: float  # Σ‖y_ref‖² over the finite outputs
+    reference: Reference  # the fp32 outputs (and metric) the end-to-end runs compare with
+
+
+def _probe(model: nn.Module, batches: list[Any], graph: LayerGraph | None,
+           settings: ProbeSettings) -> SensitivityTable:
+    """The stages: layers -> shadow pass -> rows -> end-to-end runs -> the table."""
     if graph is None:
         from autoprec.trace import trace
 
-        graph = trace(model, batches[0], forward=fwd, tracers=("hooks",))
-    sel = select_layers(model, graph, precs, layer_paths)
+        graph = trace(model, batches[0], forward=settings.forward, tracers=("hooks",))
+    sel = select_layers(model, graph, settings.precisions, settings.layers)
+    shadow = _shadow_pass(model, batches, sel, settings)
+    rows = _rows(sel, shadow, settings)
+    todo = _end_to_end(model, batches, sel, rows, shadow, settings)
+    return SensitivityTable(rows, _meta(graph, sel, len(batches), len(todo), settings))
+
+
+def _shadow_pass(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
+                 settings: ProbeSettings) -> ShadowResults:
+    """One fp32 pass: every layer's shadow computations and ranges, the reference outputs,
+    the projections' backwards and, with a loss, the gradient probes."""
+    loss, metric, probes = settings.loss, settings.metric, settings.probes
     proj = Projections()
-    gprobes = GradProbes(loss_scale, fp8_backend) if loss is not None else None
-    gen = torch.Generator().manual_seed(seed)
+    gprobes = GradProbes(settings.loss_scale, settings.fp8_backend) if loss is not None else None
+    gen = torch.Generator().manual_seed(settings.seed)
     ref_outputs: list[list[torch.Tensor]] = []
     sq_y, metric_sum, metric_w = 0.0, 0.0, 0.0
-    bar = tqdm(batches, desc="probe: shadow pass", unit="batch", disable=not progress,
+    bar = tqdm(batches, desc="probe: shadow pass", unit="batch", disable=not settings.progress,
                leave=False)
-    with ShadowPass(model, sel, fp8_backend, track=True, keep_inputs=loss is not None) as sp:
+    with ShadowPass(model, sel, settings.fp8_backend, track=True,
+                    keep_inputs=loss is not None) as sp:
         for batch in bar:
             with torch.enable_grad():
-                out = fwd(model, batch)
+                out = settings.forward(model, batch)
             calls = sp.take_calls()
             floats = detach_floats(out)
             ref_outputs.append(floats)
@@ -189,61 +242,82 @@ def _probe(model: nn.Module, batches: list[Any], precs: tuple[str, ...], fwd: Fo
                 sp.busy = False
             del out, calls
     bar.close()
+    ref_metric = None
+    if metric is not None:
+        ref_metric = metric_sum / metric_w if metric_w else 0.0
+    return ShadowResults(local=sp.local, ranges=sp.ranges, projections=proj, grads=gprobes,
+                         sq_y=sq_y, reference=Reference(ref_outputs, ref_metric, len(batches)))
 
-    # -- rows: estimates, hard facts, reasons ------------------------------------------------
-    units = "metric_drop" if metric is not None else "error"
+
+def _rows(sel: list[ProbeLayer], shadow: ShadowResults,
+          settings: ProbeSettings) -> list[ProbeRow]:
+    """One row per (layer, precision): the estimates, the hard facts, the reasons."""
+    proj, split = shadow.projections, settings.split
     rows: list[ProbeRow] = []
     for lay in sel:
-        for p in precs:
+        for p in settings.precisions:
             key = (lay.path, p)
-            local = sp.local.get(key)
-            if key in proj.seen and sq_y > 0:
-                est, method = math.sqrt(proj.sq[split][key] / sq_y), "jacobian"
+            local = shadow.local.get(key)
+            if key in proj.seen and shadow.sq_y > 0:
+                est, method = math.sqrt(proj.sq[split][key] / shadow.sq_y), "jacobian"
             else:
                 est, method = (local.error if local else math.nan), "local"
-            gst = gprobes.stats.get(key) if gprobes is not None else None
-            rows.append(build_row(lay, p, local, sp.ranges[lay.path], est, method, gst))
-    by_key = {(r.layer, r.precision): r for r in rows}
+            gst = shadow.grads.stats.get(key) if shadow.grads is not None else None
+            rows.append(build_row(lay, p, local, shadow.ranges[lay.path], est, method, gst))
     for r in rows:
-        judge(r, sp.ranges[r.layer], budget, units, underflow_limit)
+        judge(r, shadow.ranges[r.layer], settings.budget, settings.units,
+              settings.underflow_limit)
+    return rows
 
-    # -- end-to-end runs --------------------------------------------------------------------
+
+def _end_to_end(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
+                rows: list[ProbeRow], shadow: ShadowResults,
+                settings: ProbeSettings) -> list[tuple[str, str]]:
+    """Run the chosen (layer, precision) pairs end to end, only that layer lowered; the
+    rows get their end-to-end errors and are judged again. Returns the pairs run."""
+    by_key = {(r.layer, r.precision): r for r in rows}
     estimates = {k: r.cheap_estimate for k, r in by_key.items()}
     hard = {k for k, r in by_key.items() if r.hard}
-    todo = e2emod.choose(e2e, sel, estimates, hard, budget, metric is not None, e2e_limit)
-    if todo:
-        spec = ModelSpec(path=Path("<probe>"), name="probe", build_model=lambda: model,
-                         calibration_data=lambda: batches, forward=fwd, metric=metric)
-        ref_metric = None
-        if metric is not None:
-            ref_metric = metric_sum / metric_w if metric_w else 0.0
-        ref = Reference(ref_outputs, ref_metric, len(batches))
-        by_path = {lay.path: lay for lay in sel}
-        for path, p in tqdm(todo, desc="probe: end-to-end", unit="run", disable=not progress,
-                            leave=False):
-            sc = e2emod.measure(spec, model, batches, ref, by_path[path], p, fp8_backend)
-            r = by_key[(path, p)]
-            r.e2e_output_error = sc.error
-            r.e2e_error = sc.value
-            judge(r, sp.ranges[path], budget, units, underflow_limit)
+    metric, budget = settings.metric, settings.budget
+    todo = e2emod.choose(settings.e2e, sel, estimates, hard, budget, metric is not None,
+                         settings.e2e_limit)
+    if not todo:
+        return todo
+    spec = ModelSpec(path=Path("<probe>"), name="probe", build_model=lambda: model,
+                     calibration_data=lambda: batches, forward=settings.forward, metric=metric)
+    by_path = {lay.path: lay for lay in sel}
+    for path, p in tqdm(todo, desc="probe: end-to-end", unit="run", disable=not settings.progress,
+                        leave=False):
+        sc = e2emod.measure(spec, model, batches, shadow.reference, by_path[path], p,
+                            settings.fp8_backend)
+        r = by_key[(path, p)]
+        r.e2e_output_error = sc.error
+        r.e2e_error = sc.value
+        judge(r, shadow.ranges[path], budget, settings.units, settings.underflow_limit)
+    return todo
 
+
+def _meta(graph: LayerGraph, sel: list[ProbeLayer], n_batches: int, e2e_runs: int,
+          settings: ProbeSettings) -> dict[str, Any]:
+    """The table's meta: what was probed and its cost in forward-pass equivalents."""
+    precs = settings.precisions
     n_pairs = sum(len(lay.precisions) for lay in sel)
+    with_loss = settings.loss is not None
     cost = {
         "fp32_pass": 1.0,
         "shadow": float(len(precs)),
-        "estimate_backward": 2.0 * probes,
-        "loss_backward": 2.0 if loss is not None else 0.0,
-        "grad_probes": 3.0 * (len(precs) + 1 + ("fp16" in precs)) if loss is not None else 0.0,
-        "e2e_runs": float(len(todo)),
+        "estimate_backward": 2.0 * settings.probes,
+        "loss_backward": 2.0 if with_loss else 0.0,
+        "grad_probes": 3.0 * (len(precs) + 1 + ("fp16" in precs)) if with_loss else 0.0,
+        "e2e_runs": float(e2e_runs),
     }
-    meta = {
-        "fingerprint": graph.fingerprint, "precisions": list(precs), "budget": budget,
-        "units": units, "batches": len(batches), "layers": len(sel), "pairs": n_pairs,
-        "e2e_runs": len(todo), "cost": cost,
+    return {
+        "fingerprint": graph.fingerprint, "precisions": list(precs), "budget": settings.budget,
+        "units": settings.units, "batches": n_batches, "layers": len(sel), "pairs": n_pairs,
+        "e2e_runs": e2e_runs, "cost": cost,
         "cost_total": sum(cost.values()), "cost_naive": float(n_pairs + 1),
         "versions": {"autoprec": _version(), "torch": torch.__version__},
     }
-    return SensitivityTable(rows, meta)
 
 
 def _version() -> str:
