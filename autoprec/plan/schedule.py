@@ -15,7 +15,7 @@ decides, as torch.autocast and apply's wrappers would on ``device_type``:
 - plans that cannot run (a GEMM fed mixed dtypes outside autocast, autocast's promote ops
   fed bf16 with fp16), with the reason.
 
-The wrapper rules are compile.py's; the cast policies per op are autocast.py's. The cost
+The wrapper rules are compile.py's; the cast policies per op are lower/autocast.py's. The cost
 model (``autoprec.cost``) prices the result; the audit compares it with a real forward.
 """
 
