@@ -235,7 +235,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         "layers": layers,
     })
     speed = _beside_baselines(spec, net, pol, batches, ref, sc.value, budget, cost, graph,
-                              calib0, device, source, measure, force)
+                              calib0, device, source, measure, force, mode)
     out["speed_source"] = source.note
     out["baselines"] = speed.to_dict()
     if measure:
@@ -249,11 +249,12 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
 
 def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, value: float,
                       budget: Any, cost: Any, graph: Any, batch: Any, device: str, source: Any,
-                      measure: bool, force: bool = False) -> Any:
+                      measure: bool, force: bool = False, mode: str = "eager") -> Any:
     """The policy next to fp32, one global bf16 / fp16 autocast and uniform tf32 (where the
-    target has it): error on the eval data, estimated speed-up, measured where local."""
+    target has it): error on the eval data, estimated speed-up, measured where local (in
+    the deployment ``mode``: compiled, one model copy per plan, for "compile")."""
     from autoprec.apply.apply import apply_policy
-    from autoprec.cost import CostModel
+    from autoprec.cost import make_cost_model
     from autoprec.evaluate import score
     from autoprec.metrics import batch_size_of
     from autoprec.policy import Policy
@@ -282,9 +283,9 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
         check.winner = None  # eval writes nothing: no row is marked
         check.reason = source.note if not source.local else "not measured (no --measure)"
         return check
-    at_batch = CostModel(graph, cost.profile, batch_size=batch_size_of(batch) or 1)
+    at_batch = make_cost_model(graph, cost.profile, batch_size_of(batch) or 1, mode)
     check = measure_rows(rows, spec.forward, net, batch, source.device, device, at_batch,
-                         force=force)
+                         force=force, compile=mode == "compile")
     check.mark = "fastest within budget"
     return check
 

@@ -34,6 +34,31 @@ def test_eval_measure_times_the_policy_beside_its_baselines_on_a_local_target(
     assert (tmp_path / ".autoprec" / "calibration").is_dir()  # cached beside the policy
 
 
+@pytest.mark.slow
+def test_eval_measure_of_a_compiled_deployment_times_the_rows_compiled(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``--compile`` (or ``target.mode: compile``): priced on this machine's compiled
+    calibration (seeded here, not measured: minutes of compiling) and timed compiled."""
+    from autoprec.cost import Calibration, get_profile
+    from autoprec.cost.machine import calibration_path, this_machine
+
+    m = this_machine("cpu")
+    Calibration(device="cpu", machine=m.to_dict(), mode="compile", call_overhead_s=30e-6).save(
+        calibration_path(tmp_path / ".autoprec" / "calibration", get_profile("cpu"), m,
+                         "compile"))
+    pol = tmp_path / "p.yaml"
+    Policy(default="fp32", layers={"head": "bf16"}, metrics={"budget": 0.01}).save(pol)
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", str(TRAP), "--policy", str(pol), "--target", "cpu", "--measure",
+              "--compile", "--json"])
+    assert exc.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "compile"
+    assert "compiled micro-benchmarks" in out["speed_source"]
+    assert "torch.compile'd" in out["measured"]["timing"]
+    assert out["measured"]["rounds"] >= 7
+
+
 def test_eval_of_a_remote_target_prints_the_baselines_estimated(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     pol = tmp_path / "p.yaml"
