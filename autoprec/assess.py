@@ -113,7 +113,7 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
     return Assessment(
         reference=ref, score=sc, audit=report, layers=layers, fp8_backend=backend,
         first_nonfinite=bad, graph=graph, cost=cost, breakdown=cost.breakdown(policy),
-        est_speedup=cost.speedup(policy), infeasible=cost.infeasible(policy),
+        est_speedup=cost.speedup(policy), infeasible=cost.cannot_run(policy),
         batch_size=bs, eval_batches=len(batches), notes=notes)
 
 

@@ -183,7 +183,7 @@ def priced(loaded: Loaded, run: Run, policy: Policy) -> tuple[float, int]:
     cost = CostModel(loaded.graph, get_profile(run.target), loaded.model.batch_size)
     bd = cost.breakdown(policy)
     speed = cost.fp32_time / bd.total_s if math.isfinite(bd.total_s) and not \
-        cost.infeasible(policy) else 0.0
+        cost.cannot_run(policy) else 0.0
     return speed, bd.casts + bd.weight_casts
 
 

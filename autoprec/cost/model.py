@@ -334,7 +334,7 @@ class CostModel:
             return 0.0
         return self._fp32 / t if t > 0 else 1.0
 
-    def infeasible(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> list[str]:
+    def cannot_run(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> list[str]:
         """Why the plan cannot run on the target (empty: it can)."""
         rs, row = self._row(policy, default)
         got = self.price(rs, row).reasons.get(0)

@@ -104,11 +104,11 @@ def test_a_precision_the_device_lacks_is_infeasible_with_the_reason():
     cm = CostModel(gemm_graph(64, 64, 64), get_profile("a100"))
     assert math.isinf(cm.estimate({"gemm": "fp8"}))
     assert cm.speedup({"gemm": "fp8"}) == 0.0
-    assert "fp8" in cm.infeasible({"gemm": "fp8"})[0]
+    assert "fp8" in cm.cannot_run({"gemm": "fp8"})[0]
     t4 = CostModel(gemm_graph(64, 64, 64), get_profile("t4"))
-    assert "bf16" in t4.infeasible(Policy(default="bf16"))[0]  # a region, not only a GEMM
+    assert "bf16" in t4.cannot_run(Policy(default="bf16"))[0]  # a region, not only a GEMM
     assert math.isinf(t4.estimate(Policy(default="fp32", layers={"gemm": "tf32"})))
-    assert t4.infeasible({}) == []
+    assert t4.cannot_run({}) == []
 
 
 def test_bad_batch_size_and_unknown_paths_are_input_errors():
