@@ -4,7 +4,7 @@ Each row is one input — a copy of experiments/trap/model.py with one thing bro
 crafted policy file, an odd option value — the exit code it must get, and a phrase the
 *one* line on stderr must contain. No row may print a traceback, and none may write a
 policy. The CLI runs in-process (``main``) so the table takes seconds; the cases where a
-process boundary matters (a hang, a signal, ``sys.exit``) are in test_bad_input_faults.py.
+process boundary matters (a hang, a signal, ``sys.exit``) are in test_faults_give_no_wrong_result.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from autoprec.cli.main import main
 from autoprec.policy import Policy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 TRAP_SRC = TRAP.read_text()
 TUNE = ["--no-track", "--quiet", "--trials", "2"]

@@ -23,9 +23,9 @@ from torch import nn
 
 from autoprec.cli.main import main
 from autoprec.policy import Policy, load_policy
-from tests.test_bad_input_faults import tmpfs
+from tests.cli.test_faults_give_no_wrong_result import tmpfs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 TRAP_SRC = TRAP.read_text()
 TUNE = ["--no-track", "--quiet", "--trials", "3"]

@@ -25,8 +25,8 @@ from autoprec.loading import load_model_file
 from autoprec.paths import remove_stale_fronts
 from autoprec.policy import Policy, load_policy
 
-ROOT = Path(__file__).resolve().parent.parent
-SLOW = Path(__file__).resolve().parent / "fixtures" / "models" / "slow_trap.py"
+ROOT = Path(__file__).resolve().parents[2]
+SLOW = ROOT / "tests" / "fixtures" / "models" / "slow_trap.py"
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 TRAP_SRC = TRAP.read_text()
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
