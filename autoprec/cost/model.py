@@ -135,7 +135,7 @@ class CostModel:
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None) -> None:
         if graph.ops is None:
-            raise InputError("the layer graph has no op trace; build it with autoprec.trace()")
+            raise InputError("the layer graph has no op trace; build it with autoprec.trace_model()")
         if graph.batch_size < 1:
             raise InputError(f"graph.batch_size >= 1 must hold, but got {graph.batch_size}")
         if batch_size is None:
