@@ -290,6 +290,7 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
 
 
 def _print_summary(s: dict[str, Any]) -> None:
+    from autoprec.cost.model import PARTS
     from autoprec.search.confirm_speed import format_rows
 
     rows = [(r["layer"], r["rule"], r["precision"], r["computed"],
@@ -310,7 +311,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     b = s["breakdown"]
     total = b["total_us"] or 1.0
     typer.echo("est. forward: " + ", ".join(
-        f"{k} {b[k + '_us'] / total:.0%}" for k in ("gemm", "cast", "fp8_scaling", "other"))
+        f"{k} {b[k + '_us'] / total:.0%}" for k in PARTS)
         + f" of {total:.1f} us; {b['casts']} casts + {b['weight_casts']} weight casts per "
           f"forward, {b['kernels']} kernels")
     if s["fp8_backend"]:
