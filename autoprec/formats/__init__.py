@@ -1,4 +1,4 @@
-"""Block-scaled number formats (issue 17): MXFP8 (OCP MX v1.0) and NVFP4, by emulation.
+"""Block-scaled number formats: MXFP8 (OCP MX v1.0) and NVFP4 (Blackwell), by emulation.
 
 Pure numerics: quantise, dequantise and fake-quantise along the last dim (the GEMM's
 reduction dim K). The Linear backends that use them live in ``autoprec.apply.blockscale``.

@@ -1,4 +1,4 @@
-"""Bad input never gives a wrong answer (issue 16): a table of hostile inputs.
+"""Bad input never gives a wrong answer: a table of hostile inputs.
 
 Each row is one input — a copy of experiments/trap/model.py with one thing broken, a
 crafted policy file, an odd option value — the exit code it must get, and a phrase the
