@@ -252,7 +252,8 @@ def test_an_unusable_default_cache_is_a_warning(tmp_path: Path, capsys, monkeypa
                             "--precisions", "bf16,fp16", "--out", tmp_path / "p.yaml"], capsys)
     assert code in (0, 1), err
     assert "Traceback" not in err and "autoprec: warning: probe cache not written" in err
-    load_policy(tmp_path / "p.yaml")
+    assert (tmp_path / ".autoprec").read_text() == "a file where the cache folder goes"
+    assert load_policy(tmp_path / "p.yaml").model["name"] == "trap"  # the run wrote its policy
 
 
 # -- one atomic write everywhere (probe --out, the cost profile and the probe cache were not)

@@ -128,7 +128,7 @@ def test_fingerprint_missing_warns_and_matching_is_silent(tmp_path: Path) -> Non
     Policy(layers={"head": "bf16"}, model={"fingerprint": fingerprint(m)}).save(path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_policy(path, model=m)
+        assert load_policy(path, model=m).layers == {"head": "bf16"}
 
 
 def test_compiled_and_wrapped_models_match_plain_paths() -> None:
