@@ -7,7 +7,10 @@ The flow, one module per stage::
       -> track (autoprec.track)
 
 The public API is re-exported here and imported lazily, so ``import autoprec`` stays
-cheap (torch, optuna and mlflow load when first used).
+cheap (torch, optuna and mlflow load when first used). ``autoprec.trace`` and
+``autoprec.probe`` are the stages' packages and ``autoprec.capability`` a module; the
+functions they hold are exported as ``trace_model``, ``probe_model`` and ``can_run`` (one
+name, one thing, whatever was imported first).
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+#: public name -> "module" (the same name there) or "module:name there"
 _EXPORTS = {
-    "trace": "autoprec.trace",
+    "trace_model": "autoprec.trace:trace",
     "LayerGraph": "autoprec.trace.graph",
     "LayerNode": "autoprec.trace.graph",
-    "probe": "autoprec.probe",
+    "probe_model": "autoprec.probe:probe",
     "SensitivityTable": "autoprec.probe",
     "CostModel": "autoprec.cost",
     "get_profile": "autoprec.cost",
@@ -30,7 +34,7 @@ _EXPORTS = {
     "Policy": "autoprec.policy",
     "load_policy": "autoprec.policy",
     "apply_policy": "autoprec.apply.apply",
-    "capability": "autoprec.capability",
+    "can_run": "autoprec.capability:capability",
     "load_model_file": "autoprec.loading",
     "AutoprecError": "autoprec.errors",
 }
@@ -39,21 +43,23 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.apply.apply import apply_policy
-    from autoprec.capability import capability
+    from autoprec.capability import capability as can_run
     from autoprec.cost import CostModel, get_profile
     from autoprec.errors import AutoprecError
     from autoprec.loading import load_model_file
     from autoprec.policy import Policy, load_policy
-    from autoprec.probe import SensitivityTable, probe
+    from autoprec.probe import SensitivityTable
+    from autoprec.probe import probe as probe_model
     from autoprec.search.tune import TuneResult, tune
-    from autoprec.trace import trace
+    from autoprec.trace import trace as trace_model
     from autoprec.trace.graph import LayerGraph, LayerNode
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    where = _EXPORTS.get(name)
+    if where is None:
         raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module, _, attr = where.partition(":")
+    value = getattr(importlib.import_module(module), attr or name)
     globals()[name] = value
     return value

@@ -106,7 +106,7 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
     notes = list(dict.fromkeys(str(w.message) for w in caught))
 
     # The whole forward priced under the policy's plan at the deployment batch size (DESIGN:
-    # "price at the deployment shape"): GEMMs, casts, norms, activations, fp8 scaling.
+    # "price at the deployment shape"): GEMMs, casts, norms, activations, GEMM-format scaling.
     graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
     bs = batch_size or policy.batch_size or batch_size_of(calib0) or graph.batch_size
     cost = make_cost_model(graph, profile, bs, mode)

@@ -235,7 +235,9 @@ def check(
     either way (``raise_if_failed`` for exit-1 semantics). ``target`` / ``batch_size``
     default to the policy's, then h100 / the calibration batch's (as tune). ``force``
     accepts a changed fingerprint (noted, not failed). ``compile``: price the plan as
-    ``torch.compile`` runs it (True), op by op (False); default: the policy's target.mode. Raises InputError/PolicyError
+    ``torch.compile`` runs it (True), op by op (False); default: the policy's target.mode.
+    ``fp8_backend``: as ``apply_policy``'s (the fp8 layers' backend; mxfp8 / nvfp4 run the
+    block-scaled kernels where they can, else emulation). Raises InputError/PolicyError
     (exit 2) for bad input.
     """
     check_batch_size(batch_size)

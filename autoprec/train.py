@@ -131,6 +131,8 @@ def prepare_training(
 
     Args:
         policy: a Policy or the path of a policy file (validated against ``model``).
+        fp8_backend: as ``apply_policy``'s: the fp8 layers' backend (mxfp8 / nvfp4 layers
+            run the block-scaled kernels where they can, else emulation).
         scaler: ``None`` (default): a scaler iff some layer computes in fp16. ``False``
             turns loss scaling off (to measure what it prevents); ``True`` forces one.
         init_scale: the scaler's initial scale (torch's default, 2**16).

@@ -127,7 +127,7 @@ def test_entry_point_one_line(tmp_path: Path) -> None:
 
 
 def test_graph_fits_a_terminal() -> None:
-    """Issue 25: the graph table was ~300 columns wide; in a terminal every line fits (cut
+    """The graph table was ~300 columns wide; in a terminal every line fits (cut
     at why_not, the last column), FLOPs read as 67.1M; a pipe gets every reason whole."""
     import pandas as pd
 

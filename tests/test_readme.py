@@ -94,7 +94,7 @@ def _synopsis() -> dict[str, set[str]]:
 
 
 def test_the_synopsis_is_the_clis_options() -> None:
-    """Issue 25: the README's synopsis lists every command and every option, and nothing
+    """The README's synopsis lists every command and every option, and nothing
     else (it had drifted: tune's --min-speedup, --lock, --json missing, probe's --layer …)."""
     readme, cli, spelled = _synopsis(), _cli_options(), _cli_options(spellings=True)
     assert sorted(readme) == sorted(cli)
@@ -114,7 +114,7 @@ def test_target_help_lists_every_profile() -> None:
 
 @pytest.mark.slow
 def test_the_first_command_leaves_the_checkout_clean(tmp_path: Path) -> None:
-    """Issue 25: the README's first command in a fresh clone writes only ignored files (it
+    """The README's first command in a fresh clone writes only ignored files (it
     used to rewrite the tracked policies/mixed8-h100.yaml); what it writes is what the
     README says."""
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],

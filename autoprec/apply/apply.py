@@ -264,8 +264,10 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
                  target: str | None = None) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
 
-    ``fp8_backend``: emulated / torch / te; default: the best this device runs
-    (``best_fp8_backend``). ``device``: where the model runs (default: its parameters').
+    ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te; default: the best
+    this device runs (``best_fp8_backend``). The other GEMM formats (mxfp8, nvfp4) take no
+    choice: torch's block-scaled kernels where ``blockscale_capability`` says they run, else
+    emulation. ``device``: where the model runs (default: its parameters').
     ``target``: the device the plan is for (a profile name like "h100", or "cuda"/"cpu";
     default: the policy's ``target``, else ``device``): on a CPU, a CUDA target's autocast
     op lists are followed. ``force`` applies a policy whose fingerprint does not match,

@@ -43,8 +43,9 @@ from autoprec.precisions import BYTES, PRECISIONS, check_precision
 from autoprec.targets import device_type
 from autoprec.trace.graph import LayerGraph
 
-#: Breakdown categories of a forward's time ("fp8_scaling": every GEMM format's).
-PARTS = ("gemm", "cast", "fp8_scaling", "other")
+#: Breakdown categories of a forward's time ("gemm_format_scaling": the quantise passes of
+#: every GEMM format, fp8 / mxfp8 / nvfp4).
+PARTS = ("gemm", "cast", "gemm_format_scaling", "other")
 _GEMM, _CAST, _FP8, _OTHER = range(4)
 #: Quantisation passes of a GEMM format's activation input: (per-tensor amax passes,
 #: bytes written per element by the quantise pass). fp8: amax, a scale kernel, the cast to
@@ -135,7 +136,7 @@ class CostModel:
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None) -> None:
         if graph.ops is None:
-            raise InputError("the layer graph has no op trace; build it with autoprec.trace()")
+            raise InputError("the layer graph has no op trace; build it with autoprec.trace_model()")
         if graph.batch_size < 1:
             raise InputError(f"graph.batch_size >= 1 must hold, but got {graph.batch_size}")
         if batch_size is None:

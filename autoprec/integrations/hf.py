@@ -82,7 +82,8 @@ class _ScalerStats(TrainerCallback):
 class PolicyTrainer(Trainer):
     """``transformers.Trainer`` that trains under an autoprec policy (see module docs).
 
-    Extra keyword arguments: ``policy`` (a Policy or a policy file), ``fp8_backend``,
+    Extra keyword arguments: ``policy`` (a Policy or a policy file), ``fp8_backend`` (the
+    fp8 layers' backend, as ``apply_policy``'s),
     ``force`` (apply a policy whose fingerprint does not match, with a warning).
     """
 

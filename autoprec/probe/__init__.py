@@ -13,8 +13,3 @@ from autoprec.probe.api import probe, resolve_precisions
 from autoprec.probe.table import CORE_COLUMNS, ProbeRow, SensitivityTable
 
 __all__ = ["CORE_COLUMNS", "ProbeRow", "SensitivityTable", "probe", "resolve_precisions"]
-
-# `autoprec.probe(...)` calls probe() even where the package shadows the function.
-from autoprec._callable import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__, "probe")

@@ -109,7 +109,9 @@ class TuneConfig:
     progress: bool
     cache_dir: Path | None
     train_aware: bool
-    measure: bool = True  # a local target: calibrate here, time the winner (issue 21)
+    # a local target: calibrate here, time the winner (a profile fitted on another CPU
+    # promised 1.82x for a policy that ran 0.56x of fp32's speed here)
+    measure: bool = True
     compile: bool = False  # price plans as torch.compile (inductor) runs them
 
     @classmethod

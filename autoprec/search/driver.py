@@ -22,7 +22,7 @@ import optuna
 from autoprec.errors import InputError
 from autoprec.search.evaluation import Evaluation
 from autoprec.search.objective import Evaluator
-from autoprec.search.sampler import PlanSampler, measured_state
+from autoprec.search.sampler import PlanSampler
 from autoprec.search.space import Key, SearchSpace
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -72,16 +72,10 @@ class Driver:
             return None
         return self.timeout - (time.monotonic() - self.started)
 
-    def planner_done(self, exclude: int | None = None) -> bool:
-        """Nothing left to measure (read from storage, as the sampler reads it)."""
-        measured, feasible, busy = measured_state(self.study, self.space, exclude)
-        s = self.sampler
-        if s.pareto:
-            return s.planner.front(s.front_points, measured, busy) is None
-        return s.planner.next(measured, feasible, busy) is None
-
     @property
-    def exhausted(self) -> bool:
+    def cut_short(self) -> bool:
+        """The run ends before the search is complete: its trials or time are used up,
+        patience ran out, or a trial hit bad input (``complete`` is the other way to end)."""
         left = self.time_left()
         return (self.stopped or self.fatal is not None or self.ran >= self.trials
                 or (left is not None and left <= 0))
@@ -90,7 +84,7 @@ class Driver:
         params = {v.name: str(trial.suggest_categorical(v.name, v.choices))
                   for v in self.space.all_variables}
         key = self.space.key(params)
-        if self.sampler.exhausted:
+        if self.sampler.search_complete:
             self.complete = True
             trial.set_user_attr("skipped", "search complete: no faster plan is predicted "
                                            "within the budget")
@@ -144,9 +138,10 @@ class Driver:
                                       frozen.user_attrs.get("skipped")))
         if self.patience is not None and self.since_best >= self.patience:
             self.stopped = True
-        if not self.complete and not self.exhausted and self.planner_done():
+        if (not self.complete and not self.cut_short
+                and self.sampler.nothing_left_to_measure(self.study)):
             self.complete = True
-        if self.complete or self.exhausted:
+        if self.complete or self.cut_short:
             study.stop()
 
     def nothing_measured(self, study_name: str) -> InputError:
@@ -173,7 +168,7 @@ class Driver:
         planner's first candidate) instead of nothing."""
         if self.stopped or self.ran >= self.trials:
             return
-        if self.planner_done():
+        if self.sampler.nothing_left_to_measure(self.study):
             self.complete = True
             return
         left = self.time_left()

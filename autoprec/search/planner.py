@@ -11,7 +11,8 @@ the prediction are cheap (tens of microseconds per plan, vectorised). So:
    multipliers λ, plans minimising ``time / t_fp32 + λ (predicted / budget)²``; its moves
    change the default region, one variable, or a *block* — a run of consecutive layers
    set to one precision — so it crosses plans where every one-layer step adds a cast
-   boundary (issue 14). Every plan it prices is kept.
+   boundary (a one-layer walk stopped at the first feasible plan it met, although a plan
+   with a block moved was faster and more accurate). Every plan it prices is kept.
 2. **The walk.** Candidates in order of time (within ``TIE`` = 0.1 % of each other, the
    one predicted most accurate first); the next one to run is the fastest not yet measured
    (nor being measured by another worker, nor running the same plan as one of those: the

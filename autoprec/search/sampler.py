@@ -7,8 +7,10 @@ plan. A resumed study, or a second worker on the same PostgreSQL study, therefor
 with the same walk instead of repeating it; nothing is enqueued, so no worker can take
 another's planned trial.
 
-When the planner has nothing left to measure, ``exhausted`` is set; the objective then
-records the trial as PRUNED ("search complete") and stops the study.
+When the planner has nothing left to measure, ``search_complete`` is set; the objective
+then records the trial as PRUNED ("search complete") and stops the study.
+``nothing_left_to_measure`` asks the same question between trials (the driver's stop rule),
+so no caller reaches through to the planner.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class PlanSampler(BaseSampler):
         self.planner = planner
         self.pareto = pareto
         self.front_points = front_points
-        self.exhausted = False
+        #: The last proposal found nothing left to measure (the search is complete).
+        self.search_complete = False
         self._rng = random.Random(seed)
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial
@@ -67,20 +70,26 @@ class PlanSampler(BaseSampler):
                         search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
         if not search_space:
             return {}
-        measured, feasible, busy = measured_state(study, self.space, exclude=trial.number)
-        if self.pareto:
-            key = self.planner.front(self.front_points, measured, busy)
-        else:
-            key = self.planner.next(measured, feasible, busy)
+        key = self._next_plan(study, exclude=trial.number)
+        self.search_complete = key is None
         if key is None:
-            self.exhausted = True
             return {}
-        self.exhausted = False
         return {k: v for k, v in self.space.params(key).items() if k in search_space}
+
+    def nothing_left_to_measure(self, study: optuna.Study, exclude: int | None = None) -> bool:
+        """Whether the planner would propose nothing now, given what ``study``'s storage
+        holds (measured and running plans, as a proposal reads them)."""
+        return self._next_plan(study, exclude) is None
+
+    def _next_plan(self, study: optuna.Study, exclude: int | None) -> Key | None:
+        measured, feasible, busy = measured_state(study, self.space, exclude=exclude)
+        if self.pareto:
+            return self.planner.front(self.front_points, measured, busy)
+        return self.planner.next(measured, feasible, busy)
 
     def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
-        # Only reached once the planner is exhausted (the trial is then pruned unmeasured).
+        # Only reached once the search is complete (the trial is then pruned unmeasured).
         choices: Sequence[Any] = getattr(param_distribution, "choices", (None,))
         return self._rng.choice(list(choices))
 

@@ -120,7 +120,7 @@ class Prepared:
     deploy_bs: int
     calib_bs: int
     out_path: Path
-    source: SpeedSource | None = None  # where the speed figures come from (issue 21)
+    source: SpeedSource | None = None  # where the speed figures come from (measured here?)
 
 
 def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None) -> Prepared:

@@ -228,8 +228,3 @@ def _data_flow(
     gemm_set = set(layout.gemms)
     edges = [(a, b) for a, b in meas.edges if a in gemm_set and b in gemm_set]
     return "hooks", edges, fallbacks
-
-# `autoprec.trace(...)` calls trace() even where the package shadows the function.
-from autoprec._callable import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__, "trace")

@@ -178,7 +178,11 @@ def test_second_policy_refused_until_removed() -> None:
     with pytest.raises(InputError, match="already applied"):
         apply_policy(m.blocks[0], Policy(default="fp16"))
     h.remove()
-    apply_policy(m, Policy(default="fp16")).remove()
+    again = apply_policy(m, Policy(default="fp16"))  # once removed, another policy applies
+    assert again.policy.default == "fp16" and any("forward" in mod.__dict__
+                                                  for mod in m.modules())
+    again.remove()
+    assert all("forward" not in mod.__dict__ for mod in m.modules())
 
 
 @pytest.mark.parametrize("layers, match", [

@@ -105,14 +105,25 @@ def test_a_rule_on_a_module_that_did_not_run_is_a_warning() -> None:
     assert {r.layer: r.computed for r in report.rows}["neg"] == "-"
 
 
-def test_fp32_island_on_a_norm_is_not_warned() -> None:
+def test_fp32_island_on_a_norm_is_not_warned(monkeypatch) -> None:
     """Keeping a norm in fp32 inside a bf16 model does act: it upcasts its input."""
     torch.manual_seed(0)
     m, x = Net(), _x()
+    norm_inputs: list[torch.dtype] = []
+    layer_norm = F.layer_norm
+
+    def spy(inp: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        norm_inputs.append(inp.dtype)
+        return layer_norm(inp, *args, **kwargs)
+
+    monkeypatch.setattr(F, "layer_norm", spy)
     with apply_policy(m, Policy(default="bf16", layers={"norm": "fp32"})) as h, \
             warnings.catch_warnings():
         warnings.simplefilter("error", PolicyWarning)
-        h.audit(lambda: m(x), strict=False)
+        report = h.audit(lambda: m(x), strict=False)
+    assert report.warnings == []
+    assert {r.layer: r.computed for r in report.rows}["fc"] == "bf16"  # what feeds the norm
+    assert norm_inputs and set(norm_inputs) == {torch.float32}  # upcast by the fp32 rule
 
 
 def _rotating_policy(model: nn.Module) -> Policy:

@@ -1,4 +1,4 @@
-"""Which targets are this machine, its calibration cache, and interleaved timing (issue 21)."""
+"""Which targets are this machine, its calibration cache, and interleaved timing."""
 
 from __future__ import annotations
 

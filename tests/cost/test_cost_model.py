@@ -64,7 +64,7 @@ def test_fp8_current_scaling_passes_by_hand():
     kinds = [k.what for _, k in cm.kernels({"gemm": "fp8"})]
     assert sorted(kinds) == ["amax", "fp8_cast", "fp8_scale", "gemm"]  # weights: cast once
     bd = cm.breakdown({"gemm": "fp8"})
-    assert bd.parts["fp8_scaling"] == pytest.approx(amax + scale + cast)
+    assert bd.parts["gemm_format_scaling"] == pytest.approx(amax + scale + cast)
 
 
 def test_fp8_gemm_writes_the_regions_16_bit_dtype():

@@ -128,7 +128,7 @@ def test_fingerprint_missing_warns_and_matching_is_silent(tmp_path: Path) -> Non
     Policy(layers={"head": "bf16"}, model={"fingerprint": fingerprint(m)}).save(path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_policy(path, model=m)
+        assert load_policy(path, model=m).layers == {"head": "bf16"}
 
 
 def test_compiled_and_wrapped_models_match_plain_paths() -> None:
@@ -149,7 +149,7 @@ def test_fp8_container_without_eligible_leaves_warns() -> None:
 
 def test_shared_module_must_get_one_precision() -> None:
     """One module object, one precision: a rule on any of its paths is a rule on the module
-    (issue 25: ``self.mid2 = self.mid`` must tune); two rules naming it must agree."""
+    (``self.mid2 = self.mid``, a real pattern, must tune); two rules naming it must agree."""
     from autoprec.policy import resolve
 
     m = Model()

@@ -181,7 +181,7 @@ def test_loads_policy_from_text() -> None:
 
 def test_a_policy_without_layers_has_no_rules() -> None:
     """README: `default: bf16` with no rules runs like one global autocast; a file that
-    leaves `layers` out says just that (issue 25)."""
+    leaves `layers` out says just that (it was refused: "layers: required key is missing")."""
     from autoprec.policy import loads_policy
 
     p = loads_policy("autoprec_policy: 1\ndefault: bf16\n")

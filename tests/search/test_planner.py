@@ -22,7 +22,8 @@ P = {p: i for i, p in enumerate(PRECISIONS)}
 
 class Chain(nn.Module):
     """x -> fc0 -> gelu -> fc1 -> gelu -> ... : the model's own code between every pair of
-    GEMMs, so a one-layer change adds a cast boundary (the coupling of issue 14)."""
+    GEMMs, so a one-layer change adds a cast boundary (the coupling that stops a walk of
+    one-layer steps short of the faster plan)."""
 
     def __init__(self, n: int = 5, d: int = 512) -> None:
         super().__init__()

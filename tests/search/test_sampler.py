@@ -51,13 +51,15 @@ def test_when_the_walk_is_done_the_sampler_says_so() -> None:
     def objective(trial: optuna.Trial) -> float:
         for v in space.all_variables:
             trial.suggest_categorical(v.name, v.choices)
-        if sampler.exhausted:
+        if sampler.search_complete:
             raise optuna.TrialPruned()
         trial.set_user_attr("error", 0.0)
         trial.set_user_attr("feasible", True)  # the first (fastest admissible) is feasible
         return 1.0
 
+    assert not sampler.nothing_left_to_measure(study)
     study.optimize(objective, n_trials=3)
     states = [t.state for t in study.trials]
     assert states[0] == optuna.trial.TrialState.COMPLETE
-    assert all(s == optuna.trial.TrialState.PRUNED for s in states[1:]) and sampler.exhausted
+    assert all(s == optuna.trial.TrialState.PRUNED for s in states[1:]) and sampler.search_complete
+    assert sampler.nothing_left_to_measure(study)  # what the driver asks between trials

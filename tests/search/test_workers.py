@@ -2,7 +2,8 @@
 
 The workers run this file as a script (``python test_workers.py worker URL STUDY …``)
 with a synthetic objective: 6 "layers" x 3 precisions scored by a fixed function, plus a
-short sleep so trials of different workers overlap. No torch needed.
+short sleep so trials of different workers overlap. No torch needed. The tests wait for
+events (a trial in storage, a line on a pipe), never for a fixed time.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
 from autoprec.errors import InputError
-from autoprec.search.storage import join_study, open_storage, reap_stale_trials
+from autoprec.search.storage import join_study, open_storage
 from autoprec.search.workers import (
     WORKER_INDEX_ENV,
     option_value,
@@ -32,6 +35,7 @@ from autoprec.search.workers import (
 ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT = "sha256:" + "5e" * 32
 HEARTBEAT, GRACE = 1, 3  # seconds; short so a dead worker's trial goes stale in-test
+T = TypeVar("T")
 
 # --- the synthetic objective and the worker process ---------------------------------
 
@@ -45,13 +49,17 @@ def synthetic_objective(trial: optuna.Trial, worker: int, sleep_s: float) -> flo
     choices = [trial.suggest_categorical(f"layer{i}", list(TIME)) for i in range(LAYERS)]
     trial.set_user_attr("worker", worker)  # after the params: a trial seen with it is complete
     trial.set_user_attr("pid", os.getpid())
+    # The workload, not a synchronisation: a trial lasts sleep_s so that trials of
+    # different workers overlap and a worker can be killed while its trial is RUNNING.
     time.sleep(sleep_s)
     est_time = sum(TIME[c] * (1 + i % 3) for i, c in enumerate(choices))
     error = sum(ERROR[c] * (i + 1) for i, c in enumerate(choices))
     return est_time + 1000.0 * max(0.0, error - 0.02)  # over a 2% budget: heavily penalised
 
 
-def worker_main(url: str, study_name: str, trials: int, index: int, sleep_s: float) -> None:
+def worker_main(url: str, study_name: str, trials: int, index: int, sleep_s: float,
+                stop_file: str | None = None) -> None:
+    """Run up to ``trials`` trials; stop early once ``stop_file`` exists."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = open_storage(url, Path("unused.db"), heartbeat_interval=HEARTBEAT, grace_period=GRACE)
     study = join_study(
@@ -62,19 +70,27 @@ def worker_main(url: str, study_name: str, trials: int, index: int, sleep_s: flo
         sampler=optuna.samplers.RandomSampler(seed=worker_seed(0, index)),
     )
     ran: list[int] = []
+
+    def after(s: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
+        ran.append(t.number)
+        if stop_file is not None and Path(stop_file).exists():
+            s.stop()
+
     study.optimize(
         lambda t: synthetic_objective(t, index, sleep_s),
         n_trials=trials,
-        callbacks=[lambda _s, t: ran.append(t.number)],
+        callbacks=[after],
     )
     print(json.dumps({"worker": index, "trials": len(ran)}), flush=True)
 
 
 def start_worker(
-    url: str, study: str, trials: int, index: int, sleep_s: float
+    url: str, study: str, trials: int, index: int, sleep_s: float, stop_file: Path | None = None
 ) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [sys.executable, __file__, "worker", url, study, str(trials), str(index), str(sleep_s)]
+    if stop_file is not None:
+        args.append(str(stop_file))
     return subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -84,6 +100,16 @@ def finish(proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, int]:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-3000:]
     return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def wait_for(condition: Callable[[], T | None], timeout: float, what: str) -> T:
+    """Poll ``condition`` until it returns a value (returned); fail saying ``what`` after
+    ``timeout`` s — a bound against hanging, far above the time the event takes."""
+    deadline = time.monotonic() + timeout
+    while (value := condition()) is None:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return value
 
 
 def load(url: str, name: str = "S") -> optuna.Study:
@@ -121,37 +147,43 @@ def test_three_workers_on_postgres_account_for_every_trial(pg_url: str) -> None:
     assert study.user_attrs["fingerprint"] == FINGERPRINT
 
 
+def _trials_of(storage: optuna.storages.BaseStorage) -> list[optuna.trial.FrozenTrial]:
+    try:
+        return optuna.load_study(study_name="S", storage=storage).get_trials(deepcopy=False)
+    except KeyError:  # the study is not created yet
+        return []
+
+
 @pytest.mark.slow
-def test_killed_worker_trial_is_failed_and_requeued(pg_url: str) -> None:
-    # Survivors run ~30 x 0.3 s = 9 s, well past the victim's last heartbeat + GRACE, so
-    # one of them fails the stale trial when it starts its next one and then runs the copy.
-    procs = [start_worker(pg_url, "S", 30, i, 0.3) for i in range(3)]
-    victim = procs[0]
-    deadline = time.monotonic() + 60
+def test_killed_worker_trial_is_failed_and_requeued(pg_url: str, tmp_path: Path) -> None:
+    # Once the victim's last heartbeat is GRACE s old, a survivor starting its next trial
+    # fails the stale one and re-queues it; a survivor then runs the copy. The survivors go
+    # on until the test has seen that, then stop (400 trials of 0.3 s bound them).
+    stop = tmp_path / "stop"
+    procs = [start_worker(pg_url, "S", 400, i, 0.3, stop_file=stop) for i in range(3)]
+    victim, survivors = procs[0], procs[1:]
     storage = open_storage(pg_url, Path("unused.db"))  # the workers create the tables
-    running = None
-    while running is None:
-        assert time.monotonic() < deadline, "worker 0 never started a trial"
-        time.sleep(0.1)
-        try:
-            study = optuna.load_study(study_name="S", storage=storage)
-        except KeyError:  # the study is not created yet
-            continue
-        mine = [
-            t
-            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if t.user_attrs.get("worker") == 0
-        ]
-        running = mine[0] if mine else None
-    victim.send_signal(signal.SIGKILL)
-    victim.communicate()
-    killed_at = time.monotonic()
-    reports = [finish(p) for p in procs[1:]]
-    assert time.monotonic() - killed_at > GRACE  # survivors outlived the grace period
+    try:
+        running = wait_for(lambda: next(
+            (t for t in _trials_of(storage)
+             if t.state == TrialState.RUNNING and t.user_attrs.get("worker") == 0), None),
+            120, "worker 0 never started a trial")
+        victim.send_signal(signal.SIGKILL)
+        victim.communicate()
+        wait_for(lambda: next(
+            (t for t in _trials_of(storage) if t.state == TrialState.COMPLETE
+             and t.system_attrs.get("failed_trial") == running.number), None),
+            120, "no survivor re-ran the killed worker's trial")
+        stop.touch()
+        reports = [finish(p) for p in survivors]
+    finally:
+        stop.touch()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
     study = load(pg_url)
-    time.sleep(max(0.0, GRACE + 0.5 - (time.monotonic() - killed_at)))
-    reap_stale_trials(study)  # the end-of-run sweep; a no-op when a survivor did it
     trials = study.get_trials(deepcopy=False)
     dead = trials[running.number]
     assert dead.state == TrialState.FAIL
@@ -170,7 +202,9 @@ def test_killed_worker_trial_is_failed_and_requeued(pg_url: str) -> None:
         1 for t in trials if t.state == TrialState.COMPLETE and t.user_attrs["worker"] == 0
     )
     assert counts[TrialState.COMPLETE] == sum(r["trials"] for r in reports) + by_victim
-    assert sum(r["trials"] for r in reports) == 60
+    for r in reports:  # each survivor's own count agrees with the storage
+        assert r["trials"] == sum(1 for t in trials if t.state == TrialState.COMPLETE
+                                  and t.user_attrs["worker"] == r["worker"]), r
 
 
 # --- journal file ------------------------------------------------------------------------
@@ -219,18 +253,21 @@ def test_run_workers_refuses_unreachable_server_before_starting_any() -> None:
 
 
 FAKE_CLI = """#!{python}
-import os, signal, sys, time
+import os, signal, sys
 log = {log!r}
 index = os.environ["{env}"]
 with open(log, "a") as fh:
     fh.write(index + " " + " ".join(sys.argv[1:]) + "\\n")
 if "--sleep" in sys.argv:
-    def stop(signum, frame):
-        with open(log, "a") as fh:
-            fh.write(index + " got SIGINT\\n")
-        sys.exit(130)
-    signal.signal(signal.SIGINT, stop)
-    time.sleep(60)
+    # SIGINT blocked before saying "ready": a forwarded Ctrl-C is then awaited, never lost
+    # to a child that has not set up yet. 60 s bound a parent that never forwards it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    os.write(1, (index + " ready\\n").encode())  # one write: lines of two children never mix
+    if signal.sigtimedwait([signal.SIGINT], 60) is None:
+        sys.exit(1)
+    with open(log, "a") as fh:
+        fh.write(index + " got SIGINT\\n")
+    sys.exit(130)
 sys.exit(int(index))
 """
 
@@ -262,11 +299,12 @@ def test_run_workers_forwards_ctrl_c(tmp_path: Path) -> None:
         f"sys.exit(run_workers(['tune', '--sleep', '--storage', 'journal:{tmp_path / 'j'}'], 2, "
         f"python={str(exe)!r}))"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not log.exists() or len(log.read_text().splitlines()) < 2:
-        assert time.monotonic() < deadline, "children did not start"
-        time.sleep(0.05)
+    # The children inherit the parent's stdout: each says "ready" there once it waits.
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    ready = sorted(parent.stdout.readline().strip() for _ in range(2))
+    assert ready == ["0 ready", "1 ready"], ready
     parent.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does to the parent
     _, err = parent.communicate(timeout=30)
     assert parent.returncode == 130, err
@@ -370,5 +408,5 @@ def test_tune_with_workers_flag(pg_url: str, tmp_path: Path) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1] == "worker":
-    url, study_name, trials, index, sleep_s = sys.argv[2:7]
-    worker_main(url, study_name, int(trials), int(index), float(sleep_s))
+    url, study_name, trials, index, sleep_s, *stop_file = sys.argv[2:]
+    worker_main(url, study_name, int(trials), int(index), float(sleep_s), *stop_file)

@@ -1,4 +1,4 @@
-"""``tune --report DIR`` (issue 25, item 11): the plots outside MLflow, for the user's own
+"""``tune --report DIR``: the plots outside MLflow, for the user's own
 model — the tuned plan beside one global autocast per precision, and the per-layer map."""
 
 from __future__ import annotations

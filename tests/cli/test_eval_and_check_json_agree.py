@@ -15,7 +15,7 @@ import pytest
 from autoprec.cli.main import main
 from autoprec.report_json import Reason, feasible, number, reasons_json, speedup
 
-MLP = Path(__file__).parent / "check" / "fixtures" / "mlp_model.py"
+MLP = Path(__file__).parents[1] / "check" / "fixtures" / "mlp_model.py"
 
 
 @pytest.fixture

@@ -1,16 +1,15 @@
-"""Bad input never gives a wrong answer (issue 16): a table of hostile inputs.
+"""Bad input never gives a wrong answer: a table of hostile inputs.
 
 Each row is one input — a copy of experiments/trap/model.py with one thing broken, a
 crafted policy file, an odd option value — the exit code it must get, and a phrase the
 *one* line on stderr must contain. No row may print a traceback, and none may write a
 policy. The CLI runs in-process (``main``) so the table takes seconds; the cases where a
-process boundary matters (a hang, a signal, ``sys.exit``) are in test_bad_input_faults.py.
+process boundary matters (a hang, a signal, ``sys.exit``) are in test_faults_give_no_wrong_result.py.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from autoprec.cli.main import main
 from autoprec.policy import Policy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 TRAP_SRC = TRAP.read_text()
 TUNE = ["--no-track", "--quiet", "--trials", "2"]
@@ -307,12 +306,12 @@ def _sqlite(path: Path) -> Path:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line(name: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    """A row that hangs (a FIFO read, an endless generator followed) is failed by pytest's
+    --timeout; the row itself asserts the outcome, not how long it took."""
     case = CASES[name]
     monkeypatch.chdir(tmp_path)
     args = case.args(tmp_path)
-    began = time.monotonic()
     code, out, err = run_cli(args, capsys)
-    assert time.monotonic() - began < 60
     assert "Traceback" not in err and "Traceback" not in out, err
     if code == 1 and args[0] == "check" and case.code == 1:
         # a gate that failed (not bad input): the report says why, once, on stdout
@@ -337,16 +336,32 @@ def test_dev_null_stays_a_device(tmp_path: Path, capsys) -> None:
     assert code == 2 and after.st_rdev == before.st_rdev and after.st_ino == before.st_ino
 
 
-def test_the_alias_bomb_is_refused_fast(tmp_path: Path) -> None:
+def test_the_alias_bomb_is_refused_before_anything_is_built(tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """A bomb costs nothing until something walks it (its repr in an error message took
+    gigabytes): the loader refuses the first alias while composing, so no value is ever
+    constructed, validated or printed."""
     from autoprec.errors import PolicyError
     from autoprec.policy import load_policy
+    from autoprec.policy.schema import _PolicyLoader
 
+    built: list[object] = []
+    construct = _PolicyLoader.construct_document
+
+    def spy(self, node):  # type: ignore[no-untyped-def]
+        built.append(node)
+        return construct(self, node)
+
+    monkeypatch.setattr(_PolicyLoader, "construct_document", spy)
     for where in ("autoprec_policy", "default", "layer", "batch_size"):
         path = policy_file(tmp_path, bomb(12, where), f"{where}.yaml")
-        began = time.monotonic()
-        with pytest.raises(PolicyError, match="aliases") as info:
+        with pytest.raises(PolicyError, match=r"alias \*a0: a policy may not use YAML "
+                                              r"aliases") as info:
             load_policy(path)
-        assert time.monotonic() - began < 1.0 and len(str(info.value)) < 300
+        assert not built, where  # refused at the first alias, before construction
+        assert len(str(info.value)) < 300
+    load_policy(policy_file(tmp_path, GOOD, "good.yaml"))
+    assert len(built) == 1  # the spy sees a document that is built
 
 
 def test_a_policy_built_in_code_quotes_values_briefly() -> None:

@@ -1,4 +1,4 @@
-"""Hostile inputs a new user (or a script) still got through (issue 25, items 12-23).
+"""Hostile inputs a new user (or a script) still got through the bad-input table.
 
 Each row: the input, the exit code, the phrase of the one line (stderr for an error,
 stdout for a run that works) and the files that must be left intact byte for byte. The
@@ -23,9 +23,9 @@ from torch import nn
 
 from autoprec.cli.main import main
 from autoprec.policy import Policy, load_policy
-from tests.test_bad_input_faults import tmpfs
+from tests.cli.test_faults_give_no_wrong_result import tmpfs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 TRAP_SRC = TRAP.read_text()
 TUNE = ["--no-track", "--quiet", "--trials", "3"]
@@ -220,15 +220,17 @@ def test_new_user_row(name: str, tmp_path: Path, capsys, monkeypatch) -> None:
 
 
 def test_an_aliased_module_tunes_to_one_precision(tmp_path: Path, capsys, monkeypatch) -> None:
-    """Item 12: `self.mid2 = self.mid` — every trial used to fail on a rule for `mid` that
-    `mid2` did not share. The module takes one precision; the written policy checks, and
-    (item 23) a root rule is folded into the default."""
+    """`self.mid2 = self.mid` — every trial used to fail on a rule for `mid` that `mid2`
+    did not share. The module takes one precision; the written policy checks, and a root
+    rule is folded into the default (a root rule `'': fp16` under `default: bf16` left the
+    default unused)."""
     monkeypatch.chdir(tmp_path)
     path = model_file(tmp_path, src=ALIAS, name="alias.py")
     code, out, err = run_cli(["tune", path, *TUNE, "--batch-size", "65536", "--out",
                               tmp_path / "p.yaml"], capsys)
     assert code == 0, err
-    # items 7 and 8: an early end says so, with counts; the next steps are printed
+    # an early end says so, with counts (the bar stopped at "1/40 [2%]", like an abort);
+    # the next steps are printed
     assert "search complete (" in out and "plans priced, 1 measured)" in out, out
     assert f"next: autoprec check {path} --policy {tmp_path / 'p.yaml'}" in out, out
     assert 'autoprec.apply_policy(model, "' in out
@@ -243,7 +245,7 @@ def test_an_aliased_module_tunes_to_one_precision(tmp_path: Path, capsys, monkey
 
 
 def test_optuna_failure_tracebacks_stay_off_the_console(capsys) -> None:
-    """Items 12 and 19: Optuna logs every failed trial with its traceback (a second Ctrl-C
+    """Optuna logs every failed trial with its traceback (a second Ctrl-C
     is a KeyboardInterrupt inside a trial); the reason is on the trial, the console keeps
     one line."""
     from autoprec.search.driver import _quiet_failed_trials
@@ -261,7 +263,8 @@ def test_optuna_failure_tracebacks_stay_off_the_console(capsys) -> None:
 
 
 def test_no_completed_trial_is_one_line_not_a_value_error() -> None:
-    """Item 12: a study where every trial failed names the first reason (exit 2)."""
+    """A study where every trial failed names the first reason (exit 2), not
+    ``ValueError: no completed trials to choose from``."""
     from autoprec.errors import InputError
     from autoprec.search.driver import Driver
 
@@ -276,7 +279,7 @@ def test_no_completed_trial_is_one_line_not_a_value_error() -> None:
     assert "all 1 trials failed, the first with PolicyError: something about 'mid'" in str(err)
 
 
-# -- items 17 and 20: a read-only mount, a full disk (need root to mount a tmpfs) -----------
+# -- a read-only mount, a full disk (need root to mount a tmpfs) ----------------------------
 
 def _tmpfs(path: Path, size: str = "4m"):
     return tmpfs(path, size)
@@ -297,7 +300,7 @@ def _one_line(err: str) -> str:
 
 
 def test_a_study_on_a_read_only_mount(tmp_path: Path, capsys, monkeypatch) -> None:
-    """Item 17: `--resume` on a study whose file system is read-only: one line naming the
+    """`--resume` on a study whose file system is read-only: one line naming the
     storage, exit 2 (was a StorageInternalError traceback); the study is intact."""
     monkeypatch.chdir(tmp_path)
     path = model_file(tmp_path, src=ALIAS, name="alias.py")
@@ -317,7 +320,7 @@ def test_a_study_on_a_read_only_mount(tmp_path: Path, capsys, monkeypatch) -> No
 
 
 def test_a_disk_that_fills_up_under_the_study(tmp_path: Path, capsys, monkeypatch) -> None:
-    """Item 17: the study's disk is full: one line saying "no space left", exit 2 (was
+    """The study's disk is full: one line saying "no space left", exit 2 (was
     `AssertionError: Should not reach.`); the old policy survives."""
     monkeypatch.chdir(tmp_path)
     path = model_file(tmp_path, src=ALIAS, name="alias.py")
@@ -336,7 +339,7 @@ def test_a_disk_that_fills_up_under_the_study(tmp_path: Path, capsys, monkeypatc
 
 
 def test_storage_failure_reads_optunas_wrapped_causes() -> None:
-    """Item 17 without a mount: a trial write that failed on a full disk surfaces as
+    """A full disk without a mount: a trial write that failed on a full disk surfaces as
     Optuna's `AssertionError: Should not reach.` with the cause in its context."""
     import sqlite3
 
@@ -365,7 +368,8 @@ def test_storage_failure_reads_optunas_wrapped_causes() -> None:
 
 def test_a_read_only_mlflow_store_is_refused_up_front(tmp_path: Path, capsys,
                                                        monkeypatch) -> None:
-    """Item 20: one line before any work (was ~110 s of MLflow retries, 36 warnings)."""
+    """A read-only MLflow store: one line before any work (was ~110 s of MLflow retries,
+    36 warnings)."""
     pytest.importorskip("mlflow")
     monkeypatch.chdir(tmp_path)
     with _tmpfs(tmp_path / "ro") as ro:
@@ -377,7 +381,8 @@ def test_a_read_only_mlflow_store_is_refused_up_front(tmp_path: Path, capsys,
     assert "cannot write the MLflow store" in _one_line(err)
 
 
-# -- item 18: copy.deepcopy of a model under a policy; item 21: apply_policy's arguments ----
+# -- copy.deepcopy of a model under a policy (the copy ran the original's modules); --------
+# -- apply_policy's arguments (an AttributeError from inside autoprec) ----------------------
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
@@ -431,7 +436,7 @@ def test_apply_policy_takes_a_path(tmp_path: Path) -> None:
     import autoprec
 
     path = tmp_path / "p.yaml"
-    path.write_text("autoprec_policy: 1\ndefault: bf16\n")  # item 4: no layers, no rules
+    path.write_text("autoprec_policy: 1\ndefault: bf16\n")  # no `layers`: no rules
     model = _net()
     with autoprec.apply_policy(model, str(path), device="cpu") as handle:
         assert handle.policy.default == "bf16" and handle.policy.layers == {}

@@ -1,5 +1,5 @@
-"""Faults beside the bad-input table (issue 16): where a process boundary, a signal, a race,
-a full disk or an edit between two runs matters. Each test names the issue's item."""
+"""Faults beside the bad-input table: where a process boundary, a signal, a race, a full
+disk or an edit between two runs matters. Each section says what used to go wrong."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from autoprec.loading import load_model_file
 from autoprec.paths import remove_stale_fronts
 from autoprec.policy import Policy, load_policy
 
-ROOT = Path(__file__).resolve().parent.parent
-SLOW = Path(__file__).resolve().parent / "fixtures" / "models" / "slow_trap.py"
+ROOT = Path(__file__).resolve().parents[2]
+SLOW = ROOT / "tests" / "fixtures" / "models" / "slow_trap.py"
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 TRAP_SRC = TRAP.read_text()
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -85,7 +85,8 @@ def _link(path: Path, target: str) -> Path:
 
 @pytest.mark.parametrize("name", list(SUBPROCESS_ROWS))
 def test_process_exits_2_with_one_line(name: str, tmp_path: Path) -> None:
-    """Items 15: a real process exits 2 (not 3, not a hang) with one line naming the file."""
+    """A real process exits 2 (not 3, not a hang) with one line naming the file (a
+    ``sys.exit(3)`` in model.py used to exit 3 silently; a FIFO hung)."""
     build, phrase = SUBPROCESS_ROWS[name]
     proc = subprocess.run([*CLI, *map(str, build(tmp_path))], cwd=tmp_path, env=ENV,
                           capture_output=True, text=True, timeout=120)
@@ -94,7 +95,7 @@ def test_process_exits_2_with_one_line(name: str, tmp_path: Path) -> None:
 
 
 def test_no_arguments_print_usage_and_exit_2(tmp_path: Path) -> None:
-    """Item 15: ``autoprec`` alone prints the usage, not an empty 'autoprec: error: '."""
+    """``autoprec`` alone prints the usage, not an empty 'autoprec: error: '."""
     proc = subprocess.run(CLI, cwd=tmp_path, env=ENV, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
@@ -102,7 +103,7 @@ def test_no_arguments_print_usage_and_exit_2(tmp_path: Path) -> None:
     assert "missing command" in one_error_line(proc.stderr)
 
 
-# -- item 16: SIGTERM is Ctrl-C -----------------------------------------------------------
+# -- SIGTERM is Ctrl-C (it exited 143 silently, leaving a RUNNING trial) -------------------
 
 def _trials(url: str, name: str = "s") -> list[optuna.trial.FrozenTrial]:
     try:
@@ -151,7 +152,7 @@ def calibration_data():
     assert proc.returncode == 130 and "autoprec: interrupted" in err, err[-2000:]
 
 
-# -- item 13: two tunes creating one fresh SQLite study -----------------------------------
+# -- two tunes creating one fresh SQLite study (one exited 2: table already exists) -------
 
 def _open_and_join(url: str, barrier: mp.Barrier, out: mp.Queue) -> None:  # type: ignore[type-arg]
     from autoprec.search.storage import join_study, open_storage
@@ -181,7 +182,7 @@ def test_racing_workers_on_a_fresh_sqlite_study(tmp_path: Path) -> None:
     assert results == ["ok"] * len(results), results
 
 
-# -- item 14: a full disk keeps the old policy ----------------------------------------------
+# -- a full disk keeps the old policy, and says so in one line (was a traceback) ----------
 
 def test_enospc_keeps_the_old_policy(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "p.yaml"
@@ -223,7 +224,7 @@ def _fill(folder: Path) -> None:
 
 
 def test_a_really_full_disk(tmp_path: Path, capsys, monkeypatch) -> None:
-    """Item 14 on a real full file system: tune's policy write fails as one line, exit 2,
+    """On a real full file system: tune's policy write fails as one line, exit 2,
     and the old policy is intact; the probe cache on that disk is a warning, not a crash."""
     with tmpfs(tmp_path / "disk") as disk:
         out = disk / "p.yaml"
@@ -244,17 +245,18 @@ def test_a_really_full_disk(tmp_path: Path, capsys, monkeypatch) -> None:
 
 
 def test_an_unusable_default_cache_is_a_warning(tmp_path: Path, capsys, monkeypatch) -> None:
-    """Item 14: `.autoprec` being a file costs the cache, not the run."""
+    """`.autoprec` being a file costs the cache, not the run (it was a traceback)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".autoprec").write_text("a file where the cache folder goes")
     code, _, err = run_cli(["tune", TRAP, "--no-track", "--quiet", "--trials", "2",
                             "--precisions", "bf16,fp16", "--out", tmp_path / "p.yaml"], capsys)
     assert code in (0, 1), err
     assert "Traceback" not in err and "autoprec: warning: probe cache not written" in err
-    load_policy(tmp_path / "p.yaml")
+    assert (tmp_path / ".autoprec").read_text() == "a file where the cache folder goes"
+    assert load_policy(tmp_path / "p.yaml").model["name"] == "trap"  # the run wrote its policy
 
 
-# -- item 17: one atomic write everywhere --------------------------------------------------
+# -- one atomic write everywhere (probe --out, the cost profile and the probe cache were not)
 
 def _failing_replace(monkeypatch) -> None:
     def boom(src: object, dst: object) -> None:
@@ -305,7 +307,7 @@ def test_probe_cache_is_fsynced(tmp_path: Path, monkeypatch) -> None:
     assert path is not None and path.exists() and fsynced
 
 
-# -- items 4 and 5: edited code is not served old numbers ----------------------------------
+# -- edited code is not served old numbers (a study and the probe cache ignored code edits)
 
 def _probe_cached(path: Path, cache_dir: Path) -> bool:
     from autoprec.probe import probe
@@ -318,7 +320,8 @@ def _probe_cached(path: Path, cache_dir: Path) -> bool:
 
 
 def test_probe_cache_sees_a_module_forward_edit(tmp_path: Path) -> None:
-    """Item 5: the cache key covers the module classes' source."""
+    """The probe cache key covers the module classes' source (a ``Module.forward`` edit
+    used to be served the old numbers, ``cached: true``)."""
     model = tmp_path / "model.py"
     model.write_text(TRAP_SRC)
     cache_dir = tmp_path / "cache"
@@ -358,7 +361,7 @@ def test_code_hash_is_the_same_in_every_process(tmp_path: Path) -> None:
 
 
 def test_a_study_is_tied_to_the_code(tmp_path: Path, capsys, monkeypatch) -> None:
-    """Item 4: after an edit of the module's forward, joining the old study by name is
+    """After an edit of the module's forward, joining the old study by name is
     refused with the difference named; the default study name is a new study."""
     monkeypatch.chdir(tmp_path)
     model = tmp_path / "model.py"
@@ -381,7 +384,7 @@ def test_a_study_is_tied_to_the_code(tmp_path: Path, capsys, monkeypatch) -> Non
     assert yaml.safe_load(out)["study"] != first
 
 
-# -- items 6 and 7 -------------------------------------------------------------------------
+# -- stale Pareto fronts; a missed speed target (check used to pass feasible: false) -------
 
 def test_remove_stale_fronts_only_removes_front_files(tmp_path: Path) -> None:
     out = tmp_path / "trap.yaml"
@@ -408,7 +411,7 @@ def test_a_new_tune_leaves_no_stale_front(tmp_path: Path, capsys, monkeypatch) -
 
 def test_a_missed_speed_target_is_named_and_check_fails_it(tmp_path: Path, capsys,
                                                          monkeypatch) -> None:
-    """Item 7: tune says the speed target was missed (not the budget); check fails the
+    """Tune says the speed target was missed (not the budget); check fails the
     file it wrote (feasible: false)."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "p.yaml"
@@ -422,7 +425,7 @@ def test_a_missed_speed_target_is_named_and_check_fails_it(tmp_path: Path, capsy
     assert code == 1 and "tune missed its speed target" in report and not err.strip()
 
 
-# -- item 18 --------------------------------------------------------------------------------
+# -- one SQLite rule: MLflow created the folders of a URL that --storage refused ----------
 
 def test_one_sqlite_rule_for_mlflow_and_storage(tmp_path: Path) -> None:
     from autoprec.errors import InputError, TrackingError

@@ -12,7 +12,7 @@ from autoprec.cli.main import main
 from autoprec.policy import Policy
 from autoprec.trace.graph import fingerprint
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "policy" / "golden"
 
 MODEL_PY = '''
 import torch
