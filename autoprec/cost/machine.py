@@ -1,6 +1,6 @@
 """Is a target profile the machine this runs on? And which machine is that?
 
-A *local* target (issue 21) is one whose device is at hand: the ``cpu`` profile (this
+A *local* target is one whose device is at hand: the ``cpu`` profile (this
 machine's CPU), or a GPU profile whose name matches a CUDA device here (``h200`` and
 "NVIDIA H200"). Its speed can be measured instead of taken from a profile fitted
 elsewhere: the team's CPUs differ (one with AMX-BF16 ran bf16 matmuls ~3x faster than

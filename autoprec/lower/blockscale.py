@@ -1,4 +1,4 @@
-"""Block-scaled Linear backends (issue 17): MXFP8 and NVFP4 GEMMs for Linear-like layers.
+"""Block-scaled Linear backends: MXFP8 and NVFP4 GEMMs for Linear-like layers.
 
 ``blockscaled_linear(module, x, fmt)`` computes ``y = q(x) q(W)^T + b``: x (..., K) and the
 weight (N, K) are both quantised along K (the reduction dim) with the format's blocks

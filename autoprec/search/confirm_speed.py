@@ -1,4 +1,4 @@
-"""The winner timed on the device at hand, beside its baselines (issue 21).
+"""The winner timed on the device at hand, beside its baselines.
 
 Every result is shown next to what a user could write instead of a tuned policy: all
 fp32, one global ``torch.autocast`` in bf16 and in fp16, uniform tf32 (where the target
@@ -15,6 +15,10 @@ is the median over rounds of fp32's time / its time in the same round; p10-p90 o
 ratios is its spread. The written plan is the fastest *measured* one within budget
 (``decide``): a tuned plan measured slower than fp32 or a one-liner within budget is never
 written — the next candidate or the baseline is, and the reason says why.
+
+A tune for a compiled deployment (``--compile``) times every row ``torch.compile``'d
+(``compiled_timer``): one copy of the model per plan, the plan applied, compiled by one
+untimed forward, then the same interleaved rounds.
 """
 
 from __future__ import annotations

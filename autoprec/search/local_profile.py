@@ -1,4 +1,4 @@
-"""The profile a tune prices with: measured here when the target is this machine (issue 21).
+"""The profile a tune prices with: measured here when the target is this machine.
 
 A remote target (``h100`` from a CPU machine) is priced on its stored datasheet profile:
 estimated, and said so. A local one (``cpu``, or the CUDA device here when its name matches

@@ -12,7 +12,7 @@ layer_norm in the low dtype): ``default: bf16`` is over budget and the feasible 
 the default fp32 with bf16 rules on ``fc_a``/``fc_b``. Each such rule is an island: its
 input and weight cast in, its output cast back. Eager, every island costs its cast kernels
 and the wrapper's Python on top of the GEMM's gain; compiled (inductor), the casts fuse into
-the kernels around the GEMM and the wrapper is traced away. At this width (128) a bf16
+the kernels around the GEMM and the wrapper is traced away. At this width (256) a bf16
 GEMM gains about what its boundaries cost, so the two modes can choose differently
 (``experiments/compile_winners.py``).
 RANDOM INIT (seed 0), random inputs; default relative L2 error, no metric.
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 MODEL_NAME = "compile_mix"
-D, BLOCKS, BATCH = 128, 6, 64
+D, BLOCKS, BATCH = 256, 6, 64
 
 
 class Block(nn.Module):
