@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -18,6 +18,7 @@ from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
     from autoprec.search.confirm_speed import SpeedCheck
+    from autoprec.search.tune import TuneResult
 
 
 def tune_cmd(
@@ -93,11 +94,27 @@ def tune_cmd(
     )
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
-    summary = {
+    summary = _summary(result, target, compile_mode)
+    if json_out:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_result(summary, result, target, compile_mode)
+        if result.report:
+            print(f"report: {report}/ ({', '.join(p.name for p in result.report)})")
+        _next_steps(model, result, target, tracker)
+    if not result.feasible:
+        raise _not_feasible(result, min_speedup, summary["error"])
+
+
+def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, Any]:
+    """The result as ``--json`` prints it."""
+    return {
         "policy": str(result.path), "feasible": result.feasible,
         "error": _num(result.eval_error), "calibration_error": _num(result.error),
         "budget": result.budget, "est_speedup": round(result.est_speedup, 4),
-        "target": target, "mode": "compile" if compile_mode else "eager", "batch_size": result.policy.target.get("batch_size") if isinstance(result.policy.target, dict) else None,
+        "target": target, "mode": "compile" if compile_mode else "eager",
+        "batch_size": result.policy.target.get("batch_size")
+        if isinstance(result.policy.target, dict) else None,
         "trials": result.trials, "evaluations": round(result.evaluations, 2),
         "seconds": round(result.seconds, 1), "study": result.study_name,
         "storage": result.storage, "front": [str(p) for p in result.front_paths],
@@ -109,38 +126,41 @@ def tune_cmd(
         "baselines": result.speed.to_dict() if result.speed is not None else None,
         "report": [str(p) for p in result.report],
     }
-    if json_out:
-        print(json.dumps(summary, indent=2))
-    else:
-        lowered = result.policy.layers
-        print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
-        for k, v in lowered.items():
-            print(f"  {k:<50} {v}")
-        measured = summary["measured_speedup"]
-        print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
-              f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''}"
-              + (f", measured {measured:.2f}x here" if measured is not None else "")
-              + f" ({summary['est_casts']} casts per "
-              f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "
-              f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
-                                          f"{result.measured} measured)"
-                                          if result.complete else ""))
-        if result.speed is not None:
-            _print_speed(result.speed)
-        if result.report:
-            print(f"report: {report}/ ({', '.join(p.name for p in result.report)})")
-        _next_steps(model, result, target, tracker)
-    if not result.feasible:
-        if (min_speedup is not None and result.eval_error <= result.budget
-                and result.est_speedup < min_speedup):
-            raise CheckFailed(
-                f"no policy reaches the speed target --min-speedup {min_speedup:g} within "
-                f"budget {result.budget}: the closest is est. {result.est_speedup:.2f}x "
-                f"(error {summary['error']}, within budget); wrote it to {result.path} "
-                "marked feasible: false")
-        raise CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
-                          f"closest (error {_sig(result.eval_error)}) to {result.path} marked "
-                          "feasible: false")
+
+
+def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
+                  compile_mode: bool) -> None:
+    """The policy's rules, its error and speed, and the rows beside it, for people."""
+    lowered = result.policy.layers
+    print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
+    for k, v in lowered.items():
+        print(f"  {k:<50} {v}")
+    measured = summary["measured_speedup"]
+    print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
+          f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''}"
+          + (f", measured {measured:.2f}x here" if measured is not None else "")
+          + f" ({summary['est_casts']} casts per "
+          f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "
+          f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
+                                      f"{result.measured} measured)"
+                                      if result.complete else ""))
+    if result.speed is not None:
+        _print_speed(result.speed)
+
+
+def _not_feasible(result: TuneResult, min_speedup: float | None, error: Any) -> CheckFailed:
+    """Exit 1 when the written policy is the closest, not a feasible one: which target
+    it missed."""
+    if (min_speedup is not None and result.eval_error <= result.budget
+            and result.est_speedup < min_speedup):
+        return CheckFailed(
+            f"no policy reaches the speed target --min-speedup {min_speedup:g} within "
+            f"budget {result.budget}: the closest is est. {result.est_speedup:.2f}x "
+            f"(error {error}, within budget); wrote it to {result.path} "
+            "marked feasible: false")
+    return CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
+                       f"closest (error {_sig(result.eval_error)}) to {result.path} marked "
+                       "feasible: false")
 
 
 def _print_speed(speed: SpeedCheck) -> None:
