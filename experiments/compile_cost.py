@@ -3,7 +3,8 @@
 For each model and plan: apply the policy (``target="cpu"``), ``torch.compile`` it
 (inductor, this CPU), read the generated code (``torch._inductor.utils.run_and_get_code``)
 and count the kernels its ``call`` launches (``cpp_fused_*`` kernels + ``extern_kernels.*``
-GEMMs + aten fallbacks); time the compiled forward. The same plan is priced by
+GEMMs + aten fallbacks) and the bytes its fused kernels are passed (``fused_bytes``);
+time the compiled forward. The same plan is priced by
 ``CompiledCostModel`` (autoprec/cost/fusion.py): its kernel count, and its time on a
 profile calibrated here on *compiled* micro-benchmarks (single Linear per precision, an
 elementwise op; never on the plans being ranked). Reported: per plan the priced vs launched
@@ -75,8 +76,47 @@ def launches(code: str) -> dict[str, int]:
     return out
 
 
-def compile_and_count(net: nn.Module, run: Any) -> tuple[Any, dict[str, int], int]:
-    """Compile ``net`` fresh, run it once; (compiled, launches, generated_kernel_count)."""
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8,
+                "int32": 4, "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1,
+                "float8_e5m2": 1}
+_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\)")
+_EMPTY = re.compile(r"(\w+) = empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
+_REUSE = re.compile(r"(\w+) = (\w+); del \w+\s+# reuse")
+_FUSED_CALL = re.compile(r"^\s*cpp_fused_\w+\(([^)]*)\)")
+
+
+def _numel(shape: str) -> int:
+    n = 1
+    for d in (x.strip() for x in shape.split(",")):
+        if d:
+            n *= int(d)
+    return n
+
+
+def fused_bytes(code: str) -> float:
+    """Bytes the generated ``call`` passes to its fused (``cpp_fused_*``) kernels: each
+    buffer argument once, at its dtype (``empty_strided_cpu``); a graph input (a parameter
+    or the model's input, sized by ``assert_size_stride``, no dtype written) counted as
+    fp32. Inductor's own ``num_bytes_accessed`` counts Triton kernels only (0 on CPU)."""
+    body = code.split("def call(", 1)[-1].split("\ndef ", 1)[0]
+    size: dict[str, float] = {}
+    total = 0.0
+    for line in body.splitlines():
+        if m := _ASSERT.search(line):
+            size[m.group(1)] = _numel(m.group(2)) * 4.0
+        if m := _EMPTY.search(line):
+            size[m.group(1)] = _numel(m.group(2)) * _DTYPE_BYTES.get(m.group(3), 4)
+        if (m := _REUSE.search(line)) and m.group(2) in size:
+            size[m.group(1)] = size[m.group(2)]
+        if m := _FUSED_CALL.match(line):
+            total += sum(size.get(a.strip(), 0.0) for a in m.group(1).split(","))
+    return total
+
+
+def compile_and_count(net: nn.Module, run: Any, codes_out: list[str] | None = None
+                      ) -> tuple[Any, dict[str, int], int]:
+    """Compile ``net`` fresh, run it once; (compiled, launches, generated_kernel_count);
+    the generated code is appended to ``codes_out`` when given."""
     from torch._inductor import metrics
     from torch._inductor.utils import run_and_get_code
 
@@ -84,6 +124,8 @@ def compile_and_count(net: nn.Module, run: Any) -> tuple[Any, dict[str, int], in
     metrics.reset()
     compiled = torch.compile(net)
     _, codes = run_and_get_code(lambda: run(compiled))
+    if codes_out is not None:
+        codes_out.extend(codes)
     counts = {"fused": 0, "extern": 0, "fallback": 0}
     for code in codes:
         for k, v in launches(code).items():
@@ -153,13 +195,18 @@ def run_model(name: str, path: Path, profile: Any, args: argparse.Namespace,
     for label, pol in todo:
         est = cm.estimate(pol)
         priced = cm.breakdown(pol).kernels
+        # bytes of the fused kernels (everything but GEMMs / SDPA, which carry FLOPs)
+        priced_bytes = sum(k.bytes for _, k in cm.kernels(pol) if not k.flops)
+        codes: list[str] = []
         t0 = time.monotonic()
         with torch.no_grad(), apply_policy(net, pol, target="cpu"):
             compiled, counts, generated = compile_and_count(
-                net, lambda c: spec.forward(c, batch))
+                net, lambda c: spec.forward(c, batch), codes)
             secs = time.monotonic() - t0
             t = timed(lambda c=compiled: spec.forward(c, batch), 3, args.repeats)
         rows.append({"model": name, "plan": label, "priced_kernels": priced,
+                     "priced_fused_mb": priced_bytes / 1e6,
+                     "generated_fused_mb": sum(fused_bytes(c) for c in codes) / 1e6,
                      "launched": sum(counts.values()), "fused": counts["fused"],
                      "extern": counts["extern"] + counts["fallback"],
                      "generated_kernel_count": generated, "est_us": est * 1e6,
@@ -200,27 +247,32 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_model(name, MODELS[name], profile, args, rng)
     print()
     print("| model | plan | kernels priced | launched (fused + extern) | "
-          "generated_kernel_count | est. µs | measured µs | est/meas |")
-    print("|---|---|---|---|---|---|---|---|")
+          "generated_kernel_count | fused MB priced | fused MB in the code | est. µs | "
+          "measured µs | est/meas |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['plan']} | {r['priced_kernels']} | {r['launched']} "
               f"({r['fused']} + {r['extern']}) | {r['generated_kernel_count']} | "
+              f"{r['priced_fused_mb']:.2f} | {r['generated_fused_mb']:.2f} | "
               f"{r['est_us']:.0f} | {r['measured_us']:.0f} | "
               f"{r['est_us'] / r['measured_us']:.2f} |")
     print()
     print("| models | plans | kernels exact | kernel count error (median, worst) | "
-          "Spearman (time) | time error median | worst |")
-    print("|---|---|---|---|---|---|---|")
+          "fused bytes error (median, worst) | Spearman (time) | time error median | worst |")
+    print("|---|---|---|---|---|---|---|---|")
     groups = [("all", rows)] + [(m, [r for r in rows if r["model"] == m]) for m in names]
     for g, rs in groups:
         if not rs:
             continue
         kerr = sorted(abs(r["priced_kernels"] - r["launched"]) / r["launched"] for r in rs)
         terr = sorted(abs(r["est_us"] - r["measured_us"]) / r["measured_us"] for r in rs)
+        berr = sorted(abs(r["priced_fused_mb"] - r["generated_fused_mb"])
+                      / max(r["generated_fused_mb"], 1e-9) for r in rs)
         exact = sum(r["priced_kernels"] == r["launched"] for r in rs)
         rho = spearman([r["est_us"] for r in rs], [r["measured_us"] for r in rs])
         print(f"| {g} | {len(rs)} | {exact}/{len(rs)} | {_median(kerr):.0%}, {kerr[-1]:.0%} | "
-              f"{rho:.2f} | {_median(terr):.0%} | {terr[-1]:.0%} |")
+              f"{_median(berr):.0%}, {berr[-1]:.0%} | {rho:.2f} | {_median(terr):.0%} | "
+              f"{terr[-1]:.0%} |")
     print(f"\n({time.monotonic() - started:.0f} s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread)")
     return 0
