@@ -145,6 +145,20 @@ def test_launch_counter_reads_the_call_function():
     assert _script().launches(code) == {"fused": 1, "extern": 1, "fallback": 1}
 
 
+def test_fused_bytes_reads_buffer_sizes_and_dtypes_from_the_call_function():
+    code = ("def call(self, args):\n"
+            "        assert_size_stride(arg0_1, (64, 64), (64, 1), 'input')\n"
+            "        buf0 = empty_strided_cpu((64, 64), (64, 1), torch.bfloat16)\n"
+            "        cpp_fused__to_copy_0(arg0_1, buf0)\n"
+            "        buf1 = empty_strided_cpu((64, 8), (8, 1), torch.float32)\n"
+            "        extern_kernels.mm(buf0, buf0, out=buf1)\n"
+            "        buf2 = buf1; del buf1  # reuse\n"
+            "        cpp_fused_gelu_1(buf2)\n"
+            "        return (buf2, )\n")
+    # to_copy: 64*64 fp32 read + 64*64 bf16 written; gelu: the reused 64*8 fp32 buffer once
+    assert _script().fused_bytes(code) == 64 * 64 * 4 + 64 * 64 * 2 + 64 * 8 * 4
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
 def test_priced_kernels_match_what_inductor_launches():
