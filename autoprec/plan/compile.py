@@ -1,14 +1,16 @@
 """Compile a policy and a model into the module level of an execution plan.
 
 A policy is a default plus rules (module path -> precision; the most specific path wins,
-an fp8 rule reaches only fp8-eligible Linear-like leaves, see policy/resolve.py). The plan
-gives every module:
+a GEMM-format rule reaches only the format-eligible Linear-like leaves it covers). This is
+the one place that decides which rule covers a module (``RuleSet``): apply, the audit,
+check, train and the search read the plan, never the rules. The plan gives every module:
 
 - its *region*: the numeric context its own code runs in (fp32 / tf32: autocast off;
   bf16 / fp16: ``torch.autocast``). The default is the root's region: the model's own code
   (norms, activations, residual adds) runs there, so ``default: bf16`` runs like one global
   bf16 autocast and rules are exceptions;
 - its *precision*: its region, or fp8 for an fp8-eligible leaf under an fp8 rule;
+- its *rule*: the rule that decided its precision (None: the default);
 - whether it is *wrapped*: a module whose precision differs from the region it is called
   from gets a forward wrapper that enters its region (and the root always does). Children
   at their caller's region need nothing: same-precision neighbours share one region.
@@ -27,22 +29,30 @@ another dtype"):
 - a GEMM-format leaf (fp8, mxfp8, nvfp4) takes its input in whatever dtype it arrives
   and gives the surrounding region's 16-bit dtype (fp32 in a fp32 region).
 
-``encode_rules`` computes regions, precisions and wrappers for many rule assignments at
-once (numpy, for the search); ``compile_plan`` is the same code for one policy. The
-replay of a recorded forward under a plan (dtypes of every tensor, every cast) is
+``RuleSet.encode`` computes regions, precisions and wrappers for many rule assignments at
+once (numpy, for the search); ``compile_plan`` is the same code for one policy, and
+``resolve`` / ``assignment`` / ``resolve_path`` read such a plan. The replay of a
+recorded forward under a plan (dtypes of every tensor, every cast) is
 ``autoprec.plan.schedule``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from autoprec.errors import PolicyError, warn
 from autoprec.paths import normalize_path, unwrap_model
-from autoprec.policy.resolve import Resolved, format_eligible
+from autoprec.policy.resolve import (
+    Resolved,
+    alias_paths,
+    canonical_rules,
+    format_eligible,
+    gemm_leaf_paths,
+)
 from autoprec.policy.schema import Policy
 from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import LayerGraph
@@ -91,14 +101,10 @@ class ModuleTree:
     def of(cls, model: torch.nn.Module) -> ModuleTree:
         root = unwrap_model(model)
         named = list(root.named_modules())
-        first = {id(m): normalize_path(p) for p, m in reversed(named)}
-        aliases = {normalize_path(p): first[id(m)]
-                   for p, m in root.named_modules(remove_duplicate=False)
-                   if normalize_path(p) != first[id(m)]}
         return cls.build([normalize_path(p) for p, _ in named],
                          [isinstance(m, NEVER_CALLED) for _, m in named],
                          [[format_eligible(m, f) for f in GEMM_FORMATS] for _, m in named],
-                         aliases)
+                         alias_paths(root))
 
     @classmethod
     def from_graph(cls, graph: LayerGraph) -> ModuleTree:
@@ -121,8 +127,9 @@ class RuleSet:
     """Fixed rule paths; an assignment of them is a code row.
 
     ``encode(codes)`` with ``codes`` (T, K) — slot 0 the default's precision code, then one
-    per rule path (NO_RULE: "no rule here") — returns regions, precisions and wrappers (T, M) of every module. One
-    function resolves every plan: apply, the schedule and the search all call it.
+    per rule path (NO_RULE: "no rule here") — returns regions, precisions and wrappers
+    (T, M) of every module; ``decide(codes)`` the deciding rules too. One function
+    resolves every plan (``_cover_pick``): apply, the schedule and the search all call it.
     """
 
     def __init__(self, tree: ModuleTree, rule_paths: Sequence[str]) -> None:
@@ -154,12 +161,27 @@ class RuleSet:
             self._cov[j, :len(cov)] = cov
 
     def encode(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(region, precision, wrapped), each (T, M); see the class docstring.
+        """(region, precision, wrapped), each (T, M); see the class docstring."""
+        region, prec, _, _ = self._cover_pick(codes)
+        return region, prec, self._wrapped(region, prec)
+
+    def decide(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(region, precision, rule), each (T, M): ``rule`` is the slot in ``rule_paths``
+        of the rule that decided the precision (0: the default) — the format rule where a
+        module runs a GEMM format, else the rule that gave its region."""
+        region, prec, deepest, last = self._cover_pick(codes)
+        at = np.where(prec != region, deepest, last)  # (T, M) a column of the cover table
+        return region, prec, self._cov[np.arange(self._cov.shape[0])[None, :], at]
+
+    def _cover_pick(self, codes: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(region, precision, deepest, last), each (T, M): the decision itself.
 
         Per module: its region is the deepest rule covering it that is set and is not a
-        GEMM format (else the default, slot 0); its precision is a GEMM format where the
-        deepest set rule is one and the module is eligible, else its region. One gather
-        over the (M, W) cover table, (T, M, W) int8 at most.
+        GEMM format (else the default, slot 0: column ``last`` of the cover table); its
+        precision is a GEMM format where the deepest set rule (column ``deepest``) is one
+        and the module is eligible, else its region. One gather over the (M, W) cover
+        table, (T, M, W) int8 at most.
         """
         codes = np.atleast_2d(np.asarray(codes, dtype=np.intp))
         t = codes.shape[0]
@@ -182,11 +204,20 @@ class RuleSet:
         prec = region.copy()
         for fi, fc in enumerate(FORMAT_CODES):
             prec = np.where((first == fc) & self.tree.format_ok[None, :, fi], fc, prec)
+        return region, prec, deepest, last
+
+    def _wrapped(self, region: np.ndarray, prec: np.ndarray) -> np.ndarray:
+        """(T, M) bool: a module whose precision differs from its caller's region (and the
+        root) gets a wrapper."""
         caller = self.tree.caller
         parent_region = np.where(caller[None, :] >= 0, region[:, np.maximum(caller, 0)], -1)
         wrapped = (prec != parent_region) & ~self.tree.never_called[None, :]
         wrapped[:, 0] = True  # the root: the default holds even under a caller's autocast
-        return region, prec, wrapped
+        return wrapped
+
+    def rule_path(self, slot: int) -> str | None:
+        """The rule path of a slot (None: slot 0, the default)."""
+        return self.rule_paths[slot] if slot else None
 
     def codes_of(self, default: str, layers: Mapping[str, str]) -> np.ndarray:
         """The code row (K,) of one policy whose rules are all among ``rule_paths``."""
@@ -209,7 +240,11 @@ class Wrapped:
 
 @dataclass
 class ExecutionPlan:
-    """The module level of a plan for one policy (``plan.schedule`` adds the tensors)."""
+    """The module level of a plan for one policy (``plan.schedule`` adds the tensors).
+
+    The one resolution of the policy on the model: ``resolution()`` (every module path),
+    ``assignment(paths)`` (path -> precision) and ``wrappers()`` read it.
+    """
 
     policy: Policy
     tree: ModuleTree
@@ -218,16 +253,15 @@ class ExecutionPlan:
     region: np.ndarray  # (M,) region code of every module
     precision: np.ndarray  # (M,) precision code
     wrapped: np.ndarray  # (M,) bool
+    rule: np.ndarray  # (M,) slot in ``rules.rule_paths`` of the deciding rule (0: default)
+    _resolution: dict[str, Resolved] | None = field(default=None, init=False, repr=False,
+                                                     compare=False)
 
     def wrappers(self) -> list[Wrapped]:
         """Where apply installs a wrapper, with the deciding rule (for messages)."""
-        out = []
-        for j in np.flatnonzero(self.wrapped):
-            path = self.tree.paths[j]
-            out.append(Wrapped(path, PRECISIONS[int(self.precision[j])],
-                               _deciding_rule(self.policy, path,
-                                              PRECISIONS[int(self.precision[j])])))
-        return out
+        return [Wrapped(self.tree.paths[j], PRECISIONS[int(self.precision[j])],
+                        self.rules.rule_path(int(self.rule[j])))
+                for j in np.flatnonzero(self.wrapped)]
 
     @property
     def format_leaves(self) -> list[str]:
@@ -236,49 +270,116 @@ class ExecutionPlan:
                                                                    FORMAT_CODES))]
 
     def resolution(self) -> dict[str, Resolved]:
-        """Every module path's precision, region and deciding rule, as compiled here (an
-        alias of a shared module resolves as its first path): what apply and the audit
-        read, so a policy is resolved once, by this plan."""
-        out: dict[str, Resolved] = {}
-        for j, path in enumerate(self.tree.paths):
-            prec = PRECISIONS[int(self.precision[j])]
-            out[path] = Resolved(path, prec, PRECISIONS[int(self.region[j])],
-                                 _deciding_rule(self.policy, path, prec))
-        for alias, first in self.tree.aliases.items():
-            r = out[first]
-            out[alias] = Resolved(alias, r.precision, r.region, r.rule)
+        """Every module path's precision, region and deciding rule (the rule as the
+        module's first path), an alias of a shared module resolved as its first path.
+        Computed once per plan (the same dict on every call: do not modify it)."""
+        if self._resolution is None:
+            out: dict[str, Resolved] = {}
+            for j, path in enumerate(self.tree.paths):
+                out[path] = Resolved(path, PRECISIONS[int(self.precision[j])],
+                                     PRECISIONS[int(self.region[j])],
+                                     self.rules.rule_path(int(self.rule[j])))
+            for alias, first in self.tree.aliases.items():
+                r = out[first]
+                out[alias] = Resolved(alias, r.precision, r.region, r.rule)
+            self._resolution = out
+        return self._resolution
+
+    def assignment(self, paths: Iterable[str]) -> dict[str, str]:
+        """``{path: precision}`` for ``paths`` (module paths, wrappers' prefixes
+        normalised); a path the model does not have is a PolicyError."""
+        res = self.resolution()
+        out = {}
+        for p in paths:
+            q = normalize_path(p)
+            r = res.get(q)
+            if r is None:
+                raise PolicyError(f"{self.policy.source}: the model has no module {q!r}")
+            out[q] = r.precision
         return out
 
     def used(self) -> set[str]:
         """Precisions some module computes in."""
         return {PRECISIONS[int(c)] for c in np.unique(self.precision)}
 
-
-def _deciding_rule(policy: Policy, path: str, precision: str) -> str | None:
-    """The most specific rule covering ``path`` that gives it ``precision`` (None: default)."""
-    p = path
-    while True:
-        got = policy.layers.get(p)
-        if got is not None and (got == precision or (
-                got not in GEMM_FORMATS and precision not in GEMM_FORMATS)):
-            return p
-        if not p:
-            return None
-        p = p.rpartition(".")[0]
+    def warn_unreached(self) -> None:
+        """Warn (PolicyWarning) about every GEMM-format rule on a container that decides no
+        module: no leaf inside is eligible, or a more specific rule covers each one."""
+        decided = set(np.unique(self.rule).tolist())
+        slot = {p: k for k, p in enumerate(self.rules.rule_paths) if k}
+        parents = {p.rpartition(".")[0] for p in self.tree.paths if p}
+        for p, prec in self.policy.layers.items():
+            c = self.tree.aliases.get(p, p)
+            if prec not in GEMM_FORMATS or c not in parents or slot.get(c) in decided:
+                continue  # a format rule on a leaf decides it, or is a validation error
+            warn(f"{self.policy.source}: layers[{p!r}]: the {prec} rule reaches no "
+                 f"{prec}-eligible Linear layer; everything inside takes "
+                 f"{self.resolution()[p].region}")
 
 
 def compile_plan(policy: Policy, model: torch.nn.Module | ModuleTree) -> ExecutionPlan:
-    """Regions, precisions and wrappers of every module of ``model`` under ``policy``.
+    """Regions, precisions, deciding rules and wrappers of every module of ``model`` under
+    ``policy``: the one place a policy is resolved.
 
     The policy is not validated here (``Policy.validate`` / ``apply_policy`` do that);
-    a rule path the model does not have is a KeyError.
+    a rule path the model does not have is a KeyError, two rules naming one shared
+    module with different precisions a PolicyError.
     """
     tree = model if isinstance(model, ModuleTree) else ModuleTree.of(model)
-    rules = RuleSet(tree, list(policy.layers))
-    row = rules.codes_of(policy.default, policy.layers)
-    region, prec, wrapped = rules.encode(row[None, :])
-    return ExecutionPlan(policy, tree, rules, row, region[0], prec[0], wrapped[0])
+    return _compile(policy, tree, canonical_rules(policy, tree.aliases))
+
+
+def _compile(policy: Policy, tree: ModuleTree, layers: Mapping[str, str]) -> ExecutionPlan:
+    rules = RuleSet(tree, list(layers))
+    row = rules.codes_of(policy.default, layers)
+    region, prec, slot = rules.decide(row[None, :])
+    return ExecutionPlan(policy, tree, rules, row, region[0], prec[0],
+                         rules._wrapped(region, prec)[0], slot[0])
+
+
+# -- the policy's resolution on a model, read from its plan -----------------------------
+
+def resolve(policy: Policy, model: torch.nn.Module) -> dict[str, Resolved]:
+    """Resolution of every module path of ``model``; a shared module resolves as its first
+    path under every alias (one module object, one precision). Compiles the plan: a caller
+    that has one reads ``plan.resolution()``."""
+    return compile_plan(policy, model).resolution()
+
+
+def assignment(policy: Policy, model: torch.nn.Module,
+               paths: Iterable[str] | None = None) -> dict[str, str]:
+    """``{path: precision}`` for the model's GEMM leaves, or for ``paths`` if given.
+
+    ``paths`` lets the cost model ask for every GEMM-bearing node of its LayerGraph
+    (attention modules running SDPA in their own code included). Compiles the plan: a
+    caller that has one reads ``plan.assignment(paths)``.
+    """
+    plan = compile_plan(policy, model)
+    return plan.assignment(gemm_leaf_paths(model) if paths is None else paths)
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """``a.b.c``, ``a.b``, ``a``, ``""`` (the root)."""
+    yield path
+    while path:
+        path = path.rpartition(".")[0]
+        yield path
+
+
+def resolve_path(policy: Policy, path: str, module: torch.nn.Module) -> Resolved:
+    """The precision ``module`` (at ``path``) computes in under ``policy``, without the
+    model: the plan of the chain of ``path``'s ancestors, ``module`` its one leaf.
+
+    ``path`` is taken as written: for a module registered under several paths, ask
+    :func:`resolve`, which resolves every alias as the module's first path."""
+    chain = list(_ancestors(path))[::-1]  # "", "a", "a.b", path
+    ok = [[False] * len(GEMM_FORMATS)] * (len(chain) - 1)
+    tree = ModuleTree.build(chain, [False] * len(chain),
+                            [*ok, [format_eligible(module, f) for f in GEMM_FORMATS]])
+    on_chain = set(chain)
+    plan = _compile(policy, tree, {p: v for p, v in policy.layers.items() if p in on_chain})
+    return plan.resolution()[path]
 
 
 __all__ = ["CODE", "ExecutionPlan", "FORMAT_CODES", "ModuleTree", "NO_RULE", "RuleSet",
-           "Wrapped", "compile_plan"]
+           "Wrapped", "assignment", "compile_plan", "resolve", "resolve_path"]

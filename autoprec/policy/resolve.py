@@ -12,7 +12,7 @@ eligible leaf under a format rule).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -112,19 +112,28 @@ def first_paths(model: torch.nn.Module) -> dict[int, str]:
     return {id(m): normalize_path(p) for p, m in unwrap_model(model).named_modules()}
 
 
-def canonical_rules(policy: Policy, model: torch.nn.Module) -> dict[str, str]:
-    """The policy's rules with every path written as its module's first path.
+def alias_paths(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: first path}`` for every path of a module registered under several names
+    (``self.mid2 = self.mid``): the module is known by its first path (``named_modules()``
+    order), and so are the children reached through the alias."""
+    root = unwrap_model(model)
+    first = {id(m): normalize_path(p) for p, m in root.named_modules()}
+    return {normalize_path(p): first[id(m)]
+            for p, m in root.named_modules(remove_duplicate=False)
+            if normalize_path(p) != first[id(m)]}
+
+
+def canonical_rules(policy: Policy, aliases: Mapping[str, str]) -> dict[str, str]:
+    """The policy's rules with every path written as its module's first path (``aliases``:
+    :func:`alias_paths`).
 
     One module object computes in one precision, so a rule on any of a shared module's
-    paths is a rule on the module (what the compiled plan does: ModuleTree.aliases). Two
-    rules naming one module with different precisions are a PolicyError."""
-    table = module_table(model)
-    first = first_paths(model)
+    paths is a rule on the module. Two rules naming one module with different precisions
+    are a PolicyError."""
     out: dict[str, str] = {}
     named: dict[str, str] = {}
     for p, prec in policy.layers.items():
-        m = table.get(p)
-        c = p if m is None else first.get(id(m), p)
+        c = aliases.get(p, p)
         if c in out and out[c] != prec:
             a, b = (named[c], p) if named[c] == c else (p, named[c])
             raise PolicyError(
@@ -139,7 +148,7 @@ def canonical_rules(policy: Policy, model: torch.nn.Module) -> dict[str, str]:
 def resolve(policy: Policy, model: torch.nn.Module) -> dict[str, Resolved]:
     """Resolution of every module path of ``model``; a shared module resolves as its first
     path under every alias (one module object, one precision)."""
-    rules = canonical_rules(policy, model)
+    rules = canonical_rules(policy, alias_paths(model))
     first = first_paths(model)
     out = {}
     for p, m in module_table(model).items():
@@ -163,7 +172,7 @@ def assignment(policy: Policy, model: torch.nn.Module,
     """
     table = module_table(model)
     wanted = gemm_leaf_paths(model) if paths is None else [normalize_path(p) for p in paths]
-    rules, first = canonical_rules(policy, model), first_paths(model)
+    rules, first = canonical_rules(policy, alias_paths(model)), first_paths(model)
     out = {}
     for p in wanted:
         if p not in table:
@@ -235,6 +244,6 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
                  f"layer; everything inside takes {res[p].region}")
 
 
-__all__ = ["Resolved", "assignment", "canonical_rules", "check_model", "first_paths",
+__all__ = ["Resolved", "alias_paths", "assignment", "canonical_rules", "check_model", "first_paths",
            "format_eligible", "gemm_leaf_paths",
            "is_gemm_leaf", "module_table", "resolve", "resolve_path"]
