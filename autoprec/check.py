@@ -34,7 +34,7 @@ from autoprec.errors import CheckFailed, InputError, PolicyError
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of, iter_floats
-from autoprec.policy import Policy, assignment, gemm_leaf_paths, load_policy
+from autoprec.policy import Policy, gemm_leaf_paths, load_policy
 from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.report_json import Reason, audit_reasons, feasible, number, reasons_json, speedup
 from autoprec.targets import DEFAULT_TARGET
@@ -174,13 +174,13 @@ def _max_abs(model: torch.nn.Module, path: str, spec: ModelSpec, batch: Any) -> 
     return seen[0]
 
 
-def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfile,
-                    target: str) -> tuple[list[str], dict[str, str]]:
-    """Why the target cannot run the policy (one reason per precision), per-layer reasons."""
-    per_layer = assignment(policy, model, gemm_leaf_paths(model))
+def _device_reasons(policy: Policy, a: Assessment, model: torch.nn.Module,
+                    profile: DeviceProfile, target: str) -> tuple[list[str], dict[str, str]]:
+    """Why the target cannot run the policy (one reason per precision), per-layer reasons:
+    the GEMM leaves' precisions as the applied plan resolved them (``a.layers``)."""
     used: dict[str, list[str]] = {}
-    for path, prec in per_layer.items():
-        used.setdefault(prec, []).append(path)
+    for path in gemm_leaf_paths(model):
+        used.setdefault(a.layers[path].precision, []).append(path)
     reasons, layer_why = [], {}
     ok, why = profile.supports(policy.default)
     if not ok:
@@ -202,14 +202,13 @@ def _device_reasons(policy: Policy, model: torch.nn.Module, profile: DeviceProfi
 def _layer_rows(a: Assessment, net: torch.nn.Module, policy: Policy,
                 layer_why: dict[str, str]) -> dict[str, dict[str, Any]]:
     """One row per GEMM layer of the traced graph, with its price under the policy."""
-    assign = assignment(policy, net, [n.path for n in a.graph.gemm_nodes])
     times = a.breakdown.by_module
     rows = {}
     for node in a.graph.gemm_nodes:
         r = a.layers[node.path]  # a shared module: its rule under any of its paths
         t = times.get(node.path)
         rows[node.path] = {
-            "layer": node.path, "kind": node.kind, "precision": assign[node.path],
+            "layer": node.path, "kind": node.kind, "precision": r.precision,
             "rule": r.rule_label, "computed": None,  # filled in by the audit
             "supported": node.path not in layer_why,
             "est_time_us": None if t is None else t * 1e6,
@@ -278,16 +277,16 @@ def check(
                 return result
             raise
 
-    # -- target device ------------------------------------------------------------------
-    if target is None and policy.target_device is None:
-        notes.append(f"no target given or in the policy: checked for {tgt} (the default)")
-    dev_reasons, layer_why = _device_reasons(policy, net, profile, tgt)
-    reasons.extend(dev_reasons)
-
     # -- score, audit and price: the pipeline eval shares (autoprec/assess.py) ----------
     a = assess(spec, net, policy, target=tgt, profile=profile, batch_size=bs,
                mode=result.mode, force=True, fp8_backend=fp8_backend,
                capture_warnings=True)
+
+    # -- target device: the applied plan's precisions -----------------------------------
+    if target is None and policy.target_device is None:
+        notes.append(f"no target given or in the policy: checked for {tgt} (the default)")
+    dev_reasons, layer_why = _device_reasons(policy, a, net, profile, tgt)
+    reasons.extend(dev_reasons)
     s, ref, report, bd = a.score, a.reference, a.audit, a.breakdown
     result.eval_batches = a.eval_batches
     result.est_speedup = a.est_speedup

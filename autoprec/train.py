@@ -39,7 +39,8 @@ from autoprec.apply.apply import PolicyHandle, apply_policy
 from autoprec.errors import CapabilityError, InputError
 from autoprec.loading import ModelSpec, default_forward
 from autoprec.metrics import mean_metric
-from autoprec.policy import Policy, load_policy, resolve
+from autoprec.plan import compile_plan
+from autoprec.policy import Policy, load_policy
 
 Batch = Any
 LossFn = Callable[[Any, Batch], torch.Tensor]
@@ -69,12 +70,10 @@ def needs_grad_scaler(handle_or_policy: PolicyHandle | Policy,
                       model: torch.nn.Module | None = None) -> bool:
     """True iff some module computes in fp16 under the policy (then loss scaling is needed)."""
     if isinstance(handle_or_policy, PolicyHandle):
-        layers = handle_or_policy.layers
-    else:
-        if model is None:
-            return "fp16" in handle_or_policy.precisions
-        layers = resolve(handle_or_policy, model)
-    return any(r.precision == "fp16" for r in layers.values())
+        return "fp16" in handle_or_policy.plan.used()
+    if model is None:
+        return "fp16" in handle_or_policy.precisions
+    return "fp16" in compile_plan(handle_or_policy, model).used()
 
 
 @dataclass
@@ -144,11 +143,11 @@ def prepare_training(
     check_fp32_masters(model)
     if not isinstance(policy, Policy):
         policy = load_policy(policy, model, force=force)
-    from autoprec.plan.compile import compile_plan
-
-    resolved = resolve(policy, model)
-    fwd_only = [p for p in compile_plan(policy, model).format_leaves
-                if resolved[p].precision == "nvfp4"]
+    fwd_only: list[str] = []
+    if "nvfp4" in policy.precisions:  # else no layer runs it: no need to resolve here
+        plan = compile_plan(policy, model)
+        res = plan.resolution()
+        fwd_only = [p for p in plan.format_leaves if res[p].precision == "nvfp4"]
     if fwd_only:
         more = f" and {len(fwd_only) - 1} more" if len(fwd_only) > 1 else ""
         raise CapabilityError(f"{policy.source}: layer {fwd_only[0]!r}{more} runs nvfp4, which "

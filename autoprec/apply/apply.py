@@ -37,7 +37,7 @@ from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.lower.forward import lowered_forward
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
-from autoprec.policy.resolve import Resolved, assignment, module_table
+from autoprec.policy.resolve import Resolved, gemm_leaf_paths, module_table
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BLOCK_SCALED, is_gemm_format
 from autoprec.targets import device_type
@@ -190,7 +190,7 @@ class PolicyHandle:
 
     def assignment(self) -> dict[str, str]:
         """``{gemm_leaf_path: precision}`` under the installed policy (for the cost model)."""
-        return assignment(self.policy, self.model)
+        return self.plan.assignment(gemm_leaf_paths(self.model))
 
     def audit(self, run: Callable[[], Any], strict: bool = True) -> AuditReport:
         """Run ``run()`` (a real forward) and report what every GEMM computed in.

@@ -481,9 +481,9 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
 def _per_layer(prep: Prepared, space: SearchSpace, policy: Policy) -> dict[str, str]:
     """The precision every GEMM layer computes in under ``policy`` (not only the layers
     with a rule: the default's too), in the model's order — for the layers plot."""
-    from autoprec.policy import assignment
+    from autoprec.plan import compile_plan
 
-    return assignment(policy, prep.net, paths=space.layers)
+    return compile_plan(policy, prep.net).assignment(space.layers)
 
 
 def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
