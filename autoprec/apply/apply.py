@@ -285,11 +285,12 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
             raise InputError(f"a policy is already applied to this model (module "
                              f"{path or '<root>'!r} is under {_UNDER_POLICY[mod]!r}); "
                              "remove that handle first")
-    policy.validate(root, force=force)
+    policy.validate(root, force=force)  # the rules against the model's structure
     dev = torch.device(device) if device is not None else _model_device(root)
-    plan = compile_plan(policy, root)
+    plan = compile_plan(policy, root)  # the one resolution: everything below reads it
+    plan.warn_unreached()
     table = module_table(root)
-    res = plan.resolution()  # the plan decides; a shared module: one precision per alias
+    res = plan.resolution()  # a shared module: one precision under every alias
     modules = dict(root.named_modules())
     chosen = [(modules[w.path] if w.path in modules else table[w.path], w)
               for w in plan.wrappers()]

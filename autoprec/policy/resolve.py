@@ -194,9 +194,11 @@ def _short(fp: str) -> str:
 def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> None:
     """Validate ``policy`` against ``model``; PolicyError names the first problem.
 
-    Order: fingerprint (the most telling when the model changed), unknown paths, fp8 on
-    ineligible leaves, conflicting rules on a shared module. Warnings: no fingerprint, a
-    forced mismatch, an fp8 container rule that reaches no eligible leaf.
+    Order: fingerprint (the most telling when the model changed), unknown paths, a rule
+    on a module whose forward never runs, conflicting rules on a shared module, fp8 on
+    ineligible leaves. Warnings: no fingerprint, a forced mismatch. Nothing here decides
+    which rule covers a module: an fp8 container rule that reaches no eligible leaf is
+    the compiled plan's warning (``ExecutionPlan.warn_unreached``, run by apply_policy).
     """
     src = policy.source
     root = unwrap_model(model)
@@ -227,21 +229,13 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
         if why is not None:
             raise PolicyError(f"{src}: layers[{p!r}]: a rule here cannot run: {why}")
 
-    res = resolve(policy, root)  # also: two rules naming one shared module agree
-    first = first_paths(root)
+    canonical_rules(policy, alias_paths(root))  # two rules naming one shared module agree
     for p, prec in policy.layers.items():
-        if not is_gemm_format(prec):
-            continue
-        m = table[p]
-        if is_leaf(m):
-            why = gemm.ineligible_reason(m, prec)
+        if is_gemm_format(prec) and is_leaf(table[p]):
+            why = gemm.ineligible_reason(table[p], prec)
             if why is not None:
                 raise PolicyError(f"{src}: layers[{p!r}]: {prec} rule on an ineligible layer: "
                                   f"{why}")
-        elif not any(r.precision == prec and r.rule == first.get(id(m), p)
-                     for r in res.values()):
-            warn(f"{src}: layers[{p!r}]: the {prec} rule reaches no {prec}-eligible Linear "
-                 f"layer; everything inside takes {res[p].region}")
 
 
 __all__ = ["Resolved", "alias_paths", "assignment", "canonical_rules", "check_model", "first_paths",

@@ -1,8 +1,9 @@
 """The policy file (YAML, schema 1): the dataclass, loading with validation, atomic saving.
 
 A policy is a plain map from module path to precision with a documented precedence (the
-most specific path wins; see resolve.py), plus what a reviewer needs to trust it: the
-model's fingerprint, the target its speed figures refer to, reasons, metrics, provenance.
+most specific path wins; the compiled plan decides it, ``autoprec.plan.compile``), plus
+what a reviewer needs to trust it: the model's fingerprint, the target its speed figures
+refer to, reasons, metrics, provenance.
 
 Validation names the first problem as ``FILE: KEY: rule``, e.g.
 ``p.yaml: layers['enc.0.q']: unknown precision 'fp12'; expected one of fp32, …``. Checks
@@ -152,7 +153,8 @@ class Policy:
         return tuple(p for p in PRECISIONS if p in used)
 
     def validate(self, model: torch.nn.Module, force: bool = False) -> None:
-        """Check the policy against ``model`` (paths, fingerprint, fp8 eligibility).
+        """Check the policy against ``model`` (paths, fingerprint, fp8 eligibility, shared
+        modules); see ``resolve.check_model``.
 
         A fingerprint mismatch raises FingerprintMismatch unless ``force``; then it warns.
         """

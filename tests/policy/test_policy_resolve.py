@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from autoprec.apply.apply import apply_policy
 from autoprec.errors import PolicyError
 from autoprec.policy import (
     FingerprintMismatch,
@@ -140,11 +141,17 @@ def test_compiled_and_wrapped_models_match_plain_paths() -> None:
 
 
 def test_fp8_container_without_eligible_leaves_warns() -> None:
+    """The applied plan says so: the rule decides no module."""
     m = Model()
     m.enc[0].q = nn.Linear(32, 24)  # now nothing in enc.0 is fp8-eligible
     with pytest.warns(PolicyWarning, match=r"layers\['enc.0'\]: the fp8 rule reaches no "
                                            r"fp8-eligible Linear layer.*takes fp16"):
-        Policy(default="fp16", layers={"enc.0": "fp8"}).validate(m)
+        apply_policy(m, Policy(default="fp16", layers={"enc.0": "fp8"})).remove()
+    # enc.1.q is eligible, but a more specific rule covers it
+    with pytest.warns(PolicyWarning, match=r"layers\['enc.1'\]: the fp8 rule reaches no "
+                                           r"fp8-eligible Linear layer.*takes bf16"):
+        apply_policy(m, Policy(default="bf16", layers={"enc.1": "fp8", "enc.1.q": "fp16"})
+                     ).remove()
 
 
 def test_shared_module_must_get_one_precision() -> None:
