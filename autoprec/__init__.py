@@ -2,9 +2,12 @@
 
 The flow, one module per stage::
 
-    trace (autoprec.trace) -> probe (autoprec.probe) -> cost (autoprec.cost)
-      -> search (autoprec.search) -> policy / apply (autoprec.policy, autoprec.apply)
-      -> track (autoprec.track)
+    trace (autoprec.trace) -> probe (autoprec.probe) -> plan (autoprec.plan)
+      -> cost (autoprec.cost) -> search (autoprec.search)
+      -> policy / apply (autoprec.policy, autoprec.apply) -> track (autoprec.track)
+
+A policy's resolution (which rule covers each module) is read from its compiled plan:
+``compile_plan(policy, model).resolution()``, or ``resolve`` / ``assignment``.
 
 The public API is re-exported here and imported lazily, so ``import autoprec`` stays
 cheap (torch, optuna and mlflow load when first used). ``autoprec.trace`` and
@@ -33,6 +36,11 @@ _EXPORTS = {
     "TuneResult": "autoprec.search.tune",
     "Policy": "autoprec.policy",
     "load_policy": "autoprec.policy",
+    "compile_plan": "autoprec.plan",
+    "ExecutionPlan": "autoprec.plan",
+    "resolve": "autoprec.plan",
+    "assignment": "autoprec.plan",
+    "resolve_path": "autoprec.plan",
     "apply_policy": "autoprec.apply.apply",
     "can_run": "autoprec.capability:capability",
     "load_model_file": "autoprec.loading",
@@ -47,6 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.cost import CostModel, get_profile
     from autoprec.errors import AutoprecError
     from autoprec.loading import load_model_file
+    from autoprec.plan import ExecutionPlan, assignment, compile_plan, resolve, resolve_path
     from autoprec.policy import Policy, load_policy
     from autoprec.probe import SensitivityTable
     from autoprec.probe import probe as probe_model

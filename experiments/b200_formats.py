@@ -34,7 +34,8 @@ from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
 from autoprec.evaluate import reference, score
 from autoprec.loading import load_model_file
-from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths, resolve_path
+from autoprec.plan import assignment
+from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.policy.resolve import format_eligible
 from autoprec.search.tune import tune
 from autoprec.trace import trace
@@ -64,8 +65,7 @@ def row(ctx: Ctx, label: str, pol: Policy, budget: float, err: float | None = No
             err = score(ctx.spec, ctx.net, ctx.evalb, ctx.ref, "of eval_data").error
     bd = ctx.cost.breakdown(pol)
     counts: dict[str, int] = {}
-    for p in gemm_leaf_paths(ctx.net):
-        prec = resolve_path(pol, p, ctx.net.get_submodule(p)).precision
+    for prec in assignment(pol, ctx.net).values():  # every GEMM leaf
         counts[prec] = counts.get(prec, 0) + 1
     mix = " ".join(f"{k}x{v}" for k, v in sorted(counts.items()))
     within = "" if err <= budget else " (over budget)"

@@ -46,7 +46,8 @@ from autoprec.cost import CostModel, get_profile
 from autoprec.evaluate import Score, reference, score
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
-from autoprec.policy import Policy, assignment, gemm_leaf_paths
+from autoprec.plan import assignment
+from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.policy.resolve import format_eligible
 from autoprec.precisions import PRECISIONS
 from autoprec.search.tune import TuneResult, tune

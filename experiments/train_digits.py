@@ -51,7 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.loading import ModelSpec
-from autoprec.policy import Policy, PolicyWarning, resolve_path
+from autoprec.plan import assignment, resolve
+from autoprec.policy import Policy, PolicyWarning
 from autoprec.train import prepare_training, train_step
 
 SEED = 0
@@ -285,8 +286,6 @@ def main(argv: list[str] | None = None) -> list[Run]:
 
     t0 = time.monotonic()
     tuned, how = tune_policy(workdir, max(args.epochs, 3), args.lr, args.trials)
-    from autoprec.policy import assignment
-
     fp16 = [p for p, prec in assignment(tuned, fp32_trained(max(args.epochs, 3),
                                                             args.lr)).items() if prec == "fp16"]
     if not fp16:
@@ -305,8 +304,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
 
     torch.manual_seed(SEED)
     init = TinyDigitsCNN()  # every run starts from these weights
+    res = resolve(policy, init)
     fp16 = [p for p, m in init.named_modules() if p and not list(m.children())
-            and resolve_path(policy, p, m).precision == "fp16"]
+            and res[p].precision == "fp16"]
     runs = []
     for factor in (1.0, args.loss_factor):
         for name, pol, scaler in (("fp32", None, None), ("policy + GradScaler", policy, None),

@@ -1,15 +1,14 @@
-"""Policy files: the reviewable per-layer precision map (schema 1) and its resolution."""
+"""Policy files: the reviewable per-layer precision map (schema 1) and its checks against a
+model. Which rule covers a module is decided by the compiled plan (``autoprec.plan``:
+``compile_plan``, ``resolve``, ``assignment``, ``resolve_path``)."""
 
 from __future__ import annotations
 
 from autoprec.policy.resolve import (
     Resolved,
-    assignment,
     check_model,
     gemm_leaf_paths,
     is_gemm_leaf,
-    resolve,
-    resolve_path,
 )
 from autoprec.policy.schema import (
     SCHEMA_VERSION,
@@ -26,12 +25,9 @@ __all__ = [
     "Policy",
     "PolicyWarning",
     "Resolved",
-    "assignment",
     "check_model",
     "gemm_leaf_paths",
     "is_gemm_leaf",
     "load_policy",
     "loads_policy",
-    "resolve",
-    "resolve_path",
 ]

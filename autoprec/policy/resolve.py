@@ -1,4 +1,5 @@
-"""Which precision each module computes in under a policy, and checks against a model.
+"""A policy against a model: its module paths, the checks of a policy's rules against
+them, and the record of one module's resolution.
 
 Precedence (DESIGN.md): a rule covers its module and every child; the most specific path
 wins; ``default`` covers what no rule does. A GEMM format (fp8, mxfp8, nvfp4) is not an
@@ -6,13 +7,15 @@ autocast region but a module backend, so such a rule only reaches Linear-like *l
 eligible for it: every other module it covers takes the nearest enclosing region rule, or
 the default. Each module therefore has a *region* (fp32/tf32/bf16/fp16: the numeric
 context its own code runs in) and a *precision* (its region, or the format for an
-eligible leaf under a format rule).
+eligible leaf under a format rule). That decision is made in one place, the compiled plan
+(``autoprec.plan.compile``: ``compile_plan``, ``resolve``, ``assignment``); this module
+holds what it needs from the model and the checks that need no decision.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +41,7 @@ _GEMM_LEAF_NAMES = ("Conv1D",)
 
 @dataclass(frozen=True)
 class Resolved:
-    """The outcome of the policy for one module path."""
+    """The outcome of the policy for one module path (``ExecutionPlan.resolution()``)."""
 
     path: str
     precision: str  # what this module's own GEMMs compute in
@@ -66,50 +69,10 @@ def format_eligible(module: torch.nn.Module, precision: str) -> bool:
     return gemm.eligible(module, precision)
 
 
-def _ancestors(path: str) -> Iterator[str]:
-    """``a.b.c``, ``a.b``, ``a``, ``""`` (the root)."""
-    yield path
-    while path:
-        path = path.rpartition(".")[0]
-        yield path
-
-
-def resolve_path(policy: Policy, path: str, module: torch.nn.Module) -> Resolved:
-    """The precision ``module`` (at ``path``) computes in under ``policy``.
-
-    ``path`` is taken as written: for a module registered under several paths, ask
-    :func:`resolve`, which resolves every alias as the module's first path."""
-    return _resolve_rules(policy.default, policy.layers, path, module)
-
-
-def _resolve_rules(default: str, layers: dict[str, str], path: str,
-                   module: torch.nn.Module) -> Resolved:
-    region, region_rule = default, None
-    first: tuple[str, str] | None = None
-    for anc in _ancestors(path):
-        prec = layers.get(anc)
-        if prec is None:
-            continue
-        if first is None:
-            first = (anc, prec)
-        if not is_gemm_format(prec):
-            region, region_rule = prec, anc
-            break
-    if first is not None and is_gemm_format(first[1]) and format_eligible(module, first[1]):
-        return Resolved(path, first[1], region, first[0])
-    return Resolved(path, region, region, region_rule)
-
-
 def module_table(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Every module path (aliases of a shared module included) of the unwrapped model."""
     root = unwrap_model(model)
     return {normalize_path(p): m for p, m in root.named_modules(remove_duplicate=False)}
-
-
-def first_paths(model: torch.nn.Module) -> dict[int, str]:
-    """``id(module) -> its first path`` (``named_modules()`` order): the path a module
-    registered under several names (``self.mid2 = self.mid``) is known by."""
-    return {id(m): normalize_path(p) for p, m in unwrap_model(model).named_modules()}
 
 
 def alias_paths(model: torch.nn.Module) -> dict[str, str]:
@@ -145,41 +108,10 @@ def canonical_rules(policy: Policy, aliases: Mapping[str, str]) -> dict[str, str
     return out
 
 
-def resolve(policy: Policy, model: torch.nn.Module) -> dict[str, Resolved]:
-    """Resolution of every module path of ``model``; a shared module resolves as its first
-    path under every alias (one module object, one precision)."""
-    rules = canonical_rules(policy, alias_paths(model))
-    first = first_paths(model)
-    out = {}
-    for p, m in module_table(model).items():
-        r = _resolve_rules(policy.default, rules, first.get(id(m), p), m)
-        out[p] = Resolved(p, r.precision, r.region, r.rule)
-    return out
-
-
 def gemm_leaf_paths(model: torch.nn.Module) -> list[str]:
     """Paths of GEMM leaves, each module once (its first path), in registration order."""
     root = unwrap_model(model)
     return [normalize_path(p) for p, m in root.named_modules() if is_gemm_leaf(m)]
-
-
-def assignment(policy: Policy, model: torch.nn.Module,
-               paths: Iterable[str] | None = None) -> dict[str, str]:
-    """``{path: precision}`` for the model's GEMM leaves, or for ``paths`` if given.
-
-    ``paths`` lets the cost model ask for every GEMM-bearing node of its LayerGraph
-    (attention modules running SDPA in their own code included).
-    """
-    table = module_table(model)
-    wanted = gemm_leaf_paths(model) if paths is None else [normalize_path(p) for p in paths]
-    rules, first = canonical_rules(policy, alias_paths(model)), first_paths(model)
-    out = {}
-    for p in wanted:
-        if p not in table:
-            raise PolicyError(f"{policy.source}: the model has no module {p!r}")
-        m = table[p]
-        out[p] = _resolve_rules(policy.default, rules, first.get(id(m), p), m).precision
-    return out
 
 
 def _hint(path: str, known: Iterable[str]) -> str:
@@ -238,6 +170,5 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
                                   f"{why}")
 
 
-__all__ = ["Resolved", "alias_paths", "assignment", "canonical_rules", "check_model", "first_paths",
-           "format_eligible", "gemm_leaf_paths",
-           "is_gemm_leaf", "module_table", "resolve", "resolve_path"]
+__all__ = ["Resolved", "alias_paths", "canonical_rules", "check_model", "format_eligible",
+           "gemm_leaf_paths", "is_gemm_leaf", "module_table"]

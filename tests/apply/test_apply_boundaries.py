@@ -93,13 +93,13 @@ def _lin(x: torch.Tensor, lin: nn.Linear, p: str, ambient: str) -> torch.Tensor:
 
 
 def _region_of(policy: Policy, path: str) -> str:
-    from autoprec.policy import resolve_path
+    from autoprec.plan import resolve_path
 
     return resolve_path(policy, path, nn.Identity()).region
 
 
 def _prec(policy: Policy, model: nn.Module, path: str) -> str:
-    from autoprec.policy import resolve_path
+    from autoprec.plan import resolve_path
 
     return resolve_path(policy, path, model.get_submodule(path)).precision
 

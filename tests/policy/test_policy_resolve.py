@@ -1,5 +1,6 @@
-"""Resolution (most specific path wins; fp8 reaches eligible leaves only) and the checks
-of a policy against a model (paths, fingerprint, fp8 eligibility, shared modules)."""
+"""Resolution (most specific path wins; fp8 reaches eligible leaves only; the compiled
+plan decides, ``autoprec.plan``) and the checks of a policy against a model (paths,
+fingerprint, fp8 eligibility, shared modules)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ from torch import nn
 
 from autoprec.apply.apply import apply_policy
 from autoprec.errors import PolicyError
+from autoprec.plan import assignment, resolve
 from autoprec.policy import (
     FingerprintMismatch,
     Policy,
     PolicyWarning,
-    assignment,
     gemm_leaf_paths,
     load_policy,
-    resolve,
 )
 from autoprec.trace.graph import fingerprint
 
@@ -157,8 +157,6 @@ def test_fp8_container_without_eligible_leaves_warns() -> None:
 def test_shared_module_must_get_one_precision() -> None:
     """One module object, one precision: a rule on any of its paths is a rule on the module
     (``self.mid2 = self.mid``, a real pattern, must tune); two rules naming it must agree."""
-    from autoprec.policy import resolve
-
     m = Model()
     m.alias = m.enc[0]  # the same module under a second path
     Policy(layers={"enc.0": "bf16", "alias": "bf16"}).validate(m)

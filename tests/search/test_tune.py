@@ -76,7 +76,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory):
 
 def _effective(policy) -> dict[str, str]:
     """The precision every Linear of trap computes in under the policy (its plan)."""
-    from autoprec.policy import resolve_path
+    from autoprec.plan import resolve_path
 
     m = load_model_file(TRAP).model()
     return {n: resolve_path(policy, n, mod).precision for n, mod in m.named_children()
