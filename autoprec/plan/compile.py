@@ -322,11 +322,15 @@ def compile_plan(policy: Policy, model: torch.nn.Module | ModuleTree) -> Executi
     ``policy``: the one place a policy is resolved.
 
     The policy is not validated here (``Policy.validate`` / ``apply_policy`` do that);
-    a rule path the model does not have is a KeyError, two rules naming one shared
-    module with different precisions a PolicyError.
+    a rule path the model does not have, or two rules naming one shared module with
+    different precisions, is a PolicyError naming the rule.
     """
     tree = model if isinstance(model, ModuleTree) else ModuleTree.of(model)
-    return _compile(policy, tree, canonical_rules(policy, tree.aliases))
+    try:
+        return _compile(policy, tree, canonical_rules(policy, tree.aliases))
+    except KeyError as err:
+        raise PolicyError(f"{policy.source}: layers[{err.args[0]!r}]: the model has no "
+                          "such module") from None
 
 
 def _compile(policy: Policy, tree: ModuleTree, layers: Mapping[str, str]) -> ExecutionPlan:

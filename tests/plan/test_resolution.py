@@ -88,3 +88,14 @@ def test_resolve_path_needs_no_model() -> None:
     for path in ("", "enc", "enc.0", "enc.1", "head"):
         assert resolve_path(pol, path, model.get_submodule(path)) == res[path]
     assert resolve_path(pol, "x.y", nn.Linear(32, 32)) == Resolved("x.y", "fp8", "bf16", "")
+
+
+def test_a_rule_on_a_path_the_model_lacks_is_a_policy_error_naming_it():
+    from autoprec.errors import PolicyError
+    from autoprec.plan import assignment
+
+    net = nn.Sequential(nn.Linear(4, 4))
+    pol = Policy(default="fp32", layers={"7": "bf16"})
+    for fn in (resolve, assignment):
+        with pytest.raises(PolicyError, match=r"layers\['7'\]: the model has no such module"):
+            fn(pol, net)
