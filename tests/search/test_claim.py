@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from autoprec.search.driver import claim
@@ -19,6 +20,8 @@ SPACE = SearchSpace([Variable("fc1", ["fc1"], ["fp32", "bf16"]),
                      Variable("fc2", ["fc2"], ["fp32", "bf16"])])
 PARAMS = {"default": "fp32", "fc1": "bf16", "fc2": "fp32"}
 KEY = SPACE.key(PARAMS)
+
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
 
 def _suggest(trial: optuna.Trial, params: dict[str, str]) -> None:
