@@ -23,9 +23,10 @@ untimed forward, then the same interleaved rounds.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,26 +254,37 @@ def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: s
     """A Timer for ``check_speed``: each plan applied around ``run()`` (the forward of one
     batch under ``torch.no_grad``), interleaved rounds on ``device`` (see the module doc)."""
     from autoprec.apply.apply import apply_policy
-    from autoprec.cost.machine import timing_threads
-    from autoprec.cost.measure import measure_interleaved
-
-    clock = "thread" if device == "cpu" else "wall"
 
     def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
-        def more(samples: Mapping[str, list[float]]) -> bool:
-            return _undecided(samples)
-
         around = {name: (lambda pol=pol: apply_policy(model, pol, target=target, force=force,
                                                       fp8_backend=fp8_backend))
                   for name, pol in plans.items()}
-        with timing_threads(device), warnings.catch_warnings():
-            warnings.simplefilter("ignore", PolicyWarning)
-            return measure_interleaved({n: run for n in plans}, device, around=around,
-                                       rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=more,
-                                       time_budget_s=TIME_BUDGET_S, inner=inner,
-                                       clock=clock, seed=seed)
+        with _timing(device):
+            return _rounds({n: run for n in plans}, device, inner, seed, around)
 
     return timer
+
+
+@contextlib.contextmanager
+def _timing(device: str) -> Iterator[None]:
+    """Torch threads for timing on ``device``; the one-plan policies' warnings quiet."""
+    from autoprec.cost.machine import timing_threads
+
+    with timing_threads(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyWarning)
+        yield
+
+
+def _rounds(runs: Mapping[str, Callable[[], Any]], device: str, inner: int, seed: int,
+            around: Mapping[str, Callable[[], Any]] | None = None
+            ) -> Mapping[str, Sequence[float]]:
+    """The interleaved rounds every timer runs (see the module doc)."""
+    from autoprec.cost.measure import measure_interleaved
+
+    return measure_interleaved(runs, device, around=around, rounds=MIN_ROUNDS,
+                               max_rounds=MAX_ROUNDS, more=_undecided,
+                               time_budget_s=TIME_BUDGET_S, inner=inner,
+                               clock="thread" if device == "cpu" else "wall", seed=seed)
 
 
 def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, device: str,
@@ -289,18 +301,12 @@ def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, d
     import torch
 
     from autoprec.apply.apply import apply_policy
-    from autoprec.cost.machine import timing_threads
-    from autoprec.cost.measure import measure_interleaved
     from autoprec.fused import fused_paths_off
-
-    clock = "thread" if device == "cpu" else "wall"
 
     def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
         handles, runs = [], {}
         limit = max(8, 2 * len(plans))  # each copy's forward is one more compiled entry
-        with timing_threads(device), warnings.catch_warnings(), \
-                torch._dynamo.config.patch(recompile_limit=limit):
-            warnings.simplefilter("ignore", PolicyWarning)
+        with _timing(device), torch._dynamo.config.patch(recompile_limit=limit):
             torch._dynamo.reset()
             try:
                 for name, pol in plans.items():
@@ -315,10 +321,7 @@ def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, d
 
                     run()  # compiles (untimed)
                     runs[name] = run
-                return measure_interleaved(runs, device, rounds=MIN_ROUNDS,
-                                           max_rounds=MAX_ROUNDS, more=_undecided,
-                                           time_budget_s=TIME_BUDGET_S, inner=inner,
-                                           clock=clock, seed=seed)
+                return _rounds(runs, device, inner, seed)
             finally:
                 for h in handles:
                     h.remove()
