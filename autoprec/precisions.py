@@ -40,6 +40,21 @@ BLOCK_SCALED: tuple[str, ...] = ("mxfp8", "nvfp4")
 #: Precisions expressible by ``torch.autocast``.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+#: The two forms a plan runs in (DESIGN.md, "Execution plan"):
+#: - ``deploy``: each module's weights stored once in the dtype of its region (bf16/fp16
+#:   layers hold 16-bit weights, as ``model.to(torch.bfloat16)`` does; GEMM-format leaves
+#:   hold their quantised weight and scales; fp32/tf32 layers keep fp32), activations flow
+#:   in each region's dtype, casts only at region boundaries, no autocast. For inference.
+#: - ``train``: autocast regions over fp32 master weights (a 16-bit layer casts its weight
+#:   on every call; gradients, GradScaler). For training, and what a policy file without
+#:   ``form:`` means (files written before the deploy form existed).
+FORMS: tuple[str, ...] = ("deploy", "train")
+#: The form of a policy file that names none.
+LEGACY_FORM = "train"
+#: Region precision -> the dtype its tensors are stored in under the deploy form.
+STORAGE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "tf32": torch.float32,
+                                          "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass(frozen=True)
 class NumericFormat:

@@ -11,9 +11,15 @@ so the cost model prices what this installs, and ``audit`` checks a real forward
 The target: a policy tuned for a CUDA device and applied on a CPU (to measure accuracy)
 runs the ops CUDA autocast keeps in fp32 in fp32 (``lower.forward``'s ``emulate_cuda``).
 
-Weights are never cast in place: autocast casts per call (``cache_enabled=False``, so a
-tied weight or a module called twice in two dtypes gets the right cast each time) and the
-fp8 backend quantises a copy; the fp32 masters, their storage and their gradients stay.
+Two forms (``precisions.FORMS``; the policy's ``form``, or ``apply_policy(form=...)``):
+
+- ``train``: weights are never cast in place: autocast casts per call
+  (``cache_enabled=False``, so a tied weight or a module called twice in two dtypes gets
+  the right cast each time) and the fp8 backend quantises a copy; the fp32 masters, their
+  storage and their gradients stay.
+- ``deploy``: each module's tensors are stored once in its precision (``apply.stored``)
+  and the wrappers run without autocast (``lower.stored``): what ``model.to(bf16)``
+  runs, region by region. ``remove()`` puts the fp32 masters back.
 """
 
 from __future__ import annotations
@@ -31,15 +37,23 @@ import torch
 
 from autoprec.apply.audit import AuditReport, audit_run, notify_compute
 from autoprec.apply.compiled import audit_compiled
+from autoprec.apply.stored import StoredWeights, model_bytes, store_weights
 from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
 from autoprec.errors import CapabilityError, InputError
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.lower.forward import lowered_forward
+from autoprec.lower.stored import deploy_forward
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
 from autoprec.policy.resolve import Resolved, gemm_leaf_paths, module_table
 from autoprec.policy.schema import Policy
-from autoprec.precisions import BLOCK_SCALED, is_gemm_format
+from autoprec.precisions import (
+    BLOCK_SCALED,
+    FORMS,
+    PRECISIONS,
+    STORAGE_DTYPES,
+    is_gemm_format,
+)
 from autoprec.targets import device_type
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -138,6 +152,13 @@ class PolicyHandle:
         self.device = device
         self._saved: list[tuple[weakref.ref[torch.nn.Module], Any]] = []
         self._fastpath_held = False  # this handle holds torch.nn's fused paths off
+        self.form = "train"
+        self.stored: StoredWeights | None = None  # the deploy form's stored tensors
+
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters and buffers the model holds now (a tied tensor once):
+        under the deploy form, the deployed weights (the masters are the handle's)."""
+        return model_bytes(unwrap_model(self.model))
 
     @property
     def active(self) -> bool:
@@ -181,6 +202,8 @@ class PolicyHandle:
                 mod.__dict__.pop("forward", None)
             else:
                 mod.forward = old  # type: ignore[method-assign]
+        if self.stored is not None:
+            self.stored.restore()
 
     def __enter__(self) -> PolicyHandle:
         return self
@@ -218,8 +241,8 @@ class PolicyHandle:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
-        return (f"PolicyHandle({self.policy.source}, {len(self.wrapped)} wrappers, "
-                f"fp8={self.fp8_backend}, {state})")
+        return (f"PolicyHandle({self.policy.source}, {self.form} form, "
+                f"{len(self.wrapped)} wrappers, fp8={self.fp8_backend}, {state})")
 
 
 def _model_device(root: torch.nn.Module) -> torch.device:
@@ -261,7 +284,8 @@ def _check_apply_args(model: Any, policy: Any) -> Policy:
 
 def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backend: str | None = None,
                  device: str | torch.device | None = None, force: bool = False,
-                 target: str | None = None) -> PolicyHandle:
+                 target: str | None = None, form: str | None = None,
+                 keep_masters: bool = True) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
 
     ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te; default: the best
@@ -273,12 +297,20 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     op lists are followed. ``force`` applies a policy whose fingerprint does not match,
     with a warning.
     ``policy`` may also be a path to a policy file (read with ``load_policy``).
+    ``form``: "deploy" (weights stored in each layer's precision, no autocast) or "train"
+    (autocast over fp32 masters); default: the policy's ``form``. ``keep_masters``
+    (deploy form): the handle keeps the fp32 masters (in host memory when the model is on
+    an accelerator) and ``remove()`` restores them exactly; False frees them, and
+    ``remove()`` restores fp32 weights rebuilt from the deployed values (with a warning).
     Raises PolicyError (does not validate), CapabilityError (a precision or backend cannot
     run here, with the reason) or InputError (a policy is already applied; ``model`` is not
     an nn.Module, or a TorchScript one; ``policy`` is neither a Policy nor a path); the
     model is untouched when anything is raised.
     """
     policy = _check_apply_args(model, policy)
+    form = policy.form if form is None else form
+    if form not in FORMS:
+        raise InputError(f"apply_policy: form must be one of {', '.join(FORMS)}, got {form!r}")
     root = unwrap_model(model)
     for path, mod in root.named_modules():
         if mod in _UNDER_POLICY:
@@ -320,14 +352,41 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
         if prec == "fp8" and not fp8_reason:
             fp8_reason = why
 
-    wrappers = [(mod, _wrapper(mod, w.precision, format_backend.get(w.precision, "emulated"),
-                               notify_compute if is_gemm_format(w.precision) else None,
-                               cast_exit=w.path != "", emulate_cuda=emulate))
-                for mod, w in chosen]
+    stored = None
+    if form == "deploy":
+        index = plan.tree.index()
+        wrappers = [(mod, deploy_forward(
+            mod, w.precision, _caller_dtype(plan, index[w.path]),
+            format_backend.get(w.precision, "emulated"),
+            notify_compute if is_gemm_format(w.precision) else None)) for mod, w in chosen]
+        # the plan's paths -> modules (a shared module under its first path)
+        by_path = {p: modules[p] if p in modules else table[p] for p in plan.tree.paths
+                   if p in modules or p in table}
+        stored = store_weights(root, plan, by_path, format_backend, keep_masters)
+    else:
+        wrappers = [(mod, _wrapper(mod, w.precision, format_backend.get(w.precision, "emulated"),
+                                   notify_compute if is_gemm_format(w.precision) else None,
+                                   cast_exit=w.path != "", emulate_cuda=emulate))
+                    for mod, w in chosen]
     handle = PolicyHandle(model, policy, plan, res, [w for _, w in chosen], backend,
                           fp8_reason, dev, target_type)
-    handle._install(wrappers)
+    handle.form = form
+    handle.stored = stored
+    try:
+        handle._install(wrappers)
+    except BaseException:
+        if stored is not None:
+            stored.restore()
+        raise
     return handle
+
+
+def _caller_dtype(plan: ExecutionPlan, j: int) -> torch.dtype | None:
+    """The storage dtype of module ``j``'s caller's region (None for the root)."""
+    c = int(plan.tree.caller[j])
+    if j == 0 or c < 0:
+        return None
+    return STORAGE_DTYPES[PRECISIONS[int(plan.region[c])]]
 
 
 __all__ = ["PolicyHandle", "Wrapped", "apply_policy"]

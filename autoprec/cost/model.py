@@ -39,7 +39,7 @@ from autoprec.errors import InputError
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import OTHER, WIDTH, Schedule, replay
 from autoprec.policy.schema import Policy
-from autoprec.precisions import BYTES, PRECISIONS, check_precision
+from autoprec.precisions import BYTES, FORMS, PRECISIONS, check_precision
 from autoprec.targets import device_type
 from autoprec.trace.graph import LayerGraph
 
@@ -134,7 +134,8 @@ class CostModel:
     """
 
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
-                 batch_size: int | None = None, *, device_type: str | None = None) -> None:
+                 batch_size: int | None = None, *, device_type: str | None = None,
+                 form: str = "train") -> None:
         if graph.ops is None:
             raise InputError("the layer graph has no op trace; build it with autoprec.trace_model()")
         if graph.batch_size < 1:
@@ -143,6 +144,9 @@ class CostModel:
             batch_size = graph.batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"--batch-size must be a positive integer, but got {batch_size!r}")
+        if form not in FORMS:
+            raise InputError(f"form must be one of {', '.join(FORMS)}, but got {form!r}")
+        self.form = form  # the form code rows are priced in (a Policy carries its own)
         self.graph = graph
         self.trace = graph.ops
         self.profile = profile
@@ -201,6 +205,9 @@ class CostModel:
                                  f"{err.args[0]!r}") from None
         return rs
 
+    def _form(self, policy: Policy | Mapping[str, str]) -> str:
+        return policy.form if isinstance(policy, Policy) else self.form
+
     def _row(self, policy: Policy | Mapping[str, str], default: str) -> tuple[RuleSet, np.ndarray]:
         if isinstance(policy, Policy):
             layers, default = dict(policy.layers), policy.default
@@ -212,10 +219,12 @@ class CostModel:
         rs = self.rules(list(layers))
         return rs, rs.codes_of(default, layers)[None, :]
 
-    def price(self, rules: RuleSet, codes: np.ndarray) -> Priced:
-        """Price T plans: ``codes`` (T, K) code rows of ``rules`` (see plan.compile)."""
+    def price(self, rules: RuleSet, codes: np.ndarray, form: str | None = None) -> Priced:
+        """Price T plans: ``codes`` (T, K) code rows of ``rules`` (see plan.compile), in
+        ``form`` (default: the model's ``form``)."""
         region, prec, wrapped = rules.encode(codes)
-        sch = replay(self.trace, region, prec, wrapped, self.device_type)
+        sch = replay(self.trace, region, prec, wrapped, self.device_type,
+                     form or self.form)
         parts = self._price(sch)
         time = parts.sum(axis=1)
         reasons = dict(sch.reasons)
@@ -315,12 +324,12 @@ class CostModel:
         """The replay of the recorded forward under one plan (row 0)."""
         rs, row = self._row(policy, default)
         region, prec, wrapped = rs.encode(row)
-        return replay(self.trace, region, prec, wrapped, self.device_type)
+        return replay(self.trace, region, prec, wrapped, self.device_type, self._form(policy))
 
     def estimate(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> float:
         """Seconds per forward under ``policy`` (a Policy, or rules with ``default``)."""
         rs, row = self._row(policy, default)
-        return float(self.price(rs, row).time[0])
+        return float(self.price(rs, row, self._form(policy)).time[0])
 
     @property
     def fp32_time(self) -> float:
@@ -338,7 +347,7 @@ class CostModel:
     def cannot_run(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> list[str]:
         """Why the plan cannot run on the target (empty: it can)."""
         rs, row = self._row(policy, default)
-        got = self.price(rs, row).reasons.get(0)
+        got = self.price(rs, row, self._form(policy)).reasons.get(0)
         return [got] if got else []
 
     def breakdown(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> Breakdown:

@@ -164,9 +164,12 @@ def _fixed(name: str | None) -> int:
 
 
 def replay(trace: OpTrace, region: np.ndarray, precision: np.ndarray, wrapped: np.ndarray,
-           device_type: str) -> Schedule:
-    """The schedule of ``trace`` under T plans given as (T, M) module arrays (compile.py)."""
-    return _Replay(trace, region, precision, wrapped, device_type).run()
+           device_type: str, form: str = "train") -> Schedule:
+    """The schedule of ``trace`` under T plans given as (T, M) module arrays (compile.py),
+    in the training form (autocast over fp32 masters) or the deploy form (weights stored in
+    each region's dtype, no autocast: ``_StoredReplay``)."""
+    cls = _StoredReplay if form == "deploy" else _Replay
+    return cls(trace, region, precision, wrapped, device_type).run()
 
 
 _LOW = np.array([BF16, FP16], dtype=np.int8)
@@ -388,6 +391,79 @@ def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, va
                                                np.where(fmt, prec, -1)))
         out = np.where(fmt, np.where(ac, tgt, state[ins[x]]), out).astype(np.int8)
     return out, compute
+
+
+#: Region code -> the dtype code its tensors are stored in under the deploy form.
+_STORAGE = np.array([FP32, FP32, BF16, FP16, FP32, FP32, FP32], dtype=np.int8)
+_CASTABLE = np.isin(np.arange(len(DTYPES)), (FP32, BF16, FP16))
+
+
+class _StoredReplay(_Replay):
+    """The deploy form (``lower.stored``): no autocast anywhere; every parameter and
+    floating buffer carries its owner's storage dtype (a GEMM-format leaf's weight is read
+    quantised, its bias in the region's dtype); a wrapped module casts its floating inputs
+    to its storage dtype on entry and its floating outputs to its caller's on exit (the
+    root: inputs only). Every op then runs in the dtype type promotion gives it."""
+
+    def __init__(self, trace: OpTrace, region: np.ndarray, precision: np.ndarray,
+                 wrapped: np.ndarray, device_type: str) -> None:
+        super().__init__(trace, region, precision, wrapped, device_type)
+        self.ac_region = np.zeros_like(self.ac_region)  # autocast is off in every region
+        index = {p: i for i, p in enumerate(trace.modules)}
+        #: value -> module indices of its owners, for tensors tied between modules (each
+        #: owner stores its own copy in its dtype; an op in an owner reads that copy)
+        self.tied: dict[int, set[int]] = {}
+        for v, val in enumerate(self.vals):
+            if val.source != "param" or not self.floating[v] or self.state[v, 0] != FP32:
+                continue
+            owner = index.get(val.param.rpartition(".")[0], 0)
+            self.state[v] = _STORAGE[self.region[:, owner]]
+            if val.owners:
+                self.tied[v] = {index[p] for p in val.owners if p in index}
+
+    def op(self, ev: int, idx: int) -> None:
+        op = self.trace.ops[idx]
+        for v in op.inputs:
+            if v in self.tied and op.module in self.tied[v]:
+                self.state[v] = _STORAGE[self.region[:, op.module]]
+        super().op(ev, idx)
+
+    def enter(self, ev: int, idx: int) -> None:
+        call = self.trace.calls[idx]
+        m = call.module
+        saved: dict[int, np.ndarray] = {}
+        if m >= 0:
+            dst = _STORAGE[self.region[:, m]]
+            on_m = self.wrapped[:, m] & ~_IS_FMT[self.precision[:, m]]
+            for v in call.inputs:
+                if not self.floating[v]:
+                    continue
+                on = on_m & _CASTABLE[self.state[v]] & (self.state[v] != dst)
+                if on.any():
+                    saved[v] = self.state[v].copy()
+                    self._cast_to(ev, v, on, dst, "enter")
+        self.stack.append((idx, m, saved))
+
+    def leave(self, ev: int) -> None:
+        cidx, m, saved = self.stack.pop()
+        call = self.trace.calls[cidx]
+        for v, old in saved.items():
+            if v not in call.outputs:
+                self.state[v] = old
+        caller = self.stack[-1][1] if self.stack else -1
+        if m < 0 or caller < 0:
+            return  # the root returns to the user's code as it is
+        dst = _STORAGE[self.region[:, caller]]
+        for v in call.outputs:
+            if not self.floating[v]:
+                continue
+            on = self.wrapped[:, m] & _CASTABLE[self.state[v]] & (self.state[v] != dst)
+            if on.any():
+                self._cast_to(ev, v, on, dst, "exit")
+
+    def _cast_to(self, ev: int, v: int, on: np.ndarray, dst: np.ndarray, site: str) -> None:
+        self.sch.casts.append(Cast(site, ev, v, self.state[v].copy(), dst.copy(), on))
+        self.state[v] = np.where(on, dst, self.state[v])
 
 
 __all__ = ["BF16", "Cast", "DTYPES", "F8", "FP16", "FP32", "OTHER", "QuantInput", "Schedule",

@@ -25,15 +25,15 @@ import yaml
 from autoprec.errors import FingerprintMismatch, PolicyError, PolicyWarning
 from autoprec.fileio import MiB, atomic_write, brief, read_regular
 from autoprec.paths import normalize_path
-from autoprec.precisions import GEMM_FORMATS, PRECISIONS
+from autoprec.precisions import FORMS, GEMM_FORMATS, LEGACY_FORM, PRECISIONS
 from autoprec.validate import MAX_BATCH_SIZE
 
 #: The schema version this autoprec reads and writes.
 SCHEMA_VERSION = 1
 
 #: Top-level keys in the order they are written.
-KEYS = ("autoprec_policy", "model", "target", "default", "layers", "locked", "reasons",
-        "metrics", "provenance")
+KEYS = ("autoprec_policy", "model", "target", "form", "default", "layers", "locked",
+        "reasons", "metrics", "provenance")
 REQUIRED = ("autoprec_policy", "default")  # no `layers`: no rules
 _MODEL_KEYS = ("name", "fingerprint")
 _TARGET_KEYS = ("device", "batch_size", "mode")
@@ -65,6 +65,10 @@ class Policy:
 
     default: str = "fp32"
     layers: dict[str, str] = field(default_factory=dict)
+    #: how the plan runs (``precisions.FORMS``): "deploy" (weights stored in each layer's
+    #: precision, no autocast) or "train" (autocast over fp32 masters; a file without
+    #: ``form:`` means this, as it did before the deploy form existed)
+    form: str = LEGACY_FORM
     model: dict[str, str] = field(default_factory=dict)  # {name, fingerprint}
     target: dict[str, Any] = field(default_factory=dict)  # {device, batch_size, mode}
     locked: list[str] = field(default_factory=list)
@@ -115,6 +119,7 @@ class Policy:
                 value = {k: v for k, v in value.items() if v is not None}
             if value:
                 out[key] = value
+        out["form"] = self.form
         out["default"] = self.default
         out["layers"] = dict(self.layers)
         for key in ("locked", "reasons", "metrics", "provenance"):
@@ -352,6 +357,12 @@ def _parse(data: Any, source: str) -> Policy:
 
     target = _parse_target(source, data.get("target"))
 
+    form = data.get("form", LEGACY_FORM)
+    if not isinstance(form, str) or form not in FORMS:
+        raise _fail(source, "form", f"must be one of {', '.join(FORMS)} (deploy: weights "
+                                    "stored in each layer's precision; train: autocast over "
+                                    f"fp32 masters), got {brief(form)}")
+
     default = _precision(source, "default", data["default"])
     if default in GEMM_FORMATS:
         raise _fail(source, "default",
@@ -401,6 +412,7 @@ def _parse(data: Any, source: str) -> Policy:
 
     policy = Policy.__new__(Policy)  # already checked: skip __post_init__'s re-parse
     policy.default = default
+    policy.form = form
     policy.layers = layers
     policy.model = model
     policy.target = target

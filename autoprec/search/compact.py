@@ -79,7 +79,7 @@ class _Checker:
             self.replays += 1
             both = [np.concatenate([want, got[todo]]) for got, want in zip(mods, self._mods,
                                                                            strict=True)]
-            sch = replay(self.cost.trace, *both, self.cost.device_type)
+            sch = replay(self.cost.trace, *both, self.cost.device_type, self.cost.form)
             out[todo] = same_as(sch, 0)[1:]
         return [bool(x) for x in out]
 

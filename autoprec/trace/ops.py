@@ -62,6 +62,7 @@ class Value:
     scales: bool  # numel grows with the batch size
     ndim: int = 1
     param: str = ""  # parameter/buffer name, for params
+    owners: tuple[str, ...] = ()  # params shared by several modules: every owner's path
 
 
 @dataclass
@@ -195,6 +196,13 @@ class _Recorder:
         self.hidden = 0  # > 0 inside a function recorded as one op
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             self._new(t, "param", scales=False, param=name)
+        owners: dict[int, list[str]] = {}
+        for name, t in [*model.named_parameters(remove_duplicate=False),
+                        *model.named_buffers(remove_duplicate=False)]:
+            owners.setdefault(self.ids[t], []).append(name.rpartition(".")[0])
+        for vid, paths in owners.items():  # a tied weight: each owner stores its own copy
+            if len(set(paths)) > 1:
+                self.trace.values[vid].owners = tuple(dict.fromkeys(paths))
 
     # -- values ------------------------------------------------------------------------------
     def _new(self, t: torch.Tensor, source: str, scales: bool, param: str = "") -> int:

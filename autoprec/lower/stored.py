@@ -1,0 +1,183 @@
+"""The deploy form of one module: weights stored in its precision, no autocast.
+
+Under the deploy form (``precisions.FORMS``) a plan runs as ``model.to(torch.bfloat16)``
+does, region by region: each module's own parameters and floating buffers are stored once
+in its region's dtype (``apply.stored`` casts them at apply), activations flow in that
+dtype and every op runs in the dtype type promotion gives it — norms, softmax, residual
+adds included, as in a 16-bit checkpoint. Casts happen only at the boundary of a wrapped
+module (one whose precision differs from its caller's region, and the root), as HF's
+``_keep_in_fp32_modules`` do:
+
+- entering, floating inputs (fp32/bf16/fp16) are cast to the module's storage dtype (the
+  root too: a bf16 deployment is fed bf16);
+- leaving into a caller of another dtype, floating outputs are cast to the caller's (the
+  root returns its outputs as they are, like ``model.to(bf16)``);
+- a GEMM-format leaf (fp8 / mxfp8 / nvfp4) reads its input in whatever dtype it arrives,
+  quantises it per call, multiplies by the weight quantised once at apply
+  (``stored_weight``), and gives its input's dtype.
+
+Autocast is off inside every region (a user's own ``torch.autocast`` around a deployed
+model changes nothing); a tf32 region rounds matmul operands as the training form's does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from autoprec.formats.fp8 import E4M3, quantize_fp8
+from autoprec.formats.gemm import linear_weight
+from autoprec.formats.mx import MXTensor, dequantize_mx, quantize_mx
+from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from autoprec.lower.forward import region
+from autoprec.precisions import STORAGE_DTYPES, is_gemm_format
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+#: Names of the extra tensors a stored GEMM-format weight keeps beside ``weight``.
+SCALE, SCALE_2 = "weight_scale", "weight_scale_2"
+
+
+def cast_tree(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with every fp32/bf16/fp16 tensor in it cast to ``dtype`` (tuples, named
+    tuples, lists, dicts and HF ModelOutput rebuilt; other members kept as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.dtype in _FLOATS and obj.dtype != dtype else obj
+    if isinstance(obj, tuple):
+        items = [cast_tree(v, dtype) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)._make(items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [cast_tree(v, dtype) for v in obj]
+    if isinstance(obj, Mapping) and hasattr(obj, "__setitem__"):
+        changed = {k: c for k, v in obj.items() if (c := cast_tree(v, dtype)) is not v}
+        if not changed:
+            return obj
+        out = copy.copy(obj)  # keeps the type (ModelOutput) and non-tensor members
+        for k, v in changed.items():
+            out[k] = v
+        return out
+    return obj
+
+
+def _device_type(args: Any, module: torch.nn.Module) -> str:
+    stack = [args]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+        if isinstance(a, (tuple, list)):
+            stack.extend(a)
+        elif isinstance(a, dict):
+            stack.extend(a.values())
+    for t in module.parameters():
+        return t.device.type
+    return "cpu"
+
+
+def deploy_forward(module: torch.nn.Module, precision: str, exit_dtype: torch.dtype | None,
+                   backend: str = "emulated",
+                   on_compute: Callable[[str], None] | None = None) -> Callable[..., Any]:
+    """A forward for ``module`` in the deploy form at ``precision`` (see the module doc).
+
+    ``exit_dtype``: the storage dtype of the caller's region, to which floating outputs are
+    cast (None: the root, outputs as they are). ``backend``: a GEMM format's backend.
+    """
+    inner = module.forward
+    if is_gemm_format(precision):
+        @functools.wraps(inner)
+        def format_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs:
+                raise TypeError(f"{precision} {type(module).__name__}.forward takes one input,"
+                                f" got {1 + len(args)} positional and {sorted(kwargs)} keyword")
+            if on_compute is not None:
+                on_compute(precision)
+            return stored_linear(module, x, precision, backend)
+
+        return format_forward
+
+    dtype = STORAGE_DTYPES[precision]
+    # autocast off in every region; tf32 rounds matmul operands (lower.forward.region)
+    ctx_precision = "tf32" if precision == "tf32" else "fp32"
+
+    @functools.wraps(inner)
+    def stored_forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = cast_tree(args, dtype), cast_tree(kwargs, dtype)
+        if on_compute is not None:
+            on_compute(precision)
+        with region(ctx_precision, _device_type((args, kwargs), module)):
+            out = inner(*args, **kwargs)
+        return out if exit_dtype is None else cast_tree(out, exit_dtype)
+
+    return stored_forward
+
+
+# -- GEMM formats: the weight quantised once -------------------------------------------------
+
+def stored_weight(module: torch.nn.Module, fmt: str, backend: str
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(elements, scales)``: the (out, in) weight of a Linear-like ``module`` quantised in
+    ``fmt`` as the deploy form stores it — fp8: e4m3 elements and the per-tensor scale;
+    mxfp8: e4m3 elements and one E8M0 scale per 32 along K; nvfp4: E2M1 codes (one byte
+    each: not packed two to a byte), one E4M3 scale per 16 and the fp32 tensor scale.
+    ``backend`` is unused today (both backends read the same stored tensors)."""
+    w = linear_weight(module).detach().float()  # (N, K)
+    with torch.no_grad():
+        if fmt == "fp8":
+            q, s = quantize_fp8(w, E4M3)
+            return q, {SCALE: s.reshape(())}
+        if fmt == "mxfp8":
+            from autoprec.lower.blockscale import MX_SCALE_MODE
+
+            m = quantize_mx(w, scale_mode=MX_SCALE_MODE)
+            return m.data, {SCALE: m.scale}
+        n = quantize_nvfp4(w)
+        return n.codes, {SCALE: n.block_scale, SCALE_2: n.tensor_scale.reshape(())}
+
+
+def _elements(module: torch.nn.Module) -> torch.Tensor:
+    """The stored (N, K) elements (HF's Conv1D keeps them as its (K, N) weight)."""
+    return linear_weight(module)
+
+
+def dequantized_weight(module: torch.nn.Module, fmt: str) -> torch.Tensor:
+    """The fp32 (N, K) values of a stored quantised weight."""
+    q = _elements(module)
+    if fmt == "fp8":
+        return q.float() / getattr(module, SCALE)
+    if fmt == "mxfp8":
+        return dequantize_mx(MXTensor(q, getattr(module, SCALE)))
+    return dequantize_nvfp4(NVFP4Tensor(q, getattr(module, SCALE), getattr(module, SCALE_2)))
+
+
+def stored_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
+                  backend: str = "emulated") -> torch.Tensor:
+    """``module(x)`` with its stored quantised weight: the input quantised per call, the
+    output in ``x``'s dtype (the region's). Inference only (no gradient to a stored weight).
+    """
+    from autoprec.lower import blockscale, fp8
+
+    q = _elements(module)
+    bias = getattr(module, "bias", None)
+    out_dtype = x.dtype if x.is_floating_point() else torch.float32
+    with torch.autocast(x.device.type, enabled=False):
+        if fmt == "fp8":
+            scale = getattr(module, SCALE)
+            return fp8._Fp8LinearFn.apply(x, q, bias, backend, out_dtype, (q, scale))
+        if fmt == "mxfp8":
+            mx = MXTensor(q, getattr(module, SCALE))
+            wcache = mx if backend == "torch" else dequantize_mx(mx)
+            fn: Any = blockscale._MXFP8LinearFn
+        else:
+            nv = NVFP4Tensor(q, getattr(module, SCALE), getattr(module, SCALE_2))
+            wcache = nv if backend == "torch" else dequantize_nvfp4(nv)
+            fn = blockscale._NVFP4LinearFn
+        return fn.apply(x, q, bias, backend, out_dtype, wcache)
+
+
+__all__ = ["SCALE", "SCALE_2", "cast_tree", "deploy_forward", "dequantized_weight",
+           "stored_linear", "stored_weight"]
