@@ -42,7 +42,7 @@ from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capab
 from autoprec.errors import CapabilityError, InputError
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.lower.forward import lowered_forward
-from autoprec.lower.stored import deploy_forward
+from autoprec.lower.stored import consumer_forward, deploy_forward
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
 from autoprec.policy.resolve import Resolved, gemm_leaf_paths, module_table
@@ -51,7 +51,6 @@ from autoprec.precisions import (
     BLOCK_SCALED,
     FORMS,
     PRECISIONS,
-    STORAGE_DTYPES,
     is_gemm_format,
 )
 from autoprec.targets import device_type
@@ -354,14 +353,23 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
 
     stored = None
     if form == "deploy":
-        index = plan.tree.index()
         wrappers = [(mod, deploy_forward(
-            mod, w.precision, _caller_dtype(plan, index[w.path]),
-            format_backend.get(w.precision, "emulated"),
+            mod, w.precision, format_backend.get(w.precision, "emulated"),
             notify_compute if is_gemm_format(w.precision) else None)) for mod, w in chosen]
         # the plan's paths -> modules (a shared module under its first path)
         by_path = {p: modules[p] if p in modules else table[p] for p in plan.tree.paths
                    if p in modules or p in table}
+        # modules with weights (or norms) inside a region read inputs of another dtype
+        # by their own rule (lower.stored.consumer_forward)
+        done = {id(mod) for mod, _ in chosen}
+        for j, p in enumerate(plan.tree.paths):
+            mod = by_path.get(p)
+            if mod is None or id(mod) in done:
+                continue
+            fwd = consumer_forward(mod, PRECISIONS[int(plan.region[j])])
+            if fwd is not None:
+                wrappers.append((mod, fwd))
+                done.add(id(mod))
         stored = store_weights(root, plan, by_path, format_backend, keep_masters)
     else:
         wrappers = [(mod, _wrapper(mod, w.precision, format_backend.get(w.precision, "emulated"),
@@ -381,12 +389,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     return handle
 
 
-def _caller_dtype(plan: ExecutionPlan, j: int) -> torch.dtype | None:
-    """The storage dtype of module ``j``'s caller's region (None for the root)."""
-    c = int(plan.tree.caller[j])
-    if j == 0 or c < 0:
-        return None
-    return STORAGE_DTYPES[PRECISIONS[int(plan.region[c])]]
+
 
 
 __all__ = ["PolicyHandle", "Wrapped", "apply_policy"]

@@ -266,18 +266,18 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
 
     rows = [Row("policy", "tuned", pol, value, ok(value) or budget is None,
                 cost.speedup(pol))]
-    for p in BASELINES:
+    for p, form in BASELINES:
         if not cost.profile.supports(p)[0]:
-            rows.append(Row(label(p), "baseline", None, why_not=f"not on {device}"))
+            rows.append(Row(label(p, form), "baseline", None, why_not=f"not on {device}"))
             continue
-        base = Policy(default=p)
+        base = Policy(default=p, form=form)
         err = 0.0
         if p != "fp32":
             with apply_policy(net, base, target=device):
                 err = score(spec, net, batches, ref, "of eval_data").value
         why = "" if ok(err) or p == "fp32" else (
             "no budget recorded" if budget is None else f"over budget ({err:.3g} > {budget:g})")
-        rows.append(Row(label(p), "baseline", base, err, not why, cost.speedup(base),
+        rows.append(Row(label(p, form), "baseline", base, err, not why, cost.speedup(base),
                         why_not=why))
     if not (measure and source.local):
         check = check_speed(rows, None)

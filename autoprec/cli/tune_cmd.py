@@ -40,6 +40,7 @@ def tune_cmd(
     pareto: Annotated[bool, typer.Option(help="Keep the whole error/speed front; write one policy per point.")] = False,
     lock: Annotated[list[str] | None, typer.Option(help="Module path the search may not change (repeatable).")] = None,
     train_aware: Annotated[bool, typer.Option(help="Also probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
+    form: Annotated[str | None, typer.Option(help="How the plan runs: deploy (weights stored in each layer's precision, like model.to(bf16); the default) or train (autocast over fp32 masters; the default with --train-aware).")] = None,
     compile_mode: Annotated[bool, typer.Option("--compile", help="Price plans as torch.compile (inductor) runs them: casts and pointwise ops fused between GEMMs; the policy records target.mode: compile.")] = False,
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="When the target is this machine (cpu, or the GPU here): calibrate its profile here first and time the winner against fp32 and one global autocast, never writing a plan measured slower.")] = True,
@@ -90,7 +91,7 @@ def tune_cmd(
         patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
         train_aware=train_aware, progress=not quiet and not json_out, measure=measure,
-        report=report, compile=compile_mode,
+        report=report, compile=compile_mode, form=form,
     )
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)

@@ -105,13 +105,13 @@ class CompiledCostModel(CostModel):
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None,
                  horizontal: bool | None = None, frozen: bool = False,
-                 call_overhead_s: float | None = None) -> None:
+                 call_overhead_s: float | None = None, form: str = "train") -> None:
         self.horizontal = (device_type_of(profile) == "cpu" if horizontal is None
                            else horizontal)
         self.frozen = frozen
         self.call_overhead_s = max(0.0, float(profile.call_overhead_s if call_overhead_s is None
                                               else call_overhead_s))
-        super().__init__(graph, profile, batch_size, device_type=device_type)
+        super().__init__(graph, profile, batch_size, device_type=device_type, form=form)
 
     # -- the fused program ---------------------------------------------------------------
     def _units(self, sch: Schedule) -> tuple[list[_Edge], np.ndarray, list[tuple[int, object]],

@@ -39,7 +39,7 @@ from autoprec.errors import InputError
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import OTHER, WIDTH, Schedule, replay
 from autoprec.policy.schema import Policy
-from autoprec.precisions import BYTES, FORMS, PRECISIONS, check_precision
+from autoprec.precisions import BYTES, FORMS, GEMM_FORMATS, PRECISIONS, check_precision
 from autoprec.targets import device_type
 from autoprec.trace.graph import LayerGraph
 
@@ -373,6 +373,40 @@ class CostModel:
                          sum(int(k.launches) for _, k in kernels), by_module,
                          {p: ",".join(sorted(v, key=PRECISIONS.index))
                           for p, v in gemm_prec.items()}, invalid)
+
+    def weight_bytes(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> int:
+        """Bytes of the weights (parameters and floating buffers) the applied plan holds on
+        the device: in the deploy form each at its owner's storage width (a GEMM-format
+        leaf's weight at its format's, scales included; a tensor tied between owners of two
+        dtypes once per dtype); in the train form the fp32 masters plus each GEMM-format
+        leaf's cached quantised weight (autocast's per-call casts are transient)."""
+        rs, row = self._row(policy, default)
+        region, prec, _ = rs.encode(row)
+        region, prec = region[0], prec[0]
+        deploy = self._form(policy) == "deploy"
+        index = {p: i for i, p in enumerate(self.trace.modules)}
+        total = 0.0
+        for v in self.trace.values:
+            if v.source != "param":
+                continue
+            if v.dtype not in ("fp32", "bf16", "fp16"):
+                total += v.numel * v.itemsize
+                continue
+            owners = [index.get(p, 0) for p in (v.owners or (v.param.rpartition(".")[0],))]
+            widths = set()
+            for m in owners:
+                fmt = PRECISIONS[int(prec[m])]
+                quantised = fmt in GEMM_FORMATS and v.ndim >= 2
+                if not deploy:
+                    widths.add(4.0)
+                    if quantised:
+                        widths.add(BYTES[fmt])
+                elif quantised:
+                    widths.add(BYTES[fmt])
+                else:
+                    widths.add(float(BYTES[PRECISIONS[int(region[m])]]))
+            total += v.numel * sum(widths)
+        return int(round(total))
 
     def kernels(self, policy: Policy | Mapping[str, str], default: str = "fp32"
                 ) -> list[tuple[str, Kernel]]:

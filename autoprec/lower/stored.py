@@ -4,17 +4,27 @@ Under the deploy form (``precisions.FORMS``) a plan runs as ``model.to(torch.bfl
 does, region by region: each module's own parameters and floating buffers are stored once
 in its region's dtype (``apply.stored`` casts them at apply), activations flow in that
 dtype and every op runs in the dtype type promotion gives it — norms, softmax, residual
-adds included, as in a 16-bit checkpoint. Casts happen only at the boundary of a wrapped
-module (one whose precision differs from its caller's region, and the root), as HF's
-``_keep_in_fp32_modules`` do:
+adds included, as in a 16-bit checkpoint. A tensor keeps the dtype its producer gave it
+and is cast only where a consumer needs another (DESIGN.md), which is what keeps a fp32
+island's precision alive past its own output (HF's ``_keep_in_fp32_modules`` work so):
 
-- entering, floating inputs (fp32/bf16/fp16) are cast to the module's storage dtype (the
-  root too: a bf16 deployment is fed bf16);
-- leaving into a caller of another dtype, floating outputs are cast to the caller's (the
-  root returns its outputs as they are, like ``model.to(bf16)``);
+- entering a wrapped module (one whose precision differs from its caller's region, and
+  the root), floating inputs (fp32/bf16/fp16) are cast to its storage dtype: a bf16
+  deployment is fed bf16; nothing is cast on the way out (the root returns what it made);
+- a module that holds floating weights (``consumer_kind`` "weights": a Linear, a conv,
+  an MHA's own projections) casts its floating inputs to its weights' dtype, since a GEMM
+  refuses mixed operands;
+- a norm (``consumer_kind`` "norm": LayerNorm, GroupNorm, RMSNorm) fed another dtype than
+  its weights' computes in fp32, as type promotion would: a fp32 input to a bf16 norm (the
+  output of a fp32 island) is normalised in fp32 with the norm's small weight vectors
+  cast up per call, a 16-bit input to a fp32 norm (or an fp16 one to a bf16 norm) is cast
+  up: a signal that survived its layer is not rounded away by the next norm;
 - a GEMM-format leaf (fp8 / mxfp8 / nvfp4) reads its input in whatever dtype it arrives,
   quantises it per call, multiplies by the weight quantised once at apply
   (``stored_weight``), and gives its input's dtype.
+
+The plan's replay (``plan.schedule._StoredReplay``) applies the same rules, from the
+``consumer_kind`` of every module recorded with the trace.
 
 Autocast is off inside every region (a user's own ``torch.autocast`` around a deployed
 model changes nothing); a tf32 region rounds matmul operands as the training form's does.
@@ -79,14 +89,86 @@ def _device_type(args: Any, module: torch.nn.Module) -> str:
     return "cpu"
 
 
-def deploy_forward(module: torch.nn.Module, precision: str, exit_dtype: torch.dtype | None,
+#: Norm modules that compute in the wider of their input's and their weights' dtype.
+NORM_TYPES: tuple[type[torch.nn.Module], ...] = (torch.nn.LayerNorm, torch.nn.GroupNorm) + (
+    (torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ())
+
+
+#: Modules whose own weights meet their input in a GEMM (which refuses mixed operands).
+GEMM_TYPES: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd,
+    torch.nn.MultiheadAttention)
+
+
+def consumer_kind(module: torch.nn.Module) -> str:
+    """How a module reads inputs of another dtype in the deploy form: "norm" (computes in
+    the wider dtype), "weights" (its own weights meet its input in a GEMM: casts its inputs
+    to them; HF's Conv1D too), "" (its code promotes as PyTorch does: an add or a cat of
+    a parameter with an input of another dtype runs in the wider one)."""
+    if isinstance(module, NORM_TYPES):
+        return "norm"
+    if isinstance(module, GEMM_TYPES) or type(module).__name__ == "Conv1D":
+        return "weights"
+    return ""
+
+
+def _first_float(args: Any) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dtype in _FLOATS:
+            return a
+    return None
+
+
+def consumer_forward(module: torch.nn.Module, precision: str) -> Callable[..., Any] | None:
+    """The input rule of a module that needs no region of its own (module doc), or None
+    when it has none (``consumer_kind`` ""). Storage dtype: ``precision``'s."""
+    kind = consumer_kind(module)
+    if not kind:
+        return None
+    inner = module.forward
+    dtype = STORAGE_DTYPES[precision]
+
+    if kind == "weights":
+        @functools.wraps(inner)
+        def cast_inputs(*args: Any, **kwargs: Any) -> Any:
+            return inner(*cast_tree(args, dtype), **cast_tree(kwargs, dtype))
+
+        return cast_inputs
+
+    @functools.wraps(inner)
+    def norm_forward(*args: Any, **kwargs: Any) -> Any:
+        x = _first_float(args)
+        if x is None or x.dtype == dtype:
+            return inner(*args, **kwargs)
+        if kwargs or len(args) != 1:
+            return inner(*cast_tree(args, dtype), **cast_tree(kwargs, dtype))
+        return _norm_fp32(module, x.float())  # another dtype than its weights': in fp32
+
+    return norm_forward
+
+
+def _norm_fp32(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for a fp32 ``x``, the norm's weight and bias cast up for the call."""
+    F = torch.nn.functional
+
+    def up(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.float()  # a no-op on fp32 weights
+
+    if isinstance(module, torch.nn.LayerNorm):
+        return F.layer_norm(x, module.normalized_shape, up(module.weight), up(module.bias),
+                            module.eps)
+    if isinstance(module, torch.nn.GroupNorm):
+        return F.group_norm(x, module.num_groups, up(module.weight), up(module.bias),
+                            module.eps)
+    return F.rms_norm(x, module.normalized_shape, up(module.weight), module.eps)
+
+
+def deploy_forward(module: torch.nn.Module, precision: str,
                    backend: str = "emulated",
                    on_compute: Callable[[str], None] | None = None) -> Callable[..., Any]:
-    """A forward for ``module`` in the deploy form at ``precision`` (see the module doc).
-
-    ``exit_dtype``: the storage dtype of the caller's region, to which floating outputs are
-    cast (None: the root, outputs as they are). ``backend``: a GEMM format's backend.
-    """
+    """A forward for a wrapped ``module`` in the deploy form at ``precision`` (see the
+    module doc): its floating inputs cast to its storage dtype, autocast off inside.
+    ``backend``: a GEMM format's backend."""
     inner = module.forward
     if is_gemm_format(precision):
         @functools.wraps(inner)
@@ -110,8 +192,7 @@ def deploy_forward(module: torch.nn.Module, precision: str, exit_dtype: torch.dt
         if on_compute is not None:
             on_compute(precision)
         with region(ctx_precision, _device_type((args, kwargs), module)):
-            out = inner(*args, **kwargs)
-        return out if exit_dtype is None else cast_tree(out, exit_dtype)
+            return inner(*args, **kwargs)
 
     return stored_forward
 
@@ -179,5 +260,6 @@ def stored_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
         return fn.apply(x, q, bias, backend, out_dtype, wcache)
 
 
-__all__ = ["SCALE", "SCALE_2", "cast_tree", "deploy_forward", "dequantized_weight",
+__all__ = ["GEMM_TYPES", "NORM_TYPES", "SCALE", "SCALE_2", "cast_tree", "consumer_forward", "consumer_kind",
+           "deploy_forward", "dequantized_weight",
            "stored_linear", "stored_weight"]

@@ -402,14 +402,17 @@ class _StoredReplay(_Replay):
     """The deploy form (``lower.stored``): no autocast anywhere; every parameter and
     floating buffer carries its owner's storage dtype (a GEMM-format leaf's weight is read
     quantised, its bias in the region's dtype); a wrapped module casts its floating inputs
-    to its storage dtype on entry and its floating outputs to its caller's on exit (the
-    root: inputs only). Every op then runs in the dtype type promotion gives it."""
+    to its storage dtype on entry, nothing on exit; inside a region, a module holding
+    weights casts its inputs to them and a norm computes in the wider of its input's and
+    its weights' dtype (``trace.consumers``). Every op then runs in the dtype type
+    promotion gives it."""
 
     def __init__(self, trace: OpTrace, region: np.ndarray, precision: np.ndarray,
                  wrapped: np.ndarray, device_type: str) -> None:
         super().__init__(trace, region, precision, wrapped, device_type)
         self.ac_region = np.zeros_like(self.ac_region)  # autocast is off in every region
         index = {p: i for i, p in enumerate(trace.modules)}
+        self.kinds = trace.consumers or [""] * len(trace.modules)
         #: value -> module indices of its owners, for tensors tied between modules (each
         #: owner stores its own copy in its dtype; an op in an owner reads that copy)
         self.tied: dict[int, set[int]] = {}
@@ -426,7 +429,12 @@ class _StoredReplay(_Replay):
         for v in op.inputs:
             if v in self.tied and op.module in self.tied[v]:
                 self.state[v] = _STORAGE[self.region[:, op.module]]
+        back = (self.norm_params(ev, op, op.module)
+                if op.module >= 0 and self.kinds[op.module] == "norm"
+                and op.name in _MIXED_NORMS else [])
         super().op(ev, idx)
+        for v, old in back:
+            self.state[v] = old
 
     def enter(self, ev: int, idx: int) -> None:
         call = self.trace.calls[idx]
@@ -442,6 +450,20 @@ class _StoredReplay(_Replay):
                 if on.any():
                     saved[v] = self.state[v].copy()
                     self._cast_to(ev, v, on, dst, "enter")
+            kind = self.kinds[m]
+            if kind:  # a module inside its caller's region: its own input rule
+                inside = ~on_m & ~_IS_FMT[self.precision[:, m]]
+                for v in call.inputs:
+                    if not self.floating[v] or v in saved:
+                        continue
+                    on = inside & _CASTABLE[self.state[v]] & (self.state[v] != dst)
+                    to = dst
+                    if kind == "norm":  # fed another dtype than its weights': in fp32
+                        on &= self.state[v] != FP32
+                        to = np.full(self.t, FP32, np.int8)
+                    if on.any():
+                        saved[v] = self.state[v].copy()
+                        self._cast_to(ev, v, on, to, "enter")
         self.stack.append((idx, m, saved))
 
     def leave(self, ev: int) -> None:
@@ -449,17 +471,28 @@ class _StoredReplay(_Replay):
         call = self.trace.calls[cidx]
         for v, old in saved.items():
             if v not in call.outputs:
-                self.state[v] = old
-        caller = self.stack[-1][1] if self.stack else -1
-        if m < 0 or caller < 0:
-            return  # the root returns to the user's code as it is
-        dst = _STORAGE[self.region[:, caller]]
-        for v in call.outputs:
-            if not self.floating[v]:
+                self.state[v] = old  # the caller still holds its own dtype
+
+    def norm_params(self, ev: int, op, m: int) -> list[tuple[int, np.ndarray]]:  # noqa: ANN001
+        """A 16-bit norm fed fp32: its weight and bias cast up for the call (returns the
+        params' states to put back after the op)."""
+        ins = list(op.inputs)
+        x = next((v for v in ins if self.floating[v] and self.vals[v].source != "param"),
+                 None)
+        if x is None:
+            return []
+        up = self.state[x] == FP32
+        back = []
+        for v in ins:
+            if self.vals[v].source != "param" or not self.floating[v]:
                 continue
-            on = self.wrapped[:, m] & _CASTABLE[self.state[v]] & (self.state[v] != dst)
+            on = up & _IS_LOW[self.state[v]]
             if on.any():
-                self._cast_to(ev, v, on, dst, "exit")
+                back.append((v, self.state[v].copy()))
+                self.sch.casts.append(Cast("input", ev, v, self.state[v].copy(),
+                                           np.full(self.t, FP32, np.int8), on, weight=True))
+                self.state[v] = np.where(on, FP32, self.state[v])
+        return back
 
     def _cast_to(self, ev: int, v: int, on: np.ndarray, dst: np.ndarray, site: str) -> None:
         self.sch.casts.append(Cast(site, ev, v, self.state[v].copy(), dst.copy(), on))

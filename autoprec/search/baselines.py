@@ -1,6 +1,7 @@
-"""What a user would do instead of tuning: one global autocast per precision, measured the
-way tune measures its own plan (held-out error where the budget binds; the whole forward
-priced on the target) — the rows of ``tune --report``'s tuned-vs-baselines chart."""
+"""What a user would do instead of tuning: one global autocast per precision and the
+``model.to(bf16)`` / ``model.to(fp16)`` one-liners (``confirm_speed.BASELINES``), measured
+the way tune measures its own plan (held-out error where the budget binds; the whole
+forward priced on the target) — the rows of ``tune --report``'s tuned-vs-baselines chart."""
 
 from __future__ import annotations
 
@@ -20,17 +21,21 @@ def uniform_baselines(evaluator: Evaluator, cost: CostModel, regions: list[str]
     held_out = evaluator.eval_batches is not None and evaluator.eval_ref is not None
     batches = evaluator.eval_batches if held_out else evaluator.batches
     ref = evaluator.eval_ref if held_out else evaluator.ref
+    from autoprec.search.confirm_speed import BASELINES, label
+
     rows = []
-    for prec in regions:
-        policy = policy_for(prec, {}, evaluator.fingerprint, evaluator.target)
+    for prec, form in BASELINES:
+        if prec not in regions:
+            continue
+        policy = policy_for(prec, {}, evaluator.fingerprint, evaluator.target, form)
         if prec == "fp32":
             err = 0.0
         else:
             with apply_policy(evaluator.model, policy, fp8_backend=evaluator.fp8_backend):
                 err = score(evaluator.spec, evaluator.model, batches, ref,
                             "(baseline)").value
-        rows.append({"plan": "fp32" if prec == "fp32" else f"one global {prec}",
-                     "error": err, "est_speedup": cost.speedup(policy)})
+        rows.append({"plan": label(prec, form), "error": err,
+                     "est_speedup": cost.speedup(policy)})
     return rows
 
 

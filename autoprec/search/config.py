@@ -17,7 +17,7 @@ from autoprec.cost import get_profile
 from autoprec.errors import InputError
 from autoprec.fileio import brief
 from autoprec.paths import check_dir, check_out_path
-from autoprec.precisions import PRECISIONS, check_precision
+from autoprec.precisions import FORMS, PRECISIONS, check_precision
 from autoprec.search.storage import check_storage_url
 from autoprec.targets import DEFAULT_TARGET
 from autoprec.validate import (
@@ -113,6 +113,9 @@ class TuneConfig:
     # promised 1.82x for a policy that ran 0.56x of fp32's speed here)
     measure: bool = True
     compile: bool = False  # price plans as torch.compile (inductor) runs them
+    #: the form plans run in (precisions.FORMS): "deploy" (weights stored in their
+    #: precision) unless --train-aware, whose training runs the "train" form
+    form: str = "deploy"
 
     @classmethod
     def make(cls, *, max_error: float | None, max_drop: float | None, target: str,
@@ -121,7 +124,8 @@ class TuneConfig:
              min_speedup: float | None, storage: str | None, study_name: str | None,
              resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
              progress: bool, cache_dir: str | Path | None, train_aware: bool,
-             measure: bool = True, compile: bool = False) -> TuneConfig:
+             measure: bool = True, compile: bool = False,
+             form: str | None = None) -> TuneConfig:
         check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
                         batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
                         patience=patience, min_speedup=min_speedup, storage=storage,
@@ -146,11 +150,18 @@ class TuneConfig:
                 raise InputError(f"--precisions {','.join(lower)}: the target {target} runs "
                                  f"none of them ({why[:300]}); it runs "
                                  f"{', '.join(profile.precisions)}")
+        if form is None:
+            form = "train" if train_aware else "deploy"
+        if form not in FORMS:
+            raise InputError(f"--form must be one of {', '.join(FORMS)}, got {form!r}")
+        if train_aware and form != "train":
+            raise InputError("--train-aware checks that the plan trains like fp32, which runs "
+                             "the train form (autocast over fp32 masters): drop --form deploy")
         return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
                    patience, min_speedup, storage, study_name, resume, pareto,
                    Path(out) if out is not None else None, tuple(locked), progress,
                    Path(cache_dir) if cache_dir is not None else None, train_aware, measure,
-                   bool(compile))
+                   bool(compile), form)
 
     @property
     def mode(self) -> str:

@@ -2,8 +2,12 @@
 
 Every result is shown next to what a user could write instead of a tuned policy: all
 fp32, one global ``torch.autocast`` in bf16 and in fp16, uniform tf32 (where the target
-has it) — each as the policy ``default: <p>`` with no rules, which runs as that one line
-does (experiments/apply_overhead.py: within 3 %). Each row has its error (eval data, the
+has it), and the one line every deployment uses, ``model.to(torch.bfloat16)`` /
+``model.to(torch.float16)`` with its inputs cast — each as the policy ``default: <p>``
+with no rules, in the train form (autocast) or the deploy form (weights stored 16-bit),
+which runs as that one line does (experiments/apply_overhead.py: within 3 %;
+tests/plan/test_what_runs_is_priced.py: the deploy form's ``default: bf16`` runs the very
+ops ``model.to(bf16)`` runs). Each row has its error (eval data, the
 budget's units) and its estimated speed-up, priced the same way as the tuned plan.
 
 Where the target is the device at hand (``local_profile.speed_source``), the last step of
@@ -34,8 +38,11 @@ import numpy as np
 
 from autoprec.policy import Policy, PolicyWarning
 
-#: Baseline rows, in this order: what a user writes instead of a tuned policy.
-BASELINES = ("fp32", "bf16", "fp16", "tf32")
+#: Baseline rows, in this order: what a user writes instead of a tuned policy, as
+#: (precision, form): the uniform plan ``default: precision`` in that form.
+BASELINES: tuple[tuple[str, str], ...] = (
+    ("fp32", "train"), ("bf16", "train"), ("fp16", "train"), ("tf32", "train"),
+    ("bf16", "deploy"), ("fp16", "deploy"))
 #: Candidates from the study timed after the chosen one (the next fastest feasible ones).
 NEXT_CANDIDATES = 2
 #: Rounds of the interleaved timing: at least, at most (more while the best two overlap).
@@ -48,8 +55,10 @@ SAMPLE_S = 0.02
 Timer = Callable[[Mapping[str, Policy]], Mapping[str, Sequence[float]]]
 
 
-def label(p: str) -> str:
+def label(p: str, form: str = "train") -> str:
     """How a baseline row is named: what a user would write."""
+    if form == "deploy" and p in ("bf16", "fp16"):
+        return f"{p} (model.to({'bfloat16' if p == 'bf16' else 'float16'}))"
     return {"fp32": "fp32 (no autocast)", "tf32": "tf32 (global flag)"}.get(
         p, f"{p} (one global autocast)")
 
@@ -74,10 +83,14 @@ class Row:
     source: Any = None  # the caller's object behind the row (a study candidate, ...)
 
     @property
-    def key(self) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]] | None:
+        """The plan: two rows of one key run the same (form, default and rules)."""
         if self.policy is None:
             return None
-        return self.policy.default, tuple(sorted(self.policy.layers.items()))
+        form = self.policy.form
+        if self.policy.default in ("fp32", "tf32") and not self.policy.layers:
+            form = "any"  # no 16-bit tensor anywhere: both forms run the same plan
+        return form, self.policy.default, tuple(sorted(self.policy.layers.items()))
 
     def to_dict(self) -> dict[str, Any]:
         def num(x: float | None, nd: int = 4) -> Any:
@@ -91,7 +104,8 @@ class Row:
                                "measured_speedup": num(self.speedup),
                                "measured_p10": num(self.p10), "measured_p90": num(self.p90)}
         if self.policy is not None:
-            out["policy"] = {"default": self.policy.default, "layers": dict(self.policy.layers)}
+            out["policy"] = {"default": self.policy.default, "layers": dict(self.policy.layers),
+                             "form": self.policy.form}
         if self.trial is not None:
             out["trial"] = self.trial
         if self.why_not:
@@ -358,7 +372,8 @@ def speed_metrics(check: SpeedCheck) -> dict[str, Any]:
 
 # -- the rows of a tune ---------------------------------------------------------------------
 
-def _uniform_errors(ev: Any, p: str, budget: float) -> tuple[float, float | None]:
+def _uniform_errors(ev: Any, p: str, budget: float, form: str
+                    ) -> tuple[float, float | None]:
     """Errors (calibration; eval data, or None) of ``default: p`` with no rules: the
     search's own score when it measured that very plan, else runs of the model. The eval
     data is run only when the calibration error is within budget (as the search does)."""
@@ -371,9 +386,10 @@ def _uniform_errors(ev: Any, p: str, budget: float) -> tuple[float, float | None
     key = ev.space.uniform(p)
     default, layers = ev.space.rules(key)
     # rules equal to their region's precision install nothing: the same plan as default p
-    hit = ev.cache.get(key) if default == p and set(layers.values()) <= {p} else None
+    hit = (ev.cache.get(key) if default == p and set(layers.values()) <= {p}
+           and form == ev.form else None)
     calib, evl = (None, None) if hit is None else (hit.error, hit.eval_error)
-    pol = policy_for(p, {}, ev.fingerprint, ev.target)
+    pol = policy_for(p, {}, ev.fingerprint, ev.target, form)
     with apply_policy(ev.model, pol, fp8_backend=ev.fp8_backend):
         if calib is None:
             calib = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
@@ -402,16 +418,17 @@ def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     from autoprec.search.objective import policy_for
 
     rows = []
-    for p in BASELINES:
+    for p, form in BASELINES:
         ok, why = cost.profile.supports(p)
         if not ok:
-            rows.append(Row(label(p), "baseline", None, why_not=f"not on {cost.profile.name}"))
+            rows.append(Row(label(p, form), "baseline", None,
+                            why_not=f"not on {cost.profile.name}"))
             continue
-        calib, evl = _uniform_errors(ev, p, budget)
+        calib, evl = _uniform_errors(ev, p, budget, form)
         err = calib if evl is None else evl
         within = calib <= budget and (evl is None or evl <= budget)
         why = ("" if within else f"over budget ({err:.3g} > {budget:g})")
-        pol = policy_for(p, {}, ev.fingerprint, ev.target)
+        pol = policy_for(p, {}, ev.fingerprint, ev.target, form)
         if not why and p != "fp32":
             audit = _audit_errors(ev, pol)
             why = f"audit: {audit[0]}" if audit else ""
@@ -419,7 +436,10 @@ def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
             why = "not in --precisions"
         if not why and train_aware and p != "fp32":
             why = "not training-checked (--train-aware)"
-        row = Row(label(p), "baseline", pol, err, not why, cost.speedup(pol), why_not=why)
+        if not why and train_aware and form == "deploy":
+            why = "deploy form: stores 16-bit weights, cannot train"
+        row = Row(label(p, form), "baseline", pol, err, not why, cost.speedup(pol),
+                  why_not=why)
         row.source = (calib, evl)
         rows.append(row)
     return rows
@@ -493,7 +513,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
 
     def row(c: Any, name: str, role: str) -> Row:
         err = c.calib.error if c.eval_error is None else c.eval_error
-        r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, cfg.target), err,
+        r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, cfg.target, ev.form), err,
                 c.calib.feasible, c.calib.est_speedup, trial=c.number)
         r.source = c
         return r
@@ -534,7 +554,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     pseudo = select.Candidate(number=-1, params=space.params(space.uniform(p)),
                               calib=Evaluation(calib, prep.cost.estimate(win.policy),
                                                win.est_speedup or 0.0, True, eval_error=evl),
-                              policy={"default": p, "layers": {}})
+                              policy={"default": p, "layers": {}, "form": win.policy.form})
     return check, pseudo, (p, {})
 
 

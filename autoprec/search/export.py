@@ -22,6 +22,7 @@ import autoprec
 from autoprec.errors import InputError
 from autoprec.paths import check_not_an_input, check_out_path, storage_file
 from autoprec.policy import Policy
+from autoprec.precisions import LEGACY_FORM
 from autoprec.search import select
 from autoprec.search.space import REGION, SearchSpace, Variable
 from autoprec.search.storage import describe_storage, open_storage
@@ -83,7 +84,8 @@ def policy_from_candidate(space: SearchSpace, cand: select.Candidate, *, feasibl
         "feasible": feasible,
     })
     return Policy(
-        default=default, layers=layers, locked=list(meta.get("locked_paths", [])),
+        default=default, layers=layers, form=meta.get("form", LEGACY_FORM),
+        locked=list(meta.get("locked_paths", [])),
         reasons=reasons, metrics=metrics,
         model={"name": meta.get("model"), "fingerprint": meta.get("fingerprint")},
         target={"device": meta.get("target"), "batch_size": meta.get("batch_size")},

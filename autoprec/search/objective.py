@@ -31,10 +31,10 @@ SCREEN_FACTOR = 3.0
 
 
 def policy_for(default: str, layers: Mapping[str, str], fingerprint: str | None = None,
-               target: str | None = None) -> Policy:
-    """A minimal policy (no metadata besides the fingerprint and target)."""
+               target: str | None = None, form: str = "train") -> Policy:
+    """A minimal policy (no metadata besides the fingerprint, target and form)."""
     model = {"fingerprint": fingerprint} if fingerprint else {}
-    return Policy(default=default, layers=dict(layers), model=model,
+    return Policy(default=default, layers=dict(layers), model=model, form=form,
                   target={"device": target} if target else {})
 
 
@@ -61,6 +61,7 @@ class Evaluator:
         self.space: SearchSpace = plans.space
         self.budget, self.min_speedup, self.fp8_backend = budget, min_speedup, fp8_backend
         self.target = target
+        self.form = plans.cost.form  # the form every plan of the search runs in
         self.batches, self.ref = list(batches), ref
         self.eval_batches = list(eval_batches) if eval_batches is not None else None
         self.eval_ref = eval_ref
@@ -90,7 +91,7 @@ class Evaluator:
 
     def policy(self, key: Key) -> Policy:
         default, layers = self.space.rules(key)
-        return policy_for(default, layers, self.fingerprint, self.target)
+        return policy_for(default, layers, self.fingerprint, self.target, self.form)
 
     def error(self, key: Key, batches: Sequence[Any], ref: Reference, what: str) -> float:
         with apply_policy(self.model, self.policy(key), fp8_backend=self.fp8_backend):

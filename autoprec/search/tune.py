@@ -163,7 +163,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
     deploy_bs = cfg.batch_size or calib_bs
     source = speed_source(cfg.target, measure=cfg.measure,
                           cache_dir=calibration_dir(out_path, cfg.cache_dir), mode=cfg.mode)
-    cost = make_cost_model(graph, profile or source.profile, deploy_bs, cfg.mode)
+    cost = make_cost_model(graph, profile or source.profile, deploy_bs, cfg.mode, form=cfg.form)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
@@ -239,6 +239,7 @@ def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
         "data": data_hash(prep.calib), "weights": weights_hash(prep.net),
         "code": code_hash(prep.spec, prep.net), "search": 2,
         **({"mode": cfg.mode} if cfg.compile else {}),  # eager studies keep their names
+        **({"form": cfg.form} if cfg.form != "train" else {}),  # and train-form ones
     }))
 
 
@@ -254,7 +255,7 @@ def open_study(prep: Prepared, space: SearchSpace, cfg: TuneConfig, sampler: Pla
                       target=cfg.target, batch_size=prep.deploy_bs, budget=cfg.budget,
                       budget_kind=cfg.budget_name, min_speedup=cfg.min_speedup,
                       seed=cfg.seed, data=settings["data"], locked_paths=list(cfg.locked),
-                      settings=settings)
+                      settings=settings, form=cfg.form)
     notes = []
     with storage_errors(shown):  # a read-only or full study storage: one line, exit 2
         study = join_study(open_storage(cfg.storage, default_db), name,
@@ -435,6 +436,8 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
     policy.target["batch_size"] = prep.deploy_bs
+    if chosen.policy and chosen.policy.get("form"):  # a baseline of another form won
+        policy.form = chosen.policy["form"]
     if cfg.compile:
         policy.target["mode"] = "compile"
     bd = prep.cost.breakdown(policy)
@@ -541,6 +544,7 @@ def tune(
     cache_dir: str | Path | None = None,
     train_aware: bool = False,
     compile: bool = False,
+    form: str | None = None,
     profile: Any = None,
     measure: bool = True,
     report: str | Path | None = None,
@@ -568,7 +572,7 @@ def tune(
                           min_speedup=min_speedup, storage=storage, study_name=study_name,
                           resume=resume, pareto=pareto, out=out, locked=locked,
                           progress=progress, cache_dir=cache_dir, train_aware=train_aware,
-                          measure=measure, compile=compile)
+                          measure=measure, compile=compile, form=form)
     tracker = tracker or NullTracker()
     if report is not None:  # before any work: the folder, and matplotlib for its plots
         from autoprec.extras import require

@@ -38,6 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from autoprec.lower.stored import consumer_kind
+
 #: dtype names used throughout the plan and cost stages.
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -100,6 +102,9 @@ class OpTrace:
     calls: list[Call] = field(default_factory=list)
     events: list[tuple[int, int]] = field(default_factory=list)
     batch_size: int = 1
+    #: per module, how it reads inputs of another dtype in the deploy form
+    #: (``lower.stored.consumer_kind``: "norm", "weights" or "")
+    consumers: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -110,6 +115,7 @@ class OpTrace:
     def to_json(self) -> dict[str, Any]:
         return {
             "batch_size": self.batch_size, "modules": self.modules,
+            "consumers": self.consumers,
             "values": [v.__dict__ for v in self.values],
             "ops": [o.__dict__ for o in self.ops],
             "calls": [c.__dict__ for c in self.calls],
@@ -189,6 +195,7 @@ class _Recorder:
         self.trace = OpTrace(modules=[p for p, _ in model.named_modules()],
                              batch_size=batch_size)
         self.index = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+        self.trace.consumers = [consumer_kind(m) for _, m in model.named_modules()]
         self.ids: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.keep: list[torch.Tensor] = []  # keeps recorded tensors alive (ids stay unique)
         self.stack: list[int] = []
