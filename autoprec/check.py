@@ -70,6 +70,8 @@ class CheckResult:
     layers: list[dict[str, Any]] = field(default_factory=list)
     eval_batches: int = 0
     breakdown: dict[str, Any] = field(default_factory=dict)  # where the forward's time goes
+    form: str = "train"  # how the plan ran (precisions.FORMS)
+    weight_bytes: int | None = None  # the weights the applied plan holds on the device
 
     @property
     def value(self) -> float | None:
@@ -97,7 +99,8 @@ class CheckResult:
         out.update(
             budget=self.budget, budget_kind=self.budget_kind, budget_source=self.budget_source,
             est_speedup=number(self.est_speedup), feasible=self.feasible, target=self.target,
-            batch_size=self.batch_size, mode=self.mode, passed=self.passed,
+            batch_size=self.batch_size, mode=self.mode, form=self.form,
+            weight_bytes=self.weight_bytes, passed=self.passed,
             reasons=reasons_json(self.reasons), notes=list(self.notes),
             fingerprint_match=self.fingerprint_match, nonfinite=self.nonfinite,
             eval_batches=self.eval_batches, model=self.model, policy=self.policy,
@@ -290,6 +293,8 @@ def check(
     s, ref, report, bd = a.score, a.reference, a.audit, a.breakdown
     result.eval_batches = a.eval_batches
     result.est_speedup = a.est_speedup
+    result.form = policy.form
+    result.weight_bytes = a.cost.weight_bytes(policy)
     result.breakdown = {**bd.to_dict(), "audited_casts": report.casts}
     notes.extend(n for n in a.notes if "fingerprint" not in n)
     rows = _layer_rows(a, net, policy, layer_why)

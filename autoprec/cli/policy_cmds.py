@@ -226,7 +226,8 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     out.update({
         "budget": budget, "within_budget": within,
         "est_speedup": speedup(est, runnable=not infeasible), "feasible": feasible,
-        "target": device, "batch_size": bs, "mode": mode,
+        "target": device, "batch_size": bs, "mode": mode, "form": pol.form,
+        "weight_bytes": cost.weight_bytes(pol),
         "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
         "fp8_backend": fp8_backend,
         "reasons": reasons_json(why_not),
@@ -259,13 +260,20 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
     from autoprec.evaluate import score
     from autoprec.metrics import batch_size_of
     from autoprec.policy import Policy
-    from autoprec.search.confirm_speed import BASELINES, Row, check_speed, label, measure_rows
+    from autoprec.search.confirm_speed import (
+        BASELINES,
+        Row,
+        _first_line,
+        check_speed,
+        label,
+        measure_rows,
+    )
 
     def ok(err: float) -> bool:
         return budget is not None and err <= float(budget)
 
     rows = [Row("policy", "tuned", pol, value, ok(value) or budget is None,
-                cost.speedup(pol))]
+                cost.speedup(pol), weight_bytes=cost.weight_bytes(pol))]
     for p, form in BASELINES:
         if not cost.profile.supports(p)[0]:
             rows.append(Row(label(p, form), "baseline", None, why_not=f"not on {device}"))
@@ -273,12 +281,17 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
         base = Policy(default=p, form=form)
         err = 0.0
         if p != "fp32":
-            with apply_policy(net, base, target=device):
-                err = score(spec, net, batches, ref, "of eval_data").value
+            try:
+                with apply_policy(net, base, target=device):
+                    err = score(spec, net, batches, ref, "of eval_data").value
+            except RuntimeError as exc:  # e.g. a router's own .float() meets 16-bit weights
+                rows.append(Row(label(p, form), "baseline", None,
+                                why_not=f"does not run on this model: {_first_line(exc)}"))
+                continue
         why = "" if ok(err) or p == "fp32" else (
             "no budget recorded" if budget is None else f"over budget ({err:.3g} > {budget:g})")
         rows.append(Row(label(p, form), "baseline", base, err, not why, cost.speedup(base),
-                        why_not=why))
+                        why_not=why, weight_bytes=cost.weight_bytes(base)))
     if not (measure and source.local):
         check = check_speed(rows, None)
         check.winner = None  # eval writes nothing: no row is marked

@@ -41,6 +41,7 @@ def tune_cmd(
     lock: Annotated[list[str] | None, typer.Option(help="Module path the search may not change (repeatable).")] = None,
     train_aware: Annotated[bool, typer.Option(help="Also probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
     form: Annotated[str | None, typer.Option(help="How the plan runs: deploy (weights stored in each layer's precision, like model.to(bf16); the default) or train (autocast over fp32 masters; the default with --train-aware).")] = None,
+    max_weight_mb: Annotated[float | None, typer.Option(help="Weight-memory budget: a plan whose weights take more megabytes on the device is not a choice (the model must fit the card).")] = None,
     compile_mode: Annotated[bool, typer.Option("--compile", help="Price plans as torch.compile (inductor) runs them: casts and pointwise ops fused between GEMMs; the policy records target.mode: compile.")] = False,
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="When the target is this machine (cpu, or the GPU here): calibrate its profile here first and time the winner against fp32 and one global autocast, never writing a plan measured slower.")] = True,
@@ -91,7 +92,7 @@ def tune_cmd(
         patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
         train_aware=train_aware, progress=not quiet and not json_out, measure=measure,
-        report=report, compile=compile_mode, form=form,
+        report=report, compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
     )
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
@@ -123,6 +124,7 @@ def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, A
         "search_complete": result.complete, "candidates": result.method,
         "plans_priced": result.priced, "plans_measured": result.measured,
         "est_casts": result.policy.metrics.get("est_casts"), "notes": result.notes,
+        "form": result.policy.form, "weight_bytes": result.policy.metrics.get("weight_bytes"),
         "measured_speedup": result.policy.metrics.get("measured_speedup"),
         "baselines": result.speed.to_dict() if result.speed is not None else None,
         "report": [str(p) for p in result.report],
@@ -133,15 +135,16 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
                   compile_mode: bool) -> None:
     """The policy's rules, its error and speed, and the rows beside it, for people."""
     lowered = result.policy.layers
-    print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default})")
+    print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default}, "
+          f"form {result.policy.form})")
     for k, v in lowered.items():
         print(f"  {k:<50} {v}")
     measured = summary["measured_speedup"]
     print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
           f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''}"
           + (f", measured {measured:.2f}x here" if measured is not None else "")
-          + f" ({summary['est_casts']} casts per "
-          f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "
+          + f" ({summary['est_casts']} casts per forward, weights "
+          f"{(summary['weight_bytes'] or 0) / 1e6:.1f} MB), {result.trials} trials, {result.evaluations:.1f} evaluations, "
           f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
                                       f"{result.measured} measured)"
                                       if result.complete else ""))

@@ -47,6 +47,12 @@ from autoprec.trace.graph import LayerGraph
 #: every GEMM format, fp8 / mxfp8 / nvfp4).
 PARTS = ("gemm", "cast", "gemm_format_scaling", "other")
 _GEMM, _CAST, _FP8, _OTHER = range(4)
+#: Bytes per element a module's tensors are stored in under the deploy form, by region
+#: code (fp32, tf32, bf16, fp16; the GEMM-format codes never are a region), and a GEMM
+#: format's bytes per element (scales included) by precision code (0: not a format).
+_STORE_WIDTH = np.array([BYTES["fp32"], BYTES["tf32"], BYTES["bf16"], BYTES["fp16"], 4, 4, 4],
+                        dtype=float)
+_FORMAT_WIDTH = np.array([BYTES[p] if p in GEMM_FORMATS else 0.0 for p in PRECISIONS])
 #: Quantisation passes of a GEMM format's activation input: (per-tensor amax passes,
 #: bytes written per element by the quantise pass). fp8: amax, a scale kernel, the cast to
 #: e4m3 (Transformer Engine's Float8CurrentScaling); mxfp8: one fused pass (block amax,
@@ -154,6 +160,8 @@ class CostModel:
         self.scale = batch_size / graph.batch_size
         self.device_type = device_type or device_type_of(profile)
         self.tree = ModuleTree.from_graph(graph)
+        self._params = self._param_table()
+        self.max_weight_bytes: float | None = None  # a plan holding more cannot deploy
         self._rulesets: dict[tuple[str, ...], RuleSet] = {}
         self._static()
         self._tables()
@@ -237,6 +245,13 @@ class CostModel:
             p = PRECISIONS[int(used[row, j])]
             reasons.setdefault(int(row), f"{self.tree.paths[j] or '<root>'}: "
                                          f"{self.profile.supports(p)[1]}")
+        if self.max_weight_bytes is not None:
+            held = self._weight_bytes(region, prec, form or self.form)
+            over = held > self.max_weight_bytes
+            for row in np.flatnonzero(over & ~bad):
+                reasons.setdefault(int(row), f"weights {held[row] / 1e6:.1f} MB > the weight "
+                                             f"budget {self.max_weight_bytes / 1e6:g} MB")
+            bad = bad | over
         time = np.where(bad | sch.invalid, math.inf, time)
         return Priced(time, parts, sch, reasons)
 
@@ -376,37 +391,56 @@ class CostModel:
 
     def weight_bytes(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> int:
         """Bytes of the weights (parameters and floating buffers) the applied plan holds on
-        the device: in the deploy form each at its owner's storage width (a GEMM-format
-        leaf's weight at its format's, scales included; a tensor tied between owners of two
-        dtypes once per dtype); in the train form the fp32 masters plus each GEMM-format
-        leaf's cached quantised weight (autocast's per-call casts are transient)."""
+        the device (``_weight_bytes``)."""
         rs, row = self._row(policy, default)
         region, prec, _ = rs.encode(row)
-        region, prec = region[0], prec[0]
-        deploy = self._form(policy) == "deploy"
+        return int(round(float(self._weight_bytes(region, prec, self._form(policy))[0])))
+
+    def _weight_bytes(self, region: np.ndarray, prec: np.ndarray, form: str) -> np.ndarray:
+        """(T,) bytes of the weights T plans hold: in the deploy form each tensor at its
+        owner's storage width (a GEMM-format leaf's weight at its format's, scales
+        included; a tensor tied between owners of two dtypes once per dtype); in the train
+        form the fp32 masters plus each GEMM-format leaf's cached quantised weight
+        (autocast's per-call casts are transient)."""
+        fixed, owners, numel, matrix = self._params
+        deploy = form == "deploy"
+        store = _STORE_WIDTH[region]  # (T, M) storage bytes per element of each module
+        fmt = _FORMAT_WIDTH[prec]  # (T, M) a GEMM format's bytes per element, else 0
+        total = np.full(region.shape[0], fixed)
+        for own, n, mat in zip(owners, numel, matrix, strict=True):
+            seen: list[np.ndarray] = []
+            for m in own:
+                q = fmt[:, m] if mat else np.zeros(region.shape[0])
+                if deploy:
+                    w = np.where(q > 0, q, store[:, m])
+                    new = np.ones_like(w, dtype=bool)
+                    for s in seen:  # a tied tensor held once per distinct width
+                        new &= w != s
+                    total += n * np.where(new, w, 0.0)
+                    seen.append(w)
+                else:
+                    if not seen:
+                        total += n * 4.0
+                        seen.append(q)
+                    total += n * q  # the quantised copy beside the master
+        return total
+
+    def _param_table(self) -> tuple[float, list[list[int]], list[float], list[bool]]:
+        """The floating parameters and buffers of the trace, for ``_weight_bytes``: bytes
+        of the others (fixed), and per floating tensor its owners, elements, and whether
+        it is a matrix (a GEMM format quantises those, not a bias)."""
         index = {p: i for i, p in enumerate(self.trace.modules)}
-        total = 0.0
+        fixed, owners, numel, matrix = 0.0, [], [], []
         for v in self.trace.values:
             if v.source != "param":
                 continue
             if v.dtype not in ("fp32", "bf16", "fp16"):
-                total += v.numel * v.itemsize
+                fixed += v.numel * v.itemsize
                 continue
-            owners = [index.get(p, 0) for p in (v.owners or (v.param.rpartition(".")[0],))]
-            widths = set()
-            for m in owners:
-                fmt = PRECISIONS[int(prec[m])]
-                quantised = fmt in GEMM_FORMATS and v.ndim >= 2
-                if not deploy:
-                    widths.add(4.0)
-                    if quantised:
-                        widths.add(BYTES[fmt])
-                elif quantised:
-                    widths.add(BYTES[fmt])
-                else:
-                    widths.add(float(BYTES[PRECISIONS[int(region[m])]]))
-            total += v.numel * sum(widths)
-        return int(round(total))
+            owners.append([index.get(p, 0) for p in (v.owners or (v.param.rpartition(".")[0],))])
+            numel.append(float(v.numel))
+            matrix.append(v.ndim >= 2)
+        return fixed, owners, numel, matrix
 
     def kernels(self, policy: Policy | Mapping[str, str], default: str = "fp32"
                 ) -> list[tuple[str, Kernel]]:

@@ -116,6 +116,8 @@ class TuneConfig:
     #: the form plans run in (precisions.FORMS): "deploy" (weights stored in their
     #: precision) unless --train-aware, whose training runs the "train" form
     form: str = "deploy"
+    #: a plan holding more weight bytes on the device cannot deploy (None: no limit)
+    max_weight_mb: float | None = None
 
     @classmethod
     def make(cls, *, max_error: float | None, max_drop: float | None, target: str,
@@ -125,7 +127,7 @@ class TuneConfig:
              resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
              progress: bool, cache_dir: str | Path | None, train_aware: bool,
              measure: bool = True, compile: bool = False,
-             form: str | None = None) -> TuneConfig:
+             form: str | None = None, max_weight_mb: float | None = None) -> TuneConfig:
         check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
                         batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
                         patience=patience, min_speedup=min_speedup, storage=storage,
@@ -154,6 +156,12 @@ class TuneConfig:
             form = "train" if train_aware else "deploy"
         if form not in FORMS:
             raise InputError(f"--form must be one of {', '.join(FORMS)}, got {form!r}")
+        if max_weight_mb is not None and (isinstance(max_weight_mb, bool) or not
+                                          isinstance(max_weight_mb, (int, float))
+                                          or not math.isfinite(max_weight_mb)
+                                          or max_weight_mb <= 0):
+            raise InputError(f"--max-weight-mb must be a positive number of megabytes, got "
+                             f"{max_weight_mb!r}")
         if train_aware and form != "train":
             raise InputError("--train-aware checks that the plan trains like fp32, which runs "
                              "the train form (autocast over fp32 masters): drop --form deploy")
@@ -161,7 +169,8 @@ class TuneConfig:
                    patience, min_speedup, storage, study_name, resume, pareto,
                    Path(out) if out is not None else None, tuple(locked), progress,
                    Path(cache_dir) if cache_dir is not None else None, train_aware, measure,
-                   bool(compile), form)
+                   bool(compile), form,
+                   None if max_weight_mb is None else float(max_weight_mb))
 
     @property
     def mode(self) -> str:

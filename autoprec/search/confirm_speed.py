@@ -81,6 +81,7 @@ class Row:
     p90: float | None = None
     same_as: str | None = None  # timed once with this row (the same plan)
     source: Any = None  # the caller's object behind the row (a study candidate, ...)
+    weight_bytes: int | None = None  # the weights the applied plan holds on the device
 
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]] | None:
@@ -102,7 +103,8 @@ class Row:
                                "error": num(self.error, 6), "feasible": self.feasible,
                                "est_speedup": num(self.est_speedup),
                                "measured_speedup": num(self.speedup),
-                               "measured_p10": num(self.p10), "measured_p90": num(self.p90)}
+                               "measured_p10": num(self.p10), "measured_p90": num(self.p90),
+                               "weight_bytes": self.weight_bytes}
         if self.policy is not None:
             out["policy"] = {"default": self.policy.default, "layers": dict(self.policy.layers),
                              "form": self.policy.form}
@@ -159,7 +161,8 @@ class SpeedCheck:
 
 def format_rows(check: Mapping[str, Any]) -> str:
     """``SpeedCheck.to_dict()`` as a table for people (tune's summary, eval)."""
-    head = ("plan", "error", "est. speed-up", "measured (p10-p90)", "within budget")
+    head = ("plan", "error", "est. speed-up", "measured (p10-p90)", "weights",
+            "within budget")
     cells = []
     for r in check["rows"]:
         err = "-" if r["error"] is None else _g(r["error"])
@@ -170,9 +173,11 @@ def format_rows(check: Mapping[str, Any]) -> str:
         else:
             meas = "-" if check["measured_on"] or r.get("policy") is None else "not measured"
         ok = "yes" if r["feasible"] else (r.get("why_not") or "no")
+        wb = r.get("weight_bytes")
+        weights = "-" if wb is None else f"{wb / 1e6:.1f} MB"
         name = r["name"] + (f" <- {check['mark']}" if r["name"] == check["chosen"] else "")
         name += f" (= {r['same_as']})" if r.get("same_as") else ""
-        cells.append((name, err, est, meas, ok))
+        cells.append((name, err, est, meas, weights, ok))
     widths = [max(len(str(c[i])) for c in [head, *cells]) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in [head, *cells]]
@@ -424,7 +429,12 @@ def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
             rows.append(Row(label(p, form), "baseline", None,
                             why_not=f"not on {cost.profile.name}"))
             continue
-        calib, evl = _uniform_errors(ev, p, budget, form)
+        try:
+            calib, evl = _uniform_errors(ev, p, budget, form)
+        except RuntimeError as err:  # e.g. a router's own .float() meets 16-bit weights
+            rows.append(Row(label(p, form), "baseline", None,
+                            why_not=f"does not run on this model: {_first_line(err)}"))
+            continue
         err = calib if evl is None else evl
         within = calib <= budget and (evl is None or evl <= budget)
         why = ("" if within else f"over budget ({err:.3g} > {budget:g})")
@@ -438,11 +448,19 @@ def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
             why = "not training-checked (--train-aware)"
         if not why and train_aware and form == "deploy":
             why = "deploy form: stores 16-bit weights, cannot train"
+        if not why and cost.cannot_run(pol):  # e.g. over the weight budget
+            why = cost.cannot_run(pol)[0]
         row = Row(label(p, form), "baseline", pol, err, not why, cost.speedup(pol),
-                  why_not=why)
+                  why_not=why, weight_bytes=cost.weight_bytes(pol))
         row.source = (calib, evl)
         rows.append(row)
     return rows
+
+
+def _first_line(err: BaseException) -> str:
+    """An exception's first line, for a table cell."""
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:160]
 
 
 def _to_device(obj: Any, device: str) -> Any:
@@ -516,6 +534,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, cfg.target, ev.form), err,
                 c.calib.feasible, c.calib.est_speedup, trial=c.number)
         r.source = c
+        r.weight_bytes = prep.cost.weight_bytes(r.policy)
         return r
 
     rows = [row(chosen, "tuned", "tuned")]

@@ -164,6 +164,8 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
     source = speed_source(cfg.target, measure=cfg.measure,
                           cache_dir=calibration_dir(out_path, cfg.cache_dir), mode=cfg.mode)
     cost = make_cost_model(graph, profile or source.profile, deploy_bs, cfg.mode, form=cfg.form)
+    if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
+        cost.max_weight_bytes = cfg.max_weight_mb * 1e6
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
@@ -240,6 +242,7 @@ def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
         "code": code_hash(prep.spec, prep.net), "search": 2,
         **({"mode": cfg.mode} if cfg.compile else {}),  # eager studies keep their names
         **({"form": cfg.form} if cfg.form != "train" else {}),  # and train-form ones
+        **({"max_weight_mb": cfg.max_weight_mb} if cfg.max_weight_mb is not None else {}),
     }))
 
 
@@ -301,6 +304,7 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
         name=f"{name} #{n_before}" if n_before else name,
         params={"model": prep.spec.name, "budget": cfg.budget, "budget_kind": cfg.budget_name,
                 "target": cfg.target, "batch_size": prep.deploy_bs, "seed": cfg.seed,
+                "form": cfg.form,
                 "trials": cfg.trials, "pareto": cfg.pareto,
                 "precisions": ",".join(cfg.precisions), "layers": len(space.layers),
                 "variables": len(space.variables), "fingerprint": prep.graph.fingerprint,
@@ -441,7 +445,10 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     if cfg.compile:
         policy.target["mode"] = "compile"
     bd = prep.cost.breakdown(policy)
-    policy.metrics.update({"est_casts": bd.casts, **speed_metrics(speed)})
+    policy.metrics.update({"est_casts": bd.casts, "weight_bytes": prep.cost.weight_bytes(policy),
+                           **speed_metrics(speed)})
+    if cfg.max_weight_mb is not None:
+        policy.metrics["weight_budget_mb"] = cfg.max_weight_mb
     if chosen.number < 0:  # a baseline won the measurement: no trial of the study
         policy.provenance["trial"] = None
     if chosen.calib.train_fidelity is not None:
@@ -455,7 +462,8 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     tracker.log_metrics({"error": min(eval_error, 1e30),  # held-out, as in the policy
                          "calibration_error": min(chosen.calib.error, 1e30),
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
-                         **{k: v for k, v in policy.metrics.items() if k == "measured_speedup"},
+                         **{k: v for k, v in policy.metrics.items()
+                            if k in ("measured_speedup", "weight_bytes")},
                          "evaluations": search.evaluator.evaluations,
                          "trials": search.driver.ran})
     import pandas as pd
@@ -545,6 +553,7 @@ def tune(
     train_aware: bool = False,
     compile: bool = False,
     form: str | None = None,
+    max_weight_mb: float | None = None,
     profile: Any = None,
     measure: bool = True,
     report: str | Path | None = None,
@@ -572,7 +581,8 @@ def tune(
                           min_speedup=min_speedup, storage=storage, study_name=study_name,
                           resume=resume, pareto=pareto, out=out, locked=locked,
                           progress=progress, cache_dir=cache_dir, train_aware=train_aware,
-                          measure=measure, compile=compile, form=form)
+                          measure=measure, compile=compile, form=form,
+                          max_weight_mb=max_weight_mb)
     tracker = tracker or NullTracker()
     if report is not None:  # before any work: the folder, and matplotlib for its plots
         from autoprec.extras import require

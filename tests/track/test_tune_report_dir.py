@@ -27,9 +27,13 @@ def test_report_dir_holds_the_tables_and_plots(tmp_path: Path, capsys, monkeypat
     names = {p.name for p in report.iterdir()}
     assert {"baselines.csv", "baselines.png", "layers.png", "pareto.png", "trials.csv"} <= names
     rows = list(csv.DictReader((report / "baselines.csv").open()))
-    assert [r["plan"] for r in rows] == ["tuned", "fp32", "one global bf16", "one global fp16"]
+    assert [r["plan"] for r in rows] == [
+        "tuned", "fp32 (no autocast)", "bf16 (one global autocast)", "fp16 (one global autocast)",
+        "bf16 (model.to(bfloat16))", "fp16 (model.to(float16))"]
     assert float(rows[2]["error"]) > 0.01  # bf16 drowns `offset`'s signal: over budget
+    assert float(rows[4]["error"]) > 0.01  # in the deploy form too
     assert rows[3]["error"] == "inf"  # fp16 overflows `blow`
+    assert rows[5]["error"] == "inf"
     assert f"report: {report}/" in out
 
 
