@@ -153,7 +153,10 @@ def prepare_training(
         raise CapabilityError(f"{policy.source}: layer {fwd_only[0]!r}{more} runs nvfp4, which "
                               "autoprec runs forward-only (no gradient recipe): train those "
                               "layers in mxfp8, fp8 or a 16-bit precision")
-    handle = apply_policy(model, policy, fp8_backend=fp8_backend, device=device, force=force)
+    # Training runs the train form whatever the policy's form (fp32 masters, gradients): a
+    # deploy-form policy names the same precisions, stored once for inference.
+    handle = apply_policy(model, policy, fp8_backend=fp8_backend, device=device, force=force,
+                          form="train")
     want = needs_grad_scaler(handle) if scaler is None else scaler
     gs = torch.amp.GradScaler(handle.device.type, init_scale=init_scale) if want else None
     return TrainingSetup(model=model, policy=policy, handle=handle, scaler=gs)

@@ -111,8 +111,9 @@ class PolicyTrainer(Trainer):
         self.add_callback(self._stats)
         # After Trainer placed the model: the capability checks see its real device.
         device = next((p.device for p in self.model.parameters()), self.args.device)
+        # training: the train form (fp32 masters) whatever the policy's form
         self.policy_handle = apply_policy(self.model, policy, fp8_backend=fp8_backend,
-                                          device=device, force=force)
+                                          device=device, force=force, form="train")
 
     # -- accelerate: no global autocast, our scaler ---------------------------------------
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:

@@ -1,0 +1,219 @@
+"""The deploy form: each module's weights stored once in its precision, no autocast.
+
+What a deployment holds and runs is checked against what a user would write by hand:
+``model.to(torch.bfloat16)`` for a uniform plan, the per-layer dtypes of the rules for a
+mixed one, the quantised weight and its scales for a GEMM format; ``remove()`` gives the
+very same fp32 parameters back; a deployed ``state_dict()`` loads into a fresh model with
+the same policy applied; ``torch.compile`` computes what eager computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.apply.apply import apply_policy
+from autoprec.apply.stored import model_bytes
+from autoprec.cost import CostModel, get_profile
+from autoprec.errors import InputError, PolicyError, PolicyWarning
+from autoprec.loading import load_model_file
+from autoprec.policy import Policy, loads_policy
+from autoprec.trace import trace
+from tests import zoo
+
+pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Net(nn.Module):
+    """fc1 -> LayerNorm -> GELU -> fc2 -> fc3 (dims multiples of 32: every format fits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 128)
+        self.norm = nn.LayerNorm(128)
+        self.fc2 = nn.Linear(128, 64)
+        self.fc3 = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 64) -> (B, 32)
+        return self.fc3(self.fc2(nn.functional.gelu(self.norm(self.fc1(x)))))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+X = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+
+
+def test_default_bf16_is_exactly_model_to_bfloat16() -> None:
+    model = _net()
+    theirs = copy.deepcopy(model).to(torch.bfloat16)
+    with torch.no_grad():
+        want = theirs(X.to(torch.bfloat16))
+    with apply_policy(model, Policy(default="bf16", form="deploy")) as h, torch.no_grad():
+        got = model(X)
+        assert h.form == "deploy"
+        assert h.weight_bytes() == model_bytes(theirs)  # half of fp32's
+        assert {t.dtype for t in model.state_dict().values()} == {torch.bfloat16}
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+def test_remove_gives_the_same_parameter_objects_back() -> None:
+    model = _net()
+    before = {k: (id(p), p.detach().clone()) for k, p in model.named_parameters()}
+    handle = apply_policy(model, Policy(default="bf16", layers={"fc3": "fp8"}, form="deploy"))
+    assert model.fc1.weight.dtype == torch.bfloat16
+    assert model.fc3.weight.dtype == torch.float8_e4m3fn
+    handle.remove()
+    handle.remove()  # idempotent
+    after = dict(model.named_parameters())
+    assert set(after) == set(before)
+    for k, p in after.items():
+        assert id(p) == before[k][0], k
+        assert p.dtype == torch.float32 and torch.equal(p, before[k][1]), k
+    assert not hasattr(model.fc3, "weight_scale")  # the scale buffer is gone too
+    assert "weight_scale" not in dict(model.named_buffers())
+
+
+def test_each_layer_stores_its_own_dtype_and_the_audit_sees_it() -> None:
+    model = _net()
+    pol = Policy(default="fp32", layers={"fc1": "bf16", "fc2": "fp16", "fc3": "fp8"},
+                 form="deploy")
+    with apply_policy(model, pol) as h, torch.no_grad():
+        dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+        report = h.audit(lambda: model(X))
+    assert dtypes["fc1.weight"] == torch.bfloat16 and dtypes["fc1.bias"] == torch.bfloat16
+    assert dtypes["fc2.weight"] == torch.float16
+    assert dtypes["norm.weight"] == torch.float32  # the default's region: fp32
+    assert dtypes["fc3.weight"] == torch.float8_e4m3fn
+    assert dtypes["fc3.bias"] == torch.float32  # in its region's dtype
+    assert dtypes["fc3.weight_scale"] == torch.float32
+    assert {r.layer: r.computed for r in report.rows} == {
+        "fc1": "bf16", "fc2": "fp16", "fc3": "fp8"}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
+def test_a_gemm_format_holds_its_quantised_weight_not_a_fp32_copy(fmt: str) -> None:
+    """The deployed leaf computes what the train form's leaf computes (the same
+    quantisation, the weight quantised once), from the stored elements and scales."""
+    model = _net()
+    pol = {"default": "bf16", "layers": {"fc2": fmt}}
+    with apply_policy(model, Policy(**pol, form="train")), torch.no_grad():
+        train_out = model(X).float()
+    fp32_bytes = model_bytes(model)
+    with apply_policy(model, Policy(**pol, form="deploy")) as h, torch.no_grad():
+        deploy_out = model(X).float()
+        held = h.weight_bytes()
+        elements = model.fc2.weight
+    assert elements.dtype != torch.float32 and elements.element_size() == 1
+    # fc2's 128x64 weight at 1 byte (+ scales) instead of 4: every other tensor halved
+    assert held < fp32_bytes / 2
+    # the same arithmetic but for the region's own ops (bf16 tensors vs autocast's)
+    ref = (train_out - deploy_out).norm() / train_out.norm()
+    assert float(ref) < 0.02
+
+
+def test_a_deployed_state_dict_loads_into_a_model_with_the_same_policy(tmp_path: Path) -> None:
+    pol = Policy(default="bf16", layers={"norm": "fp32", "fc3": "fp8"}, form="deploy")
+    model = _net()
+    with apply_policy(model, pol), torch.no_grad():
+        want = model(X)
+        torch.save(model.state_dict(), tmp_path / "deployed.pt")
+    sd = torch.load(tmp_path / "deployed.pt")
+    assert sd["fc1.weight"].dtype == torch.bfloat16
+    assert sd["fc3.weight"].dtype == torch.float8_e4m3fn and "fc3.weight_scale" in sd
+    torch.manual_seed(123)
+    fresh = Net().eval()  # other random weights: everything comes from the file
+    with apply_policy(fresh, pol), torch.no_grad():
+        fresh.load_state_dict(sd)
+        got = fresh(X)
+    assert torch.equal(got, want)
+
+
+def test_without_masters_remove_restores_the_deployed_values_with_a_warning() -> None:
+    model = _net()
+    w = model.fc1.weight.detach().clone()
+    handle = apply_policy(model, Policy(default="bf16", form="deploy"), keep_masters=False)
+    with pytest.warns(PolicyWarning, match="masters were dropped"):
+        handle.remove()
+    assert isinstance(model.fc1.weight, nn.Parameter)
+    assert model.fc1.weight.dtype == torch.float32
+    assert torch.equal(model.fc1.weight, w.to(torch.bfloat16).float())  # rounded to bf16
+    assert not torch.equal(model.fc1.weight, w)
+
+
+def test_a_fp32_island_keeps_its_precision_past_its_output() -> None:
+    """mixed8's ``offset`` writes a signal on a +256 offset that the next LayerNorm
+    removes: in bf16 it drowns (3.4 %); a tf32 rule on ``offset`` alone keeps it, since its
+    fp32 output is not cast down for the bf16 norm (which normalises it in fp32)."""
+    spec = load_model_file(ROOT / "experiments" / "mixed8" / "model.py")
+    model, batches = spec.model(), spec.eval_batches()
+    with torch.no_grad():
+        ref = [model(b) for b in batches]
+
+    def error(pol: Policy) -> float:
+        with apply_policy(model, pol), torch.no_grad():
+            outs = [model(b).float() for b in batches]
+        num = sum(((o - r) ** 2).sum() for o, r in zip(outs, ref, strict=True))
+        return float((num / sum((r ** 2).sum() for r in ref)).sqrt())
+
+    assert error(Policy(default="bf16", form="deploy")) > 0.03
+    assert error(Policy(default="bf16", layers={"offset": "tf32"}, form="deploy")) < 0.01
+    assert error(Policy(default="bf16", layers={"offset": "fp16"}, form="deploy")) < 0.01
+
+
+def test_tied_weights_get_one_copy_per_dtype_and_the_estimate_counts_them() -> None:
+    case = zoo.gpt2()  # lm_head.weight is transformer.wte.weight
+    model, batch = case.model, case.batch
+    assert model.lm_head.weight is model.transformer.wte.weight
+    graph = trace(model, batch, tracers=("hooks",))
+    cost = CostModel(graph, get_profile("h100"))
+    for pol in (Policy(default="bf16", form="deploy"),
+                Policy(default="bf16", layers={"lm_head": "fp32"}, form="deploy")):
+        with apply_policy(model, pol) as h, torch.no_grad():
+            out = model(**batch).logits
+            held = h.weight_bytes()
+            tied = model.lm_head.weight is model.transformer.wte.weight
+        assert torch.isfinite(out).all()
+        assert tied == (not pol.layers)  # two dtypes: two tensors
+        assert cost.weight_bytes(pol) == pytest.approx(held, rel=0.01)
+
+
+def test_the_deploy_form_compiles_to_the_eager_numerics() -> None:
+    model = _net()
+    pol = Policy(default="bf16", layers={"norm": "fp32", "fc3": "fp8"}, form="deploy")
+    with apply_policy(model, pol), torch.no_grad():
+        eager = model(X)
+        compiled = torch.compile(model)(X)
+    assert compiled.dtype == eager.dtype
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    err = (compiled.float() - eager.float()).norm() / eager.float().norm()
+    assert float(err) < 5e-3
+
+
+def test_policy_form_is_read_written_and_checked() -> None:
+    text = "autoprec_policy: 1\ndefault: bf16\nform: deploy\n"
+    pol = loads_policy(text, "p.yaml")
+    assert pol.form == "deploy" and "form: deploy" in pol.dumps()
+    assert loads_policy("autoprec_policy: 1\ndefault: bf16\n").form == "train"  # older files
+    with pytest.raises(PolicyError, match=r"p.yaml: form: must be one of deploy, train"):
+        loads_policy("autoprec_policy: 1\ndefault: bf16\nform: fast\n", "p.yaml")
+    with pytest.raises(InputError, match="form must be one of"):
+        apply_policy(_net(), Policy(default="bf16"), form="serve")
+
+
+def test_the_form_argument_overrides_the_policy() -> None:
+    model = _net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with apply_policy(model, Policy(default="bf16", form="deploy"), form="train") as h:
+            assert h.form == "train"
+            assert model.fc1.weight.dtype == torch.float32  # masters: autocast casts per call
