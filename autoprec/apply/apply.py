@@ -37,7 +37,7 @@ from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.lower.forward import lowered_forward
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
-from autoprec.policy.resolve import Resolved, gemm_leaf_paths, module_table
+from autoprec.policy.modules import Resolved, gemm_leaf_paths, module_table
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BLOCK_SCALED, is_gemm_format
 from autoprec.targets import device_type
