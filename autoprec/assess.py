@@ -30,7 +30,7 @@ from autoprec.evaluate import Reference, Score, first_nonfinite_module, referenc
 from autoprec.loading import ModelSpec
 from autoprec.metrics import batch_size_of
 from autoprec.policy import Policy
-from autoprec.policy.resolve import Resolved
+from autoprec.policy.modules import Resolved
 from autoprec.trace import LayerGraph, trace
 
 

@@ -36,7 +36,7 @@ from autoprec.evaluate import reference, score
 from autoprec.loading import load_model_file
 from autoprec.plan import assignment
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
-from autoprec.policy.resolve import format_eligible
+from autoprec.policy.modules import format_eligible
 from autoprec.search.tune import tune
 from autoprec.trace import trace
 

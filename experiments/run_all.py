@@ -48,7 +48,7 @@ from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
 from autoprec.plan import assignment
 from autoprec.policy import Policy, gemm_leaf_paths
-from autoprec.policy.resolve import format_eligible
+from autoprec.policy.modules import format_eligible
 from autoprec.precisions import PRECISIONS
 from autoprec.search.tune import TuneResult, tune
 from autoprec.trace import trace

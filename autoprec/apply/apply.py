@@ -45,7 +45,7 @@ from autoprec.lower.forward import lowered_forward
 from autoprec.lower.stored import consumer_forward, deploy_forward
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
-from autoprec.policy.resolve import Resolved, gemm_leaf_paths, module_table
+from autoprec.policy.modules import Resolved, gemm_leaf_paths, module_table
 from autoprec.policy.schema import Policy
 from autoprec.precisions import (
     BLOCK_SCALED,

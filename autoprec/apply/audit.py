@@ -36,7 +36,7 @@ from autoprec.errors import CheckFailed
 from autoprec.fused import FUSED_OPS, has_fused_paths
 from autoprec.lower.forward import tf32_emulation_active
 from autoprec.paths import normalize_path, unwrap_model
-from autoprec.policy.resolve import Resolved, is_gemm_leaf
+from autoprec.policy.modules import Resolved, is_gemm_leaf
 from autoprec.policy.schema import Policy, PolicyWarning
 from autoprec.precisions import PRECISIONS
 

@@ -21,7 +21,10 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
     amax = torch.maximum(-lo, hi).clamp(min=1e-12)
     fmax = ELEM_MAX[dtype]
-    scale = fmax / amax
+    # one correctly rounded division, as the recipe reads: `fmax / amax` with a Python
+    # float on the left is torch's reciprocal-then-multiply (two roundings), a scale 1 ulp
+    # off that decides ties of the few-bit values a 16-bit gradient brings to e5m2
+    scale = torch.div(fmax, amax)
     q = (x * scale).clamp_(-fmax, fmax).to(dtype)
     return q, scale
 

@@ -46,7 +46,7 @@ import torch
 
 from autoprec.errors import PolicyError, warn
 from autoprec.paths import normalize_path, unwrap_model
-from autoprec.policy.resolve import (
+from autoprec.policy.modules import (
     Resolved,
     alias_paths,
     canonical_rules,

@@ -4,7 +4,7 @@ model. Which rule covers a module is decided by the compiled plan (``autoprec.pl
 
 from __future__ import annotations
 
-from autoprec.policy.resolve import (
+from autoprec.policy.modules import (
     Resolved,
     check_model,
     gemm_leaf_paths,

@@ -7,7 +7,7 @@ refer to, reasons, metrics, provenance.
 
 Validation names the first problem as ``FILE: KEY: rule``, e.g.
 ``p.yaml: layers['enc.0.q']: unknown precision 'fp12'; expected one of fp32, …``. Checks
-that need the model (paths, fingerprint, fp8 eligibility) live in resolve.py and run when
+that need the model (paths, fingerprint, fp8 eligibility) live in modules.py and run when
 ``load_policy`` is given one.
 """
 
@@ -25,6 +25,7 @@ import yaml
 from autoprec.errors import FingerprintMismatch, PolicyError, PolicyWarning
 from autoprec.fileio import MiB, atomic_write, brief, read_regular
 from autoprec.paths import normalize_path
+from autoprec.policy.modules import check_model
 from autoprec.precisions import FORMS, GEMM_FORMATS, LEGACY_FORM, PRECISIONS
 from autoprec.validate import MAX_BATCH_SIZE
 
@@ -159,12 +160,10 @@ class Policy:
 
     def validate(self, model: torch.nn.Module, force: bool = False) -> None:
         """Check the policy against ``model`` (paths, fingerprint, fp8 eligibility, shared
-        modules); see ``resolve.check_model``.
+        modules); see ``modules.check_model``.
 
         A fingerprint mismatch raises FingerprintMismatch unless ``force``; then it warns.
         """
-        from autoprec.policy.resolve import check_model  # resolve imports this module
-
         check_model(self, model, force=force)
 
 

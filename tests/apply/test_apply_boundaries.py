@@ -1,6 +1,8 @@
 """Every precision boundary, for every precision, forward and backward, against a hand
-reference with explicit casts (tests/apply/refs.py), at ``dtype_tols`` of the lowest
-precision involved.
+reference with explicit casts (tests/apply/refs.py) that rounds every layer at its own
+precision, compared at fp32's tolerance whatever the layers' precisions (``SAME``): a layer
+run in another precision than its rule's fails the comparison
+(tests/apply/test_wrong_precision_is_caught.py shows it for every case here).
 
 Hand semantics of one wrapped module (apply.py): a fp32/tf32 module upcasts 16-bit
 inputs; a bf16/fp16 module casts per op (autocast); leaving a wrapped module, 16-bit
@@ -11,6 +13,8 @@ caller's autocast dtype (fp32 outside autocast).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +22,8 @@ from torch import nn
 
 from autoprec.apply.apply import apply_policy
 from autoprec.policy import Policy
-from autoprec.precisions import PRECISIONS, dtype_tols, rank
-from tests.apply.refs import DTYPES, grads, ref_linear
+from autoprec.precisions import PRECISIONS, dtype_tols
+from tests.apply.refs import DTYPES, assert_same_numerics, grads, ref_linear
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
 
@@ -124,34 +128,37 @@ def hand_pair(m: nn.Module, first: nn.Linear, second: nn.Linear, x: torch.Tensor
 
 # -- checks ------------------------------------------------------------------------------
 
-def _lowest(pol: Policy) -> str:
-    return max(pol.precisions, key=rank)
+#: A case: the model, the policy its hand reference follows, and that reference.
+Case = tuple[nn.Module, Policy, Callable[[torch.Tensor], torch.Tensor]]
 
 
-def _check(model: nn.Module, pol: Policy, hand) -> None:
+def check(model: nn.Module, pol: Policy, hand: Callable[[torch.Tensor], torch.Tensor],
+          applied: Policy | None = None, target: str | None = None) -> None:
+    """``model`` under ``applied`` (default: ``pol``) computes what ``hand`` computes by
+    the rules of ``pol``, forward and backward, at :data:`SAME` (see refs.py): one layer
+    in another precision fails it. ``applied`` is how tests/apply/test_wrong_precision_is_caught.py
+    injects the wrong precision."""
     torch.manual_seed(1)
     x = torch.randn(2, 4, D)
     params = [p for _, p in model.named_parameters()]
-    tols = dtype_tols(_lowest(pol))
 
-    block = _lowest(pol) in ("mxfp8", "nvfp4")  # forward references only (see refs.py)
+    block = bool({"mxfp8", "nvfp4"} & set(pol.precisions))  # forward references only
     xr = x.clone().requires_grad_(not block)
     want = hand(xr)
     want_g = None if block else grads(want, [xr, *params])
 
     before = [(p.data_ptr(), p.dtype, p.detach().clone()) for p in params]
-    with apply_policy(model, pol):
+    with apply_policy(model, applied or pol, target=target):
         xa = x.clone().requires_grad_(not block)
         got = model(xa)
         got_g = None if block else grads(got, [xa, *params])
-    assert got.dtype == want.dtype
-    torch.testing.assert_close(got.float(), want.float(), **tols)
+    assert_same_numerics(got, want)
     if got_g is None:
         return
     for name, g, w in zip(["x", *[n for n, _ in model.named_parameters()]], got_g, want_g):
         assert g is not None and w is not None, name
         assert g.dtype == w.dtype == torch.float32, name  # fp32 master gradients
-        torch.testing.assert_close(g, w, **tols, msg=lambda m, n=name: f"grad {n}: {m}")
+        assert_same_numerics(g, w, f"grad {name}")
     # fp32 masters untouched: same storage, dtype and values
     for p, (ptr, dt, val) in zip(params, before):
         assert p.data_ptr() == ptr and p.dtype == dt == torch.float32
@@ -181,44 +188,63 @@ def _net_cases(p: str) -> dict[str, tuple[str, dict[str, str]]]:
     }
 
 
-@pytest.mark.parametrize("p", PRECISIONS)
-@pytest.mark.parametrize("case", list(_net_cases("bf16")))
-def test_net_boundaries(p: str, case: str) -> None:
+NET_CASES = list(_net_cases("bf16"))
+
+
+def net_case(p: str, case: str) -> Case:
     default, layers = _net_cases(p)[case]
     torch.manual_seed(0)
     net = Net()
     pol = Policy(default=default, layers=layers)
-    _check(net, pol, lambda x: hand_net(net, x, pol))
+    return net, pol, lambda x: hand_net(net, x, pol)
+
+
+def tied_case(p: str, default: str) -> Case:
+    torch.manual_seed(0)
+    m = Tied()
+    o = OTHER[p] if OTHER[p] != default else "fp16"
+    pol = Policy(default=default, layers={"t1": p, "t2": o})
+    return m, pol, lambda x: hand_pair(m, m.t1, m.t2, x, pol, p, o)
+
+
+def twice_case(p: str, default: str) -> Case:
+    torch.manual_seed(0)
+    m = Twice()
+    pol = Policy(default=default, layers={"lin": p})
+    return m, pol, lambda x: hand_pair(m, m.lin, m.lin, x, pol, p, p)
+
+
+def shared_case(p: str) -> Case:
+    torch.manual_seed(0)
+    m = Twice()
+    m.again = m.lin  # second path to the same module
+    pol = Policy(default="fp32", layers={"lin": p, "again": p})
+    return m, pol, lambda x: hand_pair(m, m.lin, m.lin, x, pol, p, p)
+
+
+@pytest.mark.parametrize("p", PRECISIONS)
+@pytest.mark.parametrize("case", NET_CASES)
+def test_net_boundaries(p: str, case: str) -> None:
+    check(*net_case(p, case))
 
 
 @pytest.mark.parametrize("p", PRECISIONS)
 @pytest.mark.parametrize("default", ["fp32", "bf16"])
 def test_tied_weights_two_precisions(p: str, default: str) -> None:
     """A weight used in two precisions in one outer region (the autocast-cache trap)."""
-    torch.manual_seed(0)
-    m = Tied()
-    o = OTHER[p] if OTHER[p] != default else "fp16"
-    pol = Policy(default=default, layers={"t1": p, "t2": o})
-    _check(m, pol, lambda x: hand_pair(m, m.t1, m.t2, x, pol, p, o))
+    check(*tied_case(p, default))
 
 
 @pytest.mark.parametrize("p", PRECISIONS)
 @pytest.mark.parametrize("default", ["fp32", "fp16"])
 def test_module_called_twice(p: str, default: str) -> None:
-    torch.manual_seed(0)
-    m = Twice()
-    pol = Policy(default=default, layers={"lin": p})
-    _check(m, pol, lambda x: hand_pair(m, m.lin, m.lin, x, pol, p, p))
+    check(*twice_case(p, default))
 
 
 @pytest.mark.parametrize("p", ["bf16", "fp16", "fp8"])
 def test_shared_module_under_two_paths(p: str) -> None:
     """A module registered under two paths computes in the one precision both give it."""
-    torch.manual_seed(0)
-    m = Twice()
-    m.again = m.lin  # second path to the same module
-    pol = Policy(default="fp32", layers={"lin": p, "again": p})
-    _check(m, pol, lambda x: hand_pair(m, m.lin, m.lin, x, pol, p, p))
+    check(*shared_case(p))
 
 
 def test_global_autocast_does_not_override_the_default() -> None:
@@ -244,18 +270,22 @@ class Cat(nn.Module):
         return torch.cat([self.x1(x), self.x2(x)], -1)
 
 
+def cat_case() -> Case:
+    torch.manual_seed(0)
+    m = Cat()
+    pol = Policy(default="bf16", layers={"x2": "fp16"})
+    return m, pol, lambda x: torch.cat([ref_linear(x, m.x1, "bf16").float(),
+                                        ref_linear(x, m.x2, "fp16").float()], -1)
+
+
 def test_bf16_then_fp16_outputs_meet_in_cat_as_on_cuda() -> None:
     """Outputs of fp16 and bf16 siblings meet in ``cat`` inside a bf16 region. Nothing is
     cast when they leave (an autocast caller casts at its consumers); CUDA's cat promotes
     bf16 with fp16 to fp32, and a CUDA target applied on a CPU runs it that way."""
-    m = Cat()
-    x = torch.randn(3, D)
-    with apply_policy(m, Policy(default="bf16", layers={"x2": "fp16"}), target="h100"):
-        y = m(x)
-    assert y.dtype == torch.float32
-    want = torch.cat([ref_linear(x, m.x1, "bf16").float(),
-                      ref_linear(x, m.x2, "fp16").float()], -1)
-    torch.testing.assert_close(y, want, **dtype_tols("bf16"))
+    m, pol, hand = cat_case()
+    with apply_policy(m, pol, target="h100"):
+        assert m(torch.randn(3, D)).dtype == torch.float32
+    check(m, pol, hand, target="h100")
 
 
 def test_bf16_and_fp16_in_a_cpu_promote_op_is_one_clear_error() -> None:
@@ -269,25 +299,27 @@ def test_bf16_and_fp16_in_a_cpu_promote_op_is_one_clear_error() -> None:
         m(torch.randn(3, D))
 
 
-def test_sdpa_with_q_k_v_from_three_precisions() -> None:
-    """SDPA in a fp32 block whose q, k, v come from fp16, bf16 and fp8 leaves."""
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
 
-    class Attn(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D), one head
+        return F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D), one head
-            return F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
 
+def sdpa_case() -> Case:
     torch.manual_seed(0)
     m = Attn()
-    x = torch.randn(2, 8, D)
     pol = Policy(default="fp32", layers={"q": "fp16", "k": "bf16", "v": "fp8"})
+    return m, pol, lambda x: F.scaled_dot_product_attention(
+        ref_linear(x, m.q, "fp16").float(), ref_linear(x, m.k, "bf16").float(),
+        ref_linear(x, m.v, "fp8"))
+
+
+def test_sdpa_with_q_k_v_from_three_precisions() -> None:
+    """SDPA in a fp32 block whose q, k, v come from fp16, bf16 and fp8 leaves."""
+    m, pol, hand = sdpa_case()
     with apply_policy(m, pol):
-        y = m(x)
-    want = F.scaled_dot_product_attention(ref_linear(x, m.q, "fp16").float(),
-                                          ref_linear(x, m.k, "bf16").float(),
-                                          ref_linear(x, m.v, "fp8"))
-    assert y.dtype == torch.float32
-    torch.testing.assert_close(y, want, **dtype_tols("fp8"))
+        assert m(torch.randn(2, 8, D)).dtype == torch.float32
+    check(m, pol, hand)

@@ -13,7 +13,7 @@ from autoprec.apply.apply import apply_policy
 from autoprec.apply.audit import AuditError
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
-from autoprec.policy.resolve import format_eligible
+from autoprec.policy.modules import format_eligible
 from autoprec.precisions import PRECISIONS
 from tests import zoo
 

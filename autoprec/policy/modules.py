@@ -1,5 +1,6 @@
-"""A policy against a model: its module paths, the checks of a policy's rules against
-them, and the record of one module's resolution.
+"""The model's modules as a policy sees them: their paths (aliases of a shared module
+included), which of them are GEMM leaves, the checks of a policy's rules against them
+(``check_model``, behind ``Policy.validate``), and the record of one module's resolution.
 
 Precedence (DESIGN.md): a rule covers its module and every child; the most specific path
 wins; ``default`` covers what no rule does. A GEMM format (fp8, mxfp8, nvfp4) is not an
@@ -10,14 +11,17 @@ context its own code runs in) and a *precision* (its region, or the format for a
 eligible leaf under a format rule). That decision is made in one place, the compiled plan
 (``autoprec.plan.compile``: ``compile_plan``, ``resolve``, ``assignment``); this module
 holds what it needs from the model and the checks that need no decision.
+
+The schema calls ``check_model`` (``Policy.validate``), so this module does not import the
+schema back: what it reads of a policy is the structural type :class:`PolicyRules`.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -28,15 +32,27 @@ from autoprec.paths import normalize_path, unwrap_model
 from autoprec.precisions import is_gemm_format
 from autoprec.trace.graph import fingerprint
 
-if TYPE_CHECKING:
-    from autoprec.policy.schema import Policy
-
 #: Leaf module types whose own forward is one GEMM/conv (what fp8 and the cost model price).
 _GEMM_LEAF_TYPES: tuple[type[torch.nn.Module], ...] = (
     torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd,
 )
 #: Linear-likes known by class name (no import of their library): HF GPT-2's Conv1D.
 _GEMM_LEAF_NAMES = ("Conv1D",)
+
+
+class PolicyRules(Protocol):
+    """What the checks here read of a policy (``autoprec.policy.schema.Policy``)."""
+
+    @property
+    def source(self) -> str: ...  # names the file in error messages
+    @property
+    def fingerprint(self) -> str | None: ...
+    @property
+    def layers(self) -> Mapping[str, str]: ...  # module path -> precision
+    @property
+    def locked(self) -> Sequence[str]: ...
+    @property
+    def reasons(self) -> Mapping[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -86,7 +102,7 @@ def alias_paths(model: torch.nn.Module) -> dict[str, str]:
             if normalize_path(p) != first[id(m)]}
 
 
-def canonical_rules(policy: Policy, aliases: Mapping[str, str]) -> dict[str, str]:
+def canonical_rules(policy: PolicyRules, aliases: Mapping[str, str]) -> dict[str, str]:
     """The policy's rules with every path written as its module's first path (``aliases``:
     :func:`alias_paths`).
 
@@ -123,7 +139,7 @@ def _short(fp: str) -> str:
     return fp[:19] + "…" if len(fp) > 20 else fp
 
 
-def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> None:
+def check_model(policy: PolicyRules, model: torch.nn.Module, force: bool = False) -> None:
     """Validate ``policy`` against ``model``; PolicyError names the first problem.
 
     Order: fingerprint (the most telling when the model changed), unknown paths, a rule
@@ -170,5 +186,5 @@ def check_model(policy: Policy, model: torch.nn.Module, force: bool = False) -> 
                                   f"{why}")
 
 
-__all__ = ["Resolved", "alias_paths", "canonical_rules", "check_model", "format_eligible",
+__all__ = ["PolicyRules", "Resolved", "alias_paths", "canonical_rules", "check_model", "format_eligible",
            "gemm_leaf_paths", "is_gemm_leaf", "module_table"]
