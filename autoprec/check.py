@@ -37,7 +37,7 @@ from autoprec.metrics import batch_size_of, iter_floats
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
 from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.report_json import Reason, audit_reasons, feasible, number, reasons_json, speedup
-from autoprec.targets import DEFAULT_TARGET
+from autoprec.targets import DEFAULT_TARGET, canonical_target
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
 
@@ -243,7 +243,7 @@ def check(
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
-    tgt = target or policy.target_device or DEFAULT_TARGET
+    tgt = canonical_target(target or policy.target_device or DEFAULT_TARGET)
     profile = get_profile(tgt)  # an unknown device is exit 2, before the long work
     net = spec.model()
     calib = spec.calibration_batches()

@@ -21,7 +21,7 @@ import typer
 
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
-from autoprec.targets import DEFAULT_TARGET
+from autoprec.targets import DEFAULT_TARGET, canonical_target
 
 #: The target tune prices for when neither --target nor the policy names one.
 
@@ -181,7 +181,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     spec = load_model_file(model)
     net = spec.model()
     pol = load_policy(policy_path, model=net, force=force)
-    device = target or pol.target_device or DEFAULT_TARGET
+    device = canonical_target(target or pol.target_device or DEFAULT_TARGET)
     get_profile(device)  # an unknown device is exit 2 before the long work
     # a local target is priced on this machine's calibration, as tune does (a profile
     # fitted on another CPU promised 1.82x for a policy that ran 0.56x here)

@@ -14,7 +14,7 @@ import typer
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 from autoprec.precisions import parse_precisions
-from autoprec.targets import DEFAULT_TARGET
+from autoprec.targets import DEFAULT_TARGET, canonical_target
 
 if TYPE_CHECKING:
     from autoprec.search.confirm_speed import SpeedCheck
@@ -64,6 +64,7 @@ def tune_cmd(
                     study_name=study_name, out=out, workers=workers, model=model,
                     mlflow_uri=None if no_track else mlflow_uri)
     parse_precisions(precisions)
+    target = canonical_target(target)  # --target CPU is cpu (the name of the policy file too)
     if report is not None:
         from autoprec.extras import require
         from autoprec.paths import check_dir

@@ -472,6 +472,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       seconds=time.monotonic() - started, front=front_pols,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
                       graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
+                      + _one_liner_note(prep, policy, speed)
                       + ([prep.source.note] if prep.source is not None else []),
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
@@ -503,6 +504,42 @@ def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
         pols.append(fp)
         paths.append(path)
     return pols, paths
+
+
+#: Estimates this close (relative) read as "the same speed" to a person.
+SAME_SPEED = 0.005
+
+
+def _one_liner_note(prep: Prepared, policy: Policy, speed: Any) -> list[str]:
+    """A policy with rules estimated as fast as a one-line baseline within budget: say why
+    the one line is not the same plan (compaction would have written it otherwise) — which
+    modules it would put in another precision."""
+    if not policy.layers or speed is None:
+        return []
+    est = policy.metrics.get("est_speedup")
+    for row in speed.rows:
+        if (row.role != "baseline" or row.policy is None or not row.feasible
+                or row.est_speedup is None or est is None
+                or abs(row.est_speedup - est) > SAME_SPEED * est):
+            continue
+        base = row.policy.default
+        diff = compact.differences(prep.cost, (policy.default, policy.layers), (base, {}))
+        if not diff:
+            continue
+        where = ", ".join(f"{_module_words(prep, p)} ({a} here)" for p, a, _b in diff[:4])
+        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+        return [f"the one line `default: {base}` ({row.name}) is estimated as fast "
+                f"({row.est_speedup:.2f}x) but is not the same plan, so it is not what was "
+                f"written: it would also run {where}{more} in {base}"]
+    return []
+
+
+def _module_words(prep: Prepared, path: str) -> str:
+    if not path:
+        return "the model's own code"
+    if path in {n.path for n in prep.graph.gemm_nodes}:
+        return path
+    return f"the ops of {path} outside its GEMM layers"
 
 
 def _launch_note(prep: Prepared, space: SearchSpace, cfg: TuneConfig) -> list[str]:
