@@ -260,17 +260,22 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
     from autoprec.metrics import batch_size_of
     from autoprec.policy import Policy
     from autoprec.search.confirm_speed import BASELINES, Row, check_speed, label, measure_rows
+    from autoprec.trace.graph import fingerprint
 
     def ok(err: float) -> bool:
         return budget is not None and err <= float(budget)
 
     rows = [Row("policy", "tuned", pol, value, ok(value) or budget is None,
                 cost.speedup(pol))]
+    # the baselines are built here, for this model: its fingerprint, so that applying them
+    # warns of nothing (a fingerprint-less one warned "model.fingerprint: missing … (normal
+    # for a hand-written policy)" about a file the user never wrote)
+    model_id = {"fingerprint": fingerprint(net)}
     for p in BASELINES:
         if not cost.profile.supports(p)[0]:
             rows.append(Row(label(p), "baseline", None, why_not=f"not on {device}"))
             continue
-        base = Policy(default=p)
+        base = Policy(default=p, model=model_id)
         err = 0.0
         if p != "fp32":
             with apply_policy(net, base, target=device):
