@@ -172,8 +172,8 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     from autoprec.cost import get_profile
     from autoprec.loading import load_model_file
     from autoprec.policy import load_policy
+    from autoprec.report_json import batch_size_from, reasons_json, speedup, verdict_reasons
     from autoprec.report_json import feasible as feasible_rule
-    from autoprec.report_json import reasons_json, speedup, verdict_reasons
     from autoprec.search.local_profile import speed_source
     from autoprec.validate import check_batch_size
 
@@ -226,7 +226,8 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     out.update({
         "budget": budget, "within_budget": within,
         "est_speedup": speedup(est, runnable=not infeasible), "feasible": feasible,
-        "target": device, "batch_size": bs, "mode": mode,
+        "target": device, "batch_size": bs,
+        "batch_size_from": batch_size_from(batch_size, pol.batch_size), "mode": mode,
         "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
         "fp8_backend": fp8_backend,
         "reasons": reasons_json(why_not),
@@ -298,6 +299,7 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
 
 def _print_summary(s: dict[str, Any]) -> None:
     from autoprec.cost.model import PARTS
+    from autoprec.report_json import batch_size_words
     from autoprec.search.confirm_speed import format_rows
 
     rows = [(r["layer"], r["rule"], r["precision"], r["computed"],
@@ -313,7 +315,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     est = "-" if s["est_speedup"] is None else f"{s['est_speedup']:.2f}x"
     feasible = "unknown (no budget)" if s["feasible"] is None else str(s["feasible"]).lower()
     typer.echo(f"{what} vs fp32 on the eval data ({budget}); est. speed-up "
-               f"{est} on {s['target']} at batch size {s['batch_size']}; "
+               f"{est} on {s['target']} at "
+               f"{batch_size_words(s['batch_size'], s['batch_size_from'])}; "
                f"feasible: {feasible}")
     b = s["breakdown"]
     total = b["total_us"] or 1.0

@@ -14,6 +14,7 @@ import typer
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 from autoprec.precisions import parse_precisions
+from autoprec.report_json import batch_size_from, batch_size_words
 from autoprec.targets import DEFAULT_TARGET, canonical_target
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ def tune_cmd(
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
     summary = _summary(result, target, compile_mode)
+    summary["batch_size_from"] = batch_size_from(batch_size)
     if json_out:
         print(json.dumps(summary, indent=2))
     else:
@@ -138,10 +140,11 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
         print(f"  {k:<50} {v}")
     measured = summary["measured_speedup"]
     print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
-          f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''}"
+          f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''} at "
+          f"{batch_size_words(summary['batch_size'], summary['batch_size_from'])}"
           + (f", measured {measured:.2f}x here" if measured is not None else "")
-          + f" ({summary['est_casts']} casts per "
-          f"forward), {result.trials} trials, {result.evaluations:.1f} evaluations, "
+          + f", {summary['est_casts']} casts per "
+          f"forward, {result.trials} trials, {result.evaluations:.1f} evaluations, "
           f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
                                       f"{result.measured} measured)"
                                       if result.complete else ""))
