@@ -180,15 +180,19 @@ def _print_speed(speed: SpeedCheck) -> None:
 def _next_steps(model: Path, result: object, target: str, tracker: object) -> None:
     """What to do with the policy: check it, see where the time goes, apply it; where the
     MLflow run is."""
+    from autoprec.cli.runnable import autoprec_command, tool_command
+
     path = result.path  # type: ignore[attr-defined]
-    print(f"next: autoprec check {model} --policy {path}      # the CI gate, on eval data")
-    print(f"      autoprec eval {model} --policy {path} --target {target}   # where the "
+    cmd = autoprec_command()  # as it runs from here: .venv/bin/autoprec when not activated
+    print(f"next: {cmd} check {model} --policy {path}      # the CI gate, on eval data")
+    print(f"      {cmd} eval {model} --policy {path} --target {target}   # where the "
           "time goes")
     print(f'      python: autoprec.apply_policy(model, "{path}")')
     run_id = result.policy.provenance.get("mlflow_run")  # type: ignore[attr-defined]
     if run_id:
         where = getattr(tracker, "run_url", None) or (
-            f"mlflow ui --backend-store-uri {getattr(tracker, 'shown_uri', '')}")
+            f"{tool_command('mlflow')} ui --backend-store-uri "
+            f"{getattr(tracker, 'shown_uri', '')}")
         print(f"      MLflow run {run_id}: {where}")
 
 
