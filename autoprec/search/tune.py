@@ -62,7 +62,7 @@ from autoprec.search.storage import (
 from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
-from autoprec.track import NullTracker, Tracker, log_tune_artifacts
+from autoprec.track import NullTracker, PlotPlans, Tracker, log_tune_artifacts
 from autoprec.validate import check_out_not_input
 
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
@@ -99,6 +99,7 @@ class TuneResult:
     report: list[Path] = field(default_factory=list)  # files tune(report=DIR) wrote
     priced: int = 0  # plans the planner priced (the candidates it considered)
     measured: int = 0  # distinct plans measured on the model (this study, all runs)
+    plot_plans: Any = None  # track.PlotPlans: what pareto.png shows beside the trials
 
 
 # -- stage 1: prepare ---------------------------------------------------------------------
@@ -457,10 +458,12 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                          "trials": search.driver.ran})
     import pandas as pd
 
+    plans = _plot_plans(prep, search, speed, chosen)
     log_tune_artifacts(tracker, policy_path=prep.out_path, sensitivity=sens,
                        trials=pd.DataFrame(rows), layers=_per_layer(prep, space, policy),
                        chosen_trial=chosen.number, budget=cfg.budget,
-                       workdir=prep.out_path.parent / ".autoprec" / search.study_name)
+                       workdir=prep.out_path.parent / ".autoprec" / search.study_name,
+                       plans=plans)
     for p in front_paths:
         tracker.log_artifact(p, "front")
     tracker.finish("FINISHED")
@@ -476,7 +479,24 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       + ([prep.source.note] if prep.source is not None else []),
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
-                      measured=len(search.driver.by_key))
+                      measured=len(search.driver.by_key), plot_plans=plans)
+
+
+def _plot_plans(prep: Prepared, search: Search, speed: Any, chosen: Any) -> PlotPlans:
+    """pareto.png's alternatives: every plan the planner priced (its predicted error, as
+    corrected by the measured ones; not for a metric budget, whose units the predictions
+    do not share), fp32 and the one-liners as the last step scored them, the chosen plan."""
+    import pandas as pd
+
+    planner = search.planner
+    priced = None
+    if planner.prune and len(planner.times):
+        priced = (planner.preds * planner.correction, prep.cost.fp32_time / planner.times)
+    rows = [{"plan": r.name, "error": r.error, "est_speedup": r.est_speedup}
+            for r in (speed.rows if speed is not None else [])
+            if r.role == "baseline" and r.error is not None and r.est_speedup is not None]
+    return PlotPlans(priced=priced, baselines=pd.DataFrame(rows) if rows else None,
+                     chosen=(chosen.calib.error, chosen.calib.est_speedup))
 
 
 def _per_layer(prep: Prepared, space: SearchSpace, policy: Policy) -> dict[str, str]:
