@@ -53,6 +53,7 @@ def test_python_dash_m_is_shown_as_python_dash_m(monkeypatch) -> None:
         shlex.split(cmd)[0] == Path(sys.executable).name
 
 
+@pytest.mark.slow
 def test_the_printed_check_command_runs(tmp_path: Path) -> None:
     """End to end, the way the README runs it: tune through the venv's own `autoprec`
     script (not on PATH), then the `next:` check line exactly as printed."""
