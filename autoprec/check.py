@@ -36,8 +36,16 @@ from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of, iter_floats
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
 from autoprec.precisions import FORMATS, PRECISIONS
-from autoprec.report_json import Reason, audit_reasons, feasible, number, reasons_json, speedup
-from autoprec.targets import DEFAULT_TARGET
+from autoprec.report_json import (
+    Reason,
+    audit_reasons,
+    batch_size_from,
+    feasible,
+    number,
+    reasons_json,
+    speedup,
+)
+from autoprec.targets import DEFAULT_TARGET, canonical_target
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
 
@@ -64,6 +72,7 @@ class CheckResult:
     est_speedup: float | None = None  # over all-fp32 on the target; None: cannot run there
     target: str = DEFAULT_TARGET
     batch_size: int | None = None
+    batch_size_from: str = "calibration batch"  # "--batch-size" | "policy" | this
     mode: str = "eager"  # deployment mode priced: eager / compile (torch.compile)
     fingerprint_match: bool | None = None  # None: the policy has no fingerprint
     notes: list[str] = field(default_factory=list)  # warnings that did not fail the gate
@@ -99,8 +108,8 @@ class CheckResult:
         out.update(
             budget=self.budget, budget_kind=self.budget_kind, budget_source=self.budget_source,
             est_speedup=number(self.est_speedup), feasible=self.feasible, target=self.target,
-            batch_size=self.batch_size, mode=self.mode, form=self.form,
-            weight_bytes=self.weight_bytes, passed=self.passed,
+            batch_size=self.batch_size, batch_size_from=self.batch_size_from, mode=self.mode,
+            form=self.form, weight_bytes=self.weight_bytes, passed=self.passed,
             reasons=reasons_json(self.reasons), notes=list(self.notes),
             fingerprint_match=self.fingerprint_match, nonfinite=self.nonfinite,
             eval_batches=self.eval_batches, model=self.model, policy=self.policy,
@@ -246,7 +255,7 @@ def check(
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
-    tgt = target or policy.target_device or DEFAULT_TARGET
+    tgt = canonical_target(target or policy.target_device or DEFAULT_TARGET)
     profile = get_profile(tgt)  # an unknown device is exit 2, before the long work
     net = spec.model()
     calib = spec.calibration_batches()
@@ -254,6 +263,7 @@ def check(
     result = CheckResult(model=str(spec.path), policy=policy.source, passed=False, reasons=[],
                          budget_kind=kind, budget=budget, budget_source=source, error=None,
                          target=tgt, batch_size=bs,
+                         batch_size_from=batch_size_from(batch_size, policy.batch_size),
                          mode=policy.mode if compile is None else
                          ("compile" if compile else "eager"))
     reasons, notes = result.reasons, result.notes

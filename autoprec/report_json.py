@@ -12,6 +12,9 @@
   when no budget is known (a hand-written policy given to ``eval``) and nothing else fails.
 - ``est_speedup``: over all-fp32 on the target; ``null`` when the target cannot run the
   policy (there is no speed to estimate).
+- ``batch_size_from``: where ``batch_size`` (the batch the speed is priced at) came from:
+  ``"--batch-size"``, ``"policy"`` (its ``target.batch_size``) or ``"calibration batch"``
+  (the leading dimension of calibration_data()'s first batch).
 - Numbers: JSON has no inf/nan; they are written as the strings ``"inf"``, ``"-inf"``,
   ``"nan"`` (as tune's ``--json`` does).
 """
@@ -93,6 +96,21 @@ def speedup(est: float | None, *, runnable: bool, digits: int = 4) -> float | No
     return round(float(est), digits)
 
 
+def batch_size_from(given: int | None, recorded: int | None = None) -> str:
+    """Where the priced batch size came from (``batch_size_from`` above)."""
+    if given is not None:
+        return "--batch-size"
+    return "policy" if recorded is not None else "calibration batch"
+
+
+def batch_size_words(batch_size: Any, source: str) -> str:
+    """"batch size 8 (the calibration batch's; ...)" for people: the size and its source."""
+    why = {"--batch-size": "--batch-size", "policy": "the policy's target.batch_size",
+           "calibration batch": "the calibration batch's; give the deployment's with "
+           "--batch-size N"}.get(source, source)
+    return f"batch size {batch_size} ({why})"
+
+
 def number(x: Any) -> Any:
     """A float for JSON: inf/nan as strings; anything else unchanged."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -100,5 +118,5 @@ def number(x: Any) -> Any:
     return x
 
 
-__all__ = ["Reason", "audit_reasons", "feasible", "number", "reasons_json", "speedup",
+__all__ = ["Reason", "audit_reasons", "batch_size_from", "batch_size_words", "feasible", "number", "reasons_json", "speedup",
            "verdict_reasons"]

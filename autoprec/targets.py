@@ -13,9 +13,16 @@ from __future__ import annotations
 DEFAULT_TARGET = "h100"
 
 
+def canonical_target(name: str) -> str:
+    """The one spelling of a target name: profile names are lower case, and a user's
+    ``--target CPU`` or ``H100`` means the same device (it used to tune a second time, into
+    ``policies/<name>-CPU.yaml`` with ``device: CPU`` and another plan)."""
+    return name.strip().lower()
+
+
 def device_type(target: str) -> str:
     """"cpu" for the cpu profiles (and "cpu"), "cuda" for every GPU profile (and "cuda")."""
-    return "cpu" if target == "cpu" or target.startswith("cpu") else "cuda"
+    return "cpu" if canonical_target(target).startswith("cpu") else "cuda"
 
 
-__all__ = ["DEFAULT_TARGET", "device_type"]
+__all__ = ["DEFAULT_TARGET", "canonical_target", "device_type"]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from autoprec.policy import load_policy
 
@@ -73,10 +74,13 @@ def _cli_options(spellings: bool = False) -> dict[str, set[str]]:
 
     _register()
     group = typer.main.get_command(app)
-    return {name: {o for p in cmd.params
-                   if p.param_type_name == "option" and p.opts[0] != "--help"
-                   for o in ([*p.opts, *p.secondary_opts] if spellings else p.opts[:1])}
-            for name, cmd in group.commands.items()}
+
+    def options(cmd) -> set[str]:
+        return {o for p in cmd.params if p.param_type_name == "option" and p.opts[0] != "--help"
+                for o in ([*p.opts, *p.secondary_opts] if spellings else p.opts[:1])}
+
+    # "": the options of `autoprec` itself (--version)
+    return {"": options(group), **{name: options(cmd) for name, cmd in group.commands.items()}}
 
 
 def _synopsis() -> dict[str, set[str]]:
@@ -86,8 +90,9 @@ def _synopsis() -> dict[str, set[str]]:
     for line in block.splitlines():
         text = line.split("#", 1)[0]
         if line.startswith("autoprec "):
-            command = line.split()[1]
-            out[command] = set()
+            word = line.split()[1]
+            command = "" if word.startswith("--") else word  # "": autoprec's own options
+            out.setdefault(command, set())
         assert command is not None, line
         out[command] |= set(re.findall(r"--[a-z][a-z0-9-]*", text))
     return out
@@ -138,3 +143,80 @@ def test_the_first_command_leaves_the_checkout_clean(tmp_path: Path) -> None:
     assert (clone / out).is_file() and f"`{out}`" in README
     assert (clone / "quickstart" / "studies" / "mixed8.db").is_file()
     load_policy(clone / out)
+
+
+def test_the_model_py_contract_names_what_loading_reads() -> None:
+    """The model.py block lists every name autoprec reads from model.py, MODEL_NAME too
+    (the README used policies/<MODEL_NAME>-<target>.yaml without saying what it was), and
+    the rule MODEL_NAME must follow is loading's."""
+    import inspect
+
+    from autoprec import loading
+
+    (block,) = _blocks("python", "model.py")
+    names = set(re.findall(r"^def (\w+)\(", block, flags=re.M))
+    names |= set(re.findall(r"^([A-Z_]+) = ", block, flags=re.M))
+    read = set(re.findall(r'fn\("(\w+)"', inspect.getsource(loading.load_model_file)))
+    read |= set(re.findall(r'getattr\(module, "(\w+)"', inspect.getsource(loading)))
+    assert read == names, (sorted(read - names), sorted(names - read))
+    section = " ".join(README[README.index("\n## model.py\n"):
+                              README.index("\n## Command line\n")].split())
+    assert "policies/<MODEL_NAME>-<target>.yaml" in section
+    assert "must be a plain name" in section and "at most 100 characters" in section
+    assert loading._PLAIN_NAME.fullmatch("a" * 100) and not loading._PLAIN_NAME.fullmatch("a" * 101)
+    assert not loading._PLAIN_NAME.fullmatch(".hidden") and not loading._PLAIN_NAME.fullmatch("a/b")
+
+
+def test_the_ci_example_runs_the_check_the_readme_names() -> None:
+    """examples/github-actions/autoprec-check.yml parses as a workflow, installs autoprec
+    and runs the `autoprec check` line the README's CI section shows (a failing check,
+    exit 1, fails the step: GitHub runs `run:` under `bash -e`)."""
+    workflow = yaml.safe_load((ROOT / "examples" / "github-actions"
+                               / "autoprec-check.yml").read_text())
+    assert isinstance(workflow, dict) and workflow["jobs"]
+    assert workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on:` as True
+    steps = [st for job in workflow["jobs"].values() for st in job["steps"]]
+    runs = [line.strip() for st in steps for line in str(st.get("run", "")).splitlines()]
+    checks = [r for r in runs if r.startswith("autoprec check ")]
+    assert len(checks) == 1, runs
+    assert any("pip install" in r for r in runs[:runs.index(checks[0])])
+    (shown,) = [b.strip() for b in _blocks("bash", "In CI: a pre-deployment gate")]
+    assert shown == checks[0]
+    args = shown.split()
+    model, policy = args[2], args[args.index("--policy") + 1]
+    assert (ROOT / model).is_file() and (ROOT / policy).is_file()
+    assert "examples/github-actions/autoprec-check.yml" in README
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_results_links_reach_the_moved_sections() -> None:
+    """The results moved to experiments/results/README.md: every link into it names one of
+    its sections, the plot it shows is there, and it says which CPU made each table."""
+    results = (ROOT / "experiments" / "results" / "README.md").read_text()
+    anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", results, flags=re.M)}
+    links = re.findall(r"\]\(experiments/results/README\.md#([\w-]+)\)", README)
+    links += re.findall(r"\]\(#([\w-]+)\)", results)
+    assert links
+    assert not [a for a in links if a not in anchors], sorted(anchors)
+    for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", results):
+        assert (ROOT / "experiments" / "results" / image).is_file(), image
+    for cpu in ("AMD EPYC", "Intel Xeon with AMX-BF16", "Intel Xeon without AMX"):
+        assert cpu in " ".join(results.split()) and cpu in " ".join(README.split()), cpu
+    assert (ROOT / "docs" / "robustness.md").is_file() and "docs/robustness.md" in README
+
+
+def test_the_readme_says_where_the_caches_and_the_report_go() -> None:
+    """The paths the first command writes, as the code names them (the README said the
+    calibration cache was `.autoprec/calibration/`; it is beside the policy)."""
+    from autoprec.search.local_profile import calibration_dir
+
+    out = Path("quickstart/mixed8-h100.yaml")
+    assert calibration_dir(out).as_posix() == "quickstart/.autoprec/calibration"
+    for path in ("quickstart/studies/mixed8.db", "quickstart/.autoprec/probe-cache/",
+                 "quickstart/.autoprec/calibration/",
+                 "quickstart/.autoprec/mixed8-h100-max_error0.03-<hash>/"):
+        assert f"`{path}`" in README, path

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from autoprec.cli import target_names
+from autoprec.report_json import batch_size_words
 
 
 def check_cmd(
@@ -61,7 +62,8 @@ def _print(d: dict[str, Any]) -> None:
         measure = f"error {_fmt(d['error'])}"
     typer.echo(f"{measure}, budget {d['budget']:g} ({d['budget_source']}), on "
                f"{d['eval_batches']} eval batches")
-    typer.echo(f"target {d['target'] or '-'} at batch size {d['batch_size']}: est. speed-up "
+    typer.echo(f"target {d['target'] or '-'} at "
+               f"{batch_size_words(d['batch_size'], d['batch_size_from'])}: est. speed-up "
                f"{_fmt(d['est_speedup'], '.2f')}x; feasible: {str(d['feasible']).lower()}")
     for n in d["notes"]:
         typer.echo(f"note: {n}")

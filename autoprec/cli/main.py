@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -28,6 +28,22 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from autoprec import __version__
+
+        print(f"autoprec {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print autoprec's version and exit.")] = False,
+) -> None:
+    """Automatic per-layer precision tuning for PyTorch models."""
 
 
 def _register() -> None:

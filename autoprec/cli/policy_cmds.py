@@ -21,7 +21,7 @@ import typer
 
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
-from autoprec.targets import DEFAULT_TARGET
+from autoprec.targets import DEFAULT_TARGET, canonical_target
 
 #: The target tune prices for when neither --target nor the policy names one.
 
@@ -172,8 +172,8 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     from autoprec.cost import get_profile
     from autoprec.loading import load_model_file
     from autoprec.policy import load_policy
+    from autoprec.report_json import batch_size_from, reasons_json, speedup, verdict_reasons
     from autoprec.report_json import feasible as feasible_rule
-    from autoprec.report_json import reasons_json, speedup, verdict_reasons
     from autoprec.search.local_profile import speed_source
     from autoprec.validate import check_batch_size
 
@@ -181,7 +181,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     spec = load_model_file(model)
     net = spec.model()
     pol = load_policy(policy_path, model=net, force=force)
-    device = target or pol.target_device or DEFAULT_TARGET
+    device = canonical_target(target or pol.target_device or DEFAULT_TARGET)
     get_profile(device)  # an unknown device is exit 2 before the long work
     # a local target is priced on this machine's calibration, as tune does (a profile
     # fitted on another CPU promised 1.82x for a policy that ran 0.56x here)
@@ -226,8 +226,9 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     out.update({
         "budget": budget, "within_budget": within,
         "est_speedup": speedup(est, runnable=not infeasible), "feasible": feasible,
-        "target": device, "batch_size": bs, "mode": mode, "form": pol.form,
-        "weight_bytes": cost.weight_bytes(pol),
+        "target": device, "batch_size": bs,
+        "batch_size_from": batch_size_from(batch_size, pol.batch_size), "mode": mode,
+        "form": pol.form, "weight_bytes": cost.weight_bytes(pol),
         "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
         "fp8_backend": fp8_backend,
         "reasons": reasons_json(why_not),
@@ -268,17 +269,22 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
         label,
         measure_rows,
     )
+    from autoprec.trace.graph import fingerprint
 
     def ok(err: float) -> bool:
         return budget is not None and err <= float(budget)
 
     rows = [Row("policy", "tuned", pol, value, ok(value) or budget is None,
                 cost.speedup(pol), weight_bytes=cost.weight_bytes(pol))]
+    # the baselines are built here, for this model: its fingerprint, so that applying them
+    # warns of nothing (a fingerprint-less one warned "model.fingerprint: missing … (normal
+    # for a hand-written policy)" about a file the user never wrote)
+    model_id = {"fingerprint": fingerprint(net)}
     for p, form in BASELINES:
         if not cost.profile.supports(p)[0]:
             rows.append(Row(label(p, form), "baseline", None, why_not=f"not on {device}"))
             continue
-        base = Policy(default=p, form=form)
+        base = Policy(default=p, form=form, model=model_id)
         err = 0.0
         if p != "fp32":
             try:
@@ -306,6 +312,7 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
 
 def _print_summary(s: dict[str, Any]) -> None:
     from autoprec.cost.model import PARTS
+    from autoprec.report_json import batch_size_words
     from autoprec.search.confirm_speed import format_rows
 
     rows = [(r["layer"], r["rule"], r["precision"], r["computed"],
@@ -321,7 +328,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     est = "-" if s["est_speedup"] is None else f"{s['est_speedup']:.2f}x"
     feasible = "unknown (no budget)" if s["feasible"] is None else str(s["feasible"]).lower()
     typer.echo(f"{what} vs fp32 on the eval data ({budget}); est. speed-up "
-               f"{est} on {s['target']} at batch size {s['batch_size']}; "
+               f"{est} on {s['target']} at "
+               f"{batch_size_words(s['batch_size'], s['batch_size_from'])}; "
                f"feasible: {feasible}")
     b = s["breakdown"]
     total = b["total_us"] or 1.0

@@ -14,7 +14,8 @@ import typer
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 from autoprec.precisions import parse_precisions
-from autoprec.targets import DEFAULT_TARGET
+from autoprec.report_json import batch_size_from, batch_size_words
+from autoprec.targets import DEFAULT_TARGET, canonical_target
 
 if TYPE_CHECKING:
     from autoprec.search.confirm_speed import SpeedCheck
@@ -66,6 +67,7 @@ def tune_cmd(
                     study_name=study_name, out=out, workers=workers, model=model,
                     mlflow_uri=None if no_track else mlflow_uri)
     parse_precisions(precisions)
+    target = canonical_target(target)  # --target CPU is cpu (the name of the policy file too)
     if report is not None:
         from autoprec.extras import require
         from autoprec.paths import check_dir
@@ -97,6 +99,7 @@ def tune_cmd(
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
     summary = _summary(result, target, compile_mode)
+    summary["batch_size_from"] = batch_size_from(batch_size)
     if json_out:
         print(json.dumps(summary, indent=2))
     else:
@@ -141,10 +144,12 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
         print(f"  {k:<50} {v}")
     measured = summary["measured_speedup"]
     print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
-          f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''}"
+          f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''} at "
+          f"{batch_size_words(summary['batch_size'], summary['batch_size_from'])}"
           + (f", measured {measured:.2f}x here" if measured is not None else "")
-          + f" ({summary['est_casts']} casts per forward, weights "
-          f"{(summary['weight_bytes'] or 0) / 1e6:.1f} MB), {result.trials} trials, {result.evaluations:.1f} evaluations, "
+          + f", {summary['est_casts']} casts per forward, weights "
+          f"{(summary['weight_bytes'] or 0) / 1e6:.1f} MB, {result.trials} trials, "
+          f"{result.evaluations:.1f} evaluations, "
           f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
                                       f"{result.measured} measured)"
                                       if result.complete else ""))
@@ -180,15 +185,19 @@ def _print_speed(speed: SpeedCheck) -> None:
 def _next_steps(model: Path, result: object, target: str, tracker: object) -> None:
     """What to do with the policy: check it, see where the time goes, apply it; where the
     MLflow run is."""
+    from autoprec.cli.runnable import autoprec_command, tool_command
+
     path = result.path  # type: ignore[attr-defined]
-    print(f"next: autoprec check {model} --policy {path}      # the CI gate, on eval data")
-    print(f"      autoprec eval {model} --policy {path} --target {target}   # where the "
+    cmd = autoprec_command()  # as it runs from here: .venv/bin/autoprec when not activated
+    print(f"next: {cmd} check {model} --policy {path}      # the CI gate, on eval data")
+    print(f"      {cmd} eval {model} --policy {path} --target {target}   # where the "
           "time goes")
     print(f'      python: autoprec.apply_policy(model, "{path}")')
     run_id = result.policy.provenance.get("mlflow_run")  # type: ignore[attr-defined]
     if run_id:
         where = getattr(tracker, "run_url", None) or (
-            f"mlflow ui --backend-store-uri {getattr(tracker, 'shown_uri', '')}")
+            f"{tool_command('mlflow')} ui --backend-store-uri "
+            f"{getattr(tracker, 'shown_uri', '')}")
         print(f"      MLflow run {run_id}: {where}")
 
 

@@ -81,20 +81,31 @@ def select_layers(model: nn.Module, graph: LayerGraph, precisions: Sequence[str]
     for node in chosen:
         module = modules[node.path]
         disallowed = {p: f"{p}: {node.disallowed[p]}" for p in precisions if p in node.disallowed}
+        prefix = node.path + "." if node.path else ""
+        inner = [modules[p] for p in gemm_paths if p != node.path and p.startswith(prefix)]
         for f in GEMM_FORMATS:
             if f in precisions and f not in disallowed:
                 why = ineligible_reason(module, f)
                 if why is not None:
-                    disallowed[f] = (f"{why}; a {f} rule here lowers the Linear layers inside"
+                    disallowed[f] = (_container_reason(f, module, inner)
                                      if node.kind in ("attention", "matmul") else why)
-        prefix = node.path + "." if node.path else ""
-        inner = [modules[p] for p in gemm_paths if p != node.path and p.startswith(prefix)]
         out.append(ProbeLayer(
             path=node.path, module=module, kind=node.kind,
             precisions=tuple(p for p in precisions if p not in disallowed),
             disallowed=disallowed, inner_gemms=inner, pure=_is_pure(module),
         ))
     return out
+
+
+def _container_reason(fmt: str, module: nn.Module, inner: list[nn.Module]) -> str:
+    """Why a module whose own code runs matmuls (attention) is not a fp8 choice itself,
+    in one statement: the format lowers Linear leaves, so a rule on it reaches those."""
+    n = sum(1 for m in inner
+            if next(iter(m.children()), None) is None and ineligible_reason(m, fmt) is None)
+    reach = (f"a {fmt} rule on this {type(module).__name__} lowers its {n} eligible Linear "
+             f"layer{'s' if n != 1 else ''}" if n else
+             f"a {fmt} rule on this {type(module).__name__} reaches no eligible Linear layer")
+    return f"{fmt} applies to Linear leaves: {reach}; its own matmuls stay in its region"
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ def write_report(folder: Path, result: Any, evaluator: Evaluator, cost: CostMode
     written = write_tune_report(
         folder, sensitivity=result.sensitivity, trials=pd.DataFrame(result.trials_table),
         layers=layers, chosen_trial=result.policy.provenance.get("trial"),
-        budget=result.budget, baselines=pd.DataFrame(rows))
+        budget=result.budget, baselines=pd.DataFrame(rows), plans=result.plot_plans)
     return sorted(written.values())
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from autoprec.cost import CostModel
 from autoprec.plan.schedule import replay, same_as
-from autoprec.precisions import REGIONS
+from autoprec.precisions import PRECISIONS, REGIONS
 
 
 def _depth(path: str) -> int:
@@ -47,10 +47,11 @@ class _Checker:
     each (``plan.schedule.same_as``: the signature test, vectorised).
     """
 
-    def __init__(self, cost: CostModel, default: str, layers: Mapping[str, str]) -> None:
+    def __init__(self, cost: CostModel, default: str, layers: Mapping[str, str],
+                 extra: Iterable[str] = ()) -> None:
         self.cost = cost
         known = set(cost.tree.paths)
-        paths = dict.fromkeys(layers)
+        paths = dict.fromkeys([*layers, *(p for p in extra if p in known)])
         for path in layers:
             parts = path.split(".")
             for i in range(len(parts)):
@@ -85,6 +86,13 @@ class _Checker:
 
     def same(self, default: str, layers: Mapping[str, str]) -> bool:
         return self.same_many([(default, layers)])[0]
+
+    def precision_of(self, paths: Iterable[str]) -> dict[str, str]:
+        """The precision each of ``paths`` (rule paths) computes in under the explicit plan."""
+        index = self.cost.tree.index()
+        prec = self._mods[1][0]
+        return {p: PRECISIONS[int(prec[index[self.cost.tree.aliases.get(p, p)]])]
+                for p in paths}
 
 
 def _drop_redundant(check: _Checker, default: str, layers: dict[str, str],
@@ -188,14 +196,21 @@ def compact(cost: CostModel, default: str, layers: Mapping[str, str],
     ``defaults``: other defaults to try (a plan whose rules all say bf16 may read better as
     ``default: bf16``, when the model's own code runs the same either way).
     """
-    check = _Checker(cost, default, layers)
+    # Every GEMM leaf is a rule path: under another default a leaf without a rule would
+    # change precision, so the rewrite starts from each leaf's precision made explicit
+    # (`default: fp32` + a tf32 rule on every Linear but the head reads `default: tf32` +
+    # `head: fp32`; without the head's path it could not be said, and 16 rules stayed).
+    leaves = [n.path for n in cost.graph.gemm_nodes]
+    check = _Checker(cost, default, layers, extra=leaves)
     best = (default, _compact_with(check, cost, default, layers))
+    explicit = {**check.precision_of(p for p in leaves if p in check.rules.rule_paths),
+                **layers}
     for other in defaults:
         if other == default:
             continue
-        start = dict(layers)
-        if "" not in start:  # the root's own code must keep the region it was measured in
-            start[""] = default
+        start = dict(explicit)
+        if "" not in start and not check.same(other, start):
+            start[""] = default  # the root's own code must keep the region it was measured in
         trial = _compact_with(check, cost, other, start)
         if len(trial) < len(best[1]) and check.same(other, trial):
             best = (other, trial)
@@ -209,4 +224,28 @@ def compact(cost: CostModel, default: str, layers: Mapping[str, str],
     return best
 
 
-__all__ = ["compact"]
+def differences(cost: CostModel, a: tuple[str, Mapping[str, str]],
+                b: tuple[str, Mapping[str, str]]) -> list[tuple[str, str, str]]:
+    """Where two (default, rules) plans put a module in another precision: ``(path,
+    precision under a, under b)`` for the outermost such modules (a child that differs as
+    its parent does is not listed again), in the model's order; ``""`` is the model's own
+    code (the default region)."""
+    rules = cost.rules(list(dict.fromkeys([*a[1], *b[1]])))
+    rows = np.stack([rules.codes_of(*a), rules.codes_of(*b)])
+    _region, prec, _wrapped = rules.encode(rows)
+    paths = cost.tree.paths
+    listed: dict[str, tuple[int, int]] = {}
+    for j in np.flatnonzero(prec[0] != prec[1]):
+        path, pair = paths[j], (int(prec[0, j]), int(prec[1, j]))
+        parent = path
+        while parent:
+            parent = parent.rpartition(".")[0]
+            if listed.get(parent) == pair:
+                break
+        else:
+            listed[path] = pair
+            continue
+    return [(p, PRECISIONS[x], PRECISIONS[y]) for p, (x, y) in listed.items()]
+
+
+__all__ = ["compact", "differences"]

@@ -19,7 +19,7 @@ from autoprec.fileio import brief
 from autoprec.paths import check_dir, check_out_path
 from autoprec.precisions import FORMS, PRECISIONS, check_precision
 from autoprec.search.storage import check_storage_url
-from autoprec.targets import DEFAULT_TARGET
+from autoprec.targets import DEFAULT_TARGET, canonical_target
 from autoprec.validate import (
     check_batch_size,
     check_budget,
@@ -132,6 +132,7 @@ class TuneConfig:
                         batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
                         patience=patience, min_speedup=min_speedup, storage=storage,
                         study_name=study_name, out=out, cache_dir=cache_dir)
+        target = canonical_target(target)  # "CPU" is cpu: one file name, device and plan
         value, name = (max_drop, "max_drop") if max_drop is not None else (
             DEFAULT_MAX_ERROR if max_error is None else max_error, "max_error")
         # DESIGN: --precisions defaults to every precision the target supports (probing a

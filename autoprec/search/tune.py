@@ -62,7 +62,7 @@ from autoprec.search.storage import (
 from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
-from autoprec.track import NullTracker, Tracker, log_tune_artifacts
+from autoprec.track import NullTracker, PlotPlans, Tracker, log_tune_artifacts
 from autoprec.validate import check_out_not_input
 
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
@@ -99,6 +99,7 @@ class TuneResult:
     report: list[Path] = field(default_factory=list)  # files tune(report=DIR) wrote
     priced: int = 0  # plans the planner priced (the candidates it considered)
     measured: int = 0  # distinct plans measured on the model (this study, all runs)
+    plot_plans: Any = None  # track.PlotPlans: what pareto.png shows beside the trials
 
 
 # -- stage 1: prepare ---------------------------------------------------------------------
@@ -468,10 +469,12 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                          "trials": search.driver.ran})
     import pandas as pd
 
+    plans = _plot_plans(prep, search, speed, chosen)
     log_tune_artifacts(tracker, policy_path=prep.out_path, sensitivity=sens,
                        trials=pd.DataFrame(rows), layers=_per_layer(prep, space, policy),
                        chosen_trial=chosen.number, budget=cfg.budget,
-                       workdir=prep.out_path.parent / ".autoprec" / search.study_name)
+                       workdir=prep.out_path.parent / ".autoprec" / search.study_name,
+                       plans=plans)
     for p in front_paths:
         tracker.log_artifact(p, "front")
     tracker.finish("FINISHED")
@@ -483,10 +486,28 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       seconds=time.monotonic() - started, front=front_pols,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
                       graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
+                      + _one_liner_note(prep, policy, speed)
                       + ([prep.source.note] if prep.source is not None else []),
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
-                      measured=len(search.driver.by_key))
+                      measured=len(search.driver.by_key), plot_plans=plans)
+
+
+def _plot_plans(prep: Prepared, search: Search, speed: Any, chosen: Any) -> PlotPlans:
+    """pareto.png's alternatives: every plan the planner priced (its predicted error, as
+    corrected by the measured ones; not for a metric budget, whose units the predictions
+    do not share), fp32 and the one-liners as the last step scored them, the chosen plan."""
+    import pandas as pd
+
+    planner = search.planner
+    priced = None
+    if planner.prune and len(planner.times):
+        priced = (planner.preds * planner.correction, prep.cost.fp32_time / planner.times)
+    rows = [{"plan": r.name, "error": r.error, "est_speedup": r.est_speedup}
+            for r in (speed.rows if speed is not None else [])
+            if r.role == "baseline" and r.error is not None and r.est_speedup is not None]
+    return PlotPlans(priced=priced, baselines=pd.DataFrame(rows) if rows else None,
+                     chosen=(chosen.calib.error, chosen.calib.est_speedup))
 
 
 def _per_layer(prep: Prepared, space: SearchSpace, policy: Policy) -> dict[str, str]:
@@ -514,6 +535,42 @@ def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
         pols.append(fp)
         paths.append(path)
     return pols, paths
+
+
+#: Estimates this close (relative) read as "the same speed" to a person.
+SAME_SPEED = 0.005
+
+
+def _one_liner_note(prep: Prepared, policy: Policy, speed: Any) -> list[str]:
+    """A policy with rules estimated as fast as a one-line baseline within budget: say why
+    the one line is not the same plan (compaction would have written it otherwise) — which
+    modules it would put in another precision."""
+    if not policy.layers or speed is None:
+        return []
+    est = policy.metrics.get("est_speedup")
+    for row in speed.rows:
+        if (row.role != "baseline" or row.policy is None or not row.feasible
+                or row.est_speedup is None or est is None
+                or abs(row.est_speedup - est) > SAME_SPEED * est):
+            continue
+        base = row.policy.default
+        diff = compact.differences(prep.cost, (policy.default, policy.layers), (base, {}))
+        if not diff:
+            continue
+        where = ", ".join(f"{_module_words(prep, p)} ({a} here)" for p, a, _b in diff[:4])
+        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+        return [f"the one line `default: {base}` ({row.name}) is estimated as fast "
+                f"({row.est_speedup:.2f}x) but is not the same plan, so it is not what was "
+                f"written: it would also run {where}{more} in {base}"]
+    return []
+
+
+def _module_words(prep: Prepared, path: str) -> str:
+    if not path:
+        return "the model's own code"
+    if path in {n.path for n in prep.graph.gemm_nodes}:
+        return path
+    return f"the ops of {path} outside its GEMM layers"
 
 
 def _launch_note(prep: Prepared, space: SearchSpace, cfg: TuneConfig) -> list[str]:

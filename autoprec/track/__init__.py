@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from autoprec.track.base import FINISH_STATUSES, NullTracker, Tracker, TrackingWarning
 from autoprec.track.mlflow_tracker import MlflowTracker, default_tracking_uri, make_tracker
-from autoprec.track.report import log_tune_artifacts, write_tune_report
+from autoprec.track.report import PlotPlans, log_tune_artifacts, write_tune_report
 
 __all__ = [
     "FINISH_STATUSES",
     "MlflowTracker",
     "NullTracker",
+    "PlotPlans",
     "Tracker",
     "TrackingWarning",
     "default_tracking_uri",

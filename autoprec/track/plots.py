@@ -1,4 +1,5 @@
-"""The two pictures of a tuning run: the trials' Pareto plot and the per-layer precisions.
+"""The pictures of a tuning run: the plans' Pareto plot, the per-layer precisions, the
+baselines.
 
 Drawn with matplotlib's object API on the Agg canvas (no pyplot): no display needed, no
 global figure state, safe from any thread. matplotlib is imported inside the functions.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,79 +71,185 @@ def _completed(trials: pd.DataFrame) -> pd.DataFrame:
     return trials[trials["state"].astype(str).str.upper().str.endswith("COMPLETE")]
 
 
+Point = tuple[float, float]  # (error, estimated speed-up over fp32)
+
+#: Priced plans drawn at most (the rest of a 2 M-plan enumeration is sampled, the priced
+#: front is always drawn whole).
+MAX_PRICED_POINTS = 4000
+
+
+@dataclass
+class ParetoData:
+    """What ``pareto.png`` shows, computed apart from the drawing (so a test reads it).
+
+    ``priced``: the plans the search priced (predicted error, estimated speed-up), sampled
+    to ``MAX_PRICED_POINTS`` with ``priced_front`` kept whole; ``feasible`` /
+    ``infeasible``: the plans run on the model (calibration error); ``baselines``: what a
+    user would write instead (fp32, the one-liners: name, error, speed-up); ``chosen``:
+    the written plan; ``budget``: the vertical line.
+    """
+
+    priced: list[Point] = field(default_factory=list)
+    priced_total: int = 0
+    priced_front: list[Point] = field(default_factory=list)
+    feasible: list[Point] = field(default_factory=list)
+    infeasible: list[Point] = field(default_factory=list)
+    measured_front: list[Point] = field(default_factory=list)
+    baselines: list[tuple[str, float, float]] = field(default_factory=list)
+    chosen: tuple[float, float, str] | None = None
+    budget: float | None = None
+    hidden: int = 0  # measured plans with a non-finite error (counted, not drawn)
+
+    def points(self) -> list[Point]:
+        return [*self.priced, *self.priced_front, *self.feasible, *self.infeasible,
+                *((e, s) for _n, e, s in self.baselines)]
+
+
+def _finite(e: float, s: float) -> bool:
+    return math.isfinite(e) and math.isfinite(s)
+
+
+def pareto_data(
+    trials: pd.DataFrame,
+    *,
+    priced: tuple[Sequence[float], Sequence[float]] | None = None,
+    baselines: pd.DataFrame | None = None,
+    chosen_trial: int | None = None,
+    chosen: Point | None = None,
+    budget: float | None = None,
+    max_points: int = MAX_PRICED_POINTS,
+) -> ParetoData:
+    """The series of the Pareto plot. ``trials``: tune's trials table; ``priced``:
+    (predicted errors, estimated speed-ups) of every plan the planner priced; ``baselines``:
+    rows with ``plan``, ``error``, ``est_speedup`` (a ``tuned`` row is skipped: it is the
+    chosen point); ``chosen``: the written plan's point when it is no trial of the table
+    (a baseline won the measurement)."""
+    data = ParetoData(budget=budget if budget is not None and math.isfinite(budget) else None)
+    if priced is not None:
+        import numpy as np
+
+        errs, spds = np.asarray(priced[0], dtype=float), np.asarray(priced[1], dtype=float)
+        ok = np.isfinite(errs) & np.isfinite(spds)
+        errs, spds = errs[ok], spds[ok]
+        data.priced_total = int(errs.size)
+        # pareto_front's rule, vectorised (an enumeration prices up to 2 M plans)
+        order = np.lexsort((-spds, errs))
+        best = np.maximum.accumulate(spds[order])
+        new_best = np.concatenate([[True], best[1:] > best[:-1]]) if order.size else order
+        front = order[new_best.astype(bool)] if order.size else order
+        data.priced_front = [(float(errs[i]), float(spds[i])) for i in front]
+        rest = np.setdiff1d(np.arange(errs.size), front)
+        if rest.size > max_points:
+            rest = np.sort(np.random.default_rng(0).choice(rest, max_points, replace=False))
+        data.priced = [(float(errs[i]), float(spds[i])) for i in rest]
+    df = _completed(trials)
+    if len(df):
+        # what the search scored (tune's trials table: calibration_error; else `error`)
+        error = pd.to_numeric(df.get("calibration_error", df.get("error")),
+                              errors="coerce").astype(float)
+        speedup = pd.to_numeric(df.get("est_speedup"), errors="coerce").astype(float)
+        if "feasible" in df.columns:
+            feasible = df["feasible"].astype("boolean").fillna(False).astype(bool)
+        elif budget is not None:
+            feasible = error <= budget
+        else:
+            feasible = pd.Series(True, index=df.index)
+        for i in df.index:
+            e, s = float(error[i]), float(speedup[i])
+            if not _finite(e, s):
+                data.hidden += 1
+                continue
+            (data.feasible if feasible[i] else data.infeasible).append((e, s))
+        drawn = [*data.feasible, *data.infeasible]
+        front = pareto_front([e for e, _ in drawn], [s for _, s in drawn])
+        data.measured_front = [drawn[i] for i in front]
+        if chosen_trial is not None and "number" in df.columns:
+            row = df[df["number"] == chosen_trial]
+            if len(row) and _finite(float(error[row.index[0]]), float(speedup[row.index[0]])):
+                data.chosen = (float(error[row.index[0]]), float(speedup[row.index[0]]),
+                               f"chosen (trial {chosen_trial})")
+    if data.chosen is None and chosen is not None and _finite(*chosen):
+        data.chosen = (float(chosen[0]), float(chosen[1]), "chosen")
+    if baselines is not None:
+        for _, r in baselines.iterrows():
+            name = str(r["plan"])
+            e, s = float(r["error"]), float(r["est_speedup"])
+            if name != "tuned" and math.isfinite(s):
+                data.baselines.append((name, e, s))
+    return data
+
+
+#: One marker per baseline (fp32, then the one-liners).
+_BASELINE_MARKERS = ("s", "D", "^", "v", "P", "X", "h")
+
+
 def pareto_plot(
     trials: pd.DataFrame,
     path: Path,
     *,
     chosen_trial: int | None = None,
     budget: float | None = None,
-    title: str = "Trials: error vs estimated speed-up",
+    priced: tuple[Sequence[float], Sequence[float]] | None = None,
+    baselines: pd.DataFrame | None = None,
+    chosen: Point | None = None,
+    title: str = "Plans: error vs estimated speed-up",
 ) -> Path:
-    """Scatter of completed trials (error vs est_speedup): feasible or not, the Pareto
-    front, the budget and the chosen trial. Trials with a non-finite error are counted in
-    the title, not drawn. Returns ``path`` (PNG)."""
-    df = _completed(trials)
-    # what the search scored (tune's trials table: calibration_error; else `error`)
-    error = pd.to_numeric(df.get("calibration_error", df.get("error")),
-                          errors="coerce").astype(float)
-    speedup = pd.to_numeric(df.get("est_speedup"), errors="coerce").astype(float)
-    if "feasible" in df.columns:
-        feasible = df["feasible"].astype("boolean").fillna(False).astype(bool)
-    elif budget is not None:
-        feasible = error <= budget
-    else:
-        feasible = pd.Series(True, index=df.index)
-    drawn = error.map(math.isfinite) & speedup.map(math.isfinite)
-    hidden = int((~drawn).sum())
-
-    fig = _figure(7.0, 4.8)
+    """The chosen plan among its alternatives (``pareto_data``): the priced plans and their
+    front, the plans measured on the model, the baselines and the budget. Baselines with an
+    infinite error (fp16 overflow) are drawn at the right edge. Returns ``path`` (PNG)."""
+    d = pareto_data(trials, priced=priced, baselines=baselines, chosen_trial=chosen_trial,
+                    chosen=chosen, budget=budget)
+    fig = _figure(7.6, 5.0)
     ax = fig.add_subplot()
-    if not drawn.any():
-        ax.text(0.5, 0.5, "no completed trial with a finite error", ha="center", va="center")
+    finite = [(e, s) for e, s in d.points() if _finite(e, s)]
+    if not finite:
+        ax.text(0.5, 0.5, "no plan with a finite error", ha="center", va="center")
         ax.set_axis_off()
-    else:
-        for mask, style in (
-            (drawn & feasible, {"marker": "o", "color": "#2ca02c", "label": "feasible"}),
-            (drawn & ~feasible, {"marker": "x", "color": "#7f7f7f", "label": "infeasible"}),
-        ):
-            if mask.any():
-                style["label"] = f"{style['label']} ({int(mask.sum())})"
-                ax.scatter(error[mask], speedup[mask], s=28, alpha=0.8, **style)
-        errs, spds = error[drawn].tolist(), speedup[drawn].tolist()
-        front = pareto_front(errs, spds)
-        ax.plot(
-            [errs[i] for i in front],
-            [spds[i] for i in front],
-            drawstyle="steps-post",
-            color="#1f77b4",
-            lw=1.2,
-            label="Pareto front",
-        )
-        if chosen_trial is not None and "number" in df.columns:
-            row = df[(df["number"] == chosen_trial) & drawn]
-            if len(row):
-                x, y = float(error[row.index[0]]), float(speedup[row.index[0]])
-                ax.scatter(
-                    [x],
-                    [y],
-                    marker="*",
-                    s=260,
-                    color="#d62728",
-                    zorder=5,
-                    label=f"chosen (trial {chosen_trial})",
-                )
-        if budget is not None and math.isfinite(budget):
-            ax.axvline(budget, ls="--", color="#d62728", lw=1, label=f"budget {budget:g}")
-        ax.axhline(1.0, ls=":", color="#7f7f7f", lw=1)  # all-fp32 speed
-        positive = [e for e in errs if e > 0]
-        if len(positive) == len(errs) and max(errs) / min(errs) > 50:
+        ax.set_title(title, fontsize=10)
+        return _save(fig, path)
+    errs = [e for e, _ in finite]
+    right = max(errs + ([d.budget] if d.budget else [])) * 1.5 or 1.0
+
+    def xy(points: Sequence[Point]) -> tuple[list[float], list[float]]:
+        return [p[0] for p in points], [p[1] for p in points]
+
+    if d.priced or d.priced_front:
+        ax.scatter(*xy(d.priced + d.priced_front), s=6, color="#aec7e8", alpha=0.5,
+                   linewidths=0, label=f"priced plans ({d.priced_total}, predicted error)")
+        ax.plot(*xy(d.priced_front), drawstyle="steps-post", color="#1f77b4", lw=1,
+                alpha=0.8, label="priced front")
+    for pts, style in ((d.feasible, {"marker": "o", "color": "#2ca02c", "label": "measured, feasible"}),
+                       (d.infeasible, {"marker": "x", "color": "#7f7f7f",
+                                       "label": "measured, infeasible"})):
+        if pts:
+            style["label"] = f"{style['label']} ({len(pts)})"
+            ax.scatter(*xy(pts), s=30, alpha=0.9, zorder=3, **style)
+    if len(d.measured_front) > 1:
+        ax.plot(*xy(d.measured_front), drawstyle="steps-post", color="#2ca02c", lw=1.2,
+                label="measured front")
+    for (name, e, s), marker in zip(d.baselines, _BASELINE_MARKERS * 3):
+        shown = e if math.isfinite(e) else right
+        ax.scatter([shown], [s], marker=marker, s=50, facecolors="none", edgecolors="#9467bd",
+                   zorder=6, label=name + ("" if math.isfinite(e) else " (error inf, at edge)"))
+    if d.chosen is not None:
+        ax.scatter([d.chosen[0]], [d.chosen[1]], marker="*", s=260, color="#d62728", zorder=5,
+                   label=d.chosen[2])
+    if d.budget is not None:
+        ax.axvline(d.budget, ls="--", color="#d62728", lw=1, label=f"budget {d.budget:g}")
+    ax.axhline(1.0, ls=":", color="#7f7f7f", lw=1)  # all-fp32 speed
+    positive = [e for e in errs if e > 0]
+    if positive and max(positive) / min(positive) > 50:
+        if len(positive) < len(errs):  # fp32's error is 0: linear near 0, log beyond
+            ax.set_xscale("symlog", linthresh=min(positive))
+            ax.set_xlim(left=-0.05 * min(positive))
+        else:
             ax.set_xscale("log")
-        ax.set_xlabel("error (vs the fp32 reference)")
-        ax.set_ylabel("estimated speed-up over fp32 (x)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-    if hidden:
-        title += f"  ({hidden} with a non-finite error not shown)"
+    ax.set_xlabel("error (vs the fp32 reference; priced plans: predicted)")
+    ax.set_ylabel("estimated speed-up over fp32 (x)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    if d.hidden:
+        title += f"  ({d.hidden} measured with a non-finite error not shown)"
     ax.set_title(title, fontsize=10)
     return _save(fig, path)
 

@@ -7,7 +7,9 @@ Artifact layout on the parent run::
     tables/trials.csv              one row per trial: number, state, calibration_error,
                                    error (held-out, where confirmed), est_time,
                                    est_speedup, feasible, params_<layer> (precision)
-    plots/pareto.png               calibration error vs estimated speed-up, chosen marked
+    plots/pareto.png               error vs estimated speed-up: every plan the search priced
+                                   (predicted error), those measured, fp32 and the
+                                   one-liners, the budget; the chosen plan marked
 
 One vocabulary with the policy file (``metrics``): ``error`` is always the held-out (eval
 data) error, where the budget binds; ``calibration_error`` is what the search scored.
@@ -21,7 +23,8 @@ The parent also gets the tag ``autoprec.policy_artifact`` (the policy's artifact
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -34,6 +37,18 @@ TABLES_DIR = "tables"
 PLOTS_DIR = "plots"
 
 
+@dataclass
+class PlotPlans:
+    """What the Pareto plot shows beside the trials: ``priced`` (predicted errors,
+    estimated speed-ups) of the plans the search priced; ``baselines`` (``plan``, ``error``,
+    ``est_speedup`` rows: fp32, the one-liners); ``chosen``: the written plan's (error,
+    speed-up) when it is no trial (a baseline won)."""
+
+    priced: tuple[Sequence[float], Sequence[float]] | None = None
+    baselines: pd.DataFrame | None = None
+    chosen: tuple[float, float] | None = None
+
+
 def _writers(
     *,
     sensitivity: pd.DataFrame | None,
@@ -42,8 +57,11 @@ def _writers(
     chosen_trial: int | None,
     budget: float | None,
     baselines: pd.DataFrame | None = None,
+    plans: PlotPlans | None = None,
 ) -> list[tuple[str, str, Callable[[Path], object]]]:
     """(file name, artifact folder, writer) for every report file."""
+    plans = plans or PlotPlans()
+    beside = plans.baselines if plans.baselines is not None else baselines
 
     def table(frame: pd.DataFrame) -> Callable[[Path], object]:
         # A meaningful index (e.g. layer x precision) is kept; a plain RangeIndex is not.
@@ -58,7 +76,9 @@ def _writers(
         (
             "pareto.png",
             PLOTS_DIR,
-            lambda path: pareto_plot(trials, path, chosen_trial=chosen_trial, budget=budget),
+            lambda path: pareto_plot(trials, path, chosen_trial=chosen_trial, budget=budget,
+                                     priced=plans.priced, baselines=beside,
+                                     chosen=plans.chosen),
         ),
         ("layers.png", PLOTS_DIR, lambda path: layers_plot(layers, path)),
     ]
@@ -80,6 +100,7 @@ def write_tune_report(
     chosen_trial: int | None,
     budget: float | None = None,
     baselines: pd.DataFrame | None = None,
+    plans: PlotPlans | None = None,
 ) -> dict[str, Path]:
     """Write sensitivity.csv (if given), trials.csv, pareto.png and layers.png (and
     baselines.csv / baselines.png when given) into ``workdir``; return file name -> path.
@@ -94,6 +115,7 @@ def write_tune_report(
         chosen_trial=chosen_trial,
         budget=budget,
         baselines=baselines,
+        plans=plans,
     ):
         write(workdir / name)
         written[name] = workdir / name
@@ -110,6 +132,7 @@ def log_tune_artifacts(
     chosen_trial: int | None,
     workdir: Path,
     budget: float | None = None,
+    plans: PlotPlans | None = None,
 ) -> None:
     """Log the policy file and the report (written into ``workdir``) on the parent run.
 
@@ -138,6 +161,7 @@ def log_tune_artifacts(
         layers=layers,
         chosen_trial=chosen_trial,
         budget=budget,
+        plans=plans,
     ):
         path = workdir / name
         try:

@@ -232,7 +232,9 @@ def test_an_aliased_module_tunes_to_one_precision(tmp_path: Path, capsys, monkey
     # an early end says so, with counts (the bar stopped at "1/40 [2%]", like an abort);
     # the next steps are printed
     assert "search complete (" in out and "plans priced, 1 measured)" in out, out
-    assert f"next: autoprec check {path} --policy {tmp_path / 'p.yaml'}" in out, out
+    from autoprec.cli.runnable import autoprec_command
+
+    assert f"next: {autoprec_command()} check {path} --policy {tmp_path / 'p.yaml'}" in out, out
     assert 'autoprec.apply_policy(model, "' in out
     from autoprec.loading import load_model_file
 

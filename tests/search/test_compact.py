@@ -79,3 +79,29 @@ def test_a_rule_that_changes_the_plan_is_kept() -> None:
     model, batch = spec.model(), spec.calibration_batches()[0]
     layers = dict.fromkeys(gemm_leaf_paths(model), "bf16")
     _check(model, spec.forward, batch, "fp32", layers, want_rules=len(layers))
+
+
+def test_tf32_on_every_layer_but_the_head_reads_as_the_tf32_default() -> None:
+    """`default: fp32` + a tf32 rule per Linear (all but the head) is the tf32 default with
+    one exception: tf32 changes only matmuls, so the model's own code runs the same (a new
+    user's h100 policy was 16 per-Linear tf32 rules, estimated equal to the tf32 flag)."""
+    spec = load_model_file(ROOT / "experiments" / "trap" / "model.py")
+    model, batch = spec.model(), spec.calibration_batches()[0]
+    layers = {k: "tf32" for k in gemm_leaf_paths(model) if k != "head"}
+    default, rules = _check(model, spec.forward, batch, "fp32", layers, want_rules=1)
+    assert (default, rules) == ("tf32", {"head": "fp32"})
+    every = dict.fromkeys(gemm_leaf_paths(model), "tf32")
+    assert _check(model, spec.forward, batch, "fp32", every, want_rules=0)[0] == "tf32"
+
+
+def test_differences_names_the_outermost_module_in_another_precision() -> None:
+    from autoprec.search.compact import differences
+
+    spec = load_model_file(ROOT / "experiments" / "wide" / "model.py")
+    model, batch = spec.model(), spec.calibration_batches()[0]
+    graph = trace(model, batch, forward=spec.forward, tracers=("hooks",))
+    cost = CostModel(graph, get_profile("h100"), batch_size=1024)
+    diff = differences(cost, ("bf16", {"blocks.1": "fp32"}), ("bf16", {}))
+    assert diff == [("blocks.1", "fp32", "bf16")]  # its children are not listed again
+    assert differences(cost, ("bf16", {}), ("bf16", {})) == []
+    assert differences(cost, ("fp32", {}), ("bf16", {}))[0] == ("", "fp32", "bf16")

@@ -1,0 +1,50 @@
+"""A plan that a one-line default says is written as that line; when a one-liner is
+estimated as fast but is another plan, tune says which modules it would change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoprec.cli.main import main
+from autoprec.policy import load_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAP = ROOT / "experiments" / "trap" / "model.py"
+ENCODER = ROOT / "tests" / "fixtures" / "models" / "encoder4.py"
+TUNE = ["--no-track", "--quiet", "--trials", "2", "--target", "h100"]
+
+
+def run(argv: list[object], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as ex:
+        main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return int(ex.value.code or 0), out, err
+
+
+def test_tf32_on_every_layer_but_the_head_is_written_as_the_tf32_default(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """trap on an h100 at 4096 rows: tf32 everywhere but the 256 -> 16 head; it was written
+    `default: fp32` + 5 tf32 rules."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(["tune", TRAP, *TUNE, "--batch-size", "4096", "--out", "p.yaml"],
+                         capsys)
+    assert code == 0, err
+    policy = load_policy(tmp_path / "p.yaml")
+    assert (policy.default, policy.layers) == ("tf32", {"head": "fp32"}), policy.layers
+
+
+def test_a_one_liner_as_fast_but_another_plan_is_named_with_the_difference(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """The 4-block encoder: tf32 on its 16 Linear layers, its attention (SDPA) kept fp32 —
+    the tf32 flag is priced the same, and would also run the attention in tf32."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(["tune", ENCODER, *TUNE, "--batch-size", "256", "--out", "p.yaml"],
+                         capsys)
+    assert code == 0, err
+    policy = load_policy(tmp_path / "p.yaml")
+    assert policy.layers and policy.default == "tf32"
+    note = next(line for line in err.splitlines() if "one line `default: tf32`" in line)
+    assert "is not the same plan" in note and "blocks.0.attn (fp32 here)" in note, note
+    assert note.endswith("in tf32"), note
