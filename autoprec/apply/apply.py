@@ -51,6 +51,7 @@ from autoprec.precisions import (
     BLOCK_SCALED,
     FORMS,
     PRECISIONS,
+    STORAGE_DTYPES,
     is_gemm_format,
 )
 from autoprec.targets import device_type
@@ -360,9 +361,11 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
         by_path = {p: modules[p] if p in modules else table[p] for p in plan.tree.paths
                    if p in modules or p in table}
         # modules with weights (or norms) inside a region read inputs of another dtype
-        # by their own rule (lower.stored.consumer_forward)
+        # by their own rule (lower.stored.consumer_forward); where every region stores
+        # one dtype, nothing the plan makes arrives in another (the root casts the inputs)
         done = {id(mod) for mod, _ in chosen}
-        for j, p in enumerate(plan.tree.paths):
+        storage = {STORAGE_DTYPES[PRECISIONS[int(r)]] for r in plan.region}
+        for j, p in enumerate(plan.tree.paths if len(storage) > 1 else ()):
             mod = by_path.get(p)
             if mod is None or id(mod) in done:
                 continue

@@ -131,6 +131,9 @@ def consumer_forward(module: torch.nn.Module, precision: str) -> Callable[..., A
     if kind == "weights":
         @functools.wraps(inner)
         def cast_inputs(*args: Any, **kwargs: Any) -> Any:
+            if len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
+                x = args[0]  # the common call, kept cheap: one dtype check
+                return inner(x if x.dtype == dtype or x.dtype not in _FLOATS else x.to(dtype))
             return inner(*cast_tree(args, dtype), **cast_tree(kwargs, dtype))
 
         return cast_inputs

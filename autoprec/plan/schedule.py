@@ -413,6 +413,10 @@ class _StoredReplay(_Replay):
         self.ac_region = np.zeros_like(self.ac_region)  # autocast is off in every region
         index = {p: i for i, p in enumerate(trace.modules)}
         self.kinds = trace.consumers or [""] * len(trace.modules)
+        # (T,) plans whose regions store more than one dtype: only there do consumers cast
+        # (apply installs their input rules only then, lower.stored)
+        st = _STORAGE[self.region]
+        self.mixed = ~(st == st[:, :1]).all(axis=1)
         #: value -> module indices of its owners, for tensors tied between modules (each
         #: owner stores its own copy in its dtype; an op in an owner reads that copy)
         self.tied: dict[int, set[int]] = {}
@@ -452,7 +456,7 @@ class _StoredReplay(_Replay):
                     self._cast_to(ev, v, on, dst, "enter")
             kind = self.kinds[m]
             if kind:  # a module inside its caller's region: its own input rule
-                inside = ~on_m & ~_IS_FMT[self.precision[:, m]]
+                inside = ~on_m & ~_IS_FMT[self.precision[:, m]] & self.mixed
                 for v in call.inputs:
                     if not self.floating[v] or v in saved:
                         continue
