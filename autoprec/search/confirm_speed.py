@@ -214,16 +214,39 @@ def fill_measured(rows: Sequence[Row], samples: Mapping[str, Sequence[float]]) -
         r.speedup, r.p10, r.p90 = float(med), float(p10), float(p90)
 
 
+def _overlap(a: Row, b: Row) -> bool:
+    """The two rows' p10-p90 ranges of per-round speed-ups overlap: as fast within the
+    noise of this measurement."""
+    if None in (a.p10, a.p90, b.p10, b.p90):
+        return a.speedup == b.speedup
+    return bool(a.p10 <= b.p90 and b.p10 <= a.p90)
+
+
+def _rules(r: Row) -> int:
+    return 0 if r.policy is None else len(r.policy.layers)
+
+
 def decide(rows: Sequence[Row]) -> tuple[Row | None, str]:
-    """The fastest measured row within budget, and why. A tuned plan measured slower than
-    a baseline or another candidate is never the choice; on a tie the earlier row wins."""
+    """The measured row to write within budget, and why: the fastest, unless a simpler one
+    (fewer rules: a one-liner has none) is as fast within the noise — their p10-p90 ranges
+    overlap — then the simplest of those (the faster median among equals). A tuned plan
+    measured slower than a baseline or another candidate is never the choice."""
     timed = [r for r in rows if r.feasible and r.speedup is not None]
     if not timed:
         return None, "nothing within budget was measured"
-    best = timed[0]
+    fastest = timed[0]
     for r in timed[1:]:
-        if r.speedup > best.speedup:  # strict: the earlier row (the tuned plan) keeps ties
-            best = r
+        if r.speedup > fastest.speedup:  # strict: the earlier row (the tuned plan) keeps ties
+            fastest = r
+    ties = [r for r in timed if _overlap(r, fastest)]
+    best = min(ties, key=lambda r: (_rules(r), -(r.speedup or 0.0), timed.index(r)))
+    if best is not fastest and _rules(best) < _rules(fastest):
+        return best, (f"{best.name} ({_rules(best)} rules) measured {best.speedup:.2f}x "
+                      f"(p10-p90 {best.p10:.2f}-{best.p90:.2f}x), {fastest.name} "
+                      f"({_rules(fastest)} rules) {fastest.speedup:.2f}x (p10-p90 "
+                      f"{fastest.p10:.2f}-{fastest.p90:.2f}x): as fast within the noise, "
+                      "the simpler plan is written")
+    best = fastest
     tuned = next((r for r in rows if r.role == "tuned"), None)
     plan = best.same_as or best.name  # rows of the same plan are not a runner-up
     others = sorted((r for r in timed if (r.same_as or r.name) != plan),

@@ -85,11 +85,34 @@ def test_a_faster_one_liner_within_budget_wins_over_the_tuned_plan():
 def test_the_tuned_plan_stands_when_it_is_the_fastest_and_ties_keep_it():
     rs = rows()
     t = timer_of({"tuned": 20, "next candidate (trial 3)": 20, label("fp32"): 34,
-                  label("bf16"): 20})
+                  label("bf16"): 30})
     check = check_speed(rs, t, device="cpu", batch_size=16)
-    assert check.winner is rs[0]
+    assert check.winner is rs[0]  # the candidate ties it with as many rules: tuned kept
     assert check.to_dict()["chosen"] == "tuned"
     assert "<- written" in check.table().splitlines()[2]
+
+
+def test_a_near_tie_writes_the_simpler_plan_and_says_so():
+    """Within the noise (p10-p90 ranges overlap) the plan with fewer rules is written: a
+    one-liner over a tuned plan of one rule; a clear win keeps the tuned plan."""
+    def noisy(ms: Mapping[str, float]):
+        def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+            # each plan its own jitter (+-3 %, out of phase): the ratios spread per round
+            return {n: [ms[n] * 1e-3 * (1 + 0.03 * (((i + k) % 3) - 1)) for i in range(5)]
+                    for k, n in enumerate(plans)}
+        return timer
+
+    rs = rows()
+    t = noisy({"tuned": 20, "next candidate (trial 3)": 25, label("fp32"): 34,
+               label("bf16"): 20.1})
+    check = check_speed(rs, t, device="cpu", batch_size=16)
+    assert check.winner is rs[3]
+    assert "as fast within the noise, the simpler plan is written" in check.reason
+    assert "(0 rules)" in check.reason and "tuned (1 rules)" in check.reason
+    rs = rows()
+    t = noisy({"tuned": 20, "next candidate (trial 3)": 25, label("fp32"): 34,
+               label("bf16"): 24})
+    assert check_speed(rs, t, device="cpu", batch_size=16).winner is rs[0]
 
 
 def test_the_same_plan_is_timed_once():
