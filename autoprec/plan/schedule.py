@@ -446,28 +446,25 @@ class _StoredReplay(_Replay):
         saved: dict[int, np.ndarray] = {}
         if m >= 0:
             dst = _STORAGE[self.region[:, m]]
-            on_m = self.wrapped[:, m] & ~_IS_FMT[self.precision[:, m]]
-            for v in call.inputs:
+            fmt = _IS_FMT[self.precision[:, m]]
+            on_m = self.wrapped[:, m] & ~fmt  # rows where it enters a region of its own
+            kind = self.kinds[m]
+            # rows where it runs inside its caller's region by its own input rule
+            inside = (~on_m & ~fmt & self.mixed) if kind else np.zeros(self.t, dtype=bool)
+            cons = np.full(self.t, FP32, np.int8) if kind == "norm" else dst
+            for v in dict.fromkeys(call.inputs):
                 if not self.floating[v]:
                     continue
-                on = on_m & _CASTABLE[self.state[v]] & (self.state[v] != dst)
+                st = self.state[v]
+                need = _CASTABLE[st] & (st != dst)
+                on_cons = inside & need
+                if kind == "norm":  # fed another dtype than its weights': in fp32
+                    on_cons &= st != FP32
+                on = (on_m & need) | on_cons
                 if on.any():
-                    saved[v] = self.state[v].copy()
-                    self._cast_to(ev, v, on, dst, "enter")
-            kind = self.kinds[m]
-            if kind:  # a module inside its caller's region: its own input rule
-                inside = ~on_m & ~_IS_FMT[self.precision[:, m]] & self.mixed
-                for v in call.inputs:
-                    if not self.floating[v] or v in saved:
-                        continue
-                    on = inside & _CASTABLE[self.state[v]] & (self.state[v] != dst)
-                    to = dst
-                    if kind == "norm":  # fed another dtype than its weights': in fp32
-                        on &= self.state[v] != FP32
-                        to = np.full(self.t, FP32, np.int8)
-                    if on.any():
-                        saved[v] = self.state[v].copy()
-                        self._cast_to(ev, v, on, to, "enter")
+                    saved[v] = st.copy()
+                    self._cast_to(ev, v, on, np.where(on_cons, cons, dst).astype(np.int8),
+                                  "enter")
         self.stack.append((idx, m, saved))
 
     def leave(self, ev: int) -> None:

@@ -1,63 +1,43 @@
-"""What a user would do instead of tuning: one global autocast per precision and the
-``model.to(bf16)`` / ``model.to(fp16)`` one-liners (``confirm_speed.BASELINES``), measured
-the way tune measures its own plan (held-out error where the budget binds; the whole
-forward priced on the target) — the rows of ``tune --report``'s tuned-vs-baselines chart."""
+"""``tune --report DIR``: the MLflow tables and plots as files, and the tuned plan beside
+what a user would do instead — the baseline rows tune's last step built and scored
+(``confirm_speed.baseline_rows``: fp32, one global autocast per precision, the
+``model.to(bf16)`` / ``model.to(fp16)`` one-liners; held-out error where the budget binds,
+the whole forward priced on the target, measured where the target is this machine). One
+builder of baseline rows: the report reads tune's, it does not score them again."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from autoprec.apply.apply import apply_policy
-from autoprec.cost import CostModel
-from autoprec.evaluate import score
-from autoprec.search.objective import Evaluator, policy_for
 
-
-def uniform_baselines(evaluator: Evaluator, cost: CostModel, regions: list[str]
-                      ) -> list[dict[str, Any]]:
-    """One row per region precision: ``{"plan", "error", "est_speedup"}``; ``error`` on the
-    eval data when model.py has one (else the calibration data), in the budget's units."""
-    held_out = evaluator.eval_batches is not None and evaluator.eval_ref is not None
-    batches = evaluator.eval_batches if held_out else evaluator.batches
-    ref = evaluator.eval_ref if held_out else evaluator.ref
-    from autoprec.search.confirm_speed import BASELINES, label
-
-    rows = []
-    for prec, form in BASELINES:
-        if prec not in regions:
+def report_rows(result: Any, regions: list[str]) -> list[dict[str, Any]]:
+    """The tuned plan and the baselines of ``result.speed`` whose precision the search
+    could choose (``regions``), as table rows."""
+    rows = [{"plan": "tuned", "error": result.eval_error, "est_speedup": result.est_speedup,
+             "weight_bytes": result.policy.metrics.get("weight_bytes")}]
+    speed = result.speed
+    for r in speed.rows if speed is not None else ():
+        if r.role != "baseline" or r.policy is None or r.policy.default not in regions:
             continue
-        policy = policy_for(prec, {}, evaluator.fingerprint, evaluator.target, form)
-        if prec == "fp32":
-            err = 0.0
-        else:
-            try:
-                with apply_policy(evaluator.model, policy, fp8_backend=evaluator.fp8_backend):
-                    err = score(evaluator.spec, evaluator.model, batches, ref,
-                                "(baseline)").value
-            except RuntimeError:  # the model's own code refuses this form (mixed dtypes)
-                err = float("inf")
-        rows.append({"plan": label(prec, form), "error": err,
-                     "est_speedup": cost.speedup(policy)})
+        rows.append({"plan": r.name, "error": r.error, "est_speedup": r.est_speedup,
+                     "measured_speedup": r.speedup, "weight_bytes": r.weight_bytes})
     return rows
 
 
-def write_report(folder: Path, result: Any, evaluator: Evaluator, cost: CostModel,
-                 regions: list[str], layers: dict[str, str]) -> list[Path]:
-    """``tune --report DIR``: the MLflow tables and plots as files, plus the tuned plan
-    (``result``, a TuneResult) beside one global autocast per precision. Returns the files
-    written."""
+def write_report(folder: Path, result: Any, regions: list[str],
+                 layers: dict[str, str]) -> list[Path]:
+    """Write ``tune --report DIR`` for ``result`` (a TuneResult); returns the files."""
     import pandas as pd
 
     from autoprec.track import write_tune_report
 
-    rows = [{"plan": "tuned", "error": result.eval_error, "est_speedup": result.est_speedup}]
-    rows += uniform_baselines(evaluator, cost, regions)
     written = write_tune_report(
         folder, sensitivity=result.sensitivity, trials=pd.DataFrame(result.trials_table),
         layers=layers, chosen_trial=result.policy.provenance.get("trial"),
-        budget=result.budget, baselines=pd.DataFrame(rows), plans=result.plot_plans)
+        budget=result.budget, baselines=pd.DataFrame(report_rows(result, regions)),
+        plans=result.plot_plans)
     return sorted(written.values())
 
 
-__all__ = ["uniform_baselines", "write_report"]
+__all__ = ["report_rows", "write_report"]

@@ -655,8 +655,7 @@ def tune(
     if report is not None:
         from autoprec.search.baselines import write_report
 
-        result.report = write_report(Path(report), result, search.evaluator, prep.cost,
-                                     list(space.region.choices),
+        result.report = write_report(Path(report), result, list(space.region.choices),
                                      _per_layer(prep, space, result.policy))
     return result
 
