@@ -80,7 +80,11 @@ def _cast_out(obj: Any) -> Any:
     if isinstance(obj, Mapping) and hasattr(obj, "__setitem__"):
         # dicts and HF ModelOutput (an OrderedDict dataclass): a shallow copy keeps the
         # type and its non-tensor members (a KV cache object) untouched.
-        changed = {k: c for k, v in obj.items() if (c := _cast_out(v)) is not v}
+        changed = {}
+        for k, v in obj.items():  # a plain loop: dynamo cannot trace a walrus in a comprehension
+            c = _cast_out(v)
+            if c is not v:
+                changed[k] = c
         if not changed:
             return obj
         out = copy.copy(obj)

@@ -64,7 +64,11 @@ def cast_tree(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, list):
         return [cast_tree(v, dtype) for v in obj]
     if isinstance(obj, Mapping) and hasattr(obj, "__setitem__"):
-        changed = {k: c for k, v in obj.items() if (c := cast_tree(v, dtype)) is not v}
+        changed = {}
+        for k, v in obj.items():  # a plain loop: dynamo cannot trace a walrus in a comprehension
+            c = cast_tree(v, dtype)
+            if c is not v:
+                changed[k] = c
         if not changed:
             return obj
         out = copy.copy(obj)  # keeps the type (ModelOutput) and non-tensor members

@@ -217,3 +217,15 @@ def test_the_form_argument_overrides_the_policy() -> None:
         with apply_policy(model, Policy(default="bf16", form="deploy"), form="train") as h:
             assert h.form == "train"
             assert model.fc1.weight.dtype == torch.float32  # masters: autocast casts per call
+
+
+@pytest.mark.parametrize("form", ["deploy", "train"])
+def test_an_applied_hf_model_compiles_to_one_graph(form: str) -> None:
+    """No graph break in apply's wrappers (a walrus in a dict comprehension over a
+    ModelOutput broke the graph at the root of every HF model)."""
+    case = zoo.bert()
+    pol = Policy(default="bf16", layers={"encoder.layer.0.attention": "fp32"}, form=form)
+    with apply_policy(case.model, pol), torch.no_grad():
+        torch._dynamo.reset()
+        got = torch._dynamo.explain(lambda: case.model(**case.batch))()
+    assert got.graph_break_count == 0, [str(r.reason)[:200] for r in got.break_reasons]
