@@ -37,11 +37,13 @@ def test_tf32_on_every_layer_but_the_head_is_written_as_the_tf32_default(
 
 def test_a_one_liner_as_fast_but_another_plan_is_named_with_the_difference(
         tmp_path: Path, capsys, monkeypatch) -> None:
-    """The 4-block encoder: tf32 on its 16 Linear layers, its attention (SDPA) kept fp32 —
-    the tf32 flag is priced the same, and would also run the attention in tf32."""
+    """The 4-block encoder in the train form (autocast: a 16-bit layer re-casts its weight
+    per call, so tf32 wins at this batch): tf32 on its 16 Linear layers, its attention
+    (SDPA) kept fp32 — the tf32 flag is priced the same, and would also run the attention
+    in tf32. (In the deploy form the same tune writes `default: fp16`, a one-liner.)"""
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(["tune", ENCODER, *TUNE, "--batch-size", "256", "--out", "p.yaml"],
-                         capsys)
+    code, out, err = run(["tune", ENCODER, *TUNE, "--batch-size", "256", "--form", "train",
+                          "--out", "p.yaml"], capsys)
     assert code == 0, err
     policy = load_policy(tmp_path / "p.yaml")
     assert policy.layers and policy.default == "tf32"
