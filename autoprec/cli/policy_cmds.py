@@ -261,14 +261,7 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
     from autoprec.evaluate import score
     from autoprec.metrics import batch_size_of
     from autoprec.policy import Policy
-    from autoprec.search.confirm_speed import (
-        BASELINES,
-        Row,
-        _first_line,
-        check_speed,
-        label,
-        measure_rows,
-    )
+    from autoprec.search.confirm_speed import Row, baseline_rows, check_speed, measure_rows
     from autoprec.trace.graph import fingerprint
 
     def ok(err: float) -> bool:
@@ -280,24 +273,13 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
     # warns of nothing (a fingerprint-less one warned "model.fingerprint: missing … (normal
     # for a hand-written policy)" about a file the user never wrote)
     model_id = {"fingerprint": fingerprint(net)}
-    for p, form in BASELINES:
-        if not cost.profile.supports(p)[0]:
-            rows.append(Row(label(p, form), "baseline", None, why_not=f"not on {device}"))
-            continue
-        base = Policy(default=p, form=form, model=model_id)
-        err = 0.0
-        if p != "fp32":
-            try:
-                with apply_policy(net, base, target=device):
-                    err = score(spec, net, batches, ref, "of eval_data").value
-            except RuntimeError as exc:  # e.g. a router's own .float() meets 16-bit weights
-                rows.append(Row(label(p, form), "baseline", None,
-                                why_not=f"does not run on this model: {_first_line(exc)}"))
-                continue
-        why = "" if ok(err) or p == "fp32" else (
-            "no budget recorded" if budget is None else f"over budget ({err:.3g} > {budget:g})")
-        rows.append(Row(label(p, form), "baseline", base, err, not why, cost.speedup(base),
-                        why_not=why, weight_bytes=cost.weight_bytes(base)))
+
+    def eval_error(base: Policy) -> tuple[float, None]:
+        with apply_policy(net, base, target=device):
+            return score(spec, net, batches, ref, "of eval_data").value, None
+
+    rows += baseline_rows(cost, eval_error, None if budget is None else float(budget),
+                          lambda p, form: Policy(default=p, form=form, model=model_id))
     if not (measure and source.local):
         check = check_speed(rows, None)
         check.winner = None  # eval writes nothing: no row is marked

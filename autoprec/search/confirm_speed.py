@@ -439,12 +439,21 @@ def _audit_errors(ev: Any, pol: Policy) -> list[str]:
         return list(h.audit(lambda: ev.spec.forward(ev.model, batch), strict=False).errors)
 
 
-def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
-                  train_aware: bool = False) -> list[Row]:
-    """fp32, one global bf16 / fp16 autocast, uniform tf32: error and estimated speed-up
-    (on ``cost``), and whether each may be written instead of the tuned plan."""
-    from autoprec.search.objective import policy_for
+def baseline_rows(cost: Any, errors: Callable[[Policy], tuple[float, float | None]],
+                  budget: float | None, make_policy: Callable[[str, str], Policy], *,
+                  precisions: Sequence[str] | None = None, train_aware: bool = False,
+                  audit: Callable[[Policy], list[str]] | None = None) -> list[Row]:
+    """The one table of what a user writes instead of a tuned policy (``BASELINES``: fp32,
+    one global autocast per precision, uniform tf32, ``model.to(bf16)`` / ``(fp16)``),
+    used by tune's last step and by ``eval``: each row's error, estimated speed-up and
+    weights on ``cost``, and whether it may be written instead of the tuned plan.
 
+    ``errors(policy)``: (calibration-or-only error, eval-data error or None), in the
+    budget's units; a RuntimeError means the model's own code refuses the plan (a row
+    saying so). ``make_policy(precision, form)`` builds each baseline's policy;
+    ``budget`` None: no budget known (only fp32 is then a choice); ``audit(policy)``:
+    the audit's errors on a real forward; ``precisions``: what the user asked for.
+    """
     rows = []
     for p, form in BASELINES:
         ok, why = cost.profile.supports(p)
@@ -452,25 +461,26 @@ def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
             rows.append(Row(label(p, form), "baseline", None,
                             why_not=f"not on {cost.profile.name}"))
             continue
+        pol = make_policy(p, form)
         try:
-            calib, evl = _uniform_errors(ev, p, budget, form)
+            calib, evl = (0.0, None) if p == "fp32" else errors(pol)
         except RuntimeError as err:  # e.g. a router's own .float() meets 16-bit weights
             rows.append(Row(label(p, form), "baseline", None,
                             why_not=f"does not run on this model: {_first_line(err)}"))
             continue
         err = calib if evl is None else evl
-        within = calib <= budget and (evl is None or evl <= budget)
-        why = ("" if within else f"over budget ({err:.3g} > {budget:g})")
-        pol = policy_for(p, {}, ev.fingerprint, ev.target, form)
-        if not why and p != "fp32":
-            audit = _audit_errors(ev, pol)
-            why = f"audit: {audit[0]}" if audit else ""
-        if not why and p not in precisions:
+        if budget is None:
+            why = "" if p == "fp32" else "no budget recorded"
+        else:
+            within = calib <= budget and (evl is None or evl <= budget)
+            why = "" if within else f"over budget ({err:.3g} > {budget:g})"
+        if not why and p != "fp32" and audit is not None:
+            found = audit(pol)
+            why = f"audit: {found[0]}" if found else ""
+        if not why and precisions is not None and p not in precisions:
             why = "not in --precisions"
         if not why and train_aware and p != "fp32":
             why = "not training-checked (--train-aware)"
-        if not why and train_aware and form == "deploy":
-            why = "deploy form: stores 16-bit weights, cannot train"
         if not why and cost.cannot_run(pol):  # e.g. over the weight budget
             why = cost.cannot_run(pol)[0]
         row = Row(label(p, form), "baseline", pol, err, not why, cost.speedup(pol),
@@ -478,6 +488,19 @@ def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
         row.source = (calib, evl)
         rows.append(row)
     return rows
+
+
+def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
+                       train_aware: bool = False) -> list[Row]:
+    """``baseline_rows`` as tune's last step scores them: the search's own errors where it
+    measured that very plan, the eval data only within budget, the audit as the search's."""
+    from autoprec.search.objective import policy_for
+
+    return baseline_rows(
+        cost, lambda pol: _uniform_errors(ev, pol.default, budget, pol.form), budget,
+        lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target, form),
+        precisions=precisions, train_aware=train_aware,
+        audit=lambda pol: _audit_errors(ev, pol))
 
 
 def _first_line(err: BaseException) -> str:
@@ -573,7 +596,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
             if r.key not in seen:
                 seen.add(r.key)
                 rows.append(r)
-    rows += baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware)
+    rows += tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware)
     if not timed:
         check = check_speed(rows, None)
         check.reason = (source.note if not source.local else "not measured (--no-measure)"
@@ -601,6 +624,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
 
 
 __all__ = ["BASELINES", "Row", "SpeedCheck", "baseline_rows", "check_speed", "compiled_timer",
+           "tune_baseline_rows",
            "confirm_tune",
            "decide", "fill_measured", "format_rows", "interleaved_timer", "label",
            "measure_rows", "speed_metrics"]
