@@ -64,7 +64,12 @@ def cast_tree(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, list):
         return [cast_tree(v, dtype) for v in obj]
     if isinstance(obj, Mapping) and hasattr(obj, "__setitem__"):
-        changed = {k: c for k, v in obj.items() if (c := cast_tree(v, dtype)) is not v}
+        # a loop, not a comprehension with ``:=``: dynamo graph-breaks on its cell
+        changed: dict[Any, Any] = {}
+        for k, v in obj.items():
+            c = cast_tree(v, dtype)
+            if c is not v:
+                changed[k] = c
         if not changed:
             return obj
         out = copy.copy(obj)  # keeps the type (ModelOutput) and non-tensor members
