@@ -45,7 +45,7 @@ from autoprec.capability import capability
 from autoprec.errors import GuardError, GuardWarning, PolicyError
 from autoprec.lower.stored import SCALE, SCALE_2, deploy_forward, dequantized_weight
 from autoprec.policy.guard_spec import ALL, GuardSpec
-from autoprec.precisions import FORMATS, STORAGE_DTYPES, is_gemm_format, rank
+from autoprec.precisions import FORMATS, STORAGE_DTYPES, carrier_of, rank
 
 #: Wider-range precisions a layer may be raised to, nearest first (fp32 at worst).
 FALLBACK_ORDER = ("bf16", "tf32", "fp32")
@@ -89,12 +89,6 @@ class GuardedLayer:
     precision: str  # what it computes in under the plan
     carrier: str  # the dtype its output is in (its region's for a GEMM format)
     fallback: str  # the precision it re-runs in after an overflow
-
-
-def carrier_of(precision: str, region: str) -> str:
-    """The precision whose range a layer's output lives in: its own, or its region's for a
-    GEMM format (fp8 / mxfp8 / nvfp4 give their input's dtype)."""
-    return region if is_gemm_format(precision) else precision
 
 
 def small_range(precision: str, region: str) -> bool:
@@ -446,5 +440,5 @@ def select_layers(spec: GuardSpec, gemm_paths: Sequence[str],
 
 
 __all__ = ["FALLBACK_ORDER", "Guard", "GuardCounts", "GuardEvent", "GuardedLayer",
-           "carrier_of", "fallback_precision", "select_layers", "small_range",
+           "fallback_precision", "select_layers", "small_range",
            "stored_masters"]
