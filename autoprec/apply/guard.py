@@ -203,7 +203,9 @@ class Guard:
             st.flags = []
             out = inner(*args, **kwargs)
             flags, st.flags = st.flags, None
-            return self._settle(out, flags, inner, args, kwargs)
+            if torch.compiler.is_compiling():  # the graph ends here (module doc)
+                return self._settle(out, flags, inner, args, kwargs)
+            return self._settle_eager(out, flags, inner, args, kwargs)  # no disable wrapper
 
         return guarded_root
 
