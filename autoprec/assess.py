@@ -27,10 +27,12 @@ from autoprec.apply.audit import AuditReport
 from autoprec.cost import Breakdown, DeviceProfile
 from autoprec.cost.fusion import make_cost_model
 from autoprec.evaluate import Reference, Score, first_nonfinite_module, reference, score
+from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec
 from autoprec.metrics import batch_size_of
 from autoprec.policy import Policy
-from autoprec.policy.modules import Resolved
+from autoprec.policy.modules import Resolved, gemm_leaf_paths
+from autoprec.probe.headroom import Headroom, measure_headroom
 from autoprec.trace import LayerGraph, trace
 
 
@@ -52,6 +54,8 @@ class Assessment:
     batch_size: int
     eval_batches: int
     notes: list[str] = field(default_factory=list)  # warnings captured while applying
+    #: each 16-bit / GEMM-format layer's calibration max |x|, |y| vs its format's limit
+    headroom: list[Headroom] = field(default_factory=list)
 
     @property
     def planned_casts(self) -> int:
@@ -104,6 +108,12 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
             bad = first_nonfinite(spec, net, batches) if sc.nonfinite else None
             layers, backend = handle.layers, handle.fp8_backend
     notes = list(dict.fromkeys(str(w.message) for w in caught))
+    # headroom: the fp32 model (the policy is removed) on the calibration data
+    with fused_paths_off():
+        headroom = measure_headroom(
+            net, spec.calibration_batches(), spec.forward,
+            {p: (layers[p].precision, layers[p].region) for p in gemm_leaf_paths(net)
+             if p in layers})
 
     # The whole forward priced under the policy's plan at the deployment batch size (DESIGN:
     # "price at the deployment shape"): GEMMs, casts, norms, activations, GEMM-format scaling.
@@ -114,7 +124,7 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
         reference=ref, score=sc, audit=report, layers=layers, fp8_backend=backend,
         first_nonfinite=bad, graph=graph, cost=cost, breakdown=cost.breakdown(policy),
         est_speedup=cost.speedup(policy), infeasible=cost.cannot_run(policy),
-        batch_size=bs, eval_batches=len(batches), notes=notes)
+        batch_size=bs, eval_batches=len(batches), notes=notes, headroom=headroom)
 
 
 __all__ = ["Assessment", "assess", "first_nonfinite"]

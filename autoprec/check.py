@@ -11,6 +11,9 @@ the CLI exits 1 with the reasons) when:
   to evaluate it and reports the change as a failed gate (``force`` accepts the change);
 - the target device cannot run a precision the policy uses (``profile.supports``);
 - the audit finds a GEMM that did not compute in its rule's precision;
+- a headroom gate is given (``min_headroom``) and a 16-bit / GEMM-format layer's largest
+  value on calibration data comes closer to its format's limit than that factor
+  (``probe.headroom``);
 - the policy file itself says ``feasible: false`` (tune wrote the closest candidate when
   nothing met its budget or its speed target ``--min-speedup``): such a file never passes;
   the reason says which of the two tune missed.
@@ -81,6 +84,8 @@ class CheckResult:
     breakdown: dict[str, Any] = field(default_factory=dict)  # where the forward's time goes
     form: str = "train"  # how the plan ran (precisions.FORMS)
     weight_bytes: int | None = None  # the weights the applied plan holds on the device
+    min_headroom: float | None = None  # the gate's headroom factor (None: not gated)
+    headroom: list[dict[str, Any]] = field(default_factory=list)  # probe.headroom rows
 
     @property
     def value(self) -> float | None:
@@ -113,7 +118,8 @@ class CheckResult:
             reasons=reasons_json(self.reasons), notes=list(self.notes),
             fingerprint_match=self.fingerprint_match, nonfinite=self.nonfinite,
             eval_batches=self.eval_batches, model=self.model, policy=self.policy,
-            breakdown=dict(self.breakdown),
+            breakdown=dict(self.breakdown), min_headroom=self.min_headroom,
+            headroom=[{k: number(v) for k, v in row.items()} for row in self.headroom],
             layers=[{k: number(v) for k, v in row.items()} for row in self.layers],
         )
         return out
@@ -239,6 +245,7 @@ def check(
     batch_size: int | None = None,
     fp8_backend: str | None = None,
     compile: bool | None = None,
+    min_headroom: float | None = None,
 ) -> CheckResult:
     """Gate ``policy_path`` on ``model`` (a model.py or a ModelSpec); see the module docs.
 
@@ -248,10 +255,14 @@ def check(
     accepts a changed fingerprint (noted, not failed). ``compile``: price the plan as
     ``torch.compile`` runs it (True), op by op (False); default: the policy's target.mode.
     ``fp8_backend``: as ``apply_policy``'s (the fp8 layers' backend; mxfp8 / nvfp4 run the
-    block-scaled kernels where they can, else emulation). Raises InputError/PolicyError
-    (exit 2) for bad input.
+    block-scaled kernels where they can, else emulation). ``min_headroom``: fail a layer
+    whose calibration max |x|, |y| is within that factor of its format's limit. Raises
+    InputError/PolicyError (exit 2) for bad input.
     """
     check_batch_size(batch_size)
+    if min_headroom is not None and not (isinstance(min_headroom, (int, float))
+                                         and math.isfinite(min_headroom) and min_headroom > 0):
+        raise InputError(f"--min-headroom must be a finite number > 0, got {min_headroom!r}")
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
@@ -314,7 +325,20 @@ def check(
     reasons.extend(audit_reasons(report))
     if a.casts_note():  # priced from the calibration batch's trace
         notes.append(a.casts_note())
+    rooms = {h.layer: h for h in a.headroom}
+    for path, row in rows.items():
+        h = rooms.get(path)
+        row["headroom"] = None if h is None or not math.isfinite(h.headroom) else h.headroom
     result.layers = list(rows.values())
+    result.headroom = [h.to_dict() for h in a.headroom]
+    result.min_headroom = min_headroom
+    if min_headroom is not None:
+        for h in a.headroom:
+            if h.headroom < min_headroom:
+                reasons.append(Reason(f"headroom {h.headroom:.3g}x < {min_headroom:g} "
+                                      f"(--min-headroom) at layer {h.layer!r} ({h.precision}): "
+                                      f"max |x|, |y| {h.max_abs:.3g} of {h.carrier}'s "
+                                      f"{h.limit:g} on calibration data", h.layer))
     result.error, result.nonfinite = s.error, s.nonfinite
     result.metric, result.metric_drop = s.metric, s.metric_drop
     result.fp32_metric = ref.metric

@@ -58,3 +58,16 @@ class OutputError(InputError):
 
 class TrackingError(InputError):
     """The MLflow tracking server cannot be reached or used (found before expensive work)."""
+
+
+class GuardError(AutoprecError):
+    """A guarded deployment's output was not finite (``guard: raise``), or a fallback could
+    not recover it; the message names the layer, its precision and the value. Exit 1."""
+
+    def __init__(self, message: str, layer: str | None = None) -> None:
+        super().__init__(message)
+        self.layer = layer
+
+
+class GuardWarning(PolicyWarning):
+    """A guarded layer overflowed (``guard: detect`` / ``fallback``); warned once per layer."""

@@ -139,3 +139,10 @@ def rank(precision: str) -> int:
 def is_gemm_format(precision: str) -> bool:
     """fp8 / mxfp8 / nvfp4: a Linear backend, not a region."""
     return precision in GEMM_FORMATS
+
+
+def carrier_of(precision: str, region: str) -> str:
+    """The precision whose range a layer's inputs and output live in: its own, or its
+    region's for a GEMM format (fp8 / mxfp8 / nvfp4 scale their operands per call and give
+    their input's dtype: e4m3's 448 does not bind, the region's dtype does)."""
+    return region if is_gemm_format(precision) else precision

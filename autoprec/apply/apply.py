@@ -37,14 +37,16 @@ import torch
 
 from autoprec.apply.audit import AuditReport, audit_run, notify_compute
 from autoprec.apply.compiled import audit_compiled
+from autoprec.apply.guard import Guard, GuardCounts, GuardEvent, select_layers, stored_masters
 from autoprec.apply.stored import StoredWeights, model_bytes, store_weights
 from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
-from autoprec.errors import CapabilityError, InputError
+from autoprec.errors import CapabilityError, InputError, warn
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.lower.forward import lowered_forward
 from autoprec.lower.stored import consumer_forward, deploy_forward
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
+from autoprec.policy.guard_spec import GuardSpec, parse_guard
 from autoprec.policy.modules import Resolved, gemm_leaf_paths, module_table
 from autoprec.policy.schema import Policy
 from autoprec.precisions import (
@@ -80,8 +82,9 @@ def _cast_out(obj: Any) -> Any:
     if isinstance(obj, Mapping) and hasattr(obj, "__setitem__"):
         # dicts and HF ModelOutput (an OrderedDict dataclass): a shallow copy keeps the
         # type and its non-tensor members (a KV cache object) untouched.
-        changed = {}
-        for k, v in obj.items():  # a plain loop: dynamo cannot trace a walrus in a comprehension
+        # a loop, not a comprehension with ``:=``: dynamo graph-breaks on its cell
+        changed: dict[Any, Any] = {}
+        for k, v in obj.items():
             c = _cast_out(v)
             if c is not v:
                 changed[k] = c
@@ -158,6 +161,12 @@ class PolicyHandle:
         self._fastpath_held = False  # this handle holds torch.nn's fused paths off
         self.form = "train"
         self.stored: StoredWeights | None = None  # the deploy form's stored tensors
+        self.guard: Guard | None = None  # the run-time check (apply.guard); None: off
+
+    def guard_stats(self) -> dict[str, GuardCounts]:
+        """Per guarded layer: forward calls checked, forwards whose output was not finite,
+        forwards recovered with it raised (``apply.guard``); empty when the guard is off."""
+        return {} if self.guard is None else self.guard.stats()
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters and buffers the model holds now (a tied tensor once):
@@ -245,8 +254,10 @@ class PolicyHandle:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
+        guard = "" if self.guard is None else (f", guard {self.guard.mode} on "
+                                               f"{len(self.guard.layers)} layers")
         return (f"PolicyHandle({self.policy.source}, {self.form} form, "
-                f"{len(self.wrapped)} wrappers, fp8={self.fp8_backend}, {state})")
+                f"{len(self.wrapped)} wrappers, fp8={self.fp8_backend}{guard}, {state})")
 
 
 def _model_device(root: torch.nn.Module) -> torch.device:
@@ -264,6 +275,20 @@ def target_device_type(target: str | None, policy: Policy, device: torch.device)
     if name is None:
         return device.type
     return device_type(name)
+
+
+def _target_runs(name: str | None) -> Callable[[str], bool]:
+    """Whether the plan's target device profile has a precision (a guard's fallback must
+    run there too); any precision when the target is no profile ("cpu", "cuda", none)."""
+    from autoprec.cost import get_profile
+
+    if name is None:
+        return lambda p: True
+    try:
+        profile = get_profile(name)
+    except InputError:
+        return lambda p: True
+    return lambda p: profile.supports(p)[0]
 
 
 def _check_apply_args(model: Any, policy: Any) -> Policy:
@@ -289,7 +314,9 @@ def _check_apply_args(model: Any, policy: Any) -> Policy:
 def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backend: str | None = None,
                  device: str | torch.device | None = None, force: bool = False,
                  target: str | None = None, form: str | None = None,
-                 keep_masters: bool = True) -> PolicyHandle:
+                 keep_masters: bool = True,
+                 guard: str | GuardSpec | Mapping[str, Any] | None = None,
+                 on_event: Callable[[GuardEvent], None] | None = None) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
 
     ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te; default: the best
@@ -306,6 +333,9 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     (deploy form): the handle keeps the fp32 masters (in host memory when the model is on
     an accelerator) and ``remove()`` restores them exactly; False frees them, and
     ``remove()`` restores fp32 weights rebuilt from the deployed values (with a warning).
+    ``guard``: the run-time overflow check (``apply.guard``; a mode "off" / "detect" /
+    "fallback" / "raise", or the policy key's mapping); default: the policy's ``guard``.
+    ``on_event``: called with a GuardEvent for each layer that overflowed in a forward.
     Raises PolicyError (does not validate), CapabilityError (a precision or backend cannot
     run here, with the reason) or InputError (a policy is already applied; ``model`` is not
     an nn.Module, or a TorchScript one; ``policy`` is neither a Policy nor a path); the
@@ -332,6 +362,21 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
               for w in plan.wrappers()]
     target_type = target_device_type(target, policy, dev)
     emulate = target_type == "cuda" and dev.type != "cuda"
+
+    spec = policy.guard if guard is None else parse_guard("apply_policy(guard=...)", guard)
+    guarded = []
+    if spec.on:
+        if spec.mode == "fallback" and form != "deploy":
+            raise InputError(f"{policy.source}: guard: fallback re-runs layers from their "
+                             f"deployed weights and needs the deploy form, not {form!r}; use "
+                             "detect or raise")
+        guarded = select_layers(spec, gemm_leaf_paths(root), {**table, **modules}, res,
+                                policy.reasons, dev,
+                                policy.source if guard is None else "apply_policy(guard=...)",
+                                _target_runs(target or policy.target_device))
+        if not guarded:
+            warn(f"{policy.source}: guard {spec.mode}: no layer to check (no GEMM layer "
+                 "computes in a small-range format; guard.layers: all checks every one)")
 
     used = {w.precision for _, w in chosen}
     fp8_reason = ""
@@ -387,6 +432,11 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
                           fp8_reason, dev, target_type)
     handle.form = form
     handle.stored = stored
+    if guarded:
+        handle.guard = Guard(spec, guarded, form,
+                             stored_masters(stored.slots if stored is not None else []),
+                             on_event, policy.source)
+        wrappers = handle.guard.wrap(wrappers, root)
     try:
         handle._install(wrappers)
     except BaseException:

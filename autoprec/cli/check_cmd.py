@@ -22,13 +22,15 @@ def check_cmd(
     force: Annotated[bool, typer.Option("--force", help="Accept a changed model fingerprint (noted, not failed).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
     compile_mode: Annotated[bool | None, typer.Option("--compile/--eager", help="Price the plan as torch.compile (inductor) runs it, or op by op (default: the policy's target.mode, else eager).")] = None,
+    min_headroom: Annotated[float | None, typer.Option(help="Fail when a 16-bit / fp8-family layer's largest value on calibration data is within this factor of its format's limit (e.g. 16).")] = None,
 ) -> None:
     """Re-evaluate POLICY on MODEL's eval data; exit 1 when over budget, when the model
     changed since tuning, or when the target cannot run a precision in the policy."""
     from autoprec.check import check
 
     result = check(model, policy, max_error=max_error, max_drop=max_drop, force=force,
-                   target=target, batch_size=batch_size, compile=compile_mode)
+                   target=target, batch_size=batch_size, compile=compile_mode,
+                   min_headroom=min_headroom)
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         result.raise_if_failed()  # exit 1 with the first reason on stderr
@@ -65,6 +67,11 @@ def _print(d: dict[str, Any]) -> None:
     typer.echo(f"target {d['target'] or '-'} at "
                f"{batch_size_words(d['batch_size'], d['batch_size_from'])}: est. speed-up "
                f"{_fmt(d['est_speedup'], '.2f')}x; feasible: {str(d['feasible']).lower()}")
+    low = min(d["headroom"], key=lambda r: r["headroom"] or float("inf"), default=None)
+    if low is not None and low["headroom"] is not None:
+        gate = f" (gate {d['min_headroom']:g}x)" if d["min_headroom"] is not None else ""
+        typer.echo(f"headroom: least {low['headroom']:.3g}x at {low['layer']} ({low['precision']}"
+                   f", max |x|, |y| {low['max_abs']:.3g} of {low['limit']:g}){gate}")
     for n in d["notes"]:
         typer.echo(f"note: {n}")
     if d["passed"]:

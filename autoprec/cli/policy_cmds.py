@@ -210,11 +210,13 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     why_not = verdict_reasons(value, budget, name="metric drop" if use_drop else "error",
                               infeasible=infeasible, audit=report)
     layers = []
+    rooms = {h.layer: h.to_dict()["headroom"] for h in a.headroom}
     for row in report.rows:
         t = times.get(row.layer)
         layers.append({"layer": row.layer, "rule": row.rule, "precision": row.expected,
                        "computed": row.computed, "ok": row.ok,
                        "est_time_us": None if t is None else round(t * 1e6, 4),
+                       "headroom": rooms.get(row.layer),
                        "reason": pol.reasons.get(row.layer)})
     out: dict[str, Any] = {
         "model": spec.name, "policy": str(policy_path),
@@ -234,6 +236,8 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
         "reasons": reasons_json(why_not),
         "infeasible": infeasible,
         "audit_errors": report.errors,
+        "headroom": [{k: _num(v) for k, v in h.to_dict().items()} for h in a.headroom],
+        "guard": pol.guard.to_yaml(),
         "warnings": warns,
         "layers": layers,
     })
@@ -321,6 +325,10 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"forward, {b['kernels']} kernels")
     if s["fp8_backend"]:
         typer.echo(f"fp8 backend: {s['fp8_backend']}")
+    rooms = [r for r in s["headroom"] if isinstance(r["headroom"], float)]
+    for r in sorted(rooms, key=lambda r: r["headroom"])[:3]:  # the three closest to a limit
+        typer.echo(f"headroom {r['layer']} ({r['precision']}): {r['headroom']:.3g}x (max |x|, "
+                   f"|y| {r['max_abs']:.3g} of {r['format']}'s {r['limit']:g}, calibration)")
     b = s["baselines"]
     typer.echo("")
     typer.echo(format_rows(b))

@@ -64,8 +64,9 @@ def cast_tree(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, list):
         return [cast_tree(v, dtype) for v in obj]
     if isinstance(obj, Mapping) and hasattr(obj, "__setitem__"):
-        changed = {}
-        for k, v in obj.items():  # a plain loop: dynamo cannot trace a walrus in a comprehension
+        # a loop, not a comprehension with ``:=``: dynamo graph-breaks on its cell
+        changed: dict[Any, Any] = {}
+        for k, v in obj.items():
             c = cast_tree(v, dtype)
             if c is not v:
                 changed[k] = c

@@ -25,6 +25,7 @@ import yaml
 from autoprec.errors import FingerprintMismatch, PolicyError, PolicyWarning
 from autoprec.fileio import MiB, atomic_write, brief, read_regular
 from autoprec.paths import normalize_path
+from autoprec.policy.guard_spec import GuardSpec, parse_guard
 from autoprec.policy.modules import check_model
 from autoprec.precisions import FORMS, GEMM_FORMATS, LEGACY_FORM, PRECISIONS
 from autoprec.validate import MAX_BATCH_SIZE
@@ -33,8 +34,8 @@ from autoprec.validate import MAX_BATCH_SIZE
 SCHEMA_VERSION = 1
 
 #: Top-level keys in the order they are written.
-KEYS = ("autoprec_policy", "model", "target", "form", "default", "layers", "locked",
-        "reasons", "metrics", "provenance")
+KEYS = ("autoprec_policy", "model", "target", "form", "guard", "default", "layers",
+        "locked", "reasons", "metrics", "provenance")
 REQUIRED = ("autoprec_policy", "default")  # no `layers`: no rules
 _MODEL_KEYS = ("name", "fingerprint")
 _TARGET_KEYS = ("device", "batch_size", "mode")
@@ -70,6 +71,9 @@ class Policy:
     #: precision, no autocast) or "train" (autocast over fp32 masters; a file without
     #: ``form:`` means this, as it did before the deploy form existed)
     form: str = LEGACY_FORM
+    #: the run-time check of a deployed plan (``policy.guard_spec``; absent: off); a mode
+    #: name or a mapping is accepted here and parsed into a GuardSpec
+    guard: GuardSpec = field(default_factory=GuardSpec)
     model: dict[str, str] = field(default_factory=dict)  # {name, fingerprint}
     target: dict[str, Any] = field(default_factory=dict)  # {device, batch_size, mode}
     locked: list[str] = field(default_factory=list)
@@ -83,7 +87,7 @@ class Policy:
         # normalised the same way (wrapper prefixes, None members dropped, a target name
         # becomes {device: name}).
         checked = _parse(self.to_dict(), self.source)
-        for name in ("layers", "model", "target", "locked", "reasons", "metrics",
+        for name in ("guard", "layers", "model", "target", "locked", "reasons", "metrics",
                      "provenance"):
             setattr(self, name, getattr(checked, name))
 
@@ -121,6 +125,10 @@ class Policy:
             if value:
                 out[key] = value
         out["form"] = self.form
+        # a str / mapping given in code is written as is: _parse checks it
+        guard = self.guard.to_yaml() if isinstance(self.guard, GuardSpec) else self.guard
+        if guard is not None:
+            out["guard"] = guard
         out["default"] = self.default
         out["layers"] = dict(self.layers)
         for key in ("locked", "reasons", "metrics", "provenance"):
@@ -362,6 +370,7 @@ def _parse(data: Any, source: str) -> Policy:
                                     "stored in each layer's precision; train: autocast over "
                                     f"fp32 masters), got {brief(form)}")
 
+    guard = parse_guard(source, data.get("guard"))
     default = _precision(source, "default", data["default"])
     if default in GEMM_FORMATS:
         raise _fail(source, "default",
@@ -412,6 +421,7 @@ def _parse(data: Any, source: str) -> Policy:
     policy = Policy.__new__(Policy)  # already checked: skip __post_init__'s re-parse
     policy.default = default
     policy.form = form
+    policy.guard = guard
     policy.layers = layers
     policy.model = model
     policy.target = target

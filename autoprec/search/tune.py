@@ -17,6 +17,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import math
 import signal
 import sys
 import threading
@@ -454,6 +455,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
         policy.provenance["trial"] = None
     if chosen.calib.train_fidelity is not None:
         policy.metrics["train_fidelity"] = chosen.calib.train_fidelity
+    _note_headroom(prep, policy)
     policy.save(prep.out_path)
     remove_stale_fronts(prep.out_path)  # an earlier --pareto run's front files are not this run's
     front_pols, front_paths = _write_front(prep, space, search, cfg, cands, provenance)
@@ -464,7 +466,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                          "calibration_error": min(chosen.calib.error, 1e30),
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
                          **{k: v for k, v in policy.metrics.items()
-                            if k in ("measured_speedup", "weight_bytes")},
+                            if k in ("measured_speedup", "weight_bytes", "min_headroom")},
                          "evaluations": search.evaluator.evaluations,
                          "trials": search.driver.ran})
     import pandas as pd
@@ -508,6 +510,31 @@ def _plot_plans(prep: Prepared, search: Search, speed: Any, chosen: Any) -> Plot
             if r.role == "baseline" and r.error is not None and r.est_speedup is not None]
     return PlotPlans(priced=priced, baselines=pd.DataFrame(rows) if rows else None,
                      chosen=(chosen.calib.error, chosen.calib.est_speedup))
+
+
+def _note_headroom(prep: Prepared, policy: Policy) -> None:
+    """The winner's headroom (probe.headroom: one fp32 pass over the calibration data):
+    ``metrics.min_headroom`` (and its layer), and a reason for each layer under
+    NOTE_BELOW — what a reviewer reads before choosing ``guard`` layers."""
+    from autoprec.fused import fused_paths_off
+    from autoprec.plan import compile_plan
+    from autoprec.policy import gemm_leaf_paths
+    from autoprec.probe.headroom import NOTE_BELOW, measure_headroom, smallest
+
+    res = compile_plan(policy, prep.net).resolution()
+    with fused_paths_off():
+        rows = measure_headroom(prep.net, prep.calib, prep.spec.forward,
+                                {p: (res[p].precision, res[p].region)
+                                 for p in gemm_leaf_paths(prep.net) if p in res})
+    low = smallest(rows)
+    if low is None or not math.isfinite(low.headroom):
+        return
+    policy.metrics["min_headroom"] = round(low.headroom, 4)
+    policy.metrics["min_headroom_layer"] = low.layer
+    for r in rows:
+        if r.headroom < NOTE_BELOW:
+            had = policy.reasons.get(r.layer)
+            policy.reasons[r.layer] = f"{had}; {r.note()}" if had else r.note()
 
 
 def _per_layer(prep: Prepared, space: SearchSpace, policy: Policy) -> dict[str, str]:
