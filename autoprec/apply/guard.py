@@ -5,16 +5,22 @@ inputs, and a fp16 layer past 65504 (or a GEMM format in a fp16 region) gives in
 without a word. The guard (``policy.guard_spec``: the ``guard`` key, or
 ``apply_policy(guard=...)``) wraps each guarded GEMM leaf and the root:
 
-- each guarded leaf appends one device scalar per call: the fp32 sum of its output
-  (``out.sum(dtype=torch.float32)``: one reduction, no temporary; an inf or NaN anywhere
-  makes it non-finite. On this project's CPU it is ~20x cheaper than
-  ``torch.isfinite(out).all()``, which materialises a bool tensor). It is also
-  non-finite when finite values sum past fp32's max — values within a factor ``numel`` of
-  fp32's limit: an overflow in waiting, counted as one. No host sync per layer;
-- the root, on its way out, stacks the scalars and reads one bool: one host sync per
-  forward. That read is ``torch.compiler.disable``-d: under ``torch.compile`` the graph
-  breaks there, once, at the root's exit (the forward itself stays one graph); what runs
-  after an overflow (counting, warning, the fallback re-run) runs eagerly.
+- the root checks the forward's output: one device scalar, the fp32 sum of its first
+  floating tensor (``out.sum(dtype=torch.float32)``: one reduction, no temporary; an inf or
+  NaN anywhere makes it non-finite — an overflowed layer's inf reaches the output as inf
+  or, through a norm or softmax, NaN. On this project's CPU a sum is ~20x cheaper than
+  ``torch.isfinite(out).all()``, which materialises a bool tensor), and reads one bool:
+  one host sync per forward, nothing per layer. That read is
+  ``torch.compiler.disable``-d: under ``torch.compile`` the graph breaks there, once, at
+  the root's exit (the forward itself stays one graph); what runs after an overflow
+  (attributing, counting, warning, the fallback re-run) runs eagerly;
+- only when the output is non-finite is the same forward run again with each guarded
+  leaf's output checked (the same sum per call), to name the layer(s) that overflowed;
+  the mode then acts on them. A non-finite output that no guarded layer explains (a
+  layer not guarded, the model's own code) is warned about once and returned as it is.
+  An overflow that never reaches the output (masked away by the model's code) is not
+  reported: nothing wrong reached the caller. A sum is also non-finite when finite
+  values sum past fp32's max — an overflow in waiting, counted as one.
 
 Modes: ``detect`` counts and warns once per layer (GuardWarning); ``fallback`` re-runs the
 forward with the offending layers raised (each to its fallback precision: their weights
@@ -154,7 +160,7 @@ class Guard:
         self._state = _State()
         self._warned: set[str] = set()
         self._shadows: dict[tuple[int, str], Callable[..., Any]] = {}
-        self._settle = torch.compiler.disable(self._settle_eager)
+        self._check = torch.compiler.disable(self._check_eager)
 
     # -- installing ------------------------------------------------------------------
     def wrap(self, wrappers: list[tuple[torch.nn.Module, Callable[..., Any]]],
@@ -198,16 +204,40 @@ class Guard:
         st = self._state
 
         def guarded_root(*args: Any, **kwargs: Any) -> Any:
-            if st.flags is not None:  # re-entered (a model calling itself): the outer settles
+            if st.flags is not None:  # re-entered, or an attributing re-run: the outer acts
                 return inner(*args, **kwargs)
-            st.flags = []
             out = inner(*args, **kwargs)
-            flags, st.flags = st.flags, None
+            flag = _flag(out)
             if torch.compiler.is_compiling():  # the graph ends here (module doc)
-                return self._settle(out, flags, inner, args, kwargs)
-            return self._settle_eager(out, flags, inner, args, kwargs)  # no disable wrapper
+                return self._check(out, flag, inner, args, kwargs)
+            return self._check_eager(out, flag, inner, args, kwargs)  # no disable wrapper
 
         return guarded_root
+
+    def _check_eager(self, out: Any, flag: torch.Tensor | None, inner: Callable[..., Any],
+                     args: Any, kwargs: Any) -> Any:
+        """The one host sync of a guarded forward (``bool`` below); on a non-finite output,
+        the forward again with every guarded leaf checked, to name the layers."""
+        if flag is None or bool(torch.isfinite(flag)):
+            self.forwards += 1
+            for g in self.layers:
+                self.counts[g.path].checks += 1
+            return out
+        st = self._state
+        st.flags = []
+        try:
+            again = inner(*args, **kwargs)
+        finally:
+            flags, st.flags = st.flags, None
+        if not _bad(flags):
+            key = "<output>"
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(f"{self.source}: guard: the forward's output is not finite, "
+                              "but no guarded layer overflowed (a layer the guard does not "
+                              "check, or the model's own code): returned as it is",
+                              GuardWarning, stacklevel=4)
+        return self._settle_eager(again, flags, inner, args, kwargs)
 
     # -- after a forward -------------------------------------------------------------
     def _settle_eager(self, out: Any, flags: list[tuple[int, torch.Tensor]],
