@@ -229,8 +229,9 @@ def _rules(r: Row) -> int:
 def decide(rows: Sequence[Row]) -> tuple[Row | None, str]:
     """The measured row to write within budget, and why: the fastest, unless a simpler one
     (fewer rules: a one-liner has none) is as fast within the noise — their p10-p90 ranges
-    overlap — then the simplest of those (the faster median among equals). A tuned plan
-    measured slower than a baseline or another candidate is never the choice."""
+    overlap — then the simplest of those (among equals the one holding fewer weight bytes,
+    then the faster median). A tuned plan measured slower than a baseline or another
+    candidate is never the choice."""
     timed = [r for r in rows if r.feasible and r.speedup is not None]
     if not timed:
         return None, "nothing within budget was measured"
@@ -239,13 +240,18 @@ def decide(rows: Sequence[Row]) -> tuple[Row | None, str]:
         if r.speedup > fastest.speedup:  # strict: the earlier row (the tuned plan) keeps ties
             fastest = r
     ties = [r for r in timed if _overlap(r, fastest)]
-    best = min(ties, key=lambda r: (_rules(r), -(r.speedup or 0.0), timed.index(r)))
-    if best is not fastest and _rules(best) < _rules(fastest):
+    best = min(ties, key=lambda r: (_rules(r), r.weight_bytes or 0, -(r.speedup or 0.0),
+                                    timed.index(r)))
+    if best is not fastest and (_rules(best), best.weight_bytes or 0) < (
+            _rules(fastest), fastest.weight_bytes or 0):
         return best, (f"{best.name} ({_rules(best)} rules) measured {best.speedup:.2f}x "
                       f"(p10-p90 {best.p10:.2f}-{best.p90:.2f}x), {fastest.name} "
                       f"({_rules(fastest)} rules) {fastest.speedup:.2f}x (p10-p90 "
                       f"{fastest.p10:.2f}-{fastest.p90:.2f}x): as fast within the noise, "
-                      "the simpler plan is written")
+                      "the simpler plan is written"
+                      + ("" if _rules(best) < _rules(fastest) else
+                         f" (it holds {(best.weight_bytes or 0) / 1e6:.1f} MB of weights, "
+                         f"{fastest.name} {(fastest.weight_bytes or 0) / 1e6:.1f} MB)"))
     best = fastest
     tuned = next((r for r in rows if r.role == "tuned"), None)
     plan = best.same_as or best.name  # rows of the same plan are not a runner-up

@@ -257,3 +257,24 @@ def test_tune_for_a_compiled_cpu_deployment_times_its_plans_compiled(tmp_path: P
     assert "torch.compile'd" in pol.metrics["measured_on"]
     timed = [r for r in res.speed.rows if r.speedup is not None]
     assert {r.name for r in timed} >= {"tuned", label("fp32"), label("bf16")}
+
+
+def test_of_two_one_liners_as_fast_the_one_holding_less_memory_is_written():
+    def noisy(ms: Mapping[str, float]):
+        def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+            return {n: [ms[n] * 1e-3 * (1 + 0.03 * (((i + k) % 3) - 1)) for i in range(5)]
+                    for k, n in enumerate(plans)}
+        return timer
+
+    autocast = Row(label("bf16"), "baseline", Policy(default="bf16"), 0.01, True, 2.0,
+                   weight_bytes=90)
+    deployed = Row(label("bf16", "deploy"), "baseline", Policy(default="bf16", form="deploy"),
+                   0.01, True, 2.0, weight_bytes=45)
+    rs = [Row("tuned", "tuned", Policy(default="fp32", layers={"0": "bf16"}), 0.01, True, 1.5),
+          Row(label("fp32"), "baseline", Policy(default="fp32"), 0.0, True, 1.0), autocast,
+          deployed]
+    t = noisy({"tuned": 30, label("fp32"): 34, label("bf16"): 19.9,
+               label("bf16", "deploy"): 20.0})
+    check = check_speed(rs, t, device="cpu", batch_size=16)
+    assert check.winner is deployed
+    assert "holds 0.0 MB of weights" in check.reason or "MB of weights" in check.reason
