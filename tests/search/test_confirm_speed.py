@@ -273,8 +273,11 @@ def test_of_two_one_liners_as_fast_the_one_holding_less_memory_is_written():
     rs = [Row("tuned", "tuned", Policy(default="fp32", layers={"0": "bf16"}), 0.01, True, 1.5),
           Row(label("fp32"), "baseline", Policy(default="fp32"), 0.0, True, 1.0), autocast,
           deployed]
-    t = noisy({"tuned": 30, label("fp32"): 34, label("bf16"): 19.9,
+    t = noisy({"tuned": 30, label("fp32"): 34, label("bf16"): 19.5,
                label("bf16", "deploy"): 20.0})
     check = check_speed(rs, t, device="cpu", batch_size=16)
     assert check.winner is deployed
-    assert "holds 0.0 MB of weights" in check.reason or "MB of weights" in check.reason
+    autocast.weight_bytes, deployed.weight_bytes = 45, 90  # the memory decides, not the name
+    for r in rs:
+        r.same_as = None
+    assert check_speed(rs, t, device="cpu", batch_size=16).winner is autocast
