@@ -170,7 +170,7 @@ def cpu_part(trials: int, rounds: int) -> str:
                 handle = variants.pop("_handle")
                 batches = spec.eval_batches()
                 ref = reference(spec, variants["fp32"][0], batches)
-                errors, weights, runs = {}, {}, {}
+                errors, weights, runs, kernels = {}, {}, {}, {}
                 batch = spec.calibration_batches()[0]
                 for k, (m, run) in variants.items():
                     errors[k] = 0.0 if k == "fp32" else _error(spec, m, run, batches, ref)
@@ -179,6 +179,12 @@ def cpu_part(trials: int, rounds: int) -> str:
                             for t in [*m.parameters(), *m.buffers()])
                     fn = torch.compile(m) if compiled else m
                     runs[k] = (lambda fn=fn, run=run, b=batch: _no_grad(run, fn, b))
+                    if compiled:  # compile now: what inductor generated for each row
+                        from torch._inductor import metrics
+
+                        metrics.reset()
+                        runs[k]()
+                        kernels[k] = metrics.generated_kernel_count
                 samples = _time(runs, rounds, 0.05)
                 handle.remove()
             import numpy as np
@@ -203,7 +209,8 @@ def cpu_part(trials: int, rounds: int) -> str:
                 head = ""
             checks.append(f"{name} {mode}: written / best within budget = {written / best:.3f}; "
                           f"written weights {_mb(weights['written policy'])} MB vs "
-                          f"model.to(bf16) {_mb(weights['model.to(bfloat16)'])} MB")
+                          f"model.to(bf16) {_mb(weights['model.to(bfloat16)'])} MB"
+                          + (f"; inductor kernels {kernels}" if kernels else ""))
             print(f"[cpu] {checks[-1]}", file=sys.stderr)
     return "\n".join(lines + [""] + [f"- {c}" for c in checks])
 
