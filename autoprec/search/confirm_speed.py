@@ -416,14 +416,52 @@ def _audit_errors(ev: Any, pol: Policy) -> list[str]:
         return list(h.audit(lambda: ev.spec.forward(ev.model, batch), strict=False).errors)
 
 
+def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
+                   reference: Any) -> list[Row]:
+    """The baselines of a 16-bit model (``reference.ModelReference``): fp32 as the speed
+    reference only (an upcast of the model, not a choice: it is not the reference and holds
+    twice its weights), the model as given (error 0: it is the reference), and the deploy
+    one-liners at or below the model's precision (``model.to(torch.float16)`` for a bf16
+    model) other than the model itself. The training form's rows (autocast over fp32
+    masters) have no fp32 masters to run over."""
+    from autoprec.reference import offered
+    from autoprec.search.objective import policy_for
+
+    name = reference.label()
+    up = policy_for("fp32", {}, ev.fingerprint, ev.target, "deploy")
+    rows = [Row("fp32 (model.float())", "baseline", up, None, False, cost.speedup(up),
+                why_not=f"an upcast of the {name} model: the speed reference only",
+                weight_bytes=cost.weight_bytes(up))]
+    given = reference.policy(ev.fingerprint, ev.target)
+    why = cost.cannot_run(given)
+    rows.append(Row(f"the model as given ({name})", "baseline", given, 0.0, not why,
+                    cost.speedup(given), why_not=why[0] if why else "",
+                    weight_bytes=cost.weight_bytes(given)))
+    rows[-1].source = (0.0, None)
+    for p in offered(reference.default, ("bf16", "fp16")):
+        if p == "fp32" or (p == reference.default and not reference.islands):
+            continue
+        rows.extend(_uniform_rows(cost, ev, budget, precisions, [(p, "deploy")]))
+    return rows
+
+
 def baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
-                  train_aware: bool = False) -> list[Row]:
+                  train_aware: bool = False, reference: Any = None) -> list[Row]:
     """fp32, one global bf16 / fp16 autocast, uniform tf32: error and estimated speed-up
-    (on ``cost``), and whether each may be written instead of the tuned plan."""
+    (on ``cost``), and whether each may be written instead of the tuned plan. A 16-bit
+    model (``reference`` not fp32) has its own rows (``reference_rows``)."""
+    if reference is not None and not reference.is_fp32:
+        return reference_rows(cost, ev, budget, precisions, reference)
+    return _uniform_rows(cost, ev, budget, precisions, BASELINES, train_aware)
+
+
+def _uniform_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
+                  baselines: Sequence[tuple[str, str]], train_aware: bool = False
+                  ) -> list[Row]:
     from autoprec.search.objective import policy_for
 
     rows = []
-    for p, form in BASELINES:
+    for p, form in baselines:
         ok, why = cost.profile.supports(p)
         if not ok:
             rows.append(Row(label(p, form), "baseline", None,
@@ -518,7 +556,6 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     (default, rules)."""
     from autoprec.cost import make_cost_model
     from autoprec.search import compact, select
-    from autoprec.search.evaluation import Evaluation
     from autoprec.search.objective import policy_for
 
     ev = search.evaluator
@@ -550,12 +587,19 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
             if r.key not in seen:
                 seen.add(r.key)
                 rows.append(r)
-    rows += baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware)
+    rows += baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
+                          prep.reference)
     if not timed:
         check = check_speed(rows, None)
         check.reason = (source.note if not source.local else "not measured (--no-measure)"
                         if not cfg.measure else "not measured: no plan within budget")
-        return check, chosen, rules_of(chosen)
+        given = _given_if_faster(rows)
+        if given is None:
+            return check, chosen, rules_of(chosen)
+        check.winner = given
+        check.reason += (f"; {given.name} is estimated faster than the tuned plan (or the "
+                         "only plan within budget): wrote it")
+        return check, *_baseline_candidate(prep, space, given)
 
     at_measured = make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, cfg.mode)
     check = measure_rows(rows, prep.spec.forward, prep.net, prep.calib[0], source.device,
@@ -568,16 +612,39 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         return check, chosen, rules_of(chosen)
     if win.role == "candidate":
         return check, win.source, rules_of(win.source)
+    return check, *_baseline_candidate(prep, space, win)
+
+
+def _given_if_faster(rows: Sequence[Row]) -> Row | None:
+    """A 16-bit model's own row (``reference_rows``) when the tuned plan is over budget or
+    estimated slower: the written plan is never priced below the model as given."""
+    tuned = rows[0]
+    given = next((r for r in rows if r.role == "baseline" and r.feasible
+                  and r.name.startswith("the model as given")), None)
+    if given is None:
+        return None
+    if tuned.feasible and (tuned.est_speedup or 0.0) >= (given.est_speedup or 0.0):
+        return None
+    return given
+
+
+def _baseline_candidate(prep: Any, space: Any, win: Row) -> tuple[Any, tuple[str, dict[str, str]]]:
+    """A baseline row as the candidate to write (no trial of the study) and its rules."""
+    from autoprec.search import select
+    from autoprec.search.evaluation import Evaluation
+
+    assert win.policy is not None
     p = win.policy.default
     calib, evl = win.source
+    layers = dict(win.policy.layers)  # the model as given keeps its fp32 modules' rules
     pseudo = select.Candidate(number=-1, params=space.params(space.uniform(p)),
                               calib=Evaluation(calib, prep.cost.estimate(win.policy),
                                                win.est_speedup or 0.0, True, eval_error=evl),
-                              policy={"default": p, "layers": {}, "form": win.policy.form})
-    return check, pseudo, (p, {})
+                              policy={"default": p, "layers": layers, "form": win.policy.form})
+    return pseudo, (p, layers)
 
 
-__all__ = ["BASELINES", "Row", "SpeedCheck", "baseline_rows", "check_speed", "compiled_timer",
+__all__ = ["BASELINES", "Row", "SpeedCheck", "baseline_rows", "reference_rows", "check_speed", "compiled_timer",
            "confirm_tune",
            "decide", "fill_measured", "format_rows", "interleaved_timer", "label",
            "measure_rows", "speed_metrics"]
