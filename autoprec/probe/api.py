@@ -256,6 +256,8 @@ def _rows(sel: list[ProbeLayer], shadow: ShadowResults,
     rows: list[ProbeRow] = []
     for lay in sel:
         for p in settings.precisions:
+            if p not in lay.precisions and p not in lay.disallowed:
+                continue  # the layer as given, or above it (a 16-bit layer): no row
             key = (lay.path, p)
             local = shadow.local.get(key)
             if key in proj.seen and shadow.sq_y > 0:

@@ -476,6 +476,13 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
 def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
           tracker: Tracker, started: float) -> TuneResult:
     cands = select.completed(search.study)
+    given = _given_candidate(prep, space)
+    if given is not None and not any(c.calib.feasible for c in cands):
+        # a 16-bit model: the model as given is within budget by definition (error 0), so
+        # a search whose trials all failed or went over budget still writes it
+        search.notes.append("no trial found a plan within budget; wrote the model as given "
+                            f"({prep.reference.label()})")
+        cands = [*cands, given]
     if not cands:
         raise search.driver.nothing_measured(search.study_name)
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
@@ -545,6 +552,24 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       speed=speed, priced=search.planner.priced,
                       measured=len(search.driver.by_key), plot_plans=plans,
                       reference=prep.reference, weight_bytes=prep.reference.weight_bytes)
+
+
+def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | None:
+    """The model as given (a 16-bit model's own layout) as a candidate (no trial of the
+    study): error 0, priced like every plan. None for an fp32 model."""
+    from autoprec.search.evaluation import Evaluation
+
+    refm = prep.reference
+    if refm.is_fp32:
+        return None
+    pol = refm.policy()
+    t = prep.cost.estimate(pol)
+    key = reference_key(space, refm) or space.uniform(refm.default)
+    return select.Candidate(number=-1, params=space.params(key),
+                            calib=Evaluation(0.0, t, prep.cost.fp32_time / t if t > 0 else 0.0,
+                                             True, eval_error=0.0),
+                            policy={"default": refm.default, "layers": refm.rules(),
+                                    "form": "deploy"})
 
 
 def _plot_plans(prep: Prepared, search: Search, speed: Any, chosen: Any) -> PlotPlans:

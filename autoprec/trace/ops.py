@@ -267,6 +267,19 @@ class _Recorder:
         self.trace.events.append((0, len(self.trace.ops)))
         self.trace.ops.append(op)
 
+    def mark_ambient(self, op: Op, target: torch.dtype) -> None:
+        """A 16-bit model's cast to its own dtype: HF's ``x.to(input_dtype)`` after an fp32
+        norm, ``cos.to(x.dtype)``. It follows the dtype the enclosing module's input
+        arrived in (``like`` that input) when that input had the target dtype here, else
+        the storage dtype of the region it runs in (``Op.ambient``)."""
+        name = _dtype_name(target)
+        if self.open:
+            for v in self.trace.calls[self.open[-1]].inputs:
+                if self.trace.values[v].dtype == name and v not in op.outputs:
+                    op.like = v
+                    return
+        op.ambient = True
+
     # -- module calls ------------------------------------------------------------------------
     def enter(self, module: nn.Module, args: Any) -> None:
         m = self.index.get(id(module), -1)
@@ -362,7 +375,7 @@ class _Functions(TorchFunctionMode):
         # result (``x = x.float()``), which under a 16-bit plan is a new tensor.
         rec.op("to", "cast", (src,), out, fixed=_dtype_name(target))
         if target == rec.ambient:
-            rec.trace.ops[-1].ambient = True
+            rec.mark_ambient(rec.trace.ops[-1], target)
 
 
 class _Aten(TorchDispatchMode):
@@ -407,7 +420,7 @@ class _Aten(TorchDispatchMode):
             return out
         rec.op(name, kind, (args, kwargs), out, fixed=fixed, like_first=_mutated_self(func))
         if ambient:
-            rec.trace.ops[-1].ambient = True
+            rec.mark_ambient(rec.trace.ops[-1], outs[0].dtype)
         return out
 
 
