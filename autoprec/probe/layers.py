@@ -28,7 +28,7 @@ from autoprec.errors import InputError
 from autoprec.formats.gemm import ineligible_reason
 from autoprec.lower.forward import cast_floats, lowered_forward
 from autoprec.precisions import GEMM_FORMATS
-from autoprec.reference import DTYPE_PRECISION, offered, own_precision
+from autoprec.reference import offered, own_precision
 from autoprec.trace.graph import LayerGraph
 
 _MISSING = object()
@@ -162,11 +162,6 @@ def _upcast_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-def own_dtype(module: nn.Module) -> torch.dtype:
-    """The dtype ``module``'s weights are stored in (fp32 for a module without weights)."""
-    prec = own_precision(module)
-    return next(d for d, p in DTYPE_PRECISION.items() if p == prec)
-
 
 def lowered_call(layer: ProbeLayer, precision: str, args: Sequence[Any], kwargs: dict[str, Any],
                  fp8_backend: str = "emulated") -> Any:
@@ -182,20 +177,23 @@ def lowered_alone(layer: ProbeLayer, precision: str,
                   fp8_backend: str = "emulated") -> Iterator[None]:
     """The model with only ``layer`` computing in ``precision``; everything else as given.
 
-    The layer's outputs are cast to its own dtype on the way out (fp32 in an fp32 model)
-    — what its consumer does with them (DESIGN.md: a fp32 layer upcasts its inputs) — so the run measures
+    The layer's outputs are cast on the way out to the dtype its input came in (fp32 in an
+    fp32 model; a bf16 model's layer hands on bf16, as it does unlowered) — what its
+    consumer does with them (DESIGN.md: a fp32 layer upcasts its inputs) — so the run measures
     this layer's rounding and nothing else: without it, a bf16 ``query`` next to fp32
     ``key``/``value`` fails in SDPA ("Expected query, key, and value to have the same
     dtype") and a 16-bit activation would re-round every non-GEMM op it passes through.
     """
     low = lowered_forward(layer.module, precision, fp8_backend=fp8_backend)
-    dtype = own_dtype(layer.module)
-    only = ((torch.bfloat16, torch.float16) if dtype == torch.float32
-            else (torch.float32, torch.bfloat16, torch.float16))
 
     @functools.wraps(low)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return cast_floats(low(*args, **kwargs), dtype, only)
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                  and a.dtype in (torch.bfloat16, torch.float16)), None)
+        if x is None:  # fp32 in: fp32 out, as in an fp32 model
+            return cast_floats(low(*args, **kwargs), torch.float32)
+        return cast_floats(low(*args, **kwargs), x.dtype,
+                           (torch.float32, torch.bfloat16, torch.float16))
 
     with inner_fp32(layer), swapped_forward(layer.module, forward):
         yield

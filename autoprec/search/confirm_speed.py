@@ -434,10 +434,19 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
                 weight_bytes=cost.weight_bytes(up))]
     given = reference.policy(ev.fingerprint, ev.target)
     why = cost.cannot_run(given)
-    rows.append(Row(f"the model as given ({name})", "baseline", given, 0.0, not why,
+    err = 0.0  # exact for a uniform 16-bit model; a mixed one's fp32 rules are measured
+    if reference.islands:
+        from autoprec.apply.apply import apply_policy
+        from autoprec.evaluate import score
+
+        with apply_policy(ev.model, given, fp8_backend=ev.fp8_backend):
+            err = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
+        if not why and not err <= budget:
+            why = [f"over budget ({err:.3g} > {budget:g})"]
+    rows.append(Row(f"the model as given ({name})", "baseline", given, err, not why,
                     cost.speedup(given), why_not=why[0] if why else "",
                     weight_bytes=cost.weight_bytes(given)))
-    rows[-1].source = (0.0, None)
+    rows[-1].source = (err, None)
     for p in offered(reference.default, ("bf16", "fp16")):
         if p == "fp32" or (p == reference.default and not reference.islands):
             continue

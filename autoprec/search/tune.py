@@ -244,9 +244,10 @@ def reference_key(space: SearchSpace, refm: ModelReference) -> Key | None:
     """The plan key that runs the model as given (error 0: it changes no tensor), or None
     when no key does (a module kept in fp32 that is no GEMM layer: the region covers it).
     None for an fp32 model: the evaluator's default, the all-fp32 plan, is that one."""
-    if refm.is_fp32:
-        return None
-    if any(path not in space.layers for path in refm.islands):
+    if refm.is_fp32 or refm.islands:
+        # a mixed model's fp32 modules often cast their own inputs and outputs (T5's `wo`):
+        # the deploy form's fp32 rule on them changes what they hand on, so its error is
+        # measured like any plan's, not assumed 0
         return None
     key = [PRECISIONS.index(refm.default)]
     for v in space.variables:
@@ -560,7 +561,7 @@ def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | N
     from autoprec.search.evaluation import Evaluation
 
     refm = prep.reference
-    if refm.is_fp32:
+    if refm.is_fp32 or refm.islands:  # a mixed model's own layout is measured (reference_key)
         return None
     pol = refm.policy()
     t = prep.cost.estimate(pol)
