@@ -37,9 +37,13 @@ MEMINFO = Path("/proc/meminfo")
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's distinct parameters and buffers (a tied tensor once)."""
-    from autoprec.apply.stored import model_bytes
-
-    return model_bytes(model)
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -5,7 +5,7 @@ A model arrives in fp32, in bf16 or fp16 (``from_pretrained(..., torch_dtype=tor
 (HF's ``_keep_in_fp32_modules``, e.g. T5's ``wo``). Whatever it is, its own outputs — run
 as they are, no autocast — are what every error is measured against, and its own layout
 is a plan: the deploy form's ``default: <its dtype>`` plus an fp32 rule on every module
-kept in fp32 (``ModelReference.policy``). That plan is exact (it stores every tensor in
+kept in fp32 (``ModelReference.rules``). That plan is exact (it stores every tensor in
 the dtype it already has), so its error is 0 and it is always a candidate: a tune of a
 bf16 model never writes a plan the cost model prices slower than the bf16 model itself.
 
@@ -80,15 +80,9 @@ class ModelReference:
                 f"{'/'.join(by)}")
 
     def rules(self) -> dict[str, str]:
+        """The model as given as deploy-form rules: ``default`` plus these (exact for a
+        uniform 16-bit model: it changes no tensor); ``search.objective.given_policy``."""
         return dict(self.islands)
-
-    def policy(self, fingerprint: str | None = None, target: str | None = None) -> Any:
-        """The model as given as a deploy-form policy (exact: it changes no tensor)."""
-        from autoprec.policy import Policy
-
-        model = {"fingerprint": fingerprint} if fingerprint else {}
-        return Policy(default=self.default, layers=self.rules(), model=model, form="deploy",
-                      target={"device": target} if target else {})
 
     def to_dict(self) -> dict[str, Any]:
         """What a policy file records under ``reference:``."""

@@ -425,14 +425,14 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     model) other than the model itself. The training form's rows (autocast over fp32
     masters) have no fp32 masters to run over."""
     from autoprec.reference import offered
-    from autoprec.search.objective import policy_for
+    from autoprec.search.objective import given_policy, policy_for
 
     name = reference.label()
     up = policy_for("fp32", {}, ev.fingerprint, ev.target, "deploy")
     rows = [Row("fp32 (model.float())", "baseline", up, None, False, cost.speedup(up),
                 why_not=f"an upcast of the {name} model: the speed reference only",
                 weight_bytes=cost.weight_bytes(up))]
-    given = reference.policy(ev.fingerprint, ev.target)
+    given = given_policy(reference, ev.fingerprint, ev.target)
     why = cost.cannot_run(given)
     err = 0.0  # exact for a uniform 16-bit model; a mixed one's fp32 rules are measured
     if reference.islands:

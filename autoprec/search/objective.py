@@ -39,6 +39,12 @@ def policy_for(default: str, layers: Mapping[str, str], fingerprint: str | None 
                   target={"device": target} if target else {})
 
 
+def given_policy(reference: Any, fingerprint: str | None = None,
+                 target: str | None = None) -> Policy:
+    """The model as given (``reference.ModelReference``) as a deploy-form policy."""
+    return policy_for(reference.default, reference.rules(), fingerprint, target, "deploy")
+
+
 class Evaluator:
     """Scores plan keys; counts how many model evaluations it really ran."""
 
@@ -153,4 +159,4 @@ class Evaluator:
         return ev
 
 
-__all__ = ["Evaluator", "SCREEN_FACTOR", "policy_for"]
+__all__ = ["Evaluator", "SCREEN_FACTOR", "given_policy", "policy_for"]

@@ -51,7 +51,7 @@ from autoprec.search.confirm_speed import SpeedCheck, confirm_tune, speed_metric
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
 from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
-from autoprec.search.objective import Evaluator
+from autoprec.search.objective import Evaluator, given_policy
 from autoprec.search.planner import Planner
 from autoprec.search.sampler import PlanSampler
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
@@ -505,7 +505,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                            **speed_metrics(speed)})
     if not prep.reference.is_fp32:  # est_speedup stays over fp32 (DESIGN); this one over
         policy.reference = prep.reference.to_dict()  # the model as the user has it
-        given = prep.cost.estimate(prep.reference.policy())
+        given = prep.cost.estimate(given_policy(prep.reference))
         mine = prep.cost.estimate(policy)
         policy.metrics["est_speedup_over_reference"] = (
             round(given / mine, 4) if 0 < mine < float("inf") else 0.0)
@@ -563,7 +563,7 @@ def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | N
     refm = prep.reference
     if refm.is_fp32 or refm.islands:  # a mixed model's own layout is measured (reference_key)
         return None
-    pol = refm.policy()
+    pol = given_policy(refm)
     t = prep.cost.estimate(pol)
     key = reference_key(space, refm) or space.uniform(refm.default)
     return select.Candidate(number=-1, params=space.params(key),

@@ -24,6 +24,7 @@ from autoprec.policy import Policy, load_policy
 from autoprec.reference import model_reference, offered, own_precision
 from autoprec.search import tune as tune_mod
 from autoprec.search.config import TuneConfig
+from autoprec.search.objective import given_policy
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 BF16 = MODELS / "bf16_llama.py"
@@ -43,7 +44,7 @@ def test_model_reference_reads_the_dtypes() -> None:
     assert model_reference(bf).default == "bf16" and not model_reference(bf).islands
     mixed = model_reference(load_model_file(MIXED).model())
     assert mixed.default == "bf16" and mixed.islands == {DOWN: "fp32"}
-    assert mixed.policy().layers == {DOWN: "fp32"} and mixed.policy().form == "deploy"
+    assert given_policy(mixed).layers == {DOWN: "fp32"} and given_policy(mixed).form == "deploy"
     assert model_reference(torch.nn.Linear(4, 4)).is_fp32
     assert own_precision(bf.lm_head) == "bf16"
     got = offered("bf16", ("fp32", "tf32", "bf16", "fp16", "fp8"))
@@ -72,7 +73,7 @@ def test_space_offers_own_and_lower_plus_fp32_islands(tmp_path: Path) -> None:
     # a mixed model's own layout is measured, not assumed exact: this fp32 module casts
     # its own output back to bf16, which the deploy form's fp32 rule changes
     assert tune_mod.reference_key(space, prep.reference) is None
-    with apply_policy(prep.net, prep.reference.policy()):
+    with apply_policy(prep.net, given_policy(prep.reference)):
         assert 0.0 < score(prep.spec, prep.net, prep.calib, prep.ref).error < 0.01
 
 
@@ -82,7 +83,7 @@ def test_the_bf16_model_as_given_is_exact(tmp_path: Path) -> None:
     space = tune_mod.make_space(prep, cfg)
     key = tune_mod.reference_key(space, prep.reference)
     assert key is not None and set(space.rules(key)[1].values()) == {"bf16"}
-    with apply_policy(prep.net, prep.reference.policy()):
+    with apply_policy(prep.net, given_policy(prep.reference)):
         assert score(prep.spec, prep.net, prep.calib, prep.ref).error == 0.0
 
 
