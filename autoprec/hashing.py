@@ -27,7 +27,8 @@ def _feed(h: Any, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        # the tensor's own bytes (no copy: a 1 GB embedding is hashed in place)
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     elif isinstance(obj, Mapping) or (hasattr(obj, "keys") and hasattr(obj, "values")):
         h.update(b"{")
         for k in obj:

@@ -46,6 +46,8 @@ MAX_BATCHES = 1000
 MAX_DATA_BYTES = 8 << 30
 
 Batch = Any
+#: Weight dtypes build_model() may return: the model as given is the reference.
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def default_forward(model: torch.nn.Module, batch: Batch) -> Any:
@@ -196,7 +198,8 @@ class ModelSpec:
             self.loss = _checked_loss(self.path, self.loss)
 
     def model(self) -> torch.nn.Module:
-        """A fresh fp32 model in eval mode, checked against the contract."""
+        """A fresh model in eval mode (fp32, bf16 or fp16 weights), checked against the
+        contract."""
         try:
             model = self.build_model()
         except (Exception, SystemExit) as err:
@@ -214,9 +217,11 @@ class ModelSpec:
                 f"({type(model).__name__}); autoprec tunes and applies the eager "
                 "nn.Module: return it before torch.jit.script / torch.jit.trace")
         for pname, p in model.named_parameters():
-            if p.is_floating_point() and p.dtype != torch.float32:
+            # The model as given is the reference (autoprec.reference): fp32, bf16 or fp16
+            # weights, mixed too (HF's _keep_in_fp32_modules); fp64 and fp8 are not.
+            if p.is_floating_point() and p.dtype not in _WEIGHT_DTYPES:
                 raise ModelFileError(
-                    f"{self.path}: build_model() must return fp32 weights; "
+                    f"{self.path}: build_model() must return fp32, bf16 or fp16 weights; "
                     f"parameter {pname!r} is {str(p.dtype).replace('torch.', '')}"
                 )
         return model.eval()

@@ -45,7 +45,7 @@ def bad_graph(path: Path | str, capsys: pytest.CaptureFixture[str]) -> str:
         ("build_not_callable.py", "build_model must be a function"),
         ("build_raises.py", "build_model() raised ValueError: hidden_size 30 is not divisible by 4 heads"),
         ("not_module.py", "build_model() must return a torch.nn.Module, got OrderedDict"),
-        ("half_weights.py", "must return fp32 weights; parameter 'weight' is float16"),
+        ("double_weights.py", "must return fp32, bf16 or fp16 weights; parameter 'weight' is float64"),
         ("empty_calibration.py", "calibration_data() yielded no batches"),
         ("rejects_batch.py", "the model rejected batch 0 of calibration_data(): RuntimeError: mat1 and mat2"),
         ("import_raises.py", "importing it raised ModuleNotFoundError: No module named 'autoprec_no_such_package'"),

@@ -43,6 +43,7 @@ def tune_cmd(
     train_aware: Annotated[bool, typer.Option(help="Also probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
     form: Annotated[str | None, typer.Option(help="How the plan runs: deploy (weights stored in each layer's precision, like model.to(bf16); the default) or train (autocast over fp32 masters; the default with --train-aware).")] = None,
     max_weight_mb: Annotated[float | None, typer.Option(help="Weight-memory budget: a plan whose weights take more megabytes on the device is not a choice (the model must fit the card).")] = None,
+    memory_limit: Annotated[float | None, typer.Option(help="Gigabytes the device offers the tune (default: available host memory, or the GPU's): a model it cannot hold twice is refused up front.")] = None,
     compile_mode: Annotated[bool, typer.Option("--compile", help="Price plans as torch.compile (inductor) runs them: casts and pointwise ops fused between GEMMs; the policy records target.mode: compile.")] = False,
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="When the target is this machine (cpu, or the GPU here): calibrate its profile here first and time the winner against fp32 and one global autocast, never writing a plan measured slower.")] = True,
@@ -95,6 +96,7 @@ def tune_cmd(
         resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
         train_aware=train_aware, progress=not quiet and not json_out, measure=measure,
         report=report, compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
+        memory_limit_gb=memory_limit,
     )
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
@@ -131,6 +133,12 @@ def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, A
         "measured_speedup": result.policy.metrics.get("measured_speedup"),
         "baselines": result.speed.to_dict() if result.speed is not None else None,
         "report": [str(p) for p in result.report],
+        # the model as given (what errors are measured against); fp32 for an fp32 model
+        "reference": result.reference.to_dict(),
+        "est_speedup_over_reference": result.policy.metrics.get(
+            "est_speedup_over_reference", round(result.est_speedup, 4)),
+        "model_weight_bytes": result.weight_bytes,
+        "peak_memory_bytes": result.peak_memory, "peak_memory_measured": result.peak_memory_how,
     }
 
 
@@ -143,8 +151,13 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
     for k, v in lowered.items():
         print(f"  {k:<50} {v}")
     measured = summary["measured_speedup"]
-    print(f"error {_sig(result.eval_error)} (budget {result.budget:g}), est. speed-up "
-          f"{result.est_speedup:.2f}x on {target}{' compiled' if compile_mode else ''} at "
+    over = ("" if result.reference.is_fp32 else
+            f" over fp32 ({summary['est_speedup_over_reference']:.2f}x over the "
+            f"{result.reference.label()} model as given)")
+    print(f"error {_sig(result.eval_error)} (budget {result.budget:g}"
+          + ("" if result.reference.is_fp32 else
+             f", against the {result.reference.label()} model's own outputs")
+          + f"), est. speed-up {result.est_speedup:.2f}x{over} on {target}{' compiled' if compile_mode else ''} at "
           f"{batch_size_words(summary['batch_size'], summary['batch_size_from'])}"
           + (f", measured {measured:.2f}x here" if measured is not None else "")
           + f", {summary['est_casts']} casts per forward, weights "
@@ -153,6 +166,12 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
           f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
                                       f"{result.measured} measured)"
                                       if result.complete else ""))
+    if result.peak_memory:
+        w = result.weight_bytes
+        ratio = f", {result.peak_memory / w:.2f}x the model's {w / 1e9:.2f} GB of weights" \
+            if w else ""
+        print(f"peak memory {result.peak_memory / 1e9:.2f} GB "
+              f"({result.peak_memory_how}){ratio}")
     if result.speed is not None:
         _print_speed(result.speed)
 

@@ -184,6 +184,8 @@ _OPERAND_OF = np.array([_OPERAND.get(c, F8) for c in range(len(CODE))], dtype=np
 class _Replay:
     """One walk over the recorded events; ``state`` holds every value's dtype per plan."""
 
+    stored = False  # the deploy form (``_StoredReplay``)
+
     def __init__(self, trace: OpTrace, region: np.ndarray, precision: np.ndarray,
                  wrapped: np.ndarray, device_type: str) -> None:
         self.trace = trace
@@ -310,8 +312,13 @@ class _Replay:
         """The model's own ``.float()`` / ``.to(dtype)``: a kernel only where it changes the
         dtype (a no-op cast of an fp32 tensor is free; under a 16-bit plan it is not)."""
         state = self.state
-        out = state[op.like].copy() if op.like is not None else np.full(
-            self.t, _fixed(op.fixed_dtype), np.int8)
+        if op.ambient and self.stored:
+            # a 16-bit model's cast to its own dtype (trace.ops.Op.ambient): to the storage
+            # dtype of the region it runs in, as the applied plan's tensors make it
+            out = _STORAGE[self.region[:, max(op.module, 0)]].astype(np.int8)
+        else:
+            out = state[op.like].copy() if op.like is not None else np.full(
+                self.t, _fixed(op.fixed_dtype), np.int8)
         if ins and self.floating[ins[0]]:
             return out, out != state[ins[0]]
         src = self.vals[ins[0]].dtype if ins else None  # int mask -> bool / float: as traced
@@ -407,6 +414,8 @@ class _StoredReplay(_Replay):
     its weights' dtype (``trace.consumers``). Every op then runs in the dtype type
     promotion gives it."""
 
+    stored = True
+
     def __init__(self, trace: OpTrace, region: np.ndarray, precision: np.ndarray,
                  wrapped: np.ndarray, device_type: str) -> None:
         super().__init__(trace, region, precision, wrapped, device_type)
@@ -421,7 +430,9 @@ class _StoredReplay(_Replay):
         #: owner stores its own copy in its dtype; an op in an owner reads that copy)
         self.tied: dict[int, set[int]] = {}
         for v, val in enumerate(self.vals):
-            if val.source != "param" or not self.floating[v] or self.state[v, 0] != FP32:
+            # fp32, bf16 or fp16 as traced (a 16-bit model is traced as it is): each owner
+            # stores it in its region's dtype
+            if val.source != "param" or not self.floating[v] or not _CASTABLE[self.state[v, 0]]:
                 continue
             owner = index.get(val.param.rpartition(".")[0], 0)
             self.state[v] = _STORAGE[self.region[:, owner]]

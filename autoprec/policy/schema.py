@@ -34,10 +34,15 @@ from autoprec.validate import MAX_BATCH_SIZE
 SCHEMA_VERSION = 1
 
 #: Top-level keys in the order they are written.
-KEYS = ("autoprec_policy", "model", "target", "form", "guard", "default", "layers",
-        "locked", "reasons", "metrics", "provenance")
+KEYS = ("autoprec_policy", "model", "reference", "target", "form", "guard", "default",
+        "layers", "locked", "reasons", "metrics", "provenance")
 REQUIRED = ("autoprec_policy", "default")  # no `layers`: no rules
 _MODEL_KEYS = ("name", "fingerprint")
+#: ``reference:`` — the model as given, what errors and speed-ups "over the model" refer
+#: to (autoprec.reference): the dtype most weights are stored in and the modules stored
+#: in another. Absent: an fp32 model (every file written before 16-bit models were tuned).
+_REFERENCE_KEYS = ("dtype", "layers")
+_REFERENCE_DTYPES = ("fp32", "bf16", "fp16")
 _TARGET_KEYS = ("device", "batch_size", "mode")
 #: Deployment modes a policy's speed figures refer to (target.mode; absent: eager).
 MODES = ("eager", "compile")
@@ -75,6 +80,8 @@ class Policy:
     #: name or a mapping is accepted here and parsed into a GuardSpec
     guard: GuardSpec = field(default_factory=GuardSpec)
     model: dict[str, str] = field(default_factory=dict)  # {name, fingerprint}
+    #: the model as given (``{dtype: bf16, layers: {path: fp32}}``); empty: fp32
+    reference: dict[str, Any] = field(default_factory=dict)
     target: dict[str, Any] = field(default_factory=dict)  # {device, batch_size, mode}
     locked: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
@@ -87,8 +94,8 @@ class Policy:
         # normalised the same way (wrapper prefixes, None members dropped, a target name
         # becomes {device: name}).
         checked = _parse(self.to_dict(), self.source)
-        for name in ("guard", "layers", "model", "target", "locked", "reasons", "metrics",
-                     "provenance"):
+        for name in ("guard", "layers", "model", "reference", "target", "locked", "reasons",
+                     "metrics", "provenance"):
             setattr(self, name, getattr(checked, name))
 
     @property
@@ -118,7 +125,7 @@ class Policy:
     def to_dict(self) -> dict[str, Any]:
         """The YAML document, keys in schema order, optional sections only when set."""
         out: dict[str, Any] = {"autoprec_policy": SCHEMA_VERSION}
-        for key in ("model", "target"):
+        for key in ("model", "reference", "target"):
             value = getattr(self, key)
             if isinstance(value, Mapping):
                 value = {k: v for k, v in value.items() if v is not None}
@@ -330,6 +337,31 @@ def _unknown_keys(source: str, where: str, got: Mapping[Any, Any],
             raise _fail(source, loc, f"unknown key; expected one of {', '.join(known)}")
 
 
+def _parse_reference(source: str, value: Any) -> dict[str, Any]:
+    """``reference: {dtype: bf16, layers: {path: fp32}}`` (module doc of autoprec.reference)."""
+    if value is None:
+        return {}
+    raw = _mapping(source, "reference", value)
+    _unknown_keys(source, "reference", raw, _REFERENCE_KEYS)
+    dtype = raw.get("dtype", "fp32")
+    if not isinstance(dtype, str) or dtype not in _REFERENCE_DTYPES:
+        raise _fail(source, "reference.dtype", f"must be one of {', '.join(_REFERENCE_DTYPES)} "
+                                               f"(the dtype of the model's weights), got "
+                                               f"{brief(dtype)}")
+    out: dict[str, Any] = {"dtype": dtype}
+    layers = {}
+    for raw_path, prec in _mapping(source, "reference.layers", raw.get("layers"),
+                                   allow_empty=True).items():
+        path = _path_key(source, "reference.layers", raw_path)
+        if not isinstance(prec, str) or prec not in _REFERENCE_DTYPES:
+            raise _fail(source, f"reference.layers[{brief(str(raw_path))}]",
+                        f"must be one of {', '.join(_REFERENCE_DTYPES)}, got {brief(prec)}")
+        layers[path] = prec
+    if layers:
+        out["layers"] = layers
+    return out if dtype != "fp32" or layers else {}
+
+
 def _parse(data: Any, source: str) -> Policy:
     if not isinstance(data, Mapping):
         raise PolicyError(f"{source}: a policy must be a YAML mapping at the top level, "
@@ -362,6 +394,7 @@ def _parse(data: Any, source: str) -> Policy:
             raise _fail(source, "model.fingerprint", "must look like 'sha256:<hex>' (64 "
                                                      f"lowercase hex digits), got {brief(fp)}")
 
+    reference = _parse_reference(source, data.get("reference"))
     target = _parse_target(source, data.get("target"))
 
     form = data.get("form", LEGACY_FORM)
@@ -424,6 +457,7 @@ def _parse(data: Any, source: str) -> Policy:
     policy.guard = guard
     policy.layers = layers
     policy.model = model
+    policy.reference = reference
     policy.target = target
     policy.locked = locked
     policy.reasons = reasons

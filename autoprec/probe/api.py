@@ -256,6 +256,8 @@ def _rows(sel: list[ProbeLayer], shadow: ShadowResults,
     rows: list[ProbeRow] = []
     for lay in sel:
         for p in settings.precisions:
+            if p not in lay.precisions and p not in lay.disallowed:
+                continue  # the layer as given, or above it (a 16-bit layer): no row
             key = (lay.path, p)
             local = shadow.local.get(key)
             if key in proj.seen and shadow.sq_y > 0:
@@ -315,6 +317,8 @@ def _meta(graph: LayerGraph, sel: list[ProbeLayer], n_batches: int, e2e_runs: in
         "fingerprint": graph.fingerprint, "precisions": list(precs), "budget": settings.budget,
         "units": settings.units, "batches": n_batches, "layers": len(sel), "pairs": n_pairs,
         "e2e_runs": e2e_runs, "cost": cost,
+        # layers stored in 16 bits: their own precision is the reference (estimate 0)
+        "own": {lay.path: lay.own for lay in sel if lay.own != "fp32"},
         "cost_total": sum(cost.values()), "cost_naive": float(n_pairs + 1),
         "versions": {"autoprec": _version(), "torch": torch.__version__},
     }

@@ -3,8 +3,14 @@
 The probed layers are the trace's GEMM nodes (Linear / Conv / HF Conv1D leaves, and
 modules whose own code runs matmuls, e.g. attention). "This layer alone in precision p"
 means exactly what a policy rule on it does (``lower.forward.lowered_forward``), with the
-GEMM modules *inside* it (an attention module's q/k/v Linears) held at fp32: they are
-layers of their own with their own rows, so each row measures one layer's own compute.
+GEMM modules *inside* it (an attention module's q/k/v Linears) held at their own precision
+(fp32 in an fp32 model): they are layers of their own with their own rows, so each row
+measures one layer's own compute.
+
+A 16-bit model (``autoprec.reference``) is probed as it is: each layer only in the
+precisions at or below its own (a bf16 Linear in bf16 — its own output, error 0 — fp16 and
+the GEMM formats; tf32 is above it), and a layer probed alone hands its output on in its
+own dtype, so the rest of the model runs as given.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from autoprec.errors import InputError
 from autoprec.formats.gemm import ineligible_reason
 from autoprec.lower.forward import cast_floats, lowered_forward
 from autoprec.precisions import GEMM_FORMATS
+from autoprec.reference import offered, own_precision
 from autoprec.trace.graph import LayerGraph
 
 _MISSING = object()
@@ -39,6 +46,7 @@ class ProbeLayer:
     inner_gemms: list[nn.Module] = field(default_factory=list)  # held at fp32 (see module doc)
     # Modules whose forward is pure in its inputs: their inputs need no snapshot.
     pure: bool = False
+    own: str = "fp32"  # the precision the layer is stored in (autoprec.reference)
 
     @property
     def name(self) -> str:
@@ -81,6 +89,13 @@ def select_layers(model: nn.Module, graph: LayerGraph, precisions: Sequence[str]
     for node in chosen:
         module = modules[node.path]
         disallowed = {p: f"{p}: {node.disallowed[p]}" for p in precisions if p in node.disallowed}
+        own = own_precision(module)
+        # above the layer's own precision (tf32 for a bf16 layer): no row, as for a
+        # precision the target lacks; the layer as given needs no shadow run: its error
+        # is 0 (``SensitivityTable.estimate``)
+        skip = {p for p in precisions if p not in offered(own, [p])}
+        if own != "fp32":
+            skip.add(own)
         prefix = node.path + "." if node.path else ""
         inner = [modules[p] for p in gemm_paths if p != node.path and p.startswith(prefix)]
         for f in GEMM_FORMATS:
@@ -91,8 +106,9 @@ def select_layers(model: nn.Module, graph: LayerGraph, precisions: Sequence[str]
                                      if node.kind in ("attention", "matmul") else why)
         out.append(ProbeLayer(
             path=node.path, module=module, kind=node.kind,
-            precisions=tuple(p for p in precisions if p not in disallowed),
-            disallowed=disallowed, inner_gemms=inner, pure=_is_pure(module),
+            precisions=tuple(p for p in precisions if p not in disallowed
+                             and p not in skip),
+            disallowed=disallowed, inner_gemms=inner, pure=_is_pure(module), own=own,
         ))
     return out
 
@@ -124,11 +140,27 @@ def swapped_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[
 
 @contextlib.contextmanager
 def inner_fp32(layer: ProbeLayer) -> Iterator[None]:
-    """Hold the GEMM modules inside ``layer`` at fp32 (as a more specific fp32 rule would)."""
+    """Hold the GEMM modules inside ``layer`` at fp32, or at their own precision with the
+    output upcast to fp32 (exact) in a 16-bit model: the container's own code then meets
+    fp32 tensors, as in an fp32 model (bf16 and fp16 meeting in one of autocast's promote
+    ops, a rotary ``cat``, would be refused)."""
     with contextlib.ExitStack() as stack:
         for m in layer.inner_gemms:
-            stack.enter_context(swapped_forward(m, lowered_forward(m, "fp32")))
+            own = own_precision(m)
+            low = lowered_forward(m, own)
+            if own != "fp32":
+                low = _upcast_outputs(low)
+            stack.enter_context(swapped_forward(m, low))
         yield
+
+
+def _upcast_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return cast_floats(fn(*args, **kwargs), torch.float32)
+
+    return forward
+
 
 
 def lowered_call(layer: ProbeLayer, precision: str, args: Sequence[Any], kwargs: dict[str, Any],
@@ -143,10 +175,11 @@ def lowered_call(layer: ProbeLayer, precision: str, args: Sequence[Any], kwargs:
 @contextlib.contextmanager
 def lowered_alone(layer: ProbeLayer, precision: str,
                   fp8_backend: str = "emulated") -> Iterator[None]:
-    """The model with only ``layer`` computing in ``precision``; everything else fp32.
+    """The model with only ``layer`` computing in ``precision``; everything else as given.
 
-    The layer's 16-bit outputs are upcast to fp32 on the way out — what its fp32 consumer
-    does with them (DESIGN.md: a fp32 layer upcasts its inputs) — so the run measures
+    The layer's outputs are cast on the way out to the dtype its input came in (fp32 in an
+    fp32 model; a bf16 model's layer hands on bf16, as it does unlowered) — what its
+    consumer does with them (DESIGN.md: a fp32 layer upcasts its inputs) — so the run measures
     this layer's rounding and nothing else: without it, a bf16 ``query`` next to fp32
     ``key``/``value`` fails in SDPA ("Expected query, key, and value to have the same
     dtype") and a 16-bit activation would re-round every non-GEMM op it passes through.
@@ -155,7 +188,12 @@ def lowered_alone(layer: ProbeLayer, precision: str,
 
     @functools.wraps(low)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return cast_floats(low(*args, **kwargs), torch.float32)
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                  and a.dtype in (torch.bfloat16, torch.float16)), None)
+        if x is None:  # fp32 in: fp32 out, as in an fp32 model
+            return cast_floats(low(*args, **kwargs), torch.float32)
+        return cast_floats(low(*args, **kwargs), x.dtype,
+                           (torch.float32, torch.bfloat16, torch.float16))
 
     with inner_fp32(layer), swapped_forward(layer.module, forward):
         yield

@@ -114,10 +114,11 @@ class SensitivityTable:
         """End-to-end output error (relative L2) of lowering ``layer`` alone.
 
         The measured value when an end-to-end run exists and ``measured``, else the cheap
-        estimate; 0 for fp32; inf for a hard-excluded pair.
+        estimate; 0 for fp32 and for a layer's own precision (a bf16 model's layer in bf16:
+        the model as given, not probed); inf for a hard-excluded pair.
         """
-        if precision == "fp32":
-            return 0.0
+        if precision == "fp32" or self.meta.get("own", {}).get(layer) == precision:
+            return 0.0  # the reference itself (a 16-bit layer in its own dtype: as given)
         r = self.row(layer, precision)
         if r.hard:
             return math.inf

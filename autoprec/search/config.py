@@ -118,6 +118,9 @@ class TuneConfig:
     form: str = "deploy"
     #: a plan holding more weight bytes on the device cannot deploy (None: no limit)
     max_weight_mb: float | None = None
+    #: the device's memory in bytes for the up-front check that the model fits twice
+    #: (autoprec.memory.check_fits; None: what the device reports)
+    memory_limit: int | None = None
 
     @classmethod
     def make(cls, *, max_error: float | None, max_drop: float | None, target: str,
@@ -127,7 +130,8 @@ class TuneConfig:
              resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
              progress: bool, cache_dir: str | Path | None, train_aware: bool,
              measure: bool = True, compile: bool = False,
-             form: str | None = None, max_weight_mb: float | None = None) -> TuneConfig:
+             form: str | None = None, max_weight_mb: float | None = None,
+             memory_limit_gb: float | None = None) -> TuneConfig:
         check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
                         batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
                         patience=patience, min_speedup=min_speedup, storage=storage,
@@ -163,6 +167,12 @@ class TuneConfig:
                                           or max_weight_mb <= 0):
             raise InputError(f"--max-weight-mb must be a positive number of megabytes, got "
                              f"{max_weight_mb!r}")
+        if memory_limit_gb is not None and (isinstance(memory_limit_gb, bool) or not
+                                            isinstance(memory_limit_gb, (int, float))
+                                            or not math.isfinite(memory_limit_gb)
+                                            or memory_limit_gb <= 0):
+            raise InputError(f"--memory-limit must be a positive number of gigabytes, got "
+                             f"{memory_limit_gb!r}")
         if train_aware and form != "train":
             raise InputError("--train-aware checks that the plan trains like fp32, which runs "
                              "the train form (autocast over fp32 masters): drop --form deploy")
@@ -171,7 +181,8 @@ class TuneConfig:
                    Path(out) if out is not None else None, tuple(locked), progress,
                    Path(cache_dir) if cache_dir is not None else None, train_aware, measure,
                    bool(compile), form,
-                   None if max_weight_mb is None else float(max_weight_mb))
+                   None if max_weight_mb is None else float(max_weight_mb),
+                   None if memory_limit_gb is None else int(memory_limit_gb * 1e9))
 
     @property
     def mode(self) -> str:

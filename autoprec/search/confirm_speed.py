@@ -448,7 +448,8 @@ def _audit_errors(ev: Any, pol: Policy) -> list[str]:
 def baseline_rows(cost: Any, errors: Callable[[Policy], tuple[float, float | None]],
                   budget: float | None, make_policy: Callable[[str, str], Policy], *,
                   precisions: Sequence[str] | None = None, train_aware: bool = False,
-                  audit: Callable[[Policy], list[str]] | None = None) -> list[Row]:
+                  audit: Callable[[Policy], list[str]] | None = None,
+                  baselines: Sequence[tuple[str, str]] = BASELINES) -> list[Row]:
     """The one table of what a user writes instead of a tuned policy (``BASELINES``: fp32,
     one global autocast per precision, uniform tf32, ``model.to(bf16)`` / ``(fp16)``),
     used by tune's last step and by ``eval``: each row's error, estimated speed-up and
@@ -458,10 +459,11 @@ def baseline_rows(cost: Any, errors: Callable[[Policy], tuple[float, float | Non
     budget's units; a RuntimeError means the model's own code refuses the plan (a row
     saying so). ``make_policy(precision, form)`` builds each baseline's policy;
     ``budget`` None: no budget known (only fp32 is then a choice); ``audit(policy)``:
-    the audit's errors on a real forward; ``precisions``: what the user asked for.
+    the audit's errors on a real forward; ``precisions``: what the user asked for;
+    ``baselines``: the (precision, form) rows (default: ``BASELINES``).
     """
     rows = []
-    for p, form in BASELINES:
+    for p, form in baselines:
         ok, why = cost.profile.supports(p)
         if not ok:
             rows.append(Row(label(p, form), "baseline", None,
@@ -497,16 +499,59 @@ def baseline_rows(cost: Any, errors: Callable[[Policy], tuple[float, float | Non
 
 
 def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
-                       train_aware: bool = False) -> list[Row]:
+                       train_aware: bool = False, reference: Any = None,
+                       baselines: Sequence[tuple[str, str]] = BASELINES) -> list[Row]:
     """``baseline_rows`` as tune's last step scores them: the search's own errors where it
-    measured that very plan, the eval data only within budget, the audit as the search's."""
+    measured that very plan, the eval data only within budget, the audit as the search's.
+    A 16-bit model (``reference`` not fp32) has its own rows (``reference_rows``)."""
     from autoprec.search.objective import policy_for
 
+    if reference is not None and not reference.is_fp32:
+        return reference_rows(cost, ev, budget, precisions, reference)
     return baseline_rows(
         cost, lambda pol: _uniform_errors(ev, pol.default, budget, pol.form), budget,
         lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target, form),
         precisions=precisions, train_aware=train_aware,
-        audit=lambda pol: _audit_errors(ev, pol))
+        audit=lambda pol: _audit_errors(ev, pol), baselines=baselines)
+
+
+def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
+                   reference: Any) -> list[Row]:
+    """The baselines of a 16-bit model (``reference.ModelReference``): fp32 as the speed
+    reference only (an upcast of the model, not a choice: it is not the reference and holds
+    twice its weights), the model as given (error 0: it is the reference), and the deploy
+    one-liners at or below the model's precision (``model.to(torch.float16)`` for a bf16
+    model) other than the model itself. The training form's rows (autocast over fp32
+    masters) have no fp32 masters to run over."""
+    from autoprec.reference import offered
+    from autoprec.search.objective import given_policy, policy_for
+
+    name = reference.label()
+    up = policy_for("fp32", {}, ev.fingerprint, ev.target, "deploy")
+    rows = [Row("fp32 (model.float())", "baseline", up, None, False, cost.speedup(up),
+                why_not=f"an upcast of the {name} model: the speed reference only",
+                weight_bytes=cost.weight_bytes(up))]
+    given = given_policy(reference, ev.fingerprint, ev.target)
+    why = cost.cannot_run(given)
+    err = 0.0  # exact for a uniform 16-bit model; a mixed one's fp32 rules are measured
+    if reference.islands:
+        from autoprec.apply.apply import apply_policy
+        from autoprec.evaluate import score
+
+        with apply_policy(ev.model, given, fp8_backend=ev.fp8_backend):
+            err = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
+        if not why and not err <= budget:
+            why = [f"over budget ({err:.3g} > {budget:g})"]
+    rows.append(Row(f"the model as given ({name})", "baseline", given, err, not why,
+                    cost.speedup(given), why_not=why[0] if why else "",
+                    weight_bytes=cost.weight_bytes(given)))
+    rows[-1].source = (err, None)
+    for p in offered(reference.default, ("bf16", "fp16")):
+        if p == "fp32" or (p == reference.default and not reference.islands):
+            continue
+        rows.extend(tune_baseline_rows(cost, ev, budget, precisions,
+                                       baselines=[(p, "deploy")]))
+    return rows
 
 
 def _first_line(err: BaseException) -> str:
@@ -570,7 +615,6 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     (default, rules)."""
     from autoprec.cost import make_cost_model
     from autoprec.search import compact, select
-    from autoprec.search.evaluation import Evaluation
     from autoprec.search.objective import policy_for
 
     ev = search.evaluator
@@ -602,12 +646,19 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
             if r.key not in seen:
                 seen.add(r.key)
                 rows.append(r)
-    rows += tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware)
+    rows += tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
+                               prep.reference)
     if not timed:
         check = check_speed(rows, None)
         check.reason = (source.note if not source.local else "not measured (--no-measure)"
                         if not cfg.measure else "not measured: no plan within budget")
-        return check, chosen, rules_of(chosen)
+        given = _given_if_faster(rows)
+        if given is None:
+            return check, chosen, rules_of(chosen)
+        check.winner = given
+        check.reason += (f"; {given.name} is estimated faster than the tuned plan (or the "
+                         "only plan within budget): wrote it")
+        return check, *_baseline_candidate(prep, space, given)
 
     at_measured = make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, cfg.mode)
     check = measure_rows(rows, prep.spec.forward, prep.net, prep.calib[0], source.device,
@@ -620,17 +671,40 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         return check, chosen, rules_of(chosen)
     if win.role == "candidate":
         return check, win.source, rules_of(win.source)
+    return check, *_baseline_candidate(prep, space, win)
+
+
+def _given_if_faster(rows: Sequence[Row]) -> Row | None:
+    """A 16-bit model's own row (``reference_rows``) when the tuned plan is over budget or
+    estimated slower: the written plan is never priced below the model as given."""
+    tuned = rows[0]
+    given = next((r for r in rows if r.role == "baseline" and r.feasible
+                  and r.name.startswith("the model as given")), None)
+    if given is None:
+        return None
+    if tuned.feasible and (tuned.est_speedup or 0.0) >= (given.est_speedup or 0.0):
+        return None
+    return given
+
+
+def _baseline_candidate(prep: Any, space: Any, win: Row) -> tuple[Any, tuple[str, dict[str, str]]]:
+    """A baseline row as the candidate to write (no trial of the study) and its rules."""
+    from autoprec.search import select
+    from autoprec.search.evaluation import Evaluation
+
+    assert win.policy is not None
     p = win.policy.default
     calib, evl = win.source
+    layers = dict(win.policy.layers)  # the model as given keeps its fp32 modules' rules
     pseudo = select.Candidate(number=-1, params=space.params(space.uniform(p)),
                               calib=Evaluation(calib, prep.cost.estimate(win.policy),
                                                win.est_speedup or 0.0, True, eval_error=evl),
-                              policy={"default": p, "layers": {}, "form": win.policy.form})
-    return check, pseudo, (p, {})
+                              policy={"default": p, "layers": layers, "form": win.policy.form})
+    return pseudo, (p, layers)
 
 
 __all__ = ["BASELINES", "Row", "SpeedCheck", "baseline_rows", "check_speed", "compiled_timer",
-           "tune_baseline_rows",
+           "reference_rows", "tune_baseline_rows",
            "confirm_tune",
            "decide", "fill_measured", "format_rows", "interleaved_timer", "label",
            "measure_rows", "speed_metrics"]

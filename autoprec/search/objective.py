@@ -2,7 +2,8 @@
 
 Error comes from really running the model with the plan applied (the same apply path users
 get, for the tune's target: on a CPU a CUDA target's autocast op lists are followed),
-against the fp32 reference computed once; time from the cost model's replay of the plan.
+against the reference computed once (the model as given: its own outputs, fp32 or 16-bit);
+time from the cost model's replay of the plan.
 Cheap first: a plan is scored on a subset of the calibration batches, and only one that is
 not hopeless there runs on the rest. When eval data is separate, a plan within budget on
 the calibration data is confirmed on it at once (the budget binds there). Plans already
@@ -38,6 +39,12 @@ def policy_for(default: str, layers: Mapping[str, str], fingerprint: str | None 
                   target={"device": target} if target else {})
 
 
+def given_policy(reference: Any, fingerprint: str | None = None,
+                 target: str | None = None) -> Policy:
+    """The model as given (``reference.ModelReference``) as a deploy-form policy."""
+    return policy_for(reference.default, reference.rules(), fingerprint, target, "deploy")
+
+
 class Evaluator:
     """Scores plan keys; counts how many model evaluations it really ran."""
 
@@ -56,6 +63,7 @@ class Evaluator:
         eval_ref: Reference | None = None,
         fp8_backend: str = "emulated",
         screen: bool = True,
+        exact: Key | None = None,
     ) -> None:
         self.spec, self.model, self.plans = spec, model, plans
         self.space: SearchSpace = plans.space
@@ -73,6 +81,9 @@ class Evaluator:
             # a metric drop needs the subset's own fp32 metric
             self.sub_ref = reference(spec, model, self.sub_batches, "(calibration subset)")
         self.fp32_time = plans.cost.fp32_time
+        # the plan that is the model as given: error 0 without running (an fp32 model's
+        # all-fp32 plan; a bf16 model's own layout, ``reference.ModelReference``)
+        self.exact = exact if exact is not None else self.space.uniform("fp32")
         self.fingerprint = fingerprint(model)
         self.cache: dict[Key, Evaluation] = {}
         self.evaluations = 0.0  # full-set equivalents of model evaluation
@@ -118,7 +129,7 @@ class Evaluator:
         n = len(self.batches)
         if not math.isfinite(est_time):
             ev = Evaluation(math.inf, est_time, 0.0, False, screened=True)
-        elif key == self.space.uniform("fp32"):
+        elif key == self.exact:
             ev = Evaluation(0.0, est_time, speedup, self.within(0.0, speedup))
         else:
             ev = None
@@ -148,4 +159,4 @@ class Evaluator:
         return ev
 
 
-__all__ = ["Evaluator", "SCREEN_FACTOR", "policy_for"]
+__all__ = ["Evaluator", "SCREEN_FACTOR", "given_policy", "policy_for"]

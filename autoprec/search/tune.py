@@ -1,7 +1,8 @@
 """``tune``: from a model.py to a policy file, in stages a reader can follow.
 
-    prepare  load the model and data, fp32 references, trace (graph + op trace), probes,
-             the cost model at the deployment batch size
+    prepare  load the model and data, the up-front memory check, the references (the
+             model's own outputs, as given: fp32, bf16, fp16 or mixed), trace (graph + op
+             trace), probes, the cost model at the deployment batch size
     space    the default region and one variable per GEMM layer, narrowed by hard facts
     search   the planner (search/planner.py) as an Optuna sampler over a shared study
     select   the fastest plan within budget on eval data (or the closest, infeasible)
@@ -38,18 +39,20 @@ from autoprec.errors import InputError
 from autoprec.evaluate import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.loading import ModelSpec, load_model_file
+from autoprec.memory import check_fits, peak_bytes, reset_peak
 from autoprec.metrics import batch_size_of
 from autoprec.paths import check_out_path, remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
+from autoprec.reference import ModelReference, model_reference, offered, own_precision
 from autoprec.search import compact, select
 from autoprec.search.config import TuneConfig
 from autoprec.search.confirm_speed import SpeedCheck, confirm_tune, speed_metrics
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
 from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
-from autoprec.search.objective import Evaluator
+from autoprec.search.objective import Evaluator, given_policy
 from autoprec.search.planner import Planner
 from autoprec.search.sampler import PlanSampler
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
@@ -101,6 +104,10 @@ class TuneResult:
     priced: int = 0  # plans the planner priced (the candidates it considered)
     measured: int = 0  # distinct plans measured on the model (this study, all runs)
     plot_plans: Any = None  # track.PlotPlans: what pareto.png shows beside the trials
+    reference: ModelReference = field(default_factory=ModelReference)  # the model as given
+    weight_bytes: int = 0  # the model's own weights (as given)
+    peak_memory: int = 0  # bytes at the peak of the tune (autoprec.memory.peak_bytes)
+    peak_memory_how: str = ""  # what was measured (peak RSS on CPU, allocated on CUDA)
 
 
 # -- stage 1: prepare ---------------------------------------------------------------------
@@ -123,6 +130,7 @@ class Prepared:
     calib_bs: int
     out_path: Path
     source: SpeedSource | None = None  # where the speed figures come from (measured here?)
+    reference: ModelReference = field(default_factory=ModelReference)  # the model as given
 
 
 def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None) -> Prepared:
@@ -135,6 +143,14 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
     check_out_path(out_path)  # before any expensive work
     check_out_not_input(out_path, model=spec.path, storage=cfg.storage)
     net = spec.model()
+    refm = model_reference(net)
+    check_fits(net, str(spec.path), cfg.memory_limit)  # the model twice, or one line now
+    reset_peak(net)
+    if not refm.is_fp32 and (cfg.train_aware or cfg.form == "train"):
+        what = "--train-aware" if cfg.train_aware else "--form train"
+        raise InputError(f"{spec.path}: {what} runs autocast over fp32 master weights, but "
+                         f"the model is {refm.label()}; tune it in the deploy form (the "
+                         "default), or load it in fp32 to train it")
     calib = spec.calibration_batches()
     eval_batches = spec.eval_batches()
     same_data = spec.eval_data is None
@@ -149,7 +165,8 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
                              "calibration_data differs after one forward, e.g. x.mul_()); "
                              "autoprec runs every batch many times: compute on a copy "
                              "(x = x * 2, or x.clone())")
-        raise InputError(f"{spec.path}: the fp32 model is not deterministic (two runs differ "
+        raise InputError(f"{spec.path}: the {refm.label()} model is not deterministic (two "
+                         "runs differ "
                          f"by {check.error:.3g}); put it in eval mode / fix random ops")
     graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
     unknown = [lk for lk in cfg.locked if lk not in graph]
@@ -171,22 +188,29 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
-                    cost, deploy_bs, calib_bs, out_path, source)
+                    cost, deploy_bs, calib_bs, out_path, source, refm)
 
 
 # -- stage 2: the space -------------------------------------------------------------------
 
 def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
-    """Choices per GEMM layer: graph eligibility ∩ target device ∩ probes' hard facts; the
-    default region's: the regions the target runs among the precisions asked for."""
+    """Choices per GEMM layer: graph eligibility ∩ target device ∩ probes' hard facts ∩
+    what the layer's own precision offers (``reference.offered``: a bf16 layer takes bf16,
+    fp16, the GEMM formats and an fp32 island, never tf32); the default region's: the
+    regions the target runs among the precisions asked for, offered by the model's own."""
     profile = prep.cost.profile
     device_why = {p: profile.supports(p)[1] for p in PRECISIONS if not profile.supports(p)[0]}
     hard = prep.table.hard_excluded() if prep.table is not None else {}
+    modules = dict(prep.net.named_modules())
     layers, allowed, excluded = [], {}, {}
     for node in prep.graph.gemm_nodes:
         if not node.is_leaf and node.kind not in ("attention", "matmul"):
             continue
         layers.append(node.path)
+        # above the layer's own precision: not a choice, and (like the target's gaps) no
+        # reason to list on every layer (the policy's `reference:` says it once)
+        mod = modules.get(node.path)
+        own = offered(own_precision(mod), PRECISIONS) if mod is not None else PRECISIONS
         why_not = {p: r for p, r in node.disallowed.items()
                    if p in cfg.precisions and p not in device_why}
         for p in cfg.precisions:  # the target's own gaps are no layer's reason: not listed
@@ -195,7 +219,7 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
                                       "--train-aware")
             if (node.path, p) in hard:
                 why_not.setdefault(p, hard[(node.path, p)])
-        allowed[node.path] = [p for p in node.allowed if p in cfg.precisions
+        allowed[node.path] = [p for p in node.allowed if p in cfg.precisions and p in own
                               and p not in why_not and p not in device_why]
         excluded[node.path] = why_not
     if not layers:
@@ -203,7 +227,8 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
             f"nothing to tune: {prep.spec.path} has no GEMM layer (Linear, Conv, matmul, "
             "attention) whose precision autoprec can choose; its forward is priced at "
             f"{prep.cost.fp32_time * 1e6:.3g} µs in fp32 on {cfg.target}")
-    regions = [p for p in REGIONS if p in cfg.precisions and p not in device_why]
+    regions = [p for p in REGIONS if p in cfg.precisions and p not in device_why
+               and p in offered(prep.reference.default, PRECISIONS)]
     space = build_space(layers, allowed, excluded, cfg.precisions, locked=cfg.locked,
                         regions=regions)
     if not any(len(v.choices) > 1 for v in space.all_variables):
@@ -214,6 +239,26 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
             f"{', '.join(p for p in cfg.precisions if p != 'fp32') or 'a precision below fp32'}"
             f" on {cfg.target}" + (f" ({'; '.join(why)[:300]})" if why else ""))
     return space
+
+
+def reference_key(space: SearchSpace, refm: ModelReference) -> Key | None:
+    """The plan key that runs the model as given (error 0: it changes no tensor), or None
+    when no key does (a module kept in fp32 that is no GEMM layer: the region covers it).
+    None for an fp32 model: the evaluator's default, the all-fp32 plan, is that one."""
+    if refm.is_fp32 or refm.islands:
+        # a mixed model's fp32 modules often cast their own inputs and outputs (T5's `wo`):
+        # the deploy form's fp32 rule on them changes what they hand on, so its error is
+        # measured like any plan's, not assumed 0
+        return None
+    key = [PRECISIONS.index(refm.default)]
+    for v in space.variables:
+        want = {refm.islands.get(lay, refm.default) for lay in v.layers}
+        if len(want) != 1 or (p := want.pop()) not in v.choices:
+            return None
+        key.append(PRECISIONS.index(p))
+    if refm.default not in space.region.choices:
+        return None
+    return tuple(key)
 
 
 # -- stage 3: the search ------------------------------------------------------------------
@@ -245,6 +290,8 @@ def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
         **({"mode": cfg.mode} if cfg.compile else {}),  # eager studies keep their names
         **({"form": cfg.form} if cfg.form != "train" else {}),  # and train-form ones
         **({"max_weight_mb": cfg.max_weight_mb} if cfg.max_weight_mb is not None else {}),
+        # a 16-bit model's errors are against itself (fp32 models keep their study names)
+        **({"reference": prep.reference.to_dict()} if not prep.reference.is_fp32 else {}),
     }))
 
 
@@ -298,7 +345,8 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
                           plans=planner.ps, budget=cfg.budget, target=cfg.target,
                           min_speedup=cfg.min_speedup,
                           eval_batches=None if prep.same_data else prep.eval_batches,
-                          eval_ref=None if prep.same_data else prep.eval_ref)
+                          eval_ref=None if prep.same_data else prep.eval_ref,
+                          exact=reference_key(space, prep.reference))
     if cfg.train_aware:
         evaluator.extra_check = _train_check(prep.spec)
     to_run = max(cfg.trials - count_finished(study), 0) if cfg.resume else cfg.trials
@@ -430,6 +478,13 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
 def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
           tracker: Tracker, started: float) -> TuneResult:
     cands = select.completed(search.study)
+    given = _given_candidate(prep, space)
+    if given is not None and not any(c.calib.feasible for c in cands):
+        # a 16-bit model: the model as given is within budget by definition (error 0), so
+        # a search whose trials all failed or went over budget still writes it
+        search.notes.append("no trial found a plan within budget; wrote the model as given "
+                            f"({prep.reference.label()})")
+        cands = [*cands, given]
     if not cands:
         raise search.driver.nothing_measured(search.study_name)
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
@@ -449,6 +504,12 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     bd = prep.cost.breakdown(policy)
     policy.metrics.update({"est_casts": bd.casts, "weight_bytes": prep.cost.weight_bytes(policy),
                            **speed_metrics(speed)})
+    if not prep.reference.is_fp32:  # est_speedup stays over fp32 (DESIGN); this one over
+        policy.reference = prep.reference.to_dict()  # the model as the user has it
+        given = prep.cost.estimate(given_policy(prep.reference))
+        mine = prep.cost.estimate(policy)
+        policy.metrics["est_speedup_over_reference"] = (
+            round(given / mine, 4) if 0 < mine < float("inf") else 0.0)
     if cfg.max_weight_mb is not None:
         policy.metrics["weight_budget_mb"] = cfg.max_weight_mb
     if chosen.number < 0:  # a baseline won the measurement: no trial of the study
@@ -492,7 +553,26 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       + ([prep.source.note] if prep.source is not None else []),
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
-                      measured=len(search.driver.by_key), plot_plans=plans)
+                      measured=len(search.driver.by_key), plot_plans=plans,
+                      reference=prep.reference, weight_bytes=prep.reference.weight_bytes)
+
+
+def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | None:
+    """The model as given (a 16-bit model's own layout) as a candidate (no trial of the
+    study): error 0, priced like every plan. None for an fp32 model."""
+    from autoprec.search.evaluation import Evaluation
+
+    refm = prep.reference
+    if refm.is_fp32 or refm.islands:  # a mixed model's own layout is measured (reference_key)
+        return None
+    pol = given_policy(refm)
+    t = prep.cost.estimate(pol)
+    key = reference_key(space, refm) or space.uniform(refm.default)
+    return select.Candidate(number=-1, params=space.params(key),
+                            calib=Evaluation(0.0, t, prep.cost.fp32_time / t if t > 0 else 0.0,
+                                             True, eval_error=0.0),
+                            policy={"default": refm.default, "layers": refm.rules(),
+                                    "form": "deploy"})
 
 
 def _plot_plans(prep: Prepared, search: Search, speed: Any, chosen: Any) -> PlotPlans:
@@ -638,6 +718,7 @@ def tune(
     compile: bool = False,
     form: str | None = None,
     max_weight_mb: float | None = None,
+    memory_limit_gb: float | None = None,
     profile: Any = None,
     measure: bool = True,
     report: str | Path | None = None,
@@ -656,6 +737,10 @@ def tune(
     ``torch.compile`` runs it (cost/fusion.py) and records ``target.mode: compile`` (the
     measured confirmation times eager forwards, so it is skipped then); ``profile``: a
     DeviceProfile to price with (e.g. calibrated here) instead of ``target``'s.
+    ``memory_limit_gb``: the device's memory for the up-front check that the model fits
+    twice (``autoprec.memory``; default: what the device reports). The model as given is
+    the reference (``autoprec.reference``): a bf16 model's errors are against its own
+    outputs and its policy records ``reference:``.
     See DESIGN.md for the contract.
     """
     started = time.monotonic()
@@ -666,7 +751,7 @@ def tune(
                           resume=resume, pareto=pareto, out=out, locked=locked,
                           progress=progress, cache_dir=cache_dir, train_aware=train_aware,
                           measure=measure, compile=compile, form=form,
-                          max_weight_mb=max_weight_mb)
+                          max_weight_mb=max_weight_mb, memory_limit_gb=memory_limit_gb)
     tracker = tracker or NullTracker()
     if report is not None:  # before any work: the folder, and matplotlib for its plots
         from autoprec.extras import require
@@ -684,6 +769,7 @@ def tune(
 
         result.report = write_report(Path(report), result, list(space.region.choices),
                                      _per_layer(prep, space, result.policy))
+    result.peak_memory, result.peak_memory_how = peak_bytes(prep.net)
     return result
 
 

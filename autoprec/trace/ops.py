@@ -80,6 +80,10 @@ class Op:
     fixed_dtype: str | None = None  # output dtype set by the op itself (casts, factories)
     like: int | None = None  # output dtype follows this value (type_as, in-place ops)
     weight: int | None = None  # gemm: the weight operand's value id (when a parameter)
+    #: a cast to the 16-bit dtype a 16-bit model is stored in (``x.to(input_dtype)`` after
+    #: an fp32 norm): the model's own dtype, which a plan changes — the deploy form's
+    #: replay casts to the region's storage dtype instead of the traced one
+    ambient: bool = False
 
 
 @dataclass
@@ -132,6 +136,8 @@ _GEMM_FUNCS: dict[Callable[..., Any], str] = {
 }
 _SDPA = _F.scaled_dot_product_attention
 _EMBEDDING = _F.embedding
+#: Precision name -> torch dtype (the model's own dtype, for Op.ambient).
+_DTYPE_OF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: Explicit casts: recorded even when they are no-ops at trace time.
 _CAST_METHODS: dict[Any, torch.dtype | None] = {
     torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
@@ -201,6 +207,12 @@ class _Recorder:
         self.stack: list[int] = []
         self.open: list[int] = []  # calls entered and not yet left
         self.hidden = 0  # > 0 inside a function recorded as one op
+        # a 16-bit model: casts to its own dtype follow the plan (Op.ambient); an fp32
+        # model's `.to(torch.float32)` and `.to(input_dtype)` cannot be told apart: none
+        from autoprec.reference import model_reference
+
+        ref = model_reference(model).default
+        self.ambient = _DTYPE_OF.get(ref) if ref != "fp32" else None
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             self._new(t, "param", scales=False, param=name)
         owners: dict[int, list[str]] = {}
@@ -254,6 +266,19 @@ class _Recorder:
                 self.ids.get(weight) if weight is not None else None)
         self.trace.events.append((0, len(self.trace.ops)))
         self.trace.ops.append(op)
+
+    def mark_ambient(self, op: Op, target: torch.dtype) -> None:
+        """A 16-bit model's cast to its own dtype: HF's ``x.to(input_dtype)`` after an fp32
+        norm, ``cos.to(x.dtype)``. It follows the dtype the enclosing module's input
+        arrived in (``like`` that input) when that input had the target dtype here, else
+        the storage dtype of the region it runs in (``Op.ambient``)."""
+        name = _dtype_name(target)
+        if self.open:
+            for v in self.trace.calls[self.open[-1]].inputs:
+                if self.trace.values[v].dtype == name and v not in op.outputs:
+                    op.like = v
+                    return
+        op.ambient = True
 
     # -- module calls ------------------------------------------------------------------------
     def enter(self, module: nn.Module, args: Any) -> None:
@@ -349,6 +374,8 @@ class _Functions(TorchFunctionMode):
         # A no-op cast returns its input: from here on the tensor stands for the cast's
         # result (``x = x.float()``), which under a 16-bit plan is a new tensor.
         rec.op("to", "cast", (src,), out, fixed=_dtype_name(target))
+        if target == rec.ambient:
+            rec.mark_ambient(rec.trace.ops[-1], target)
 
 
 class _Aten(TorchDispatchMode):
@@ -378,9 +405,11 @@ class _Aten(TorchDispatchMode):
         elif isinstance(kwargs.get("dtype"), torch.dtype):
             fixed = _dtype_name(kwargs["dtype"])
         kind = "factory" if not ins else "pointwise"
+        ambient = False
         if name == "_to_copy" and ins and ins[0].dtype != outs[0].dtype:
             kind = "cast"  # a conversion the model's code asked for (e.g. mask.bool())
             fixed = _dtype_name(outs[0].dtype)
+            ambient = ins[0].is_floating_point() and outs[0].dtype == rec.ambient
         if name in ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "mv", "addmv", "dot",
                     "convolution", "_convolution"):
             kind = "gemm"
@@ -390,6 +419,8 @@ class _Aten(TorchDispatchMode):
             rec.op(name, kind, (args, kwargs), out, flops=flops, fixed=fixed)
             return out
         rec.op(name, kind, (args, kwargs), out, fixed=fixed, like_first=_mutated_self(func))
+        if ambient:
+            rec.mark_ambient(rec.trace.ops[-1], outs[0].dtype)
         return out
 
 
