@@ -403,9 +403,11 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
 
     stored = None
     if form == "deploy":
+        index = plan.tree.index()
         wrappers = [(mod, deploy_forward(
             mod, w.precision, format_backend.get(w.precision, "emulated"),
-            notify_compute if is_gemm_format(w.precision) else None)) for mod, w in chosen]
+            notify_compute if is_gemm_format(w.precision) else None,
+            leaf_region=PRECISIONS[int(plan.region[index[w.path]])])) for mod, w in chosen]
         # the plan's paths -> modules (a shared module under its first path)
         by_path = {p: modules[p] if p in modules else table[p] for p in plan.tree.paths
                    if p in modules or p in table}

@@ -14,7 +14,7 @@ island's precision alive past its own output (HF's ``_keep_in_fp32_modules`` wor
 - a module that holds floating weights (``consumer_kind`` "weights": a Linear, a conv,
   an MHA's own projections) casts its floating inputs to its weights' dtype, since a GEMM
   refuses mixed operands;
-- a norm (``consumer_kind`` "norm": LayerNorm, GroupNorm, RMSNorm) fed another dtype than
+- a norm (``consumer_kind`` "norm": LayerNorm, GroupNorm, BatchNorm, RMSNorm) fed another dtype than
   its weights' computes in fp32, as type promotion would: a fp32 input to a bf16 norm (the
   output of a fp32 island) is normalised in fp32 with the norm's small weight vectors
   cast up per call, a 16-bit input to a fp32 norm (or an fp16 one to a bf16 norm) is cast
@@ -94,8 +94,9 @@ def _device_type(args: Any, module: torch.nn.Module) -> str:
     return "cpu"
 
 
-#: Norm modules that compute in the wider of their input's and their weights' dtype.
-NORM_TYPES: tuple[type[torch.nn.Module], ...] = (torch.nn.LayerNorm, torch.nn.GroupNorm) + (
+#: Norm modules that compute in fp32 when fed another dtype than their weights'.
+NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm) + (
     (torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ())
 
 
@@ -148,7 +149,8 @@ def consumer_forward(module: torch.nn.Module, precision: str) -> Callable[..., A
         x = _first_float(args)
         if x is None or x.dtype == dtype:
             return inner(*args, **kwargs)
-        if kwargs or len(args) != 1:
+        if kwargs or len(args) != 1 or (module.training and isinstance(
+                module, torch.nn.modules.batchnorm._BatchNorm)):
             return inner(*cast_tree(args, dtype), **cast_tree(kwargs, dtype))
         return _norm_fp32(module, x.float())  # another dtype than its weights': in fp32
 
@@ -168,17 +170,24 @@ def _norm_fp32(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(module, torch.nn.GroupNorm):
         return F.group_norm(x, module.num_groups, up(module.weight), up(module.bias),
                             module.eps)
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):  # eval: running stats
+        return F.batch_norm(x, up(module.running_mean), up(module.running_var),
+                            up(module.weight), up(module.bias), False, 0.0, module.eps)
     return F.rms_norm(x, module.normalized_shape, up(module.weight), module.eps)
 
 
 def deploy_forward(module: torch.nn.Module, precision: str,
                    backend: str = "emulated",
-                   on_compute: Callable[[str], None] | None = None) -> Callable[..., Any]:
+                   on_compute: Callable[[str], None] | None = None,
+                   leaf_region: str | None = None) -> Callable[..., Any]:
     """A forward for a wrapped ``module`` in the deploy form at ``precision`` (see the
     module doc): its floating inputs cast to its storage dtype, autocast off inside.
-    ``backend``: a GEMM format's backend."""
+    ``backend``: a GEMM format's backend; ``leaf_region``: a GEMM-format leaf's region,
+    whose storage dtype its output takes (None: its input's)."""
     inner = module.forward
     if is_gemm_format(precision):
+        out = None if leaf_region is None else STORAGE_DTYPES[leaf_region]
+
         @functools.wraps(inner)
         def format_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if args or kwargs:
@@ -186,7 +195,7 @@ def deploy_forward(module: torch.nn.Module, precision: str,
                                 f" got {1 + len(args)} positional and {sorted(kwargs)} keyword")
             if on_compute is not None:
                 on_compute(precision)
-            return stored_linear(module, x, precision, backend)
+            return stored_linear(module, x, precision, backend, out)
 
         return format_forward
 
@@ -244,15 +253,19 @@ def dequantized_weight(module: torch.nn.Module, fmt: str) -> torch.Tensor:
 
 
 def stored_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
-                  backend: str = "emulated") -> torch.Tensor:
+                  backend: str = "emulated", out_dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
     """``module(x)`` with its stored quantised weight: the input quantised per call, the
-    output in ``x``'s dtype (the region's). Inference only (no gradient to a stored weight).
-    """
+    output in ``out_dtype`` (the region's storage dtype; None: ``x``'s), as the train form's
+    GEMM-format leaf gives its region's dtype — a fp32 input (a fp32 island's output) to a
+    fp8 leaf of a bf16 region comes out bf16, beside its bf16 siblings (SDPA takes q, k, v
+    of one dtype). Inference only (no gradient to a stored weight)."""
     from autoprec.lower import blockscale, fp8
 
     q = _elements(module)
     bias = getattr(module, "bias", None)
-    out_dtype = x.dtype if x.is_floating_point() else torch.float32
+    if out_dtype is None:
+        out_dtype = x.dtype if x.is_floating_point() else torch.float32
     with torch.autocast(x.device.type, enabled=False):
         if fmt == "fp8":
             scale = getattr(module, SCALE)

@@ -450,6 +450,16 @@ class _StoredReplay(_Replay):
         super().op(ev, idx)
         for v, old in back:
             self.state[v] = old
+        m = op.module
+        if op.kind == "gemm" and m >= 0:  # a GEMM-format leaf gives its region's dtype
+            fmt = _IS_FMT[self.precision[:, m]]
+            if fmt.any():
+                out = np.where(fmt, _STORAGE[self.region[:, m]], self.sch.writes[-1]
+                               ).astype(np.int8)
+                self.sch.writes[-1] = out
+                for k, o in enumerate(op.outputs):
+                    if self.floating[o]:
+                        self.state[o] = out[k]
 
     def enter(self, ev: int, idx: int) -> None:
         call = self.trace.calls[idx]
