@@ -75,7 +75,8 @@ class StoredWeights:
 def _rebuilt(s: _Slot) -> torch.Tensor:
     """Without masters: fp32 rebuilt from the stored copy (dequantised for a GEMM format),
     in a new tensor of the original's kind (its storage was released at apply)."""
-    assert s.original is not None
+    if s.original is None:  # a tensor the deploy form added: nothing to rebuild
+        raise ValueError(f"{s.kind}[{s.name!r}] has no master")
     stored = getattr(s.module, s.kind)[s.name]
     data = (dequantized_weight(s.module, s.fmt) if s.fmt is not None
             else stored.detach().to(s.original.dtype))
@@ -128,9 +129,11 @@ def store_weights(root: torch.nn.Module, plan: ExecutionPlan,
         if keep_masters:
             _masters_to_host(out)
         else:  # the model's copies are all that is left: free the masters' memory
+            released: dict[int, torch.Tensor] = {}  # a tied master: one stand-in, one tie
             for s in out.slots:
                 if s.original is not None:
-                    s.original = _released(s.original)
+                    key = id(s.original)
+                    s.original = released.setdefault(key, _released(s.original))
     except BaseException:
         out.restore()
         raise
@@ -157,7 +160,7 @@ def _copy_of(t: torch.Tensor, dtype: torch.dtype, parameter: bool,
     key = (id(t), dtype)
     got = copies.get(key)
     if got is None:
-        data = t.detach().to(dtype).clone() if t.dtype == dtype else t.detach().to(dtype)
+        data = t.detach().to(dtype)  # callers skip tensors already in ``dtype``
         got = torch.nn.Parameter(data, requires_grad=False) if parameter else data
         copies[key] = got
     return got

@@ -297,3 +297,13 @@ def test_a_compiled_deployed_nn_encoder_keeps_every_rule() -> None:
     assert compiled.ok, compiled.errors
     assert {r.layer: r.computed for r in compiled.rows} == {
         r.layer: r.computed for r in eager.rows if r.computed != "-"}
+
+
+def test_without_masters_a_tied_weight_is_restored_tied() -> None:
+    case = zoo.gpt2()
+    model = case.model
+    handle = apply_policy(model, Policy(default="bf16", form="deploy"), keep_masters=False)
+    with pytest.warns(PolicyWarning, match="masters were dropped"):
+        handle.remove()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.dtype == torch.float32
