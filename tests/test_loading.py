@@ -20,9 +20,10 @@ from autoprec.loading import default_forward, load_model_file
 MODELS = Path(__file__).parent / "fixtures" / "models"
 
 
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``autoprec ARGS`` in-process (each arg as ``str``): (exit code, stdout, stderr)."""
     with pytest.raises(SystemExit) as exit_info:
-        main(args)
+        main([str(a) for a in args])
     out, err = capsys.readouterr()
     return int(exit_info.value.code or 0), out, err
 

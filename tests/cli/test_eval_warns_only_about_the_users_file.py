@@ -6,21 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import yaml
 
-from autoprec.cli.main import main
+from tests.test_loading import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "experiments" / "mixed8" / "model.py"
 POLICY = ROOT / "policies" / "mixed8-h100.yaml"
 
 
-def run(argv: list[object], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as ex:
-        main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return int(ex.value.code or 0), out, err
 
 
 def test_eval_of_a_tuned_policy_prints_no_warning(capsys) -> None:

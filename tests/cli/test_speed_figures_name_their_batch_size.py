@@ -6,20 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from autoprec.cli.main import main
 from autoprec.report_json import batch_size_from, batch_size_words
+from tests.test_loading import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 
 
-def run(argv: list[object], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as ex:
-        main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return int(ex.value.code or 0), out, err
 
 
 def test_batch_size_sources_are_named() -> None:

@@ -6,22 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from autoprec.cli.main import main
 from autoprec.policy import load_policy
 from autoprec.search.config import TuneConfig
 from autoprec.targets import canonical_target, device_type
+from tests.test_loading import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAP = ROOT / "experiments" / "trap" / "model.py"
 
 
-def run(argv: list[object], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as ex:
-        main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return int(ex.value.code or 0), out, err
 
 
 def test_target_names_are_read_in_lower_case() -> None:

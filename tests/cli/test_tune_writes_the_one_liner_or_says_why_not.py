@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from autoprec.cli.main import main
 from autoprec.policy import load_policy
+from tests.test_loading import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAP = ROOT / "experiments" / "trap" / "model.py"
@@ -16,11 +14,6 @@ ENCODER = ROOT / "tests" / "fixtures" / "models" / "encoder4.py"
 TUNE = ["--no-track", "--quiet", "--trials", "2", "--target", "h100"]
 
 
-def run(argv: list[object], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as ex:
-        main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return int(ex.value.code or 0), out, err
 
 
 def test_tf32_on_every_layer_but_the_head_is_written_as_the_tf32_default(
