@@ -83,12 +83,14 @@ def first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
 def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str,
            profile: DeviceProfile, batch_size: int | None, mode: str = "eager",
            force: bool = False, fp8_backend: str | None = None,
-           capture_warnings: bool = False) -> Assessment:
+           capture_warnings: bool = False, source: Any = None) -> Assessment:
     """Score, audit and price ``policy`` on ``net`` (built from ``spec``) for ``target``.
 
     ``batch_size``: the deployment batch (None: the policy's, else the calibration
     batch's). ``capture_warnings``: policy warnings raised while applying are collected in
-    ``notes`` instead of being emitted (check reports them in its result).
+    ``notes`` instead of being emitted (check reports them in its result). ``source``:
+    the target's speed source (``search.local_profile.SpeedSource``): its ``cost_model``
+    prices the plan as tune does (on a local CPU, with the model's ops timed here).
     """
     batches = spec.eval_batches()
     calib0 = spec.calibration_batches()[0]
@@ -119,7 +121,8 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
     # "price at the deployment shape"): GEMMs, casts, norms, activations, GEMM-format scaling.
     graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
     bs = batch_size or policy.batch_size or batch_size_of(calib0) or graph.batch_size
-    cost = make_cost_model(graph, profile, bs, mode)
+    cost = (source.cost_model(graph, bs, mode) if source is not None
+            else make_cost_model(graph, profile, bs, mode))
     return Assessment(
         reference=ref, score=sc, audit=report, layers=layers, fp8_backend=backend,
         first_nonfinite=bad, graph=graph, cost=cost, breakdown=cost.breakdown(policy),

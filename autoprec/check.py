@@ -302,9 +302,18 @@ def check(
             raise
 
     # -- score, audit and price: the pipeline eval shares (autoprec/assess.py) ----------
+    # one price for one target: the speed source eval and tune use (a local target's
+    # calibration and op times where this machine has them cached; check measures nothing)
+    from autoprec.search.local_profile import calibration_dir, speed_source
+
+    speed = speed_source(tgt, measure=False, mode=result.mode, cache_dir=calibration_dir(
+        policy_path if isinstance(policy_path, (str, Path)) else None))
+    profile = speed.profile
     a = assess(spec, net, policy, target=tgt, profile=profile, batch_size=bs,
                mode=result.mode, force=True, fp8_backend=fp8_backend,
-               capture_warnings=True)
+               capture_warnings=True, source=speed)
+    if speed.local:
+        notes.append(f"speed: {speed.note}")
 
     # -- target device: the applied plan's precisions -----------------------------------
     if target is None and policy.target_device is None:

@@ -174,7 +174,7 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     from autoprec.policy import load_policy
     from autoprec.report_json import batch_size_from, reasons_json, speedup, verdict_reasons
     from autoprec.report_json import feasible as feasible_rule
-    from autoprec.search.local_profile import speed_source
+    from autoprec.search.local_profile import calibration_dir, speed_source
     from autoprec.validate import check_batch_size
 
     check_batch_size(batch_size)  # autoprec.validate: [1, MAX_BATCH_SIZE]
@@ -186,12 +186,12 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     # a local target is priced on this machine's calibration, as tune does (a profile
     # fitted on another CPU promised 1.82x for a policy that ran 0.56x here)
     mode = pol.mode if compile is None else ("compile" if compile else "eager")
-    source = speed_source(device, measure=measure,
-                          cache_dir=policy_path.parent / ".autoprec" / "calibration", mode=mode)
+    source = speed_source(device, measure=measure, cache_dir=calibration_dir(policy_path),
+                          mode=mode)
     profile = source.profile
     # score, audit and price: the pipeline check shares (autoprec/assess.py)
     a = assess(spec, net, pol, target=device, profile=profile, batch_size=batch_size,
-               mode=mode, force=force)
+               mode=mode, force=force, source=source)
     sc, ref, report, cost, bd = a.score, a.reference, a.audit, a.cost, a.breakdown
     batches, calib0, graph, bs = spec.eval_batches(), spec.calibration_batches()[0], \
         a.graph, a.batch_size
@@ -261,7 +261,6 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
     target has it): error on the eval data, estimated speed-up, measured where local (in
     the deployment ``mode``: compiled, one model copy per plan, for "compile")."""
     from autoprec.apply.apply import apply_policy
-    from autoprec.cost import make_cost_model
     from autoprec.evaluate import score
     from autoprec.metrics import batch_size_of
     from autoprec.policy import Policy
@@ -289,7 +288,7 @@ def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, val
         check.winner = None  # eval writes nothing: no row is marked
         check.reason = source.note if not source.local else "not measured (no --measure)"
         return check
-    at_batch = make_cost_model(graph, cost.profile, batch_size_of(batch) or 1, mode)
+    at_batch = source.cost_model(graph, batch_size_of(batch) or 1, mode)
     check = measure_rows(rows, spec.forward, net, batch, source.device, device, at_batch,
                          force=force, compile=mode == "compile")
     check.mark = "fastest within budget"

@@ -29,6 +29,8 @@ every cast) is regrouped into the kernels inductor generates:
   16-bit input; fused into the producing kernel on CUDA, where it is an epilogue
   reduction) and a scale-and-cast pass (a second kernel on CUDA: it needs the finished
   amax), MXFP8 as one fused pass; weights are quantised once (cached), as in eager.
+- Measured op times (a local CPU, ``cost.op_times``): the extern kernels take their time
+  measured here, as in eager; the fused segments keep the calibrated roofline.
 
 Weights are read every call and their casts run every call (the default
 ``torch.compile``); freezing (``torch._inductor.config.freezing``) would constant-fold them,
@@ -105,13 +107,15 @@ class CompiledCostModel(CostModel):
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None,
                  horizontal: bool | None = None, frozen: bool = False,
-                 call_overhead_s: float | None = None, form: str = "train") -> None:
+                 call_overhead_s: float | None = None, form: str = "train",
+                 op_times: object = None) -> None:
         self.horizontal = (device_type_of(profile) == "cpu" if horizontal is None
                            else horizontal)
         self.frozen = frozen
         self.call_overhead_s = max(0.0, float(profile.call_overhead_s if call_overhead_s is None
                                               else call_overhead_s))
-        super().__init__(graph, profile, batch_size, device_type=device_type, form=form)
+        super().__init__(graph, profile, batch_size, device_type=device_type, form=form,
+                         op_times=op_times)  # type: ignore[arg-type]
 
     # -- the fused program ---------------------------------------------------------------
     def _units(self, sch: Schedule) -> tuple[list[_Edge], np.ndarray, list[tuple[int, object]],
@@ -288,8 +292,10 @@ class CompiledCostModel(CostModel):
             nbytes = self._bytes(list(op.inputs), sch.reads[i]) + self._bytes(
                 op.outputs, sch.writes[i])
             comp = sch.compute[i]
+            timed = self._op_seconds(i, sch, comp)  # measured here (a local CPU), else None
             if comp is None:  # an aten-level SDPA: no FLOPs recorded, memory-bound
-                parts[:, _GEMM] += nbytes / bw + launch
+                tm = nbytes / bw + launch
+                parts[:, _GEMM] += tm if timed is None else np.where(np.isnan(timed), tm, timed)
                 if collect is not None:
                     collect.append((op.module, Kernel("attention", float(nbytes[0]))))
                 continue
@@ -297,7 +303,8 @@ class CompiledCostModel(CostModel):
             with np.errstate(divide="ignore"):
                 ct = np.where(peak > 0, self._op_flops[i] / np.where(peak > 0, peak, 1.0),
                               math.inf)
-            parts[:, _GEMM] += np.maximum(ct, nbytes / bw) + launch + self._setup[comp]
+            tm = np.maximum(ct, nbytes / bw) + launch + self._setup[comp]
+            parts[:, _GEMM] += tm if timed is None else np.where(np.isnan(timed), tm, timed)
             if collect is not None:
                 collect.append((op.module, Kernel(op.kind, float(nbytes[0]),
                                                   float(self._op_flops[i]),

@@ -24,6 +24,12 @@ of the replay is priced on the target profile:
 Assumptions: eager PyTorch, one kernel per recorded op, one stream (kernels back to back),
 no fusion. Activation terms scale by ``batch_size / graph.batch_size`` (values derived from
 the model input); parameter bytes do not ("price at the deployment shape").
+
+Measured op times (``op_times``, ``cost.op_times``: a local CPU target): where the model's
+own op was timed here in the dtype a plan runs it in, that time replaces the roofline
+term of the op (dispatch included, so no launch overhead is added); views cost their
+dispatch; inserted casts their timed cast; every plan pays the recorded module calls'
+host cost. Ops without a timing keep the roofline.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autoprec.cost.op_times import OpTimes
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.errors import InputError
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
-from autoprec.plan.schedule import OTHER, WIDTH, Schedule, replay
+from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule, replay
 from autoprec.policy.schema import Policy
 from autoprec.precisions import BYTES, FORMS, GEMM_FORMATS, PRECISIONS, check_precision
 from autoprec.targets import device_type
@@ -141,7 +148,7 @@ class CostModel:
 
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None,
-                 form: str = "train") -> None:
+                 form: str = "train", op_times: OpTimes | None = None) -> None:
         if graph.ops is None:
             raise InputError("the layer graph has no op trace; build it with autoprec.trace_model()")
         if graph.batch_size < 1:
@@ -163,8 +170,13 @@ class CostModel:
         self._params = self._param_table()
         self.max_weight_bytes: float | None = None  # a plan holding more cannot deploy
         self._rulesets: dict[tuple[str, ...], RuleSet] = {}
+        if op_times is not None and op_times.batch_size != batch_size:
+            raise ValueError(f"op times measured at batch {op_times.batch_size}, priced at "
+                             f"{batch_size}")
+        self.op_times = op_times
         self._static()
         self._tables()
+        self._measured_tables()
         self._fp32 = float(self.price(self.rules(()), np.array([[CODE["fp32"]]])).time[0])
 
     # -- static per-op arrays ------------------------------------------------------------------
@@ -190,6 +202,77 @@ class CostModel:
         self._supported = np.array([prof.supports(p)[0] for p in PRECISIONS])
         self._bw = prof.bandwidth
         self._launch = prof.launch_overhead_s
+
+    def _measured_tables(self) -> None:
+        """Per op, its measured seconds indexed by compute precision code (GEMMs, SDPA) or
+        by the dtype code of its first floating input (the rest); NaN: not measured."""
+        self._timed: list[np.ndarray | None] = [None] * len(self.trace.ops)
+        self._first_float: list[int | None] = [None] * len(self.trace.ops)
+        self._fixed_s = 0.0  # views and the module calls: the same in every plan
+        self._cast_tabs: dict[tuple[int, bool], np.ndarray] = {}
+        t = self.op_times
+        if t is None:
+            return
+        vals = self.trace.values
+        for i, op in enumerate(self.trace.ops):
+            if i in t.compute:
+                tab = np.full(len(PRECISIONS), math.nan)
+                for p, sec in t.compute[i].items():
+                    tab[PRECISIONS.index(p)] = sec
+                if "fp32" in t.compute[i] and "tf32" in PRECISIONS:
+                    tab[PRECISIONS.index("tf32")] = t.compute[i]["fp32"]  # a CPU has no tf32
+                self._timed[i] = tab
+            elif i in t.other:
+                tab = np.full(len(DTYPES), math.nan)
+                got = t.other[i]
+                if "-" in got:
+                    tab[:] = got["-"]
+                for d, sec in got.items():
+                    if d in DTYPES:
+                        tab[DTYPES.index(d)] = sec
+                if op.kind == "view":
+                    self._fixed_s += float(np.nanmax(tab)) if not np.isnan(tab).all() else 0.0
+                    continue
+                self._timed[i] = tab
+                self._first_float[i] = next(
+                    (k for k, v in enumerate(op.inputs) if vals[v].dtype in ("fp32", "bf16",
+                                                                              "fp16")), None)
+        self._fixed_s += len(self.trace.calls) * t.module_call_s
+
+    def _op_seconds(self, i: int, sch: Schedule, comp: np.ndarray | None) -> np.ndarray | None:
+        """(T,) measured seconds of op ``i`` under each plan row (NaN where not measured),
+        or None when the op was not timed."""
+        tab = self._timed[i]
+        if tab is None:
+            return None
+        if comp is not None:
+            return tab[comp]
+        k = self._first_float[i]
+        if k is None:
+            return np.full(sch.plans, tab[DTYPES.index("fp32")])
+        codes = sch.reads[i][k]
+        return tab[np.where(codes < len(tab), codes, 0)]
+
+    def _cast_seconds(self, value: int, src: np.ndarray, dst: np.ndarray, weight: bool
+                      ) -> np.ndarray | None:
+        """(T,) measured seconds of casting ``value`` src -> dst (NaN where not timed)."""
+        t = self.op_times
+        if t is None:
+            return None
+        v = self.trace.values[value]
+        n = v.numel if not v.scales else int(round(v.numel * self.scale))
+        key = (max(1, n), weight)
+        tab = self._cast_tabs.get(key)
+        if tab is None:
+            tab = np.full((len(DTYPES), len(DTYPES)), math.nan)
+            for a in ("fp32", "bf16", "fp16"):
+                for b in ("fp32", "bf16", "fp16"):
+                    if a != b:
+                        got = t.cast_s(key[0], a, b, weight)
+                        if got is not None:
+                            tab[DTYPES.index(a), DTYPES.index(b)] = got
+            self._cast_tabs[key] = tab
+        return tab[np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)]
 
     def with_profile(self, profile: DeviceProfile) -> CostModel:
         """The same trace priced on another (e.g. calibrated) profile."""
@@ -292,6 +375,11 @@ class CostModel:
             else:
                 tm = nbytes / bw + launch
                 cat = _CAST if op.kind == "cast" else _OTHER
+            timed = (self._cast_seconds(op.inputs[0], sch.reads[i][0], sch.writes[i][0],
+                                        False) if op.kind == "cast" and op.inputs
+                     and self.op_times is not None else self._op_seconds(i, sch, comp))
+            if timed is not None:
+                tm = np.where(np.isnan(timed), tm, timed)
             parts[:, cat] += np.where(kern, tm, 0.0)
             if collect is not None and kern[0]:
                 prec = PRECISIONS[int(comp[0])] if comp is not None else "fp32"
@@ -299,9 +387,13 @@ class CostModel:
                     op.kind if comp is not None else ("cast" if op.kind == "cast" else op.kind),
                     float(nbytes[0]), float(self._op_flops[i]) if comp is not None else 0.0,
                     prec, 1.0, 1.0 if comp is not None else 0.0)))
+        parts[:, _OTHER] += self._fixed_s
         for c in sch.casts:
             n = self._numel[c.value]
             tm = n * (WIDTH[c.src] + WIDTH[c.dst]) / bw + launch
+            timed = self._cast_seconds(c.value, c.src, c.dst, c.weight)
+            if timed is not None:
+                tm = np.where(np.isnan(timed), tm, timed)
             parts[:, _CAST] += np.where(c.on, tm, 0.0)
             if collect is not None and c.on[0]:
                 collect.append((self._cast_module(sch, c.event), Kernel(

@@ -14,6 +14,11 @@ For ``torch.compile`` deployments (``mode="compile"``) the same micro-benchmarks
 compiled and the compiled call's own per-forward time (``calibrate.call_overhead``) is
 fitted too: a second calibration, cached beside the first (``<profile>-compile-<key>``).
 Compiling ~25 tiny programs takes one to two minutes on a 2-core CPU, once per machine.
+
+On a CPU the model's own ops are timed too (``cost.op_times``: every distinct op in each
+dtype a plan may run it in, the casts, a module call), cached per op set, batch and
+machine beside the calibration; ``SpeedSource.cost_model`` is the one way a tune,
+``eval`` and ``check`` get a cost model for a target, so the three print one price.
 """
 
 from __future__ import annotations
@@ -49,10 +54,50 @@ class SpeedSource:
     how: str  # "calibrated here" | "cached calibration" | "stored profile"
     note: str  # one line for the user
     path: Path | None = None  # the cached calibration file
+    #: where op times are cached, and whether they may be measured now (else cached only)
+    cache_dir: Path | None = None
+    measure: bool = False
+    #: op times got (per trace digest): what each cost model of this source priced with
+    timed: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def local(self) -> bool:
         return self.device is not None
+
+    def op_times(self, graph: Any, batch_size: int) -> Any:
+        """The model's ops timed on this CPU at ``batch_size`` (``cost.op_times``), cached;
+        None for a remote target, a GPU, or a stored profile (nothing measured here)."""
+        from autoprec.cost.machine import timing_threads
+        from autoprec.cost.op_times import cached_or_measured
+
+        if (not self.local or self.device != "cpu" or self.how == "stored profile"
+                or self.cache_dir is None or graph.ops is None):
+            return None
+        with timing_threads(self.device):
+            got = cached_or_measured(graph.ops, batch_size, self.cache_dir,
+                                     machine=self.machine.key if self.machine else "",
+                                     measure_now=self.measure,
+                                     precisions=[p for p in ("bf16", "fp16")
+                                                 if self.profile.supports(p)[0]])
+        if got is not None:
+            self.timed[got.digest] = got
+        return got
+
+    def cost_model(self, graph: Any, batch_size: int | None = None, mode: str = "eager",
+                   form: str = "train") -> Any:
+        """The cost model of ``graph`` for this target: the profile, and on a local CPU the
+        model's own ops timed here (``op_times``)."""
+        from autoprec.cost import make_cost_model
+
+        bs = batch_size or graph.batch_size
+        return make_cost_model(graph, self.profile, bs, mode, form=form,
+                               op_times=self.op_times(graph, bs))
+
+    def describe_op_times(self) -> str | None:
+        """One line on the op timings this source priced with (None: none)."""
+        if not self.timed:
+            return None
+        return "; ".join(t.describe() for t in self.timed.values())
 
     def provenance(self) -> dict[str, Any]:
         """What the policy's provenance records about its speed figures."""
@@ -78,6 +123,12 @@ def speed_source(target: str, *, measure: bool, cache_dir: Path,
     """The profile for ``target`` deployed in ``mode``. Remote: the stored one. Local: this
     machine's cached calibration; else, with ``measure``, one calibrated here now (and
     cached); else the stored profile, named as another machine's."""
+    src = _speed_source(target, measure=measure, cache_dir=cache_dir, mode=mode)
+    src.cache_dir, src.measure = Path(cache_dir), measure
+    return src
+
+
+def _speed_source(target: str, *, measure: bool, cache_dir: Path, mode: str) -> SpeedSource:
     stored = get_profile(target)
     device, why = local_device(stored)
     if device is None:

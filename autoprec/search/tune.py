@@ -182,7 +182,11 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
     deploy_bs = cfg.batch_size or calib_bs
     source = speed_source(cfg.target, measure=cfg.measure,
                           cache_dir=calibration_dir(out_path, cfg.cache_dir), mode=cfg.mode)
-    cost = make_cost_model(graph, profile or source.profile, deploy_bs, cfg.mode, form=cfg.form)
+    # the one price source of a target (SpeedSource.cost_model): on a local CPU the model's
+    # own ops timed here; an explicit profile (tests, experiments) prices by it alone
+    cost = (make_cost_model(graph, profile, deploy_bs, cfg.mode, form=cfg.form)
+            if profile is not None else
+            source.cost_model(graph, deploy_bs, cfg.mode, form=cfg.form))
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
         cost.max_weight_bytes = cfg.max_weight_mb * 1e6
     if not cfg.use_metric and spec.metric is not None:

@@ -84,6 +84,10 @@ class Op:
     #: an fp32 norm): the model's own dtype, which a plan changes — the deploy form's
     #: replay casts to the region's storage dtype instead of the traced one
     ambient: bool = False
+    #: how to run this op alone (``cost.op_times`` times it on this machine): the function
+    #: (``F.linear``, ``aten.add.Tensor``) and its arguments, tensors as their value id,
+    #: shape, strides and dtype (``_spec``); None where an argument cannot be rebuilt
+    recipe: dict[str, Any] | None = None
 
 
 @dataclass
@@ -186,6 +190,54 @@ def _dtype_name(dt: torch.dtype) -> str:
     return DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
 
 
+class _NoRecipe(Exception):
+    """An argument a recipe cannot rebuild (a Python object, a generator...)."""
+
+
+def _spec(obj: Any, vid: Callable[[torch.Tensor], int]) -> Any:
+    """A JSON-able picture of an op argument: tensors as {"t": value id, "shape", "stride",
+    "dt"}; dtypes, devices and memory formats tagged; containers as lists."""
+    if isinstance(obj, torch.Tensor):
+        return {"t": vid(obj), "shape": list(obj.shape), "stride": list(obj.stride()),
+                "dt": str(obj.dtype).replace("torch.", "")}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [_spec(x, vid) for x in obj]
+    if isinstance(obj, dict):
+        return {"kw": {str(k): _spec(v, vid) for k, v in obj.items()}}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj).replace("torch.", "")}
+    if isinstance(obj, torch.device):
+        return {"device": str(obj)}
+    if isinstance(obj, torch.memory_format):
+        return {"mf": str(obj).replace("torch.", "")}
+    if isinstance(obj, torch.layout):
+        return {"layout": str(obj).replace("torch.", "")}
+    raise _NoRecipe(type(obj).__name__)
+
+
+def _func_name(func: Any) -> str | None:
+    """``F.linear`` for a torch.nn.functional function, ``aten.add.Tensor`` for an aten op."""
+    if isinstance(func, torch._ops.OpOverload):
+        return str(func)
+    name = getattr(func, "__name__", None)
+    if name is not None and getattr(_F, name, None) is func:
+        return f"F.{name}"
+    return None
+
+
+def _recipe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+            vid: Callable[[torch.Tensor], int]) -> dict[str, Any] | None:
+    name = _func_name(func)
+    if name is None:
+        return None
+    try:
+        return {"f": name, "a": _spec(list(args), vid), "k": _spec(dict(kwargs), vid)["kw"]}
+    except _NoRecipe:
+        return None
+
+
 def _matmul_flops(a: torch.Tensor, b: torch.Tensor) -> float:
     """2*m*k*n per (broadcast) batch for a @ b with a (..., m, k), b (..., k, n)."""
     if a.dim() == 1 or b.dim() == 1:
@@ -255,15 +307,17 @@ class _Recorder:
     # -- ops ---------------------------------------------------------------------------------
     def op(self, name: str, kind: str, args: Any, out: Any, *, flops: float = 0.0,
            fixed: str | None = None, like_first: bool = False,
-           weight: torch.Tensor | None = None) -> None:
+           weight: torch.Tensor | None = None, func: Any = None) -> None:
         """Record one op. Its outputs get new value ids, also an in-place op's (its result
-        is a new version of the tensor, with the dtype ``like`` says)."""
+        is a new version of the tensor, with the dtype ``like`` says). ``func``: the
+        function that ran with ``args`` = (args, kwargs), kept as the op's recipe."""
         ins = [self.vid(t) for t in _tensors(args)]
         ins = list(dict.fromkeys(ins))
+        recipe = _recipe(func, *args, self.vid) if func is not None else None
         outs = self.outputs(_tensors(out), ins, kind == "view")
         op = Op(name, kind, self.stack[-1] if self.stack else -1, tuple(ins), outs, flops,
                 fixed, ins[0] if like_first and ins else None,
-                self.ids.get(weight) if weight is not None else None)
+                self.ids.get(weight) if weight is not None else None, recipe=recipe)
         self.trace.events.append((0, len(self.trace.ops)))
         self.trace.ops.append(op)
 
@@ -338,7 +392,8 @@ class _Functions(TorchFunctionMode):
 
                 flops = float(conv_flop_count(list(x.shape), list(w.shape), list(out.shape),
                                               transposed="transpose" in func.__name__))
-            rec.op(_GEMM_FUNCS[func], "gemm", (args, kwargs), out, flops=flops, weight=w)
+            rec.op(_GEMM_FUNCS[func], "gemm", (args, kwargs), out, flops=flops, weight=w,
+                   func=func)
         elif kind == "attention":
             q = args[0] if args else kwargs["query"]
             k = args[1] if len(args) > 1 else kwargs["key"]
@@ -347,9 +402,9 @@ class _Functions(TorchFunctionMode):
             n = math.prod(q.shape[:-2])
             flops = 2.0 * n * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
             rec.op("scaled_dot_product_attention", "attention", (args, kwargs), out,
-                   flops=flops)
+                   flops=flops, func=func)
         else:  # embedding: reads the gathered rows of the table
-            rec.op("embedding", "embedding", (args, kwargs), out)
+            rec.op("embedding", "embedding", (args, kwargs), out, func=func)
         return out
 
     def _cast(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -397,7 +452,7 @@ class _Aten(TorchDispatchMode):
         if not outs:
             return out
         if _is_view_op(func):
-            rec.op(name, "view", (args, kwargs), out, like_first=True)
+            rec.op(name, "view", (args, kwargs), out, like_first=True, func=func)
             return out
         fixed = None
         if not any(t.is_floating_point() for t in ins) or not outs[0].is_floating_point():
@@ -416,9 +471,10 @@ class _Aten(TorchDispatchMode):
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm", "addmv") else (
                 args[0], args[1])
             flops = _matmul_flops(a, b) if "conv" not in name else 0.0
-            rec.op(name, kind, (args, kwargs), out, flops=flops, fixed=fixed)
+            rec.op(name, kind, (args, kwargs), out, flops=flops, fixed=fixed, func=func)
             return out
-        rec.op(name, kind, (args, kwargs), out, fixed=fixed, like_first=_mutated_self(func))
+        rec.op(name, kind, (args, kwargs), out, fixed=fixed, like_first=_mutated_self(func),
+               func=None if kind == "cast" else func)
         if ambient:
             rec.mark_ambient(rec.trace.ops[-1], outs[0].dtype)
         return out

@@ -1,0 +1,439 @@
+"""The model's own ops timed on this machine: what a local CPU target is priced with.
+
+A profile fitted on ~25 micro-benchmarks (``cost.calibrate``) prices every op by a roofline
+of FLOPs and bytes. On a CPU that misses what the model runs besides its GEMMs — the
+dispatch of every aten op and view, norms, softmax and activations that are no faster in
+16 bits, the 16-bit GEMMs' own shapes — and the estimate was off by up to +54 % against
+tune's own timing (issue 29). So for a local CPU target the recorded forward
+(``trace.ops``: every op with its recipe, ``Op.recipe``) is run here op by op:
+
+- every distinct op (same function, shapes, strides, dtypes and arguments) once per
+  precision it may run in: a GEMM / SDPA / conv with its floating operands in fp32, bf16
+  and fp16 (what it computes in), every other op with its floating inputs in each dtype;
+- every cast a plan may insert: each floating value's size, fp32 <-> bf16 <-> fp16;
+- the host's cost of one module call (``nn.Module.__call__`` around a trivial forward),
+  paid by every plan once per recorded call.
+
+Each is timed as tune times a model (``confirm_speed``): one torch thread, the thread's CPU
+time, the median of 5 samples of at least ``SAMPLE_S`` each, after a warm-up. Inputs
+are rebuilt from the recipe (``uniform_`` values, integer tensors zero); a model whose
+weights do not fit the last-level cache reads them from memory on every forward, so its
+weight operands are cycled through copies spanning twice the cache (``_llc_bytes``).
+
+The result (``OpTimes``) is cached per op set, batch size and machine under
+``<calibration dir>/ops-<digest>.json``: the first tune of a model pays seconds
+(experiments/estimate_accuracy.py states it), later ones read the file. An op without a
+recipe, or whose recipe cannot run alone, is priced by the calibrated roofline as before.
+The batch: recipes are recorded at the calibration batch; a cost model at another batch
+size rebuilds each tensor that scales with the batch with its leading dimension scaled
+(an op that then fails is timed at the recorded batch and scaled linearly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoprec.fileio import atomic_write
+from autoprec.trace.ops import Op, OpTrace
+
+#: Bump when what is measured or how changes: older cache files are then ignored.
+VERSION = 1
+#: A sample runs the op this long at least (several calls if one is shorter).
+SAMPLE_S = 2e-4
+SAMPLES = 5
+#: Floating dtypes an op is timed in (the names of the plan stage).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The kinds timed per compute precision (the rest per input dtype).
+COMPUTE_KINDS = ("gemm", "attention")
+#: The last-level cache assumed when the OS does not say, and the most believed (a VM's
+#: sysfs reported 260 MB on one of the team's machines).
+LLC_DEFAULT, LLC_MAX = 32 << 20, 64 << 20
+
+
+def _llc_bytes() -> int:
+    """The CPU's last-level cache in bytes (sysfs), at most ``LLC_MAX``."""
+    best = 0
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for idx in base.glob("index*"):
+        try:
+            text = (idx / "size").read_text().strip().upper()
+            n = int(text.rstrip("KMG"))
+            best = max(best, n << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0))
+        except (OSError, ValueError, IndexError):
+            continue
+    return min(best or LLC_DEFAULT, LLC_MAX)
+
+
+def cast_key(numel: int, src: str, dst: str, weight: bool = False) -> str:
+    return f"{numel}:{src}>{dst}{':w' if weight else ''}"
+
+
+@dataclass
+class OpTimes:
+    """Seconds of each recorded op on this machine at ``batch_size`` (see module docs).
+
+    ``compute[i][p]``: GEMM/SDPA op ``i`` computing in precision ``p``; ``other[i][d]``:
+    any other op (views included) with its floating inputs in dtype ``d`` ("-": it has
+    none); ``casts[cast_key(...)]``: one cast; ``module_call_s``: one module call.
+    """
+
+    batch_size: int
+    compute: dict[int, dict[str, float]] = field(default_factory=dict)
+    other: dict[int, dict[str, float]] = field(default_factory=dict)
+    casts: dict[str, float] = field(default_factory=dict)
+    module_call_s: float = 0.0
+    seconds: float = 0.0  # what measuring took
+    distinct: int = 0  # distinct (op, dtype) timings
+    machine: str = ""
+    digest: str = ""
+
+    def cast_s(self, numel: int, src: str, dst: str, weight: bool = False) -> float | None:
+        got = self.casts.get(cast_key(numel, src, dst, weight))
+        if got is None and weight:
+            got = self.casts.get(cast_key(numel, src, dst))
+        return got
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": VERSION, "batch_size": self.batch_size,
+                "compute": {str(k): v for k, v in self.compute.items()},
+                "other": {str(k): v for k, v in self.other.items()},
+                "casts": self.casts, "module_call_s": self.module_call_s,
+                "seconds": self.seconds, "distinct": self.distinct,
+                "machine": self.machine, "digest": self.digest}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OpTimes:
+        return cls(int(data["batch_size"]),
+                   {int(k): v for k, v in data["compute"].items()},
+                   {int(k): v for k, v in data["other"].items()},
+                   dict(data["casts"]), float(data["module_call_s"]),
+                   float(data.get("seconds", 0.0)), int(data.get("distinct", 0)),
+                   str(data.get("machine", "")), str(data.get("digest", "")))
+
+    def describe(self) -> str:
+        return (f"{len(self.compute) + len(self.other)} ops ({self.distinct} distinct "
+                f"timings) and {len(self.casts)} casts timed here in {self.seconds:.1f}s")
+
+
+# -- rebuilding an op from its recipe ---------------------------------------------------------
+
+def _resolve(name: str) -> Callable[..., Any]:
+    if name.startswith("F."):
+        return getattr(torch.nn.functional, name[2:])
+    _, packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
+def _dense_strides(shape: list[int], stride: list[int]) -> list[int]:
+    """Strides of a dense tensor of ``shape`` laid out in ``stride``'s dimension order
+    (broadcast dimensions, stride 0, stay 0)."""
+    order = sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]))
+    out, acc = [0] * len(shape), 1
+    for d in order:
+        if stride[d] == 0:
+            continue
+        out[d] = acc
+        acc *= max(1, shape[d])
+    return out
+
+
+class _Builder:
+    """Tensors for one op call: each recipe tensor in the dtype asked for."""
+
+    def __init__(self, trace: OpTrace, scale: float) -> None:
+        self.trace = trace
+        self.scale = scale
+
+    def shape(self, spec: dict[str, Any]) -> tuple[list[int], list[int]]:
+        shape, stride = list(spec["shape"]), list(spec["stride"])
+        v = self.trace.values[spec["t"]]
+        if self.scale != 1.0 and v.scales and shape:
+            n = shape[0] * self.scale
+            if abs(n - round(n)) > 1e-9 or round(n) < 1:
+                raise ValueError("batch dimension does not scale")
+            shape[0] = int(round(n))
+            stride = _dense_strides(shape, stride)
+        return shape, stride
+
+    def tensor(self, spec: dict[str, Any], dtype: torch.dtype | None) -> torch.Tensor:
+        shape, stride = self.shape(spec)
+        own = getattr(torch, spec["dt"])
+        dt = dtype if dtype is not None and own.is_floating_point else own
+        t = torch.empty_strided(shape, stride, dtype=dt)
+        if dt.is_floating_point:
+            t.uniform_(0.1, 1.0)  # positive: log, sqrt, division stay finite
+        else:
+            t.zero_()  # indices in range, masks all false
+        return t
+
+    def build(self, obj: Any, dtype: torch.dtype | None) -> Any:
+        if isinstance(obj, list):
+            return [self.build(x, dtype) for x in obj]
+        if isinstance(obj, dict):
+            if "t" in obj:
+                return self.tensor(obj, dtype)
+            if "dtype" in obj:
+                return getattr(torch, obj["dtype"])
+            if "device" in obj:
+                return torch.device(obj["device"])
+            if "mf" in obj:
+                return getattr(torch, obj["mf"])
+            if "layout" in obj:
+                return getattr(torch, obj["layout"])
+            return {k: self.build(v, dtype) for k, v in obj.get("kw", obj).items()}
+        return obj
+
+
+def _tensor_specs(obj: Any) -> Iterable[dict[str, Any]]:
+    if isinstance(obj, list):
+        for x in obj:
+            yield from _tensor_specs(x)
+    elif isinstance(obj, dict):
+        if "t" in obj:
+            yield obj
+        else:
+            for v in obj.values():
+                yield from _tensor_specs(v)
+
+
+def _floating_specs(recipe: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in _tensor_specs([recipe["a"], list(recipe["k"].values())])
+            if getattr(torch, s["dt"]).is_floating_point]
+
+
+def _key(recipe: dict[str, Any], trace: OpTrace) -> str:
+    """The recipe without value ids (two ops of the same call share one timing), with
+    what decides how its tensors are built: scaled with the batch, a weight."""
+    def strip(obj: Any) -> Any:
+        if isinstance(obj, list):
+            return [strip(x) for x in obj]
+        if isinstance(obj, dict):
+            if "t" in obj:
+                v = trace.values[obj["t"]]
+                return {**{k: x for k, x in obj.items() if k != "t"},
+                        "s": v.scales, "p": v.source == "param"}
+            return {k: strip(x) for k, x in obj.items()}
+        return obj
+    return json.dumps(strip(recipe), sort_keys=True)
+
+
+def _time(call: Callable[[], Any]) -> float:
+    """Seconds of one ``call()``: thread CPU time, median of SAMPLES samples."""
+    call()  # warm-up (first-call allocations, oneDNN primitive creation)
+    t0 = time.thread_time()
+    call()
+    one = max(time.thread_time() - t0, 1e-7)
+    reps = max(1, min(10_000, math.ceil(SAMPLE_S / one)))
+    got = []
+    for _ in range(SAMPLES):
+        t0 = time.thread_time()
+        for _ in range(reps):
+            call()
+        got.append((time.thread_time() - t0) / reps)
+    got.sort()
+    return got[len(got) // 2]
+
+
+class _Runner:
+    """Times recipes: weights cold when the model's weights exceed the cache."""
+
+    def __init__(self, trace: OpTrace, scale: float, cold: bool, llc: int) -> None:
+        self.trace, self.scale, self.cold, self.llc = trace, scale, cold, llc
+
+    def seconds(self, recipe: dict[str, Any], dtype: torch.dtype | None) -> float:
+        func = _resolve(recipe["f"])
+        builder = _Builder(self.trace, self.scale)
+        args = builder.build(recipe["a"], dtype)
+        kwargs = {k: builder.build(v, dtype) for k, v in recipe["k"].items()}
+        copies = self._weight_copies(recipe, args, kwargs)
+        if copies:
+            sets = iter(())
+
+            def call() -> Any:
+                nonlocal sets
+                a = next(sets, None)
+                if a is None:
+                    sets = iter(copies)
+                    a = next(sets)
+                return func(*a[0], **a[1])
+        else:
+            def call() -> Any:
+                return func(*args, **kwargs)
+        with torch.no_grad():
+            return _time(call)
+
+    def _weight_copies(self, recipe: dict[str, Any], args: Any, kwargs: Any
+                       ) -> list[tuple[Any, Any]]:
+        """Argument sets whose weight tensors span twice the cache (none when warm)."""
+        if not self.cold:
+            return []
+        params = [s for s in _tensor_specs([recipe["a"], list(recipe["k"].values())])
+                  if self.trace.values[s["t"]].source == "param"]
+        if not params:
+            return []
+        nbytes = sum(math.prod(s["shape"]) for s in params) * 4
+        n = max(1, min(64, math.ceil(2 * self.llc / max(nbytes, 1))))
+        if n == 1:
+            return []
+        builder = _Builder(self.trace, self.scale)
+        want = {id(s) for s in params}
+        sets = []
+        for _ in range(n):
+            def fresh(obj: Any, orig: Any) -> Any:
+                if isinstance(obj, list):
+                    return [fresh(o, g) for o, g in zip(obj, orig, strict=True)]
+                if isinstance(obj, dict) and "t" in obj:
+                    if id(obj) in want:
+                        return builder.tensor(obj, orig.dtype).to(orig.dtype)
+                    return orig
+                if isinstance(obj, dict):
+                    return {k: fresh(v, orig[k]) for k, v in obj.get("kw", obj).items()}
+                return orig
+            sets.append((fresh(recipe["a"], args),
+                         {k: fresh(v, kwargs[k]) for k, v in recipe["k"].items()}))
+        return sets
+
+
+def _module_call_s() -> float:
+    """One ``nn.Module.__call__`` of a trivial module, beyond the call of its forward."""
+    m = torch.nn.Identity()
+    x = torch.zeros(1)
+    return max(0.0, _time(lambda: m(x)) - _time(lambda: m.forward(x)))
+
+
+def _weights_cold(trace: OpTrace, llc: int) -> bool:
+    nbytes = sum(v.numel * v.itemsize for v in trace.values if v.source == "param")
+    return nbytes > llc
+
+
+def digest(trace: OpTrace, batch_size: int, machine: str) -> str:
+    """What identifies one measurement: the recipes, the batch, the machine, torch."""
+    h = hashlib.sha256()
+    for op in trace.ops:
+        h.update((_key(op.recipe, trace) if op.recipe else op.kind).encode())
+    h.update(f"{batch_size}|{trace.batch_size}|{machine}|{torch.__version__}|{VERSION}"
+             f"|{os.environ.get('ATEN_CPU_CAPABILITY', '')}".encode())
+    return h.hexdigest()[:16]
+
+
+def _variants(op: Op, floating: bool, precisions: Iterable[str]) -> list[str]:
+    if not floating:
+        return ["-"]
+    return [p for p in DTYPES if op.kind not in COMPUTE_KINDS or p in precisions]
+
+
+def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYPES,
+            machine: str = "", progress: Callable[[int, int], None] | None = None) -> OpTimes:
+    """Time every op of ``trace`` with a recipe, its casts and a module call, on this CPU
+    at ``batch_size`` (the caller holds torch at the timing threads)."""
+    t_start = time.perf_counter()
+    precisions = set(precisions) | {"fp32"}
+    scale = batch_size / trace.batch_size
+    llc = _llc_bytes()
+    cold = _weights_cold(trace, llc)
+    runner = _Runner(trace, scale, cold, llc)
+    linear = _Runner(trace, 1.0, cold, llc)
+    done: dict[tuple[str, str], float | None] = {}
+    out = OpTimes(batch_size, machine=machine)
+    todo = [(i, op) for i, op in enumerate(trace.ops) if op.recipe is not None]
+    for n, (i, op) in enumerate(todo):
+        recipe = op.recipe
+        assert recipe is not None
+        key = _key(recipe, trace)
+        table = out.compute if op.kind in COMPUTE_KINDS else out.other
+        for var in _variants(op, bool(_floating_specs(recipe)), precisions):
+            got = done.get((key, var), math.nan)
+            if got is not None and math.isnan(got):
+                got = _try(runner, linear, recipe, DTYPES.get(var), scale)
+                done[(key, var)] = got
+            if got is not None:
+                table.setdefault(i, {})[var] = got
+        if progress is not None:
+            progress(n + 1, len(todo))
+    out.distinct = sum(1 for v in done.values() if v is not None)
+    out.casts = _cast_times(trace, scale, cold, llc)
+    out.module_call_s = _module_call_s()
+    out.seconds = time.perf_counter() - t_start
+    return out
+
+
+def _try(runner: _Runner, linear: _Runner, recipe: dict[str, Any], dtype: torch.dtype | None,
+         scale: float) -> float | None:
+    """Seconds of the recipe at the cost model's batch; at the recorded batch scaled
+    linearly when it does not rebuild there; None when it does not run alone."""
+    try:
+        return runner.seconds(recipe, dtype)
+    except Exception:  # noqa: BLE001 - any op that cannot run alone is priced by roofline
+        if scale == 1.0:
+            return None
+    try:
+        return linear.seconds(recipe, dtype) * scale
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _cast_times(trace: OpTrace, scale: float, cold: bool, llc: int) -> dict[str, float]:
+    """One cast of every floating value's size, between fp32, bf16 and fp16."""
+    sizes: set[tuple[int, bool]] = set()
+    for v in trace.values:
+        if v.dtype in DTYPES and v.numel > 0:
+            weight = v.source == "param"
+            n = v.numel if weight or not v.scales else int(round(v.numel * scale))
+            sizes.add((max(1, n), weight and cold))
+    out: dict[str, float] = {}
+    for n, weight in sorted(sizes):
+        for src, sdt in DTYPES.items():
+            copies = max(1, min(64, math.ceil(2 * llc / (n * 4)))) if weight else 1
+            xs = [torch.empty(n, dtype=sdt).uniform_(0.1, 1.0) for _ in range(copies)]
+            for dst, ddt in DTYPES.items():
+                if dst == src:
+                    continue
+                it = iter(())
+
+                def call(xs: list[torch.Tensor] = xs, ddt: torch.dtype = ddt) -> Any:
+                    nonlocal it
+                    x = next(it, None)
+                    if x is None:
+                        it = iter(xs)
+                        x = next(it)
+                    return x.to(ddt)
+                out[cast_key(n, src, dst, weight)] = _time(call)
+    return out
+
+
+def cached_or_measured(trace: OpTrace, batch_size: int, cache_dir: Path, *, machine: str,
+                       measure_now: bool, precisions: Iterable[str] = DTYPES,
+                       progress: Callable[[int, int], None] | None = None
+                       ) -> OpTimes | None:
+    """The cached op times of this trace at ``batch_size`` on this machine; else, with
+    ``measure_now``, measured and cached (atomically); else None."""
+    d = digest(trace, batch_size, machine)
+    path = Path(cache_dir) / f"ops-{d}.json"
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == VERSION and data.get("digest") == d:
+                return OpTimes.from_json(data)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged cache file: measured again
+    if not measure_now:
+        return None
+    got = measure(trace, batch_size, precisions=precisions, machine=machine,
+                  progress=progress)
+    got.digest = d
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(got.to_json()))
+    return got
+
+
+__all__ = ["OpTimes", "cached_or_measured", "cast_key", "digest", "measure"]

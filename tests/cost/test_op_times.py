@@ -1,0 +1,191 @@
+"""The model's own ops timed on this CPU (autoprec.cost.op_times) and priced with.
+
+Real timings of a tiny model (milliseconds each), and the cost model checked against
+op times set by hand, so every expected total is worked out below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from autoprec.cost import get_profile
+from autoprec.cost.fusion import make_cost_model
+from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, measure
+from autoprec.policy import Policy
+from autoprec.search.confirm_speed import Row, check_speed, contradictions
+from autoprec.trace import trace
+from tests.zoo import mlp
+
+
+@pytest.fixture(scope="module")
+def graph():  # noqa: ANN201
+    case = mlp()
+    return trace(case.model, case.batch)
+
+
+@pytest.fixture(scope="module")
+def timed(graph):  # noqa: ANN001, ANN201
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure(graph.ops, graph.batch_size)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_every_op_but_a_cast_records_how_to_run_it(graph) -> None:  # noqa: ANN001
+    ops = graph.ops.ops
+    assert all(op.recipe is not None for op in ops if op.kind != "cast")
+    linear = [op for op in ops if op.kind == "gemm"]
+    assert [op.recipe["f"] for op in linear] == ["F.linear"] * 3
+    x, w, b = linear[0].recipe["a"]
+    assert (x["shape"], w["shape"], b["shape"]) == ([2, 100], [64, 100], [64])
+    assert graph.ops.values[w["t"]].param == "fc1.weight"
+    json.dumps(graph.to_json())  # recipes are plain JSON (graph --json prints them)
+
+
+def test_each_gemm_is_timed_in_each_precision_and_each_other_op_in_each_dtype(
+        graph, timed) -> None:  # noqa: ANN001
+    gemms = [i for i, op in enumerate(graph.ops.ops) if op.kind == "gemm"]
+    assert sorted(timed.compute) == gemms
+    for i in gemms:
+        assert set(timed.compute[i]) == {"fp32", "bf16", "fp16"}
+        assert all(0 < s < 0.05 for s in timed.compute[i].values())
+    gelu = next(i for i, op in enumerate(graph.ops.ops) if op.name == "gelu")
+    assert set(timed.other[gelu]) == {"fp32", "bf16", "fp16"}
+    # casts of the 2 x 64 activation between every pair of the three dtypes
+    assert {k for k in timed.casts if k.startswith("128:")} == {
+        f"128:{a}>{b}" for a in ("fp32", "bf16", "fp16") for b in ("fp32", "bf16", "fp16")
+        if a != b}
+    assert timed.module_call_s > 0
+    # the same call twice (fc2 and head differ; layer norm once) is timed once
+    assert timed.distinct <= 3 * (len(timed.compute) + len(timed.other))
+
+
+def test_the_cost_model_prices_every_op_at_its_timed_seconds(graph, timed) -> None:  # noqa: ANN001
+    ops = graph.ops.ops
+    hand = OpTimes(graph.batch_size,
+                   compute={i: {"fp32": 1e-3, "bf16": 3e-3, "fp16": 2e-3} for i in timed.compute},
+                   other={i: {d: 1e-5 for d in v} for i, v in timed.other.items()},
+                   casts={k: 1e-4 for k in timed.casts}, module_call_s=1e-6)
+    cost = make_cost_model(graph, get_profile("cpu"), graph.batch_size, op_times=hand)
+    n_gemm = sum(op.kind == "gemm" for op in ops)
+    n_other = sum(op.kind != "gemm" and op.kind != "cast" and i in hand.other
+                  for i, op in enumerate(ops))
+    calls = len(graph.ops.calls)
+    want = n_gemm * 1e-3 + n_other * 1e-5 + calls * 1e-6
+    assert cost.fp32_time == pytest.approx(want, rel=1e-9)
+    # the deploy form's bf16: the GEMMs at their bf16 seconds, the input cast to bf16 and
+    # the output cast back to fp32 at the timed cast's
+    pol = Policy(default="bf16", form="deploy")
+    bd = cost.breakdown(pol)
+    assert bd.parts["gemm"] == pytest.approx(n_gemm * 3e-3, rel=1e-9)
+    assert bd.parts["cast"] == pytest.approx((bd.casts + bd.weight_casts) * 1e-4, rel=1e-9)
+    # fp16 under autocast: every GEMM at 2 ms
+    assert cost.breakdown(Policy(default="fp16")).parts["gemm"] == pytest.approx(
+        n_gemm * 2e-3, rel=1e-9)
+    with pytest.raises(ValueError, match="batch 2, priced at 4"):
+        make_cost_model(graph, get_profile("cpu"), 4, op_times=hand)
+
+
+def test_an_op_without_a_timing_keeps_the_roofline(graph, timed) -> None:  # noqa: ANN001
+    prof = get_profile("cpu")
+    plain = make_cost_model(graph, prof, graph.batch_size)
+    empty = OpTimes(graph.batch_size)
+    assert make_cost_model(graph, prof, graph.batch_size, op_times=empty).fp32_time == \
+        pytest.approx(plain.fp32_time, rel=1e-12)
+
+
+def test_compiled_cost_model_takes_the_timed_gemms(graph, timed) -> None:  # noqa: ANN001
+    prof = get_profile("cpu")
+    hand = OpTimes(graph.batch_size,
+                   compute={i: {"fp32": 1e-3, "bf16": 3e-3, "fp16": 2e-3} for i in timed.compute})
+    cost = make_cost_model(graph, prof, graph.batch_size, "compile", op_times=hand)
+    assert cost.breakdown(Policy(default="bf16")).parts["gemm"] == pytest.approx(9e-3, rel=1e-9)
+
+
+def test_op_times_at_another_batch_rebuild_the_scaled_tensors(graph) -> None:  # noqa: ANN001
+    torch.set_num_threads(1)
+    at4 = measure(graph.ops, 4 * graph.batch_size)
+    assert at4.batch_size == 8
+    assert {k for k in at4.casts if k.startswith("512:")}  # 8 x 64 activations
+    cost = make_cost_model(graph, get_profile("cpu"), 8, op_times=at4)
+    assert math.isfinite(cost.fp32_time) and cost.fp32_time > 0
+
+
+def test_cached_per_op_set_batch_and_machine(graph, tmp_path) -> None:  # noqa: ANN001
+    torch.set_num_threads(1)
+    assert cached_or_measured(graph.ops, 2, tmp_path, machine="m", measure_now=False) is None
+    first = cached_or_measured(graph.ops, 2, tmp_path, machine="m", measure_now=True)
+    files = list(tmp_path.glob("ops-*.json"))
+    assert [f.name for f in files] == [f"ops-{digest(graph.ops, 2, 'm')}.json"]
+    again = cached_or_measured(graph.ops, 2, tmp_path, machine="m", measure_now=False)
+    assert again is not None and again.to_json() == first.to_json()
+    assert digest(graph.ops, 2, "m") != digest(graph.ops, 2, "other machine")
+    assert digest(graph.ops, 2, "m") != digest(graph.ops, 4, "m")
+    files[0].write_text("{not json")  # a damaged cache file is measured again
+    assert cached_or_measured(graph.ops, 2, tmp_path, machine="m", measure_now=False) is None
+
+
+# -- the timing step: re-timed where the measured order contradicts the estimate ---------------
+
+def _rows() -> list[Row]:
+    mk = [("fp32", "baseline", Policy(default="fp32"), 1.0),
+          ("tuned", "tuned", Policy(default="bf16", layers={"fc1": "fp32"}), 0.9),
+          ("bf16", "baseline", Policy(default="bf16"), 2.0)]
+    rows = []
+    for name, role, pol, est in mk:
+        r = Row(name, role, pol, 0.0, True, est)
+        r.est_measured_batch = est
+        rows.append(r)
+    return rows
+
+
+def test_contradictions_need_both_the_noise_and_the_estimates_margin() -> None:
+    rows = _rows()
+    fp32, tuned, bf16 = rows
+    for r, (med, p10, p90) in zip(rows, [(1, 1, 1), (1.5, 1.4, 1.6), (1.0, 0.95, 1.05)],
+                                  strict=True):
+        r.speedup, r.p10, r.p90 = med, p10, p90
+    # tuned measured above bf16 beyond the noise; the estimate had bf16 2.0 / 0.9 = 2.2x
+    # faster (> 1.2**2): a contradiction. fp32 vs bf16: measured equal within noise: none.
+    assert [(a.name, b.name) for a, b in contradictions(rows)] == [("tuned", "bf16")]
+    bf16.p90 = 1.45  # the ranges overlap: within the noise, no contradiction
+    assert contradictions(rows) == []
+    bf16.p90, bf16.est_measured_batch = 1.05, 1.0  # the estimate had them 1.11x apart: fine
+    assert contradictions(rows) == []
+
+
+def test_a_contradicted_timing_is_timed_again_before_it_decides() -> None:
+    calls: list[list[str]] = []
+
+    def timer(plans):  # noqa: ANN001, ANN202 - first a fluke for "tuned", then the truth
+        calls.append(sorted(plans))
+        fluke = len(calls) == 1
+        per = {"fp32": 1.0, "bf16": 0.5, "tuned": 0.3 if fluke else 1.2}
+        rng = np.random.default_rng(len(calls))
+        return {n: list(per[n] * (1 + 0.01 * rng.standard_normal(9))) for n in plans}
+
+    check = check_speed(_rows(), timer, device="cpu", batch_size=2)
+    assert calls == [["bf16", "fp32", "tuned"], ["bf16", "fp32", "tuned"]]
+    assert check.retimed == ("tuned", "bf16")
+    assert check.winner is not None and check.winner.name == "bf16"
+    assert "re-timed tuned, bf16" in check.reason and "no longer contradicts" in check.reason
+    assert check.to_dict()["retimed"] == ["tuned", "bf16"]
+
+
+def test_a_timing_the_estimate_agrees_with_is_not_repeated() -> None:
+    calls = []
+
+    def timer(plans):  # noqa: ANN001, ANN202
+        calls.append(1)
+        per = {"fp32": 1.0, "bf16": 0.5, "tuned": 1.1}
+        return {n: [per[n]] * 9 for n in plans}
+
+    check = check_speed(_rows(), timer, device="cpu", batch_size=2)
+    assert len(calls) == 1 and check.retimed == ()
