@@ -96,6 +96,7 @@ class OpTimes:
     distinct: int = 0  # distinct (op, dtype) timings
     machine: str = ""
     digest: str = ""
+    cached: bool = False  # read from the cache (not measured by this process)
 
     def cast_s(self, numel: int, src: str, dst: str, weight: bool = False) -> float | None:
         got = self.casts.get(cast_key(numel, src, dst, weight))
@@ -122,7 +123,8 @@ class OpTimes:
 
     def describe(self) -> str:
         return (f"{len(self.compute) + len(self.other)} ops ({self.distinct} distinct "
-                f"timings) and {len(self.casts)} casts timed here in {self.seconds:.1f}s")
+                f"timings) and {len(self.casts)} casts timed here in {self.seconds:.1f}s"
+                + (" (cached)" if self.cached else ""))
 
 
 # -- rebuilding an op from its recipe ---------------------------------------------------------
@@ -423,7 +425,9 @@ def cached_or_measured(trace: OpTrace, batch_size: int, cache_dir: Path, *, mach
         try:
             data = json.loads(path.read_text())
             if data.get("version") == VERSION and data.get("digest") == d:
-                return OpTimes.from_json(data)
+                got = OpTimes.from_json(data)
+                got.cached = True
+                return got
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged cache file: measured again
     if not measure_now:

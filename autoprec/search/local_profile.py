@@ -80,7 +80,7 @@ class SpeedSource:
                                      precisions=[p for p in ("bf16", "fp16")
                                                  if self.profile.supports(p)[0]])
         if got is not None:
-            self.timed[got.digest] = got
+            self.timed.setdefault(got.digest, got)  # the first: measured or read
         return got
 
     def cost_model(self, graph: Any, batch_size: int | None = None, mode: str = "eager",

@@ -554,7 +554,9 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
                       graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
                       + _one_liner_note(prep, policy, speed)
-                      + ([prep.source.note] if prep.source is not None else []),
+                      + ([prep.source.note] if prep.source is not None else [])
+                      + ([f"priced with this model's ops {prep.source.describe_op_times()}"]
+                         if prep.source is not None and prep.source.timed else []),
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
                       measured=len(search.driver.by_key), plot_plans=plans,
