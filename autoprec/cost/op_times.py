@@ -15,10 +15,15 @@ tune's own timing (issue 29). So for a local CPU target the recorded forward
   paid by every plan once per recorded call.
 
 Each is timed as tune times a model (``confirm_speed``): one torch thread, the thread's CPU
-time, the median of 5 samples of at least ``SAMPLE_S`` each, after a warm-up. Inputs
-are rebuilt from the recipe (``uniform_`` values, integer tensors zero); a model whose
-weights do not fit the last-level cache reads them from memory on every forward, so its
-weight operands are cycled through copies spanning twice the cache (``_llc_bytes``).
+time, the median of ``SAMPLES`` samples of at least ``SAMPLE_S`` each, after a warm-up.
+Inputs are rebuilt from the recipe (``uniform_`` values, integer tensors zero). An op
+timed alone finds its weight in the core's L2 cache, where the model's forward, running
+every layer in turn, finds it only if all the weights fit there: a model whose weights
+exceed L2 reads them from L3 on every forward, one that exceeds the last-level cache from
+memory. So the weight operands (and weight casts) of such a model are cycled through
+copies spanning twice that cache (``_span``): on this team's AMD EPYC a 256 x 256 fp32
+Linear at 64 rows took 145 us alone and 200 us with its weight cycled through 18 copies,
+as in a model of 18 such layers.
 
 The result (``OpTimes``) is cached per op set, batch size and machine under
 ``<calibration dir>/ops-<digest>.json``: the first tune of a model pays seconds
@@ -47,10 +52,10 @@ from autoprec.fileio import atomic_write
 from autoprec.trace.ops import Op, OpTrace
 
 #: Bump when what is measured or how changes: older cache files are then ignored.
-VERSION = 1
+VERSION = 2
 #: A sample runs the op this long at least (several calls if one is shorter).
-SAMPLE_S = 2e-4
-SAMPLES = 5
+SAMPLE_S = 5e-4
+SAMPLES = 7
 #: Floating dtypes an op is timed in (the names of the plan stage).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: The kinds timed per compute precision (the rest per input dtype).
@@ -60,18 +65,42 @@ COMPUTE_KINDS = ("gemm", "attention")
 LLC_DEFAULT, LLC_MAX = 32 << 20, 64 << 20
 
 
-def _llc_bytes() -> int:
-    """The CPU's last-level cache in bytes (sysfs), at most ``LLC_MAX``."""
-    best = 0
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    for idx in base.glob("index*"):
+#: The core's L2 assumed when the OS does not say.
+L2_DEFAULT = 512 << 10
+
+
+def _cache_bytes() -> dict[int, int]:
+    """Data/unified cache sizes by level (sysfs: cpu0's), e.g. {1: 32K, 2: 512K, 3: 32M}."""
+    out: dict[int, int] = {}
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
+            if (idx / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((idx / "level").read_text())
             text = (idx / "size").read_text().strip().upper()
-            n = int(text.rstrip("KMG"))
-            best = max(best, n << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0))
+            n = int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0)
+            out[level] = max(out.get(level, 0), n)
         except (OSError, ValueError, IndexError):
             continue
-    return min(best or LLC_DEFAULT, LLC_MAX)
+    return out
+
+
+def _llc_bytes() -> int:
+    """The CPU's last-level cache in bytes (sysfs), at most ``LLC_MAX``."""
+    sizes = _cache_bytes()
+    return min(max(sizes.values(), default=0) or LLC_DEFAULT, LLC_MAX)
+
+
+def _span(weight_bytes: int) -> int:
+    """Bytes the weight operands of a model holding ``weight_bytes`` are cycled through
+    when timed alone: twice the cache they overflow (0: they fit L2, timed hot)."""
+    l2 = _cache_bytes().get(2) or L2_DEFAULT
+    llc = _llc_bytes()
+    if weight_bytes > llc:
+        return 2 * llc
+    if weight_bytes > l2:
+        return 2 * l2
+    return 0
 
 
 def cast_key(numel: int, src: str, dst: str, weight: bool = False) -> str:
@@ -247,10 +276,10 @@ def _time(call: Callable[[], Any]) -> float:
 
 
 class _Runner:
-    """Times recipes: weights cold when the model's weights exceed the cache."""
+    """Times recipes: weights cycled through ``span`` bytes of copies (0: hot)."""
 
-    def __init__(self, trace: OpTrace, scale: float, cold: bool, llc: int) -> None:
-        self.trace, self.scale, self.cold, self.llc = trace, scale, cold, llc
+    def __init__(self, trace: OpTrace, scale: float, span: int) -> None:
+        self.trace, self.scale, self.span = trace, scale, span
 
     def seconds(self, recipe: dict[str, Any], dtype: torch.dtype | None) -> float:
         func = _resolve(recipe["f"])
@@ -276,15 +305,15 @@ class _Runner:
 
     def _weight_copies(self, recipe: dict[str, Any], args: Any, kwargs: Any
                        ) -> list[tuple[Any, Any]]:
-        """Argument sets whose weight tensors span twice the cache (none when warm)."""
-        if not self.cold:
+        """Argument sets whose weight tensors span ``span`` bytes (none when hot)."""
+        if not self.span:
             return []
         params = [s for s in _tensor_specs([recipe["a"], list(recipe["k"].values())])
                   if self.trace.values[s["t"]].source == "param"]
         if not params:
             return []
         nbytes = sum(math.prod(s["shape"]) for s in params) * 4
-        n = max(1, min(64, math.ceil(2 * self.llc / max(nbytes, 1))))
+        n = max(1, min(64, math.ceil(self.span / max(nbytes, 1))))
         if n == 1:
             return []
         builder = _Builder(self.trace, self.scale)
@@ -313,9 +342,8 @@ def _module_call_s() -> float:
     return max(0.0, _time(lambda: m(x)) - _time(lambda: m.forward(x)))
 
 
-def _weights_cold(trace: OpTrace, llc: int) -> bool:
-    nbytes = sum(v.numel * v.itemsize for v in trace.values if v.source == "param")
-    return nbytes > llc
+def _weight_bytes(trace: OpTrace) -> int:
+    return sum(v.numel * v.itemsize for v in trace.values if v.source == "param")
 
 
 def digest(trace: OpTrace, batch_size: int, machine: str) -> str:
@@ -341,10 +369,9 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
     t_start = time.perf_counter()
     precisions = set(precisions) | {"fp32"}
     scale = batch_size / trace.batch_size
-    llc = _llc_bytes()
-    cold = _weights_cold(trace, llc)
-    runner = _Runner(trace, scale, cold, llc)
-    linear = _Runner(trace, 1.0, cold, llc)
+    span = _span(_weight_bytes(trace))
+    runner = _Runner(trace, scale, span)
+    linear = _Runner(trace, 1.0, span)
     done: dict[tuple[str, str], float | None] = {}
     out = OpTimes(batch_size, machine=machine)
     todo = [(i, op) for i, op in enumerate(trace.ops) if op.recipe is not None]
@@ -363,7 +390,7 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
         if progress is not None:
             progress(n + 1, len(todo))
     out.distinct = sum(1 for v in done.values() if v is not None)
-    out.casts = _cast_times(trace, scale, cold, llc)
+    out.casts = _cast_times(trace, scale, span)
     out.module_call_s = _module_call_s()
     out.seconds = time.perf_counter() - t_start
     return out
@@ -384,18 +411,18 @@ def _try(runner: _Runner, linear: _Runner, recipe: dict[str, Any], dtype: torch.
         return None
 
 
-def _cast_times(trace: OpTrace, scale: float, cold: bool, llc: int) -> dict[str, float]:
+def _cast_times(trace: OpTrace, scale: float, span: int) -> dict[str, float]:
     """One cast of every floating value's size, between fp32, bf16 and fp16."""
     sizes: set[tuple[int, bool]] = set()
     for v in trace.values:
         if v.dtype in DTYPES and v.numel > 0:
             weight = v.source == "param"
             n = v.numel if weight or not v.scales else int(round(v.numel * scale))
-            sizes.add((max(1, n), weight and cold))
+            sizes.add((max(1, n), weight and span > 0))
     out: dict[str, float] = {}
     for n, weight in sorted(sizes):
         for src, sdt in DTYPES.items():
-            copies = max(1, min(64, math.ceil(2 * llc / (n * 4)))) if weight else 1
+            copies = max(1, min(64, math.ceil(span / (n * 4)))) if weight else 1
             xs = [torch.empty(n, dtype=sdt).uniform_(0.1, 1.0) for _ in range(copies)]
             for dst, ddt in DTYPES.items():
                 if dst == src:
