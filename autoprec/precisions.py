@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from autoprec.errors import InputError
+from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"]
 
@@ -34,8 +35,6 @@ PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "
 REGIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
 #: Module backends for Linear-like leaves (not autocast regions).
 GEMM_FORMATS: tuple[str, ...] = ("fp8", "mxfp8", "nvfp4")
-#: Block-scaled formats (a scale per block of K): no overflow, no per-tensor underflow.
-BLOCK_SCALED: tuple[str, ...] = ("mxfp8", "nvfp4")
 
 #: Precisions expressible by ``torch.autocast``.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,10 +82,11 @@ FORMATS: dict[str, NumericFormat] = {
 }
 FP8_E5M2 = NumericFormat("fp8_e5m2", 57344.0, 2.0**-14, 2)
 
-#: Bytes per element as stored/moved on the device (tf32 is stored as fp32); block formats
-#: include their scales (mxfp8: 1 + 1/32, nvfp4: 1/2 + 1/16).
-BYTES: dict[str, float] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1,
-                           "mxfp8": 1.03125, "nvfp4": 0.5625}
+#: Bytes per element as stored/moved on the device (tf32 is stored as fp32); a GEMM format's
+#: is its own fact, scales included (``GemmFormat.bytes_per_element``: mxfp8 1 + 1/32,
+#: nvfp4 1/2 + 1/16).
+BYTES: dict[str, float] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2,
+                           **{n: f.bytes_per_element for n, f in GEMM_FORMAT_BY_NAME.items()}}
 
 #: One tolerance table for every numerics test (after Transformer Engine's dtype_tols):
 #: (rtol, atol) for comparing a single lowered op against a reference computed by hand

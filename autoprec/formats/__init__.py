@@ -16,6 +16,13 @@ import torch
 
 from autoprec.formats.elements import BlockShapeError
 from autoprec.formats.fp8 import dequantize_fp8, fake_quant_fp8, quantize_fp8
+from autoprec.formats.gemm import (
+    BLOCK_SCALED,
+    GEMM_FORMAT_BY_NAME,
+    GemmFormat,
+    format_of,
+    gemm_format,
+)
 from autoprec.formats.mx import (
     MX_BLOCK,
     MXTensor,
@@ -33,10 +40,6 @@ from autoprec.formats.nvfp4 import (
     quantize_nvfp4,
 )
 
-#: Block size along K of each block-scaled precision.
-BLOCK_SIZE: dict[str, int] = {"mxfp8": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
-BLOCK_FORMATS: tuple[str, ...] = ("mxfp8", "nvfp4")
-
 
 def fake_quant_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """``x`` rounded through ``fmt`` ("mxfp8" or "nvfp4") along its last dim, fp32."""
@@ -44,12 +47,12 @@ def fake_quant_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return fake_quant_mxfp8(x)
     if fmt == "nvfp4":
         return fake_quant_nvfp4(x)
-    raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of {BLOCK_FORMATS}")
+    raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of {BLOCK_SCALED}")
 
 
 __all__ = [
-    "BLOCK_FORMATS", "BLOCK_SIZE", "MX_BLOCK", "NVFP4_BLOCK", "BlockShapeError", "MXTensor",
+    "BLOCK_SCALED", "GEMM_FORMAT_BY_NAME", "GemmFormat", "MX_BLOCK", "NVFP4_BLOCK", "BlockShapeError", "MXTensor",
     "NVFP4Tensor", "dequantize_fp8", "dequantize_mx", "dequantize_nvfp4", "fake_quant_block",
     "fake_quant_fp8", "fake_quant_mx", "fake_quant_mxfp8", "fake_quant_nvfp4",
-    "nvfp4_tensor_scale", "quantize_fp8", "quantize_mx", "quantize_nvfp4",
+    "format_of", "gemm_format", "nvfp4_tensor_scale", "quantize_fp8", "quantize_mx", "quantize_nvfp4",
 ]

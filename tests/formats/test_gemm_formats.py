@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from autoprec.formats.gemm import GEMM_FORMAT, eligible, ineligible_reason, linear_dims
+from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME, eligible, ineligible_reason, linear_dims
 from autoprec.precisions import GEMM_FORMATS
 
 
 def test_one_object_per_gemm_format() -> None:
-    assert tuple(GEMM_FORMAT) == GEMM_FORMATS
-    assert GEMM_FORMAT["fp8"].block is None
-    assert (GEMM_FORMAT["mxfp8"].block, GEMM_FORMAT["nvfp4"].block) == (32, 16)
-    assert GEMM_FORMAT["nvfp4"].gradient_recipe is None and GEMM_FORMAT["mxfp8"].gradient_recipe
+    assert tuple(GEMM_FORMAT_BY_NAME) == GEMM_FORMATS
+    assert GEMM_FORMAT_BY_NAME["fp8"].block is None
+    assert (GEMM_FORMAT_BY_NAME["mxfp8"].block, GEMM_FORMAT_BY_NAME["nvfp4"].block) == (32, 16)
+    assert GEMM_FORMAT_BY_NAME["nvfp4"].gradient_recipe is None and GEMM_FORMAT_BY_NAME["mxfp8"].gradient_recipe
 
 
 @pytest.mark.parametrize("fmt, k, n, expect", [
