@@ -64,10 +64,10 @@ def format_compares(path: Path) -> Iterator[tuple[int, str]]:
         if isinstance(node, ast.Compare):
             if any(s in NAMES for side in (node.left, *node.comparators) for s in _literals(side)):
                 yield node.lineno, ast.get_source_segment(src, node) or ""
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in ("startswith", "endswith", "removeprefix") and node.args:
-            if any(_format_prefix(s) for s in _literals(node.args[0])):
-                yield node.lineno, ast.get_source_segment(src, node) or ""
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith", "removeprefix") and node.args
+              and any(_format_prefix(s) for s in _literals(node.args[0]))):
+            yield node.lineno, ast.get_source_segment(src, node) or ""
 
 
 def offenders(root: Path = ROOT) -> dict[str, list[tuple[int, str]]]:
