@@ -51,8 +51,8 @@ _GEMM, _CAST, _FP8, _OTHER = range(4)
 #: Bytes per element a module's tensors are stored in under the deploy form, by region
 #: code (fp32, tf32, bf16, fp16; the GEMM-format codes never are a region), and a GEMM
 #: format's bytes per element (scales included) by precision code (0: not a format).
-_STORE_WIDTH = np.array([BYTES["fp32"], BYTES["tf32"], BYTES["bf16"], BYTES["fp16"], 4, 4, 4],
-                        dtype=float)
+_STORE_WIDTH = np.array([BYTES["fp32"], BYTES["tf32"], BYTES["bf16"], BYTES["fp16"],
+                         *[4] * len(GEMM_FORMATS)], dtype=float)
 _FORMAT_WIDTH = np.array([BYTES[p] if p in GEMM_FORMATS else 0.0 for p in PRECISIONS])
 #: The GEMM formats by precision code: each knows the quantisation passes of its activation
 #: input and what they cost (``GemmFormat.quant_seconds`` / ``quant_kernels``).

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from autoprec.formats.elements import NumericFormat
 from autoprec.formats.fp8 import E5M2, fake_quant_fp8
 from autoprec.formats.mx import MX_BLOCK, fake_quant_mxfp8_padded
 from autoprec.formats.nvfp4 import NVFP4_BLOCK
@@ -95,6 +96,13 @@ class GemmFormat:
     amax_passes: int
     #: A separate kernel turns the amax into the scale before the cast (fp8's current scaling).
     scale_kernel: bool
+    #: Range and resolution of the elements (block formats: their scales give fp32's range).
+    numeric: NumericFormat
+    #: Bits a value carries (sign + exponent + mantissa of the element).
+    element_bits: int
+    #: (rtol, atol) for comparing one op in this format against a hand-made reference
+    #: (``precisions.TOLERANCES``, after Transformer Engine's ``dtype_tols``).
+    tolerance: tuple[float, float]
     #: What K must be a multiple of besides the block, and why (nvfp4: two fp4 a byte).
     k_multiple: tuple[int, str] | None = None
     #: What N must be a multiple of to train, and why (mxfp8: the input-gradient GEMM).
@@ -215,18 +223,25 @@ GEMM_FORMAT_BY_NAME: dict[str, GemmFormat] = {
     "fp8": GemmFormat(
         "fp8", "e4m3 forward, e5m2 gradients", "fp32 per tensor (current scaling: amax)",
         None, "e5m2 gradients x e4m3 operands, per-tensor current scaling",
-        bytes_per_element=1.0, amax_passes=1, scale_kernel=True),
+        bytes_per_element=1.0, amax_passes=1, scale_kernel=True,
+        # forward activations/weights (e4m3); gradients e5m2 (precisions.FP8_E5M2)
+        numeric=NumericFormat("fp8", 448.0, 2.0**-6, 3), element_bits=8,
+        tolerance=(1.25e-1, 2e-2)),
     "mxfp8": GemmFormat(
         "mxfp8", "e4m3", f"e8m0 per {MX_BLOCK} along K (OCP MX, rceil)", MX_BLOCK,
         "MXFP8 (TE MXFP8BlockScaling / torchao MXLinear): E4M3 + E8M0 per 32 along each "
         "backward GEMM's reduction dim, re-quantised from high precision",
         bytes_per_element=1 + 1 / MX_BLOCK, amax_passes=0, scale_kernel=False,
+        numeric=NumericFormat("mxfp8", 448.0, 2.0**-6, 3), element_bits=8,  # e4m3 elements
+        tolerance=(1.25e-1, 2e-2),
         train_n_multiple=(32, "training: the input gradient GEMM reduces over N in blocks "
                               "of 32"),
         emulation_dtypes=("float8_e4m3fn", "float8_e8m0fnu"), scaled_mm_recipe="BlockWise1x32"),
     "nvfp4": GemmFormat(
         "nvfp4", "e2m1", f"e4m3 per {NVFP4_BLOCK} along K x fp32 per tensor", NVFP4_BLOCK,
         None, bytes_per_element=0.5 + 1 / NVFP4_BLOCK, amax_passes=1, scale_kernel=False,
+        numeric=NumericFormat("nvfp4", 6.0, 1.0, 1), element_bits=4,  # e2m1 elements
+        tolerance=(5e-1, 1e-1),
         k_multiple=(32, "fp4 packs two elements per byte; torch._scaled_mm needs the packed K "
                         "{k_half} to be a multiple of 16"),
         scaled_mm_recipe="BlockWise1x16", kernel_dtypes=("float4_e2m1fn_x2",)),
