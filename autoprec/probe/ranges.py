@@ -29,7 +29,6 @@ from autoprec.precisions import FORMATS
 _TINY = 1.4e-45
 
 
-
 @dataclass
 class TensorRange:
     """Range of one tensor class of one layer, accumulated over calls."""
