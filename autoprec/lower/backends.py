@@ -14,16 +14,16 @@ import torch
 
 from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
 from autoprec.errors import InputError
-from autoprec.formats.gemm import BLOCK_SCALED
+from autoprec.formats.gemm import BLOCK_SCALED, gemm_format
 from autoprec.lower import blockscale, fp8
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
            backend: str = "emulated") -> torch.Tensor:
     """Run the Linear-like ``module`` on ``x`` in GEMM format ``precision``."""
-    if precision == "fp8":
-        return fp8.fp8_linear(module, x, backend)
-    return blockscale.blockscaled_linear(module, x, precision, backend)
+    if gemm_format(precision).block_scaled:  # a scale per block of K: mxfp8, nvfp4
+        return blockscale.blockscaled_linear(module, x, precision, backend)
+    return fp8.fp8_linear(module, x, backend)  # per-tensor current scaling
 
 
 def format_backends(used: Collection[str], fp8_backend: str | None, device: torch.device
