@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from autoprec.precisions import BLOCK_SCALED, PRECISIONS, check_precision, is_gemm_format
+from autoprec.formats.gemm import BLOCK_SCALED, format_of, gemm_format
+from autoprec.precisions import PRECISIONS, check_precision, is_gemm_format
 
 FP8_BACKENDS = ("emulated", "torch", "te")
 
@@ -66,9 +67,9 @@ def blockscale_capability(fmt: str, backend: str = "emulated",
                          f"{', '.join(BLOCK_SCALED)}")
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
+    spec = gemm_format(fmt)
     if backend == "emulated":
-        need = ["float8_e4m3fn"] + (["float8_e8m0fnu"] if fmt == "mxfp8" else [])
-        missing = [d for d in need if not hasattr(torch, d)]
+        missing = [d for d in spec.emulation_dtypes if not hasattr(torch, d)]
         if missing:
             return False, f"emulated {fmt}: torch {torch.__version__} lacks {', '.join(missing)}"
         return True, f"emulated {fmt}: quantise-dequantise in fp32 (accuracy only)"
@@ -77,12 +78,13 @@ def blockscale_capability(fmt: str, backend: str = "emulated",
                        f"{', '.join(BLOCK_BACKENDS)}")
     F = torch.nn.functional
     scaling = getattr(F, "ScalingType", None)
-    recipe = "BlockWise1x32" if fmt == "mxfp8" else "BlockWise1x16"
+    recipe = spec.scaled_mm_recipe
     if not hasattr(F, "scaled_mm") or scaling is None or not hasattr(scaling, recipe):
         return False, (f"torch {fmt}: torch {torch.__version__} has no "
                        f"torch.nn.functional.scaled_mm with ScalingType.{recipe}")
-    if fmt == "nvfp4" and not hasattr(torch, "float4_e2m1fn_x2"):
-        return False, f"torch nvfp4: torch {torch.__version__} has no float4_e2m1fn_x2"
+    for d in spec.kernel_dtypes:
+        if not hasattr(torch, d):
+            return False, f"torch {fmt}: torch {torch.__version__} has no {d}"
     if dev.type != "cuda":
         return False, f"torch {fmt}: needs a CUDA device, this is {dev.type}"
     if not torch.cuda.is_available():
@@ -112,9 +114,10 @@ def capability(
     dev = _device(device)
     if precision == "fp32":
         return True, "fp32: always available"
-    if precision in BLOCK_SCALED:
+    fmt = format_of(precision)
+    if fmt is not None and fmt.block_scaled:
         return blockscale_capability(precision, backend or "torch", dev)
-    if dev.type == "cuda" and not torch.cuda.is_available() and precision != "fp8":
+    if dev.type == "cuda" and not torch.cuda.is_available() and fmt is None:
         return False, (f"{precision}: CUDA is not available here (torch {torch.__version__}"
                        f"{', a CPU build' if torch.version.cuda is None else ''})")
     if precision == "tf32":

@@ -19,23 +19,23 @@ Linear-like leaves; the leaf takes and gives its region's dtype).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from autoprec.errors import InputError
+from autoprec.formats.elements import NumericFormat
+from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"]
 
-#: Ordered from most to least precise; the search and reports use this order.
-PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
 #: What a module's own code can run in.
 REGIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
-#: Module backends for Linear-like leaves (not autocast regions).
-GEMM_FORMATS: tuple[str, ...] = ("fp8", "mxfp8", "nvfp4")
-#: Block-scaled formats (a scale per block of K): no overflow, no per-tensor underflow.
-BLOCK_SCALED: tuple[str, ...] = ("mxfp8", "nvfp4")
+#: Module backends for Linear-like leaves (not autocast regions): the format objects'
+#: names, in their order (``autoprec.formats.gemm``, where each one's facts live).
+GEMM_FORMATS: tuple[str, ...] = tuple(GEMM_FORMAT_BY_NAME)
+#: Ordered from most to least precise; the search and reports use this order.
+PRECISIONS: tuple[str, ...] = (*REGIONS, *GEMM_FORMATS)
 
 #: Precisions expressible by ``torch.autocast``.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,37 +56,21 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "tf32": torch.f
                                           "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass(frozen=True)
-class NumericFormat:
-    """Range and resolution of one storage/compute format."""
-
-    name: str
-    max: float
-    smallest_normal: float
-    mantissa_bits: int  # explicit bits
-
-    @property
-    def eps(self) -> float:
-        """Unit roundoff: half the spacing of values in [1, 2)."""
-        return 2.0 ** -(self.mantissa_bits + 1)
-
-
 FORMATS: dict[str, NumericFormat] = {
     "fp32": NumericFormat("fp32", float(torch.finfo(torch.float32).max), 2.0**-126, 23),
     "tf32": NumericFormat("tf32", float(torch.finfo(torch.float32).max), 2.0**-126, 10),
     "bf16": NumericFormat("bf16", float(torch.finfo(torch.bfloat16).max), 2.0**-126, 7),
     "fp16": NumericFormat("fp16", 65504.0, 2.0**-14, 10),
-    # Forward activations/weights; gradients use e5m2 (FP8_E5M2 below).
-    "fp8": NumericFormat("fp8", 448.0, 2.0**-6, 3),
-    "mxfp8": NumericFormat("mxfp8", 448.0, 2.0**-6, 3),  # elements (e4m3)
-    "nvfp4": NumericFormat("nvfp4", 6.0, 1.0, 1),  # elements (e2m1)
+    # the GEMM formats' elements (fp8 forward; its gradients: FP8_E5M2 below)
+    **{n: f.numeric for n, f in GEMM_FORMAT_BY_NAME.items()},
 }
 FP8_E5M2 = NumericFormat("fp8_e5m2", 57344.0, 2.0**-14, 2)
 
-#: Bytes per element as stored/moved on the device (tf32 is stored as fp32); block formats
-#: include their scales (mxfp8: 1 + 1/32, nvfp4: 1/2 + 1/16).
-BYTES: dict[str, float] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1,
-                           "mxfp8": 1.03125, "nvfp4": 0.5625}
+#: Bytes per element as stored/moved on the device (tf32 is stored as fp32); a GEMM format's
+#: is its own fact, scales included (``GemmFormat.bytes_per_element``: mxfp8 1 + 1/32,
+#: nvfp4 1/2 + 1/16).
+BYTES: dict[str, float] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2,
+                           **{n: f.bytes_per_element for n, f in GEMM_FORMAT_BY_NAME.items()}}
 
 #: One tolerance table for every numerics test (after Transformer Engine's dtype_tols):
 #: (rtol, atol) for comparing a single lowered op against a reference computed by hand
@@ -96,9 +80,7 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "tf32": (1e-3, 1e-4),
     "bf16": (1.6e-2, 1e-3),
     "fp16": (1e-3, 1e-4),
-    "fp8": (1.25e-1, 2e-2),
-    "mxfp8": (1.25e-1, 2e-2),
-    "nvfp4": (5e-1, 1e-1),
+    **{n: f.tolerance for n, f in GEMM_FORMAT_BY_NAME.items()},
 }
 
 

@@ -37,6 +37,7 @@ import torch
 
 from autoprec.apply.apply import PolicyHandle, apply_policy
 from autoprec.errors import CapabilityError, InputError
+from autoprec.formats.gemm import is_forward_only
 from autoprec.loading import ModelSpec, default_forward
 from autoprec.metrics import mean_metric
 from autoprec.plan import compile_plan
@@ -144,13 +145,14 @@ def prepare_training(
     if not isinstance(policy, Policy):
         policy = load_policy(policy, model, force=force)
     fwd_only: list[str] = []
-    if "nvfp4" in policy.precisions:  # else no layer runs it: no need to resolve here
+    if any(map(is_forward_only, policy.precisions)):  # else no need to resolve here
         plan = compile_plan(policy, model)
         res = plan.resolution()
-        fwd_only = [p for p in plan.format_leaves if res[p].precision == "nvfp4"]
+        fwd_only = [p for p in plan.format_leaves if is_forward_only(res[p].precision)]
     if fwd_only:
         more = f" and {len(fwd_only) - 1} more" if len(fwd_only) > 1 else ""
-        raise CapabilityError(f"{policy.source}: layer {fwd_only[0]!r}{more} runs nvfp4, which "
+        raise CapabilityError(f"{policy.source}: layer {fwd_only[0]!r}{more} runs "
+                              f"{res[fwd_only[0]].precision}, which "
                               "autoprec runs forward-only (no gradient recipe): train those "
                               "layers in mxfp8, fp8 or a 16-bit precision")
     # Training runs the train form whatever the policy's form (fp32 masters, gradients): a

@@ -39,9 +39,10 @@ from autoprec.apply.audit import AuditReport, audit_run, notify_compute
 from autoprec.apply.compiled import audit_compiled
 from autoprec.apply.guard import Guard, GuardCounts, GuardEvent, select_layers, stored_masters
 from autoprec.apply.stored import StoredWeights, model_bytes, store_weights
-from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
+from autoprec.capability import capability
 from autoprec.errors import CapabilityError, InputError, warn
 from autoprec.fused import FASTPATH, has_fused_paths
+from autoprec.lower.backends import format_backends
 from autoprec.lower.forward import lowered_forward
 from autoprec.lower.stored import consumer_forward, deploy_forward
 from autoprec.paths import unwrap_model
@@ -50,7 +51,6 @@ from autoprec.policy.guard_spec import GuardSpec, parse_guard
 from autoprec.policy.modules import Resolved, gemm_leaf_paths, module_table
 from autoprec.policy.schema import Policy
 from autoprec.precisions import (
-    BLOCK_SCALED,
     FORMS,
     PRECISIONS,
     STORAGE_DTYPES,
@@ -379,27 +379,13 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
                  "computes in a small-range format; guard.layers: all checks every one)")
 
     used = {w.precision for _, w in chosen}
-    fp8_reason = ""
-    backend: str | None = None
-    if "fp8" in used:
-        if fp8_backend is not None and fp8_backend not in FP8_BACKENDS:
-            raise InputError(f"unknown fp8 backend {fp8_backend!r}; expected one of "
-                             f"{', '.join(FP8_BACKENDS)}")
-        backend, fp8_reason = ((fp8_backend, "") if fp8_backend is not None
-                               else best_fp8_backend(dev))
-    format_backend = {"fp8": backend or "emulated"}
-    for fmt in BLOCK_SCALED:  # the real block-scaled kernels where they run, else emulation
-        if fmt in used:
-            format_backend[fmt] = ("torch" if blockscale_capability(fmt, "torch", dev)[0]
-                                   else "emulated")
+    format_backend, backend, fp8_reason = format_backends(used, fp8_backend, dev)
     for prec in sorted(used):
         ok, why = capability(prec, format_backend.get(prec), dev)
         if not ok:
             w = next(w for _, w in chosen if w.precision == prec)
             key = "default" if w.rule is None else f"layers[{w.rule!r}]"
             raise CapabilityError(f"{policy.source}: {key}: {prec} cannot run on {dev}: {why}")
-        if prec == "fp8" and not fp8_reason:
-            fp8_reason = why
 
     stored = None
     if form == "deploy":

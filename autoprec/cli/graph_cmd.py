@@ -102,7 +102,9 @@ def _fit(frame: Any, width: int | None) -> str:
 
 def _why_not(disallowed: dict[str, str]) -> str:
     """A non-GEMM layer's four reasons say one thing: show it once."""
-    if set(disallowed) >= {"tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"}:
+    from autoprec.precisions import PRECISIONS
+
+    if set(disallowed) >= set(PRECISIONS) - {"fp32"}:
         return disallowed["bf16"]  # `allowed` says fp32; the one reason for the others
     return "; ".join(f"{k}: {v}" for k, v in disallowed.items())
 

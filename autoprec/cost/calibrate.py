@@ -26,7 +26,9 @@ from autoprec.cost.fusion import CompiledCostModel
 from autoprec.cost.model import CostModel, Kernel
 from autoprec.cost.profiles import Calibration, DeviceProfile
 from autoprec.errors import InputError
+from autoprec.formats.gemm import gemm_format
 from autoprec.policy.schema import Policy
+from autoprec.precisions import GEMM_FORMATS, REGIONS
 from autoprec.trace.graph import LayerGraph, LayerNode
 from autoprec.trace.ops import Call, Op, OpTrace, Value
 
@@ -226,10 +228,8 @@ def gemm_graph(m: int, k: int, n: int, calls: int = 1, batch_size: int = 1,
     vals = [Value(m * k, "fp32", 4, "input", True, 2), Value(k * n, "fp32", 4, "param", False, 2),
             Value(m * n, "fp32", 4, "op", True, 2)]
     op = Op("linear", "gemm", 1, (0, 1), (2,), 2.0 * m * k * n, weight=1)
-    aligned = k % 16 == 0 and n % 16 == 0
-    allowed = ["fp32", "tf32", "bf16", "fp16"] + (["fp8"] if aligned else []) + (
-        ["mxfp8"] if aligned and k % 32 == 0 else []) + (
-        ["nvfp4"] if aligned and k % 32 == 0 else [])
+    # the GEMM formats whose alignment rules a (k, n) Linear meets, as the tracer decides
+    allowed = [*REGIONS, *(f for f in GEMM_FORMATS if not gemm_format(f).shape_problems(k, n))]
     return _graph(path, "Linear", "linear", vals, op, calls, batch_size, allowed,
                   f"gemm {m}x{k}x{n}")
 

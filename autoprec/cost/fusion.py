@@ -54,6 +54,7 @@ import numpy as np
 
 from autoprec.cost.model import _FP8, _GEMM, _OTHER, CostModel, Kernel, device_type_of
 from autoprec.cost.profiles import DeviceProfile
+from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
 from autoprec.plan.compile import CODE
 from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule
 from autoprec.policy.schema import MODES  # deployment modes (policy ``target.mode``)
@@ -358,13 +359,12 @@ class CompiledCostModel(CostModel):
         for f in sch.quant_inputs:
             n = self._numel[f.value]
             src = WIDTH[f.src]
-            for code, written, passes in ((CODE["fp8"], 1.0, 2), (CODE["mxfp8"], WIDTH[6], 1),
-                                          (CODE["nvfp4"], WIDTH[7], 2)):
-                on = f.on & (f.fmt == code)
+            for name, fmt in GEMM_FORMAT_BY_NAME.items():
+                on = f.on & (f.fmt == CODE[name])
                 if on.any():
-                    qbytes += np.where(on, n * (src * passes + written), 0.0)
-                    if not self.horizontal:
-                        launches += np.where(on, passes - 1, 0)  # the cast waits for amax
+                    qbytes += np.where(on, fmt.quant_bytes(n, src), 0.0)
+                    if not self.horizontal:  # the cast waits for the amax
+                        launches += np.where(on, fmt.quant_reads - 1, 0)
         parts[:, _OTHER] += fused / bw + launches * launch + self.call_overhead_s
         parts[:, _FP8] += qbytes / bw
         if collect is not None:

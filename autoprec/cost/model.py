@@ -43,6 +43,7 @@ import numpy as np
 from autoprec.cost.op_times import OpTimes
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.errors import InputError
+from autoprec.formats.gemm import gemm_format
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule, replay
 from autoprec.policy.schema import Policy
@@ -57,17 +58,12 @@ _GEMM, _CAST, _FP8, _OTHER = range(4)
 #: Bytes per element a module's tensors are stored in under the deploy form, by region
 #: code (fp32, tf32, bf16, fp16; the GEMM-format codes never are a region), and a GEMM
 #: format's bytes per element (scales included) by precision code (0: not a format).
-_STORE_WIDTH = np.array([BYTES["fp32"], BYTES["tf32"], BYTES["bf16"], BYTES["fp16"], 4, 4, 4],
-                        dtype=float)
+_STORE_WIDTH = np.array([BYTES["fp32"], BYTES["tf32"], BYTES["bf16"], BYTES["fp16"],
+                         *[4] * len(GEMM_FORMATS)], dtype=float)
 _FORMAT_WIDTH = np.array([BYTES[p] if p in GEMM_FORMATS else 0.0 for p in PRECISIONS])
-#: Quantisation passes of a GEMM format's activation input: (per-tensor amax passes,
-#: bytes written per element by the quantise pass). fp8: amax, a scale kernel, the cast to
-#: e4m3 (Transformer Engine's Float8CurrentScaling); mxfp8: one fused pass (block amax,
-#: E8M0 scale, cast: a 32-block is one row's, no global reduction); nvfp4: the tensor amax
-#: (for the fp32 scale), then one fused block pass writing E2M1 + E4M3 scales
-#: (experiments/results/b200_profile.yaml, from TE's and torchao's quantisers).
-_QUANT_PASSES = {CODE["fp8"]: (1, 1.0), CODE["mxfp8"]: (0, BYTES["mxfp8"]),
-                 CODE["nvfp4"]: (1, BYTES["nvfp4"])}
+#: The GEMM formats by precision code: each knows the quantisation passes of its activation
+#: input and what they cost (``GemmFormat.quant_seconds`` / ``quant_kernels``).
+_FORMAT_OF_CODE = {CODE[f]: gemm_format(f) for f in GEMM_FORMATS}
 
 
 @dataclass(frozen=True)
@@ -401,23 +397,16 @@ class CostModel:
                     float(n * (WIDTH[c.src[0]] + WIDTH[c.dst[0]])))))
         for f in sch.quant_inputs:
             n = self._numel[f.value]
-            read = n * WIDTH[f.src] / bw
-            for code, (amaxes, written) in _QUANT_PASSES.items():
+            for code, fmt in _FORMAT_OF_CODE.items():
                 on = f.on & (f.fmt == code)
                 if not on.any():
                     continue
-                # per-tensor amax passes (read), then the cast/quantise pass (read + write)
-                tm = amaxes * (read + launch) + read + n * written / bw + launch
-                tm = tm + (launch if code == CODE["fp8"] else 0.0)  # fp8: amax -> scale
+                tm = fmt.quant_seconds(n, WIDTH[f.src], bw, launch)
                 parts[:, _FP8] += np.where(on, tm, 0.0)
                 if collect is not None and on[0]:
                     m = tr.ops[f.op].module
-                    w = float(WIDTH[f.src[0]])
-                    fmt = PRECISIONS[code]
-                    collect.extend([(m, Kernel("amax", n * w))] * amaxes)
-                    if code == CODE["fp8"]:
-                        collect.append((m, Kernel("fp8_scale", 0.0)))
-                    collect.append((m, Kernel(f"{fmt}_cast", n * (w + written))))
+                    collect.extend((m, Kernel(kind, nb))
+                                   for kind, nb in fmt.quant_kernels(n, float(WIDTH[f.src[0]])))
         return parts
 
     def _cast_module(self, sch: Schedule, event: int) -> int:

@@ -10,12 +10,56 @@ Linear backends that use them live in ``autoprec.lower.fp8`` / ``autoprec.lower.
 - ``nvfp4``: :func:`quantize_nvfp4`, :func:`dequantize_nvfp4`, :func:`fake_quant_nvfp4`.
 - ``elements``: the E4M3/E5M2/E2M1/E8M0 codecs, all RNE with saturation.
 - ``layout``: the cuBLAS block-scale swizzle (128x4 tiles) the real kernels read.
+- ``gemm``: :class:`GemmFormat`, one object per format holding its facts (forward-only or
+  its gradient recipe, element and scale types and widths, bytes per element, block size,
+  alignment rules, the quantisation passes and their cost, which layers may run it); the
+  one Linear-like predicate (:func:`~autoprec.formats.gemm.is_linear_like`).
+
+How to add a GEMM format
+------------------------
+Every stage asks the format object (``format_of`` / ``gemm_format``) and no module outside
+``formats/`` and ``lower/`` compares a format's name (tests/packaging/test_format_strings.py),
+so a new block-scaled format (say ``mxfp4``) touches these files and no others:
+
+1. ``autoprec/formats/<numerics>.py`` (``mx.py`` for an MX format, or a new module beside
+   it; ``elements.py`` too if its element needs a new codec): quantise / dequantise /
+   fake-quantise along K.
+2. ``autoprec/formats/gemm.py``: its :class:`GemmFormat` in ``GEMM_FORMAT_BY_NAME`` (the
+   order there is the precisions' order): element, scale, block, gradient recipe (None:
+   forward-only), bytes per element, amax passes, alignment extras, element range and bits,
+   test tolerance, the torch dtypes and ``scaled_mm`` recipe it needs. ``precisions``
+   (``GEMM_FORMATS``, ``PRECISIONS``, ``FORMATS``, ``BYTES``, ``TOLERANCES``), the
+   capability check, the tracer, probes, plan, cost model, search, apply and plots read it.
+3. ``autoprec/precisions.py``: its name in the ``Precision`` Literal (typing only; a test
+   keeps it equal to ``PRECISIONS``).
+4. ``autoprec/lower/blockscale.py``: its backend — the emulated fake-quant GEMM and the real
+   ``torch.nn.functional.scaled_mm`` call (and the backward, unless forward-only).
+5. ``autoprec/lower/stored.py``: the deploy form's stored weight (``stored_weight`` /
+   ``dequantized_weight``).
+6. ``autoprec/cost/devices.yaml``: its GEMM peak on each device that runs it (a device
+   without one cannot run it, with a reason).
+
+Optional: a colour in ``autoprec/track/plots.py`` (else the shared "other" one). A
+per-tensor-scaled format like fp8 would instead take a backend beside ``lower/fp8.py``,
+its dispatch in ``lower/backends.py`` and its backend check in ``autoprec/capability.py``.
+Before this layout (issue 30) the same addition touched 19 files (18 modules and
+devices.yaml): formats/{mx,__init__,gemm}.py, precisions.py, capability.py,
+lower/{blockscale,stored}.py, probe/{ranges,grads,headroom}.py, plan/schedule.py,
+cost/{model,fusion,calibrate}.py, cli/graph_cmd.py, track/plots.py, search/tune.py,
+train.py, cost/devices.yaml.
 """
 
 import torch
 
 from autoprec.formats.elements import BlockShapeError
 from autoprec.formats.fp8 import dequantize_fp8, fake_quant_fp8, quantize_fp8
+from autoprec.formats.gemm import (
+    BLOCK_SCALED,
+    GEMM_FORMAT_BY_NAME,
+    GemmFormat,
+    format_of,
+    gemm_format,
+)
 from autoprec.formats.mx import (
     MX_BLOCK,
     MXTensor,
@@ -33,10 +77,6 @@ from autoprec.formats.nvfp4 import (
     quantize_nvfp4,
 )
 
-#: Block size along K of each block-scaled precision.
-BLOCK_SIZE: dict[str, int] = {"mxfp8": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
-BLOCK_FORMATS: tuple[str, ...] = ("mxfp8", "nvfp4")
-
 
 def fake_quant_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """``x`` rounded through ``fmt`` ("mxfp8" or "nvfp4") along its last dim, fp32."""
@@ -44,12 +84,12 @@ def fake_quant_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return fake_quant_mxfp8(x)
     if fmt == "nvfp4":
         return fake_quant_nvfp4(x)
-    raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of {BLOCK_FORMATS}")
+    raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of {BLOCK_SCALED}")
 
 
 __all__ = [
-    "BLOCK_FORMATS", "BLOCK_SIZE", "MX_BLOCK", "NVFP4_BLOCK", "BlockShapeError", "MXTensor",
+    "BLOCK_SCALED", "GEMM_FORMAT_BY_NAME", "GemmFormat", "MX_BLOCK", "NVFP4_BLOCK", "BlockShapeError", "MXTensor",
     "NVFP4Tensor", "dequantize_fp8", "dequantize_mx", "dequantize_nvfp4", "fake_quant_block",
     "fake_quant_fp8", "fake_quant_mx", "fake_quant_mxfp8", "fake_quant_nvfp4",
-    "nvfp4_tensor_scale", "quantize_fp8", "quantize_mx", "quantize_nvfp4",
+    "format_of", "gemm_format", "nvfp4_tensor_scale", "quantize_fp8", "quantize_mx", "quantize_nvfp4",
 ]

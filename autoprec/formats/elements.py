@@ -19,6 +19,8 @@ are clamped to the maximum representable value"; OCP 8-bit FP spec for E4M3/E5M2
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from autoprec.errors import InputError
@@ -40,6 +42,21 @@ E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 
 #: E2M1 magnitudes by code (bit 3 is the sign): OCP MX spec v1.0, table 5.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass(frozen=True)
+class NumericFormat:
+    """Range and resolution of one storage/compute format (a block format's: its elements')."""
+
+    name: str
+    max: float
+    smallest_normal: float
+    mantissa_bits: int  # explicit bits
+
+    @property
+    def eps(self) -> float:
+        """Unit roundoff: half the spacing of values in [1, 2)."""
+        return 2.0 ** -(self.mantissa_bits + 1)
 
 
 class BlockShapeError(InputError, ValueError):
@@ -139,6 +156,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "E2M1_VALUES", "E4M3", "E5M2", "E8M0", "ELEM_EMAX", "ELEM_MAX", "BlockShapeError",
+    "NumericFormat",
     "cast_fp8", "e2m1_codes", "e2m1_values", "e8m0_from_exponent", "e8m0_to_float",
     "pack_e2m1", "pow2", "round_e2m1", "to_blocks", "unpack_e2m1",
 ]

@@ -209,5 +209,15 @@ def suspend_target_fp32_ops() -> Iterator[None]:
         mode.suspended -= 1
 
 
-__all__ = ["POLICIES", "TargetFp32Ops", "cast_policy", "suspend_target_fp32_ops",
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The surrounding compute dtype a GEMM-format backend gives its output in: the
+    autocast dtype if one is active on ``x``'s device, else ``x``'s own (fp32 for a
+    non-floating ``x``)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype if x.is_floating_point() else torch.float32
+
+
+__all__ = ["POLICIES", "TargetFp32Ops", "cast_policy", "compute_dtype", "suspend_target_fp32_ops",
            "target_fp32_ops"]

@@ -8,17 +8,48 @@ along K) in ``blockscale.py``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
+from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
+from autoprec.errors import InputError
+from autoprec.formats.gemm import BLOCK_SCALED, gemm_format
 from autoprec.lower import blockscale, fp8
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
            backend: str = "emulated") -> torch.Tensor:
     """Run the Linear-like ``module`` on ``x`` in GEMM format ``precision``."""
-    if precision == "fp8":
-        return fp8.fp8_linear(module, x, backend)
-    return blockscale.blockscaled_linear(module, x, precision, backend)
+    if gemm_format(precision).block_scaled:  # a scale per block of K: mxfp8, nvfp4
+        return blockscale.blockscaled_linear(module, x, precision, backend)
+    return fp8.fp8_linear(module, x, backend)  # per-tensor current scaling
 
 
-__all__ = ["linear"]
+def format_backends(used: Collection[str], fp8_backend: str | None, device: torch.device
+                    ) -> tuple[dict[str, str], str | None, str]:
+    """The backend each GEMM format runs on for a plan using precisions ``used``.
+
+    fp8: ``fp8_backend`` when given (emulated / torch / te), else the best this device
+    runs (``best_fp8_backend``: te, torch, else emulated); mxfp8 / nvfp4: the real
+    block-scaled kernels where they run, else emulation. Returns (backend by format, the
+    fp8 backend or None when no layer computes in fp8, why that fp8 backend).
+    """
+    backend: str | None = None
+    why = ""
+    if "fp8" in used:
+        if fp8_backend is not None and fp8_backend not in FP8_BACKENDS:
+            raise InputError(f"unknown fp8 backend {fp8_backend!r}; expected one of "
+                             f"{', '.join(FP8_BACKENDS)}")
+        if fp8_backend is not None:
+            backend, why = fp8_backend, capability("fp8", fp8_backend, device)[1]
+        else:
+            backend, why = best_fp8_backend(device)
+    out = {"fp8": backend or "emulated"}
+    for fmt in BLOCK_SCALED:
+        if fmt in used:
+            out[fmt] = "torch" if blockscale_capability(fmt, "torch", device)[0] else "emulated"
+    return out, backend, why
+
+
+__all__ = ["format_backends", "linear"]

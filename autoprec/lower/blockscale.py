@@ -36,9 +36,9 @@ import torch
 
 from autoprec.capability import BLOCK_BACKENDS, blockscale_capability
 from autoprec.errors import CapabilityError
-from autoprec.formats import BLOCK_FORMATS, BLOCK_SIZE, BlockShapeError
+from autoprec.formats import BlockShapeError
 from autoprec.formats.elements import pack_e2m1
-from autoprec.formats.gemm import ineligible_reason, linear_weight
+from autoprec.formats.gemm import BLOCK_SCALED, gemm_format, ineligible_reason, linear_weight
 from autoprec.formats.layout import to_blocked
 from autoprec.formats.mx import (
     MX_SCALE_MODE,
@@ -49,6 +49,7 @@ from autoprec.formats.mx import (
     quantize_mx,
 )
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
+from autoprec.lower.autocast import compute_dtype
 
 
 class NoGradientRecipe(CapabilityError, RuntimeError):
@@ -56,9 +57,9 @@ class NoGradientRecipe(CapabilityError, RuntimeError):
 
 
 def _check_fmt(fmt: str) -> str:
-    if fmt not in BLOCK_FORMATS:
+    if fmt not in BLOCK_SCALED:
         raise ValueError(f"unknown block-scaled format {fmt!r}; expected one of "
-                         f"{', '.join(BLOCK_FORMATS)}")
+                         f"{', '.join(BLOCK_SCALED)}")
     return fmt
 
 
@@ -170,14 +171,6 @@ class _NVFP4LinearFn(torch.autograd.Function):
             "fp8 or a 16-bit precision")
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    """The surrounding compute dtype: the autocast dtype if one is active, else x's."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype if x.is_floating_point() else torch.float32
-
-
 def _quantize_weight(weight: torch.Tensor, fmt: str, backend: str) -> Any:
     """The weight as the GEMM reads it: fake-quantised fp32 (emulated) or quantised (torch)."""
     w = weight.detach().float()
@@ -215,11 +208,11 @@ def blockscaled_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
         if not ok:
             raise CapabilityError(why)
     weight = linear_weight(module)
-    if weight.shape[-1] % BLOCK_SIZE[fmt]:
+    if weight.shape[-1] % (gemm_format(fmt).block or 1):
         why = ineligible_reason(module, fmt)
         raise BlockShapeError(why or f"{fmt}: weight {tuple(weight.shape)} not block-aligned")
     bias = getattr(module, "bias", None)
-    out_dtype = _out_dtype(x)
+    out_dtype = compute_dtype(x)
     fn = _MXFP8LinearFn if fmt == "mxfp8" else _NVFP4LinearFn
     with torch.autocast(x.device.type, enabled=False):
         return fn.apply(x, weight, bias, backend, out_dtype,

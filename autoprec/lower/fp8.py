@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from autoprec.formats.fp8 import E4M3, E5M2, dequantize_fp8, fake_quant_fp8, quantize_fp8
-from autoprec.formats.gemm import linear_dims, linear_weight
+from autoprec.formats.gemm import linear_dims, linear_weight, stores_in_out
+from autoprec.lower.autocast import compute_dtype
 
 
 def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -78,21 +79,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x.reshape(*grad_out.shape[:-1], -1), grad_w, grad_b, None, None, None
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    """Output in the surrounding compute dtype: the autocast dtype if one is active."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype if x.is_floating_point() else torch.float32
-
-
 def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulated") -> torch.Tensor:
     """Run a Linear-like ``module`` on ``x`` in fp8 with the given backend."""
     if backend == "te":
         return _te_linear(module, x)
     weight = linear_weight(module)
     bias = getattr(module, "bias", None)
-    out_dtype = _out_dtype(x)
+    out_dtype = compute_dtype(x)
     # Autocast must not re-cast inside our arithmetic: the fp8 math is explicit.
     with torch.autocast(x.device.type, enabled=False):
         return _Fp8LinearFn.apply(x, weight, bias, backend, out_dtype,
@@ -132,7 +125,7 @@ def _te_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         te_mod = te.Linear(k, n, bias=module.bias is not None, params_dtype=torch.float32,
                            device=module.weight.device)
         # Share, never copy: the fp32 master weights stay the module's own parameters.
-        te_mod.weight = module.weight if type(module).__name__ != "Conv1D" else None
+        te_mod.weight = None if stores_in_out(module) else module.weight
         if te_mod.weight is None:
             raise ValueError("te fp8 backend does not support HF Conv1D; use 'torch'")
         if module.bias is not None:

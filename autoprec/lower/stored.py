@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from autoprec.formats.fp8 import E4M3, quantize_fp8
-from autoprec.formats.gemm import linear_weight
+from autoprec.formats.gemm import is_gemm_module, linear_weight
 from autoprec.formats.mx import MXTensor, dequantize_mx, quantize_mx
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from autoprec.lower.forward import region
@@ -113,7 +113,7 @@ def consumer_kind(module: torch.nn.Module) -> str:
     a parameter with an input of another dtype runs in the wider one)."""
     if isinstance(module, NORM_TYPES):
         return "norm"
-    if isinstance(module, GEMM_TYPES) or type(module).__name__ == "Conv1D":
+    if isinstance(module, GEMM_TYPES) or is_gemm_module(module):
         return "weights"
     return ""
 

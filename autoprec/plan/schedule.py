@@ -25,24 +25,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autoprec.formats.gemm import BLOCK_SCALED
 from autoprec.lower.autocast import cast_policy
 from autoprec.plan.compile import CODE, FORMAT_CODES
-from autoprec.precisions import BYTES
+from autoprec.precisions import BYTES, GEMM_FORMATS
 from autoprec.trace.ops import OpTrace
 
-#: Value dtype codes (MX8 / NV4: only as what a block-scaled GEMM reads its operands in).
-FP32, BF16, FP16, F8, FP64, OTHER, MX8, NV4 = range(8)
-DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp64", "other", "mxfp8", "nvfp4")
+#: Value dtype codes ("fp8": a float8 tensor, trace.ops' name), then one per block-scaled
+#: format (codes 6, 7...), only as what a block-scaled GEMM reads its operands in.
+FP32, BF16, FP16, F8, FP64, OTHER = range(6)
+DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp64", "other", *BLOCK_SCALED)
 _CODE = {n: i for i, n in enumerate(DTYPES[:6])}
 #: Bytes per element of each code (OTHER: the value's own itemsize); block formats with
-#: their scales (precisions.BYTES).
-WIDTH = np.array([4, 2, 2, 1, 8, 0, BYTES["mxfp8"], BYTES["nvfp4"]], dtype=float)
+#: their scales (``GemmFormat.bytes_per_element``).
+WIDTH = np.array([4, 2, 2, 1, 8, 0, *(BYTES[f] for f in BLOCK_SCALED)], dtype=float)
 #: Region code (fp32, tf32, bf16, fp16) -> the dtype its autocast produces (fp32: none).
-_REGION_DTYPE = np.array([FP32, FP32, BF16, FP16, FP32, FP32, FP32], dtype=np.int8)
+_REGION_DTYPE = np.array([FP32, FP32, BF16, FP16, *[FP32] * len(GEMM_FORMATS)], dtype=np.int8)
 #: dtype code -> the precision code a GEMM on it computes in (fp32 -> fp32; tf32 by region).
-_DTYPE_PREC = np.array([0, 2, 3, 4, 0, 0, 5, 6], dtype=np.int8)
+_DTYPE_PREC = np.array([CODE["fp32"], CODE["bf16"], CODE["fp16"], CODE["fp8"], CODE["fp32"],
+                        CODE["fp32"], *(CODE[f] for f in BLOCK_SCALED)], dtype=np.int8)
 #: GEMM format precision code -> the dtype code its quantised operands are read in.
-_OPERAND = {CODE["fp8"]: F8, CODE["mxfp8"]: MX8, CODE["nvfp4"]: NV4}
+#: (the per-tensor fp8 reads float8 tensors, F8; each block format its own code, by name)
+_OPERAND = {CODE[f]: DTYPES.index(f) for f in GEMM_FORMATS}
 
 
 def _promotion_table() -> np.ndarray:
@@ -401,7 +405,7 @@ def _lower(sch: Schedule, ev: int, idx: int, op, ins, reads, state, floating, va
 
 
 #: Region code -> the dtype code its tensors are stored in under the deploy form.
-_STORAGE = np.array([FP32, FP32, BF16, FP16, FP32, FP32, FP32], dtype=np.int8)
+_STORAGE = np.array([FP32, FP32, BF16, FP16, *[FP32] * len(GEMM_FORMATS)], dtype=np.int8)
 _CASTABLE = np.isin(np.arange(len(DTYPES)), (FP32, BF16, FP16))
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from autoprec.formats.gemm import is_forward_only
 from autoprec.metrics import iter_floats, relative_error
 from autoprec.probe.layers import lowered_call
 from autoprec.probe.ranges import grad_flush
@@ -197,7 +198,7 @@ class GradProbes:
                 return
             ref_sq = sum(float(r.pow(2).sum()) for r in ref)
             for p in layer.precisions:
-                if p == "nvfp4":  # forward-only: no gradient recipe (lower/blockscale.py)
+                if is_forward_only(p):  # no gradient recipe (nvfp4; lower/blockscale.py)
                     continue
                 st = self.stats[(layer.path, p)]
                 st.sq_ref += ref_sq

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from autoprec.metrics import iter_floats
-from autoprec.precisions import FORMATS, carrier_of
+from autoprec.precisions import FORMATS, GEMM_FORMATS, carrier_of
 
 #: Precisions whose layers get a headroom row (tf32 / fp32 keep fp32's range and storage).
-LOW = ("bf16", "fp16", "fp8", "mxfp8", "nvfp4")
+LOW = ("bf16", "fp16", *GEMM_FORMATS)
 #: Below this the tuner notes a layer's headroom in the policy's reasons.
 NOTE_BELOW = 100.0
 

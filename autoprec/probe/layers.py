@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import InputError
-from autoprec.formats.gemm import ineligible_reason
+from autoprec.formats.gemm import ineligible_reason, is_gemm_module
 from autoprec.lower.forward import cast_floats, lowered_forward
 from autoprec.precisions import GEMM_FORMATS
 from autoprec.reference import offered, own_precision
@@ -57,9 +57,7 @@ def _is_pure(module: nn.Module) -> bool:
     """Leaves that never write their inputs: the forward hook may read the inputs directly."""
     if any(True for _ in module.children()):
         return False
-    return isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or (
-        type(module).__name__ == "Conv1D"
-    )
+    return is_gemm_module(module)
 
 
 def select_layers(model: nn.Module, graph: LayerGraph, precisions: Sequence[str],

@@ -22,21 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autoprec.formats.fp8 import E5M2, fake_quant_fp8
-from autoprec.formats.mx import fake_quant_mxfp8_padded
-from autoprec.precisions import BLOCK_SCALED, FORMATS, FP8_E5M2, NumericFormat
-
-#: Formats the gradients of a lowered layer flow in (fp8 trains with e5m2 gradients).
-GRAD_FORMATS: dict[str, NumericFormat] = {**FORMATS, "fp8": FP8_E5M2}
+from autoprec.formats.gemm import format_of
+from autoprec.precisions import FORMATS
 
 #: Smallest positive fp32 value (subnormal): "a < _TINY" means "a == 0".
 _TINY = 1.4e-45
-
-#: Formats that scale each tensor by its amax before the cast (current scaling).
-SCALED = frozenset({"fp8"})
-#: Block-scaled formats: a scale per 16/32 elements, so nothing overflows and a per-tensor
-#: underflow count says little (the floor moves per block); their errors are measured.
-BLOCK = frozenset(BLOCK_SCALED)
 
 
 @dataclass
@@ -71,11 +61,13 @@ class TensorRange:
             # scaled threshold), overflow (> max, i.e. not < nextafter(max)).
             wanted: dict[str, tuple[float | None, float | None]] = {}
             for p in precisions:
-                fmt = FORMATS[p]
-                if p in BLOCK:
+                fmt, gemm = FORMATS[p], format_of(p)
+                # block-scaled: a scale per 16/32 elements, so nothing overflows and a
+                # per-tensor underflow count says little (the floor moves per block)
+                if gemm is not None and gemm.block_scaled:
                     wanted[p] = (None, None)
                     continue
-                if p in SCALED:
+                if gemm is not None and gemm.per_tensor_scaled:  # amax scales the tensor
                     under = amax * fmt.smallest_normal / fmt.max if amax > 0 else None
                     over = None
                 else:
@@ -114,13 +106,12 @@ def grad_flush(g: torch.Tensor, precision: str, scale: float = 1.0) -> tuple[int
     n = int(nz.sum())
     if precision in ("fp32", "tf32") or n == 0:
         return n, 0, 0
-    if precision == "nvfp4":  # forward-only: no gradients flow in nvfp4
+    gemm = format_of(precision)
+    if gemm is not None and gemm.forward_only:  # no gradients flow in it
         return n, 0, 0
     gs = g * scale
-    if precision == "fp8":
-        low = fake_quant_fp8(torch.where(nz, gs, torch.zeros_like(gs)), E5M2)
-    elif precision == "mxfp8":  # dY in e4m3 blocks of 32 (the MXFP8 recipe)
-        low = fake_quant_mxfp8_padded(torch.where(nz, gs, torch.zeros_like(gs)))
+    if gemm is not None:  # as its backward reads dY (fp8: e5m2, mxfp8: e4m3 blocks of 32)
+        low = gemm.fake_quant_grad(torch.where(nz, gs, torch.zeros_like(gs)))
     else:
         low = gs.to(torch.float16 if precision == "fp16" else torch.bfloat16).float()
     flushed = int((nz & (low == 0)).sum())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from autoprec.formats.gemm import format_of
 from autoprec.precisions import FORMATS, is_gemm_format
 from autoprec.probe.grads import GradStats
 from autoprec.probe.layers import ProbeLayer
@@ -79,7 +80,9 @@ def judge(r: ProbeRow, ranges: Mapping[str, TensorRange], budget: float, units: 
                        ("w", r.w_underflow_frac)):
         if frac < min(0.05, underflow_limit):  # a few subnormals are normal (GELU tails)
             continue
-        floor = "its amax/448 x 2**-6" if p == "fp8" else f"{fmt.smallest_normal:.2g}"
+        gemm = format_of(p)
+        floor = (f"its amax/{fmt.max:g} x 2**{math.log2(fmt.smallest_normal):g}"
+                 if gemm is not None and gemm.per_tensor_scaled else f"{fmt.smallest_normal:.2g}")
         text = f"{p}: underflow, {frac:.0%} of nonzero |{_SYMBOL[part]}| below {floor}"
         (hard if frac >= underflow_limit else soft).append(text)
     r.hard = bool(hard)

@@ -37,6 +37,7 @@ from autoprec.cost import CostModel
 from autoprec.cost.fusion import make_cost_model
 from autoprec.errors import InputError
 from autoprec.evaluate import Reference, batch_tensors, reference, same_tensors, score
+from autoprec.formats.gemm import is_forward_only
 from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.memory import check_fits, peak_bytes, reset_peak
@@ -218,8 +219,8 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
         why_not = {p: r for p, r in node.disallowed.items()
                    if p in cfg.precisions and p not in device_why}
         for p in cfg.precisions:  # the target's own gaps are no layer's reason: not listed
-            if p == "nvfp4" and cfg.train_aware:
-                why_not.setdefault(p, "nvfp4: forward-only (no gradient recipe): not for "
+            if is_forward_only(p) and cfg.train_aware:
+                why_not.setdefault(p, f"{p}: forward-only (no gradient recipe): not for "
                                       "--train-aware")
             if (node.path, p) in hard:
                 why_not.setdefault(p, hard[(node.path, p)])

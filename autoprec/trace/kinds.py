@@ -22,8 +22,9 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
-# One definition of "Linear-like" (nn.Linear, HF Conv1D): the fp8 backends' own.
-from autoprec.formats.gemm import ineligible_reason, linear_dims
+# One definition of "Linear-like" (nn.Linear, HF Conv1D) and of each format's alignment
+# rule: the formats' own.
+from autoprec.formats.gemm import gemm_format, is_linear_like, linear_dims
 from autoprec.fused import not_called_reason
 from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import GEMM_KINDS
@@ -128,7 +129,7 @@ def classify(module: nn.Module, own_ops: Iterable[str], has_children: bool) -> s
     ops = set(own_ops)
     if not_called_reason(module) is not None:
         return "other"  # MHA's out_proj: its GEMM runs in (and is priced as) the attention
-    if linear_dims(module) is not None:
+    if is_linear_like(module):
         return "linear"
     if isinstance(module, nn.modules.conv._ConvNd) or ops & CONV_OPS:
         return "conv"
@@ -168,12 +169,11 @@ def format_reason(module: nn.Module, kind: str, precision: str = "fp8") -> str |
             return (f"{kind} is not Linear-like ({precision} backends run nn.Linear / Conv1D "
                     "GEMMs only)")
         return "not a GEMM"
-    if precision == "fp8":  # torch._scaled_mm: K and N multiples of 16
-        bad = [f"{n} {v} not a multiple of 16"
-               for n, v in zip(("in_features", "out_features"), dims, strict=True) if v % 16]
-        return ", ".join(bad) if bad else None
-    why = ineligible_reason(module, precision)
-    return why.removeprefix(f"{precision}: ") if why else None
+    fmt = gemm_format(precision)
+    why = not_called_reason(module)
+    if why is not None:
+        return why
+    return ", ".join(fmt.shape_problems(*dims)) or None  # every misaligned dim, by the format
 
 
 def eligibility(
@@ -202,8 +202,8 @@ def eligibility(
                                  "their weights (F.multi_head_attention_forward), never "
                                  f"calling a Linear a {f} backend could run")
             elif not below.get(f):
-                dims = "both dims multiples of 16" if f == "fp8" else "block-aligned dims"
-                disallowed[f] = f"no {f}-eligible Linear inside ({dims})"
+                disallowed[f] = (f"no {f}-eligible Linear inside "
+                                 f"({gemm_format(f).aligned_dims})")
     elif kind in GEMM_KINDS:
         for f in GEMM_FORMATS:
             why = format_reason(module, kind, f)

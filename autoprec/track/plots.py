@@ -16,6 +16,8 @@ from typing import Any
 
 import pandas as pd
 
+from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
+
 #: One colour per precision (most to least precise, as autoprec.precisions.PRECISIONS).
 PRECISION_COLORS: dict[str, str] = {
     "fp32": "#7f7f7f",
@@ -27,8 +29,8 @@ PRECISION_COLORS: dict[str, str] = {
     "nvfp4": "#e377c2",
 }
 #: Bits a value carries in compute (sign + exponent + mantissa); the layer chart's bar length.
-PRECISION_BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8,
-                                  "mxfp8": 8, "nvfp4": 4}
+PRECISION_BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16,
+                                  **{n: f.element_bits for n, f in GEMM_FORMAT_BY_NAME.items()}}
 _OTHER_COLOR = "#9467bd"
 
 
