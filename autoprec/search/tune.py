@@ -49,6 +49,7 @@ from autoprec.reference import ModelReference, model_reference, offered, own_pre
 from autoprec.search import compact, select
 from autoprec.search.config import TuneConfig
 from autoprec.search.confirm_speed import SpeedCheck, confirm_tune, speed_metrics
+from autoprec.search.decode import TrialDecoder
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
 from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
@@ -269,6 +270,7 @@ class Search:
     storage_desc: str
     meta: dict[str, Any]
     evaluator: Evaluator
+    decoder: TrialDecoder  # trial params <-> key <-> rules (search/decode.py)
     planner: Planner
     driver: Driver
     n_before: int
@@ -340,7 +342,8 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
     sampler = PlanSampler(space, planner, pareto=cfg.pareto, seed=cfg.seed)
     study, name, shown, meta, notes = open_study(prep, space, cfg, sampler)
     n_before = len(study.trials)
-    evaluator = Evaluator(spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
+    decoder = TrialDecoder(space, prep.cost)
+    evaluator = Evaluator(decoder=decoder, spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
                           plans=planner.ps, budget=cfg.budget, target=cfg.target,
                           min_speedup=cfg.min_speedup,
                           eval_batches=None if prep.same_data else prep.eval_batches,
@@ -365,13 +368,9 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
                disable=not cfg.progress, leave=False)
     on_trial = _progress(bar, tracker, name)
 
-    def compact_key(key: Key) -> tuple[str, dict[str, str]]:
-        default, layers = space.rules(key)
-        return compact.compact(prep.cost, default, layers, defaults=space.region.choices)
-
     driver = Driver(study, space, evaluator, sampler, pareto=cfg.pareto, trials=to_run,
                     timeout=cfg.timeout, patience=cfg.patience, on_trial=on_trial,
-                    compact=compact_key)
+                    compact=decoder.compact)
     status = "FAILED"
     try:
         with _graceful_interrupt(driver, interrupted), storage_errors(shown):
@@ -390,7 +389,8 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
             tracker.finish(status)
     if interrupted:  # finished trials are in the study; --resume goes on from them
         raise KeyboardInterrupt
-    return Search(study, name, shown, meta, evaluator, planner, driver, n_before, notes)
+    return Search(study, name, shown, meta, evaluator, decoder, planner, driver, n_before,
+                  notes)
 
 
 def _progress(bar: Any, tracker: Tracker, study_name: str) -> Any:
@@ -632,8 +632,7 @@ def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
     out = prep.out_path
     pols, paths = [], []
     for i, c in enumerate(select.pareto_front(cands)):
-        default, layers = space.rules(space.key(c.params))
-        rules = compact.compact(prep.cost, default, layers, defaults=space.region.choices)
+        rules = search.decoder.rules(c)
         fp = policy_from_candidate(space, c, feasible=c.calib.feasible, eval_error=c.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
         path = out.with_name(f"{out.stem}.front{i}{out.suffix}")
