@@ -339,7 +339,8 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
     estimate = prep.table.estimate if prep.table is not None else None
     planner = Planner(space, prep.cost, estimate, budget=cfg.budget, margin=MARGIN,
                       prune=not cfg.use_metric)
-    sampler = PlanSampler(space, planner, pareto=cfg.pareto, seed=cfg.seed)
+    sampler = PlanSampler(space, planner, pareto=cfg.pareto, seed=cfg.seed,
+                          patience=cfg.patience)
     study, name, shown, meta, notes = open_study(prep, space, cfg, sampler)
     n_before = len(study.trials)
     decoder = TrialDecoder(space, prep.cost)
@@ -369,7 +370,7 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
     on_trial = _progress(bar, tracker, name)
 
     driver = Driver(study, space, evaluator, sampler, pareto=cfg.pareto, trials=to_run,
-                    timeout=cfg.timeout, patience=cfg.patience, on_trial=on_trial,
+                    timeout=cfg.timeout, on_trial=on_trial,
                     compact=decoder.compact)
     status = "FAILED"
     try:
@@ -436,8 +437,7 @@ def _graceful_interrupt(driver: Driver, hit: list[bool]) -> Iterator[None]:
         if hit:
             raise KeyboardInterrupt
         hit.append(True)
-        driver.stopped = True
-        driver.study.stop()
+        driver.sampler.end(driver.study, "interrupted")
         what = "" if signum == signal.SIGINT else " (SIGTERM)"
         print(f"autoprec: interrupted{what}; finishing the running trial (again to abort)",
               file=sys.stderr)
