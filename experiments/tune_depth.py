@@ -244,11 +244,9 @@ def planner_check(kind: str, blocks: int, budgets: list[float], workdir: Path) -
     start, per budget. Prints the two times, the ratio and the plans each priced."""
     from autoprec.search.config import TuneConfig
 
-    cfg = TuneConfig.make(max_error=0.01, max_drop=None, target="h100", batch_size=256,
-                          precisions=None, trials=40, timeout=None, seed=0, patience=None,
-                          min_speedup=None, storage=None, study_name=None, resume=False,
-                          pareto=False, out=workdir / "check.yaml", locked=(),
-                          progress=False, cache_dir=workdir / "cache", train_aware=False)
+    cfg = TuneConfig(max_error=0.01, target="h100", batch_size=256,
+                     out=workdir / "check.yaml", progress=False,
+                     cache_dir=workdir / "cache").validated()
     prep = tune_mod.prepare(spec(kind, blocks), cfg)
     space = tune_mod.make_space(prep, cfg)
     est = prep.table.estimate

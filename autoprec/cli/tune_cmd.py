@@ -13,9 +13,8 @@ import typer
 
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
-from autoprec.precisions import parse_precisions
 from autoprec.report_json import batch_size_from, batch_size_words
-from autoprec.targets import DEFAULT_TARGET, canonical_target
+from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
     from autoprec.search.confirm_speed import SpeedCheck
@@ -56,48 +55,37 @@ def tune_cmd(
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
     from autoprec.cli import current_argv
-    from autoprec.search.config import check_tune_args
+    from autoprec.search.config import TuneConfig
     from autoprec.search.tune import tune
     from autoprec.search.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
 
-    # Every option is checked before anything runs: workers, tracking, model.py, probes.
-    check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
-                    batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
-                    patience=patience, min_speedup=min_speedup, storage=storage,
-                    study_name=study_name, out=out, workers=workers, model=model,
-                    mlflow_uri=None if no_track else mlflow_uri)
-    parse_precisions(precisions)
-    target = canonical_target(target)  # --target CPU is cpu (the name of the policy file too)
-    if report is not None:
-        from autoprec.extras import require
-        from autoprec.paths import check_dir
-
-        check_dir(report, "--report")
-        require("matplotlib", "tune --report's plots")
+    # The one config of this tune, checked once before anything runs: workers, tracking,
+    # model.py, probes. tune() and the writer read it as it is.
+    cfg = TuneConfig(
+        max_error=max_error, max_drop=max_drop, target=target, batch_size=batch_size,
+        precisions=precisions, trials=trials, timeout=timeout, seed=seed, patience=patience,
+        min_speedup=min_speedup, storage=storage, study_name=study_name, resume=resume,
+        pareto=pareto, out=out, locked=tuple(lock or ()), train_aware=train_aware,
+        progress=not quiet and not json_out, measure=measure, report=report,
+        compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
+        memory_limit_gb=memory_limit,
+    ).validated(workers=workers, model=model, mlflow_uri=None if no_track else mlflow_uri)
+    target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile
             from autoprec.search.local_profile import calibration_dir, speed_source
 
-            speed_source(target, measure=True, cache_dir=calibration_dir(out),
-                         mode="compile" if compile_mode else "eager")
+            speed_source(target, measure=True, cache_dir=calibration_dir(out), mode=cfg.mode)
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
     # A worker started by --workers: its own seed (environment read at the CLI boundary).
     index_text = os.environ.get(WORKER_INDEX_ENV)
     worker_index = int(index_text) if index_text and index_text.isdigit() else None
-    seed = worker_seed(seed, worker_index) or seed
+    cfg = cfg.with_seed(worker_seed(cfg.seed, worker_index) or cfg.seed)
     # Tracking is checked first: an unreachable server is exit 2 before any expensive work.
     tracker = make_tracker(mlflow_uri, experiment, enabled=not no_track, workdir=Path.cwd())
-    result = tune(
-        model, max_error=max_error, max_drop=max_drop, target=target, batch_size=batch_size,
-        precisions=parse_precisions(precisions), trials=trials, timeout=timeout, seed=seed,
-        patience=patience, min_speedup=min_speedup, storage=storage, study_name=study_name,
-        resume=resume, pareto=pareto, out=out, locked=lock or (), tracker=tracker,
-        train_aware=train_aware, progress=not quiet and not json_out, measure=measure,
-        report=report, compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
-        memory_limit_gb=memory_limit,
-    )
+    result = tune(model, cfg, tracker=tracker)
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
     summary = _summary(result, target, compile_mode)

@@ -1,15 +1,19 @@
-"""The options of a tune, validated in one place before any work (``TuneConfig.make``).
+"""The options of a tune: one dataclass from the command line to the policy writer.
 
-``check_tune_args`` holds every check that needs neither the model nor the data (the CLI
-calls it before it starts workers or tracking); the single-value rules are
-``autoprec.validate``'s. ``TuneConfig`` holds the normalised values the stages read.
+``TuneConfig`` is what a user states (``autoprec tune``'s options, ``autoprec.tune``'s
+keywords); ``TuneConfig.validated`` checks every value that needs neither the model nor
+the data, once, before any work (no probe runs, no study database is made, no worker or
+tracking run starts for a value that was wrong from the start), and returns the
+normalised config the stages read. The CLI builds and validates it once
+(``cli/tune_cmd.py``) and hands it to ``tune``, which validates only a config that was
+not (the Python API). The single-value rules are ``autoprec.validate``'s.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ from autoprec.cost import get_profile
 from autoprec.errors import InputError
 from autoprec.fileio import brief
 from autoprec.paths import check_dir, check_out_path
-from autoprec.precisions import FORMS, PRECISIONS, check_precision
+from autoprec.precisions import FORMS, PRECISIONS, check_precision, parse_precisions
 from autoprec.search.storage import check_storage_url
 from autoprec.targets import DEFAULT_TARGET, canonical_target
 from autoprec.validate import (
@@ -33,156 +37,139 @@ from autoprec.validate import (
 DEFAULT_MAX_ERROR = 0.01
 
 
-def check_tune_args(
-    *,
-    max_error: Any = None,
-    max_drop: Any = None,
-    target: Any = DEFAULT_TARGET,
-    batch_size: Any = None,
-    trials: Any = 40,
-    timeout: Any = None,
-    seed: Any = 0,
-    patience: Any = None,
-    min_speedup: Any = None,
-    storage: Any = None,
-    study_name: Any = None,
-    out: Any = None,
-    cache_dir: Any = None,
-    workers: int = 1,
-    model: Any = None,
-    mlflow_uri: Any = None,
-) -> None:
-    """Every check of ``tune``'s arguments that needs neither the model nor the data.
-
-    Called by ``autoprec tune`` before anything else (tracking, workers) and by
-    ``autoprec.tune`` first thing, so that no probe runs and no study database is made for
-    a value that was wrong from the start.
-    """
-    check_budget(max_error, max_drop)
-    check_count(workers, "--workers")
-    check_count(trials, "--trials")
-    check_count(patience, "--patience", optional=True)
-    check_seed(seed, workers=workers)
-    check_seconds(timeout, "--timeout")
-    check_batch_size(batch_size)
-    if min_speedup is not None and not (is_number(min_speedup) and math.isfinite(min_speedup)
-                                        and min_speedup > 0):
-        raise InputError(f"--min-speedup: must be a finite number > 0, got {brief(min_speedup)}")
-    if study_name is not None and (not isinstance(study_name, str) or not study_name.strip()):
-        raise InputError("--study-name: must not be empty")
-    if not isinstance(target, str):
-        raise InputError(f"--target: must be a device name, got {brief(target)}")
-    get_profile(target)  # an unknown device: InputError naming the known ones
-    if storage is not None:
-        check_storage_url(storage)
-    if out is not None:
-        check_out_path(Path(out))
-        check_out_not_input(Path(out), model=model, storage=storage, mlflow_uri=mlflow_uri)
-    else:  # tune's default: policies/<model>-<target>.yaml
-        check_dir(Path("policies"), "the policy folder")
-    if cache_dir is not None:
-        check_dir(Path(cache_dir), "--cache-dir")
-
-
-
-@dataclass
+@dataclass(frozen=True)
 class TuneConfig:
-    """Every option of a tune, validated (``TuneConfig.make``: autoprec.validate's rules,
-    before any work)."""
+    """Every option of a tune (DESIGN.md's ``autoprec tune``), as the user gives it.
 
-    budget: float
-    budget_name: str  # "max_error" or "max_drop"
-    target: str
-    batch_size: int | None
-    precisions: tuple[str, ...]
-    trials: int
-    timeout: float | None
-    seed: int
-    patience: int | None
-    min_speedup: float | None
-    storage: str | None
-    study_name: str | None
-    resume: bool
-    pareto: bool
-    out: Path | None
-    locked: tuple[str, ...]
-    progress: bool
-    cache_dir: Path | None
-    train_aware: bool
+    ``precisions``: a sequence or the CLI's comma list (None: every precision the target
+    runs); ``locked``: paths the search may not change; ``form``: None is "deploy", or
+    "train" with ``train_aware``. After ``validated()``: the target in its one spelling,
+    the precisions in canonical order (fp32 always), paths as ``Path``.
+    """
+
+    max_error: float | None = None
+    max_drop: float | None = None
+    target: str = DEFAULT_TARGET
+    batch_size: int | None = None
+    precisions: Sequence[str] | str | None = None
+    trials: int = 40
+    timeout: float | None = None
+    seed: int = 0
+    patience: int | None = None
+    min_speedup: float | None = None
+    storage: str | None = None
+    study_name: str | None = None
+    resume: bool = False
+    pareto: bool = False
+    out: str | Path | None = None
+    locked: Sequence[str] = ()
+    progress: bool = True
+    cache_dir: str | Path | None = None
+    train_aware: bool = False
     # a local target: calibrate here, time the winner (a profile fitted on another CPU
     # promised 1.82x for a policy that ran 0.56x of fp32's speed here)
     measure: bool = True
     compile: bool = False  # price plans as torch.compile (inductor) runs them
     #: the form plans run in (precisions.FORMS): "deploy" (weights stored in their
     #: precision) unless --train-aware, whose training runs the "train" form
-    form: str = "deploy"
+    form: str | None = None
     #: a plan holding more weight bytes on the device cannot deploy (None: no limit)
     max_weight_mb: float | None = None
-    #: the device's memory in bytes for the up-front check that the model fits twice
+    #: the device's memory for the up-front check that the model fits twice
     #: (autoprec.memory.check_fits; None: what the device reports)
-    memory_limit: int | None = None
+    memory_limit_gb: float | None = None
+    #: a folder for the tables and plots (trials, front, per-layer, baselines)
+    report: str | Path | None = None
+    _valid: bool = field(default=False, init=False, repr=False, compare=False)
 
-    @classmethod
-    def make(cls, *, max_error: float | None, max_drop: float | None, target: str,
-             batch_size: int | None, precisions: Sequence[str] | None, trials: int,
-             timeout: float | None, seed: int, patience: int | None,
-             min_speedup: float | None, storage: str | None, study_name: str | None,
-             resume: bool, pareto: bool, out: str | Path | None, locked: Sequence[str],
-             progress: bool, cache_dir: str | Path | None, train_aware: bool,
-             measure: bool = True, compile: bool = False,
-             form: str | None = None, max_weight_mb: float | None = None,
-             memory_limit_gb: float | None = None) -> TuneConfig:
-        check_tune_args(max_error=max_error, max_drop=max_drop, target=target,
-                        batch_size=batch_size, trials=trials, timeout=timeout, seed=seed,
-                        patience=patience, min_speedup=min_speedup, storage=storage,
-                        study_name=study_name, out=out, cache_dir=cache_dir)
-        target = canonical_target(target)  # "CPU" is cpu: one file name, device and plan
-        value, name = (max_drop, "max_drop") if max_drop is not None else (
-            DEFAULT_MAX_ERROR if max_error is None else max_error, "max_error")
-        # DESIGN: --precisions defaults to every precision the target supports (probing a
-        # format the target lacks would cost probe passes for choices that cannot win)
-        from autoprec.cost import get_profile
+    def validated(self, *, workers: int = 1, model: Any = None,
+                  mlflow_uri: Any = None) -> TuneConfig:
+        """This config checked and normalised (itself when it already is).
 
-        given = precisions or get_profile(target).precisions
-        wanted = tuple(check_precision(p, "--precisions") for p in given)
-        wanted = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
-        if precisions:  # before any work: a list the target runs none of tunes nothing
-            profile = get_profile(target)
-            lower = [p for p in wanted if p != "fp32"]
-            if not lower:
-                raise InputError("--precisions: give at least one precision below fp32 "
-                                 f"(the target {target} runs {', '.join(profile.precisions)})")
-            if not any(profile.supports(p)[0] for p in lower):
-                why = "; ".join(profile.supports(p)[1] for p in lower)
-                raise InputError(f"--precisions {','.join(lower)}: the target {target} runs "
-                                 f"none of them ({why[:300]}); it runs "
-                                 f"{', '.join(profile.precisions)}")
-        if form is None:
-            form = "train" if train_aware else "deploy"
+        ``workers``: processes sharing the study (their seeds are seed..seed+N-1);
+        ``model`` and ``mlflow_uri``: files the policy may not overwrite. Raises
+        ``InputError`` naming the option and the rule for the first bad value.
+        """
+        if self._valid:
+            return self
+        check_budget(self.max_error, self.max_drop)
+        check_count(workers, "--workers")
+        check_count(self.trials, "--trials")
+        check_count(self.patience, "--patience", optional=True)
+        check_seed(self.seed, workers=workers)
+        check_seconds(self.timeout, "--timeout")
+        check_batch_size(self.batch_size)
+        ms = self.min_speedup
+        if ms is not None and not (is_number(ms) and math.isfinite(ms) and ms > 0):
+            raise InputError(f"--min-speedup: must be a finite number > 0, got {brief(ms)}")
+        name = self.study_name
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise InputError("--study-name: must not be empty")
+        if not isinstance(self.target, str):
+            raise InputError(f"--target: must be a device name, got {brief(self.target)}")
+        profile = get_profile(self.target)  # an unknown device: InputError naming the known
+        if self.storage is not None:
+            check_storage_url(self.storage)
+        out = Path(self.out) if self.out is not None else None
+        if out is not None:
+            check_out_path(out)
+            check_out_not_input(out, model=model, storage=self.storage, mlflow_uri=mlflow_uri)
+        else:  # tune's default: policies/<model>-<target>.yaml
+            check_dir(Path("policies"), "the policy folder")
+        if self.cache_dir is not None:
+            check_dir(Path(self.cache_dir), "--cache-dir")
+        target = canonical_target(self.target)  # "CPU" is cpu: one file name, device, plan
+        precisions = _precisions(self.precisions, target, profile)
+        form = self.form if self.form is not None else (
+            "train" if self.train_aware else "deploy")
         if form not in FORMS:
             raise InputError(f"--form must be one of {', '.join(FORMS)}, got {form!r}")
-        if max_weight_mb is not None and (isinstance(max_weight_mb, bool) or not
-                                          isinstance(max_weight_mb, (int, float))
-                                          or not math.isfinite(max_weight_mb)
-                                          or max_weight_mb <= 0):
-            raise InputError(f"--max-weight-mb must be a positive number of megabytes, got "
-                             f"{max_weight_mb!r}")
-        if memory_limit_gb is not None and (isinstance(memory_limit_gb, bool) or not
-                                            isinstance(memory_limit_gb, (int, float))
-                                            or not math.isfinite(memory_limit_gb)
-                                            or memory_limit_gb <= 0):
-            raise InputError(f"--memory-limit must be a positive number of gigabytes, got "
-                             f"{memory_limit_gb!r}")
-        if train_aware and form != "train":
+        _check_positive(self.max_weight_mb, "--max-weight-mb", "megabytes")
+        _check_positive(self.memory_limit_gb, "--memory-limit", "gigabytes")
+        if self.train_aware and form != "train":
             raise InputError("--train-aware checks that the plan trains like fp32, which runs "
                              "the train form (autocast over fp32 masters): drop --form deploy")
-        return cls(float(value), name, target, batch_size, wanted, trials, timeout, seed,
-                   patience, min_speedup, storage, study_name, resume, pareto,
-                   Path(out) if out is not None else None, tuple(locked), progress,
-                   Path(cache_dir) if cache_dir is not None else None, train_aware, measure,
-                   bool(compile), form,
-                   None if max_weight_mb is None else float(max_weight_mb),
-                   None if memory_limit_gb is None else int(memory_limit_gb * 1e9))
+        if self.report is not None:  # before any work: the folder, and matplotlib
+            from autoprec.extras import require
+
+            check_dir(Path(self.report), "--report")
+            require("matplotlib", "tune --report's plots")
+        done = replace(
+            self, target=target, precisions=precisions, form=form, out=out,
+            locked=tuple(self.locked),
+            cache_dir=Path(self.cache_dir) if self.cache_dir is not None else None,
+            report=Path(self.report) if self.report is not None else None,
+            compile=bool(self.compile),
+            max_weight_mb=None if self.max_weight_mb is None else float(self.max_weight_mb))
+        object.__setattr__(done, "_valid", True)
+        return done
+
+    def with_seed(self, seed: int) -> TuneConfig:
+        """The same config with another sampler seed (a ``--workers`` process's own)."""
+        done = replace(self, seed=seed)
+        object.__setattr__(done, "_valid", self._valid)
+        return done
+
+    @property
+    def is_validated(self) -> bool:
+        return self._valid
+
+    @property
+    def budget(self) -> float:
+        """The budget's value (``--max-drop``'s, else ``--max-error``'s or its default)."""
+        if self.max_drop is not None:
+            return float(self.max_drop)
+        return float(DEFAULT_MAX_ERROR if self.max_error is None else self.max_error)
+
+    @property
+    def budget_name(self) -> str:
+        """"max_error" or "max_drop"."""
+        return "max_drop" if self.max_drop is not None else "max_error"
+
+    @property
+    def memory_limit(self) -> int | None:
+        """``memory_limit_gb`` in bytes (None: what the device reports)."""
+        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * 1e9)
 
     @property
     def mode(self) -> str:
@@ -194,4 +181,36 @@ class TuneConfig:
         return self.budget_name == "max_drop"
 
 
-__all__ = ["DEFAULT_MAX_ERROR", "TuneConfig"]
+#: The options of ``autoprec.tune`` (``tune(model, **options)``): TuneConfig's fields.
+OPTIONS = tuple(f.name for f in fields(TuneConfig) if f.init)
+
+
+def _precisions(given: Sequence[str] | str | None, target: str, profile: Any
+                ) -> tuple[str, ...]:
+    """The precisions to search, canonical order, fp32 always. DESIGN: --precisions
+    defaults to every precision the target supports (probing a format the target lacks
+    would cost probe passes for choices that cannot win)."""
+    if isinstance(given, str):
+        given = parse_precisions(given)
+    names = given or profile.precisions
+    wanted = {check_precision(p, "--precisions") for p in names}
+    out = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
+    if given:  # before any work: a list the target runs none of tunes nothing
+        lower = [p for p in out if p != "fp32"]
+        if not lower:
+            raise InputError("--precisions: give at least one precision below fp32 "
+                             f"(the target {target} runs {', '.join(profile.precisions)})")
+        if not any(profile.supports(p)[0] for p in lower):
+            why = "; ".join(profile.supports(p)[1] for p in lower)
+            raise InputError(f"--precisions {','.join(lower)}: the target {target} runs "
+                             f"none of them ({why[:300]}); it runs "
+                             f"{', '.join(profile.precisions)}")
+    return out
+
+
+def _check_positive(value: Any, flag: str, unit: str) -> None:
+    if value is not None and not (is_number(value) and math.isfinite(value) and value > 0):
+        raise InputError(f"{flag} must be a positive number of {unit}, got {value!r}")
+
+
+__all__ = ["DEFAULT_MAX_ERROR", "OPTIONS", "TuneConfig"]

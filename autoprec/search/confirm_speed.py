@@ -93,10 +93,9 @@ class Row:
         """The plan: two rows of one key run the same (form, default and rules)."""
         if self.policy is None:
             return None
-        form = self.policy.form
-        if self.policy.default in ("fp32", "tf32") and not self.policy.layers:
-            form = "any"  # no 16-bit tensor anywhere: both forms run the same plan
-        return form, self.policy.default, tuple(sorted(self.policy.layers.items()))
+        from autoprec.search.decode import plan_id
+
+        return plan_id(self.policy.default, self.policy.layers, self.policy.form)
 
     def to_dict(self) -> dict[str, Any]:
         def num(x: float | None, nd: int = 4) -> Any:
@@ -462,7 +461,7 @@ def _uniform_errors(ev: Any, p: str, budget: float, form: str
     if p == "fp32":
         return 0.0, None
     key = ev.space.uniform(p)
-    default, layers = ev.space.rules(key)
+    default, layers = ev.decoder.explicit(key)
     # rules equal to their region's precision install nothing: the same plan as default p
     hit = (ev.cache.get(key) if default == p and set(layers.values()) <= {p}
            and form == ev.form else None)
@@ -658,16 +657,12 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     (compiled, for a ``--compile`` tune); returns the check, the candidate to write and its
     (default, rules)."""
     from autoprec.cost import make_cost_model
-    from autoprec.search import compact, select
+    from autoprec.search import select
     from autoprec.search.objective import policy_for
 
     ev = search.evaluator
 
-    def rules_of(c: Any) -> tuple[str, dict[str, str]]:
-        if c.policy:
-            return c.policy["default"], dict(c.policy["layers"])
-        default, layers = space.rules(space.key(c.params))
-        return compact.compact(prep.cost, default, layers, defaults=space.region.choices)
+    rules_of = search.decoder.rules  # recorded on the trial, else compacted (search/decode.py)
 
     def row(c: Any, name: str, role: str) -> Row:
         err = c.calib.error if c.eval_error is None else c.eval_error

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,25 +40,21 @@ class TrialResult:
 
 
 class Driver:
-    """Runs trials on ``study`` until the planner is done, or the trial count or time runs
-    out. ``on_trial`` is called after every trial (progress bar, tracking)."""
+    """Runs trials on ``study`` until the sampler ends it (search complete, patience, bad
+    input, Ctrl-C: ``PlanSampler``) or the trial count or time runs out. ``on_trial`` is
+    called after every trial (progress bar, tracking)."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, evaluator: Evaluator,
                  sampler: PlanSampler, *, pareto: bool, trials: int,
-                 timeout: float | None = None, patience: int | None = None,
+                 timeout: float | None = None,
                  on_trial: Callable[[TrialResult], None] | None = None,
                  compact: Callable[[Key], tuple[str, dict[str, str]]] | None = None) -> None:
         self.study, self.space, self.evaluator, self.sampler = study, space, evaluator, sampler
-        self.pareto, self.trials, self.timeout, self.patience = pareto, trials, timeout, patience
+        self.pareto, self.trials, self.timeout = pareto, trials, timeout
         self.on_trial = on_trial
         self.compact = compact  # key -> the policy's (default, rules) for feasible plans
         self.started = time.monotonic()
-        self.ran = 0
-        self.best_time = math.inf
-        self.since_best = 0
-        self.stopped = False
-        self.complete = False  # the planner had nothing left to measure
-        self.fatal: InputError | None = None  # a trial's bad-input error: stops the run
+        self.fatal: InputError | None = None  # a trial's bad-input error: raised after the run
         self.by_key: dict[Key, int] = {}
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if {v.name for v in space.all_variables} <= set(t.params):
@@ -67,25 +62,26 @@ class Driver:
                 evaluator.remember(key, t.user_attrs)
                 self.by_key.setdefault(key, t.number)
 
+    @property
+    def ran(self) -> int:
+        """Trials this process ran (every state)."""
+        return self.sampler.ran
+
+    @property
+    def complete(self) -> bool:
+        """The planner had nothing left to measure."""
+        return self.sampler.complete
+
     def time_left(self) -> float | None:
         if self.timeout is None:
             return None
         return self.timeout - (time.monotonic() - self.started)
 
-    @property
-    def cut_short(self) -> bool:
-        """The run ends before the search is complete: its trials or time are used up,
-        patience ran out, or a trial hit bad input (``complete`` is the other way to end)."""
-        left = self.time_left()
-        return (self.stopped or self.fatal is not None or self.ran >= self.trials
-                or (left is not None and left <= 0))
-
     def _objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
         params = {v.name: str(trial.suggest_categorical(v.name, v.choices))
                   for v in self.space.all_variables}
         key = self.space.key(params)
-        if self.sampler.search_complete:
-            self.complete = True
+        if self.sampler.complete:  # the proposal found nothing left (it ended the study)
             trial.set_user_attr("skipped", "search complete: no faster plan is predicted "
                                            "within the budget")
             raise optuna.TrialPruned()
@@ -104,6 +100,7 @@ class Driver:
                 # model.py / the policy is at fault: every other trial would fail the same
                 # way; the run stops after this one and says why (exit 2)
                 self.fatal = err
+                self.sampler.end(self.study, "bad input")
             raise
         for k, v in ev.to_attrs().items():
             trial.set_user_attr(k, v)
@@ -121,28 +118,13 @@ class Driver:
         return min(ev.est_time, 1e30)
 
     def _after(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
-        self.ran += 1
+        if self.on_trial is None:
+            return
         key = self.space.key(frozen.params) if frozen.params else ()
-        ev = None
-        if frozen.state == optuna.trial.TrialState.COMPLETE:
-            ev = self.evaluator.cache.get(key)
-            if ev is not None and ev.feasible and ev.est_time < self.best_time * (1 - 1e-9):
-                self.best_time = ev.est_time
-                self.since_best = 0
-            else:
-                self.since_best += 1
-        elif frozen.state != optuna.trial.TrialState.PRUNED:
-            self.since_best += 1
-        if self.on_trial is not None:
-            self.on_trial(TrialResult(frozen.number, key, dict(frozen.params), ev,
-                                      frozen.user_attrs.get("skipped")))
-        if self.patience is not None and self.since_best >= self.patience:
-            self.stopped = True
-        if (not self.complete and not self.cut_short
-                and self.sampler.nothing_left_to_measure(self.study)):
-            self.complete = True
-        if self.complete or self.cut_short:
-            study.stop()
+        ev = (self.evaluator.cache.get(key)
+              if frozen.state == optuna.trial.TrialState.COMPLETE else None)
+        self.on_trial(TrialResult(frozen.number, key, dict(frozen.params), ev,
+                                  frozen.user_attrs.get("skipped")))
 
     def nothing_measured(self, study_name: str) -> InputError:
         """No trial of the study measured a plan: there is no closest policy to write. Name
@@ -166,20 +148,19 @@ class Driver:
         ``--timeout`` bounds the search, not its first step: a study without a measured plan
         measures one whatever the clock says, so a tiny timeout still writes a policy (the
         planner's first candidate) instead of nothing."""
-        if self.stopped or self.ran >= self.trials:
-            return
-        if self.sampler.nothing_left_to_measure(self.study):
-            self.complete = True
+        if self.ran >= self.trials or self.sampler.finished(self.study):
             return
         left = self.time_left()
         with _quiet_failed_trials():
             if left is not None and left <= 0:
                 if not self.measured_any():
+                    self.sampler.start(1, 0.0)
                     self.study.optimize(self._objective, n_trials=1, callbacks=[self._after],
                                         catch=(Exception,))
             else:
-                self.study.optimize(self._objective, n_trials=self.trials - self.ran,
-                                    timeout=None if left is None else max(left, 0.0),
+                n, timeout = self.trials - self.ran, None if left is None else max(left, 0.0)
+                self.sampler.start(n, timeout)
+                self.study.optimize(self._objective, n_trials=n, timeout=timeout,
                                     callbacks=[self._after], catch=(Exception,))
         if self.fatal is not None:
             raise self.fatal

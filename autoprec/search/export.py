@@ -24,6 +24,7 @@ from autoprec.paths import check_not_an_input, check_out_path, storage_file
 from autoprec.policy import Policy
 from autoprec.precisions import LEGACY_FORM
 from autoprec.search import select
+from autoprec.search.decode import TrialDecoder
 from autoprec.search.space import REGION, SearchSpace, Variable
 from autoprec.search.storage import describe_storage, open_storage
 
@@ -66,11 +67,7 @@ def policy_from_candidate(space: SearchSpace, cand: select.Candidate, *, feasibl
     (``eval_error`` None). ``confirmed=False`` (an unconfirmed Pareto point, an export of a
     trial never measured on eval data) writes only ``calibration_error``.
     """
-    if rules is None and cand.policy:
-        rules = (cand.policy["default"], dict(cand.policy["layers"]))
-    if rules is None:
-        rules = space.rules(space.key(cand.params))
-    default, layers = rules
+    default, layers = rules if rules is not None else TrialDecoder(space).rules(cand)
     reasons = {k: v for k, v in meta.get("reasons", space.reasons()).items()}
     metric_key = "metric_drop" if meta.get("budget_kind") == "max_drop" else "error"
     metrics: dict[str, Any] = {}

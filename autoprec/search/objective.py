@@ -22,6 +22,7 @@ from autoprec.apply.apply import apply_policy
 from autoprec.evaluate import Reference, reference, score
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
+from autoprec.search.decode import TrialDecoder, policy_for
 from autoprec.search.evaluation import Evaluation
 from autoprec.search.planner import PlanSpace
 from autoprec.search.space import Key, SearchSpace
@@ -29,14 +30,6 @@ from autoprec.trace.graph import fingerprint
 
 #: A subset error this many times the budget is hopeless: the full set is not run.
 SCREEN_FACTOR = 3.0
-
-
-def policy_for(default: str, layers: Mapping[str, str], fingerprint: str | None = None,
-               target: str | None = None, form: str = "train") -> Policy:
-    """A minimal policy (no metadata besides the fingerprint, target and form)."""
-    model = {"fingerprint": fingerprint} if fingerprint else {}
-    return Policy(default=default, layers=dict(layers), model=model, form=form,
-                  target={"device": target} if target else {})
 
 
 def given_policy(reference: Any, fingerprint: str | None = None,
@@ -64,9 +57,11 @@ class Evaluator:
         fp8_backend: str = "emulated",
         screen: bool = True,
         exact: Key | None = None,
+        decoder: TrialDecoder | None = None,
     ) -> None:
         self.spec, self.model, self.plans = spec, model, plans
         self.space: SearchSpace = plans.space
+        self.decoder = decoder if decoder is not None else TrialDecoder(plans.space, plans.cost)
         self.budget, self.min_speedup, self.fp8_backend = budget, min_speedup, fp8_backend
         self.target = target
         self.form = plans.cost.form  # the form every plan of the search runs in
@@ -101,8 +96,8 @@ class Evaluator:
         return t, (self.fp32_time / t if 0 < t < math.inf else 0.0)
 
     def policy(self, key: Key) -> Policy:
-        default, layers = self.space.rules(key)
-        return policy_for(default, layers, self.fingerprint, self.target, self.form)
+        return self.decoder.policy(key, fingerprint=self.fingerprint, target=self.target,
+                                   form=self.form)
 
     def error(self, key: Key, batches: Sequence[Any], ref: Reference, what: str) -> float:
         with apply_policy(self.model, self.policy(key), fp8_backend=self.fp8_backend):

@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from autoprec.reference import ModelReference, model_reference, offered, own_pre
 from autoprec.search import compact, select
 from autoprec.search.config import TuneConfig
 from autoprec.search.confirm_speed import SpeedCheck, confirm_tune, speed_metrics
+from autoprec.search.decode import TrialDecoder
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
 from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
@@ -64,7 +65,6 @@ from autoprec.search.storage import (
     open_storage,
     storage_errors,
 )
-from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, PlotPlans, Tracker, log_tune_artifacts
@@ -275,6 +275,7 @@ class Search:
     storage_desc: str
     meta: dict[str, Any]
     evaluator: Evaluator
+    decoder: TrialDecoder  # trial params <-> key <-> rules (search/decode.py)
     planner: Planner
     driver: Driver
     n_before: int
@@ -343,10 +344,12 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
     estimate = prep.table.estimate if prep.table is not None else None
     planner = Planner(space, prep.cost, estimate, budget=cfg.budget, margin=MARGIN,
                       prune=not cfg.use_metric)
-    sampler = PlanSampler(space, planner, pareto=cfg.pareto, seed=cfg.seed)
+    sampler = PlanSampler(space, planner, pareto=cfg.pareto, seed=cfg.seed,
+                          patience=cfg.patience)
     study, name, shown, meta, notes = open_study(prep, space, cfg, sampler)
     n_before = len(study.trials)
-    evaluator = Evaluator(spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
+    decoder = TrialDecoder(space, prep.cost)
+    evaluator = Evaluator(decoder=decoder, spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
                           plans=planner.ps, budget=cfg.budget, target=cfg.target,
                           min_speedup=cfg.min_speedup,
                           eval_batches=None if prep.same_data else prep.eval_batches,
@@ -371,13 +374,9 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
                disable=not cfg.progress, leave=False)
     on_trial = _progress(bar, tracker, name)
 
-    def compact_key(key: Key) -> tuple[str, dict[str, str]]:
-        default, layers = space.rules(key)
-        return compact.compact(prep.cost, default, layers, defaults=space.region.choices)
-
     driver = Driver(study, space, evaluator, sampler, pareto=cfg.pareto, trials=to_run,
-                    timeout=cfg.timeout, patience=cfg.patience, on_trial=on_trial,
-                    compact=compact_key)
+                    timeout=cfg.timeout, on_trial=on_trial,
+                    compact=decoder.compact)
     status = "FAILED"
     try:
         with _graceful_interrupt(driver, interrupted), storage_errors(shown):
@@ -396,7 +395,8 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
             tracker.finish(status)
     if interrupted:  # finished trials are in the study; --resume goes on from them
         raise KeyboardInterrupt
-    return Search(study, name, shown, meta, evaluator, planner, driver, n_before, notes)
+    return Search(study, name, shown, meta, evaluator, decoder, planner, driver, n_before,
+                  notes)
 
 
 def _progress(bar: Any, tracker: Tracker, study_name: str) -> Any:
@@ -442,8 +442,7 @@ def _graceful_interrupt(driver: Driver, hit: list[bool]) -> Iterator[None]:
         if hit:
             raise KeyboardInterrupt
         hit.append(True)
-        driver.stopped = True
-        driver.study.stop()
+        driver.sampler.end(driver.study, "interrupted")
         what = "" if signum == signal.SIGINT else " (SIGTERM)"
         print(f"autoprec: interrupted{what}; finishing the running trial (again to abort)",
               file=sys.stderr)
@@ -640,8 +639,7 @@ def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
     out = prep.out_path
     pols, paths = [], []
     for i, c in enumerate(select.pareto_front(cands)):
-        default, layers = space.rules(space.key(c.params))
-        rules = compact.compact(prep.cost, default, layers, defaults=space.region.choices)
+        rules = search.decoder.rules(c)
         fp = policy_from_candidate(space, c, feasible=c.calib.feasible, eval_error=c.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
         path = out.with_name(f"{out.stem}.front{i}{out.suffix}")
@@ -699,45 +697,19 @@ def _launch_note(prep: Prepared, space: SearchSpace, cfg: TuneConfig) -> list[st
             "fp32; give the deployment batch with --batch-size N"]
 
 
-def tune(
-    model: str | Path | ModelSpec,
-    *,
-    max_error: float | None = None,
-    max_drop: float | None = None,
-    target: str = DEFAULT_TARGET,
-    batch_size: int | None = None,
-    precisions: Sequence[str] | None = None,
-    trials: int = 40,
-    timeout: float | None = None,
-    seed: int = 0,
-    patience: int | None = None,
-    min_speedup: float | None = None,
-    storage: str | None = None,
-    study_name: str | None = None,
-    resume: bool = False,
-    pareto: bool = False,
-    out: str | Path | None = None,
-    locked: Sequence[str] = (),
-    tracker: Tracker | None = None,
-    progress: bool = True,
-    cache_dir: str | Path | None = None,
-    train_aware: bool = False,
-    compile: bool = False,
-    form: str | None = None,
-    max_weight_mb: float | None = None,
-    memory_limit_gb: float | None = None,
-    profile: Any = None,
-    measure: bool = True,
-    report: str | Path | None = None,
-) -> TuneResult:
+def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
+         tracker: Tracker | None = None, profile: Any = None, **options: Any) -> TuneResult:
     """Find the fastest plan within the budget and write it as a policy.
 
+    ``config``: a ``TuneConfig`` (search/config.py: every option, validated once; the CLI
+    builds one), or its fields as keywords (``tune(model, max_error=0.01, trials=20)``).
     ``trials`` is the number of trials this process runs at most (the search stops sooner
-    once nothing faster is predicted within budget); ``resume=True``: run until the study
-    holds that many finished trials. ``tracker``: None logs nothing (the CLI's default is
-    MLflow in ./mlflow.db: ``autoprec.track.make_tracker``). ``measure`` (a target that is
-    this machine: ``cpu``, or the GPU here): price on a profile calibrated here and time the
-    winner beside fp32 and one global autocast, never writing a plan measured slower
+    once nothing faster is predicted within budget, or after ``patience`` trials without a
+    faster plan); ``resume=True``: run until the study holds that many finished trials.
+    ``tracker``: None logs nothing (the CLI's default is MLflow in ./mlflow.db:
+    ``autoprec.track.make_tracker``). ``measure`` (a target that is this machine: ``cpu``,
+    or the GPU here): price on a profile calibrated here and time the winner beside fp32
+    and one global autocast, never writing a plan measured slower
     (``search/confirm_speed.py``). ``report``: a folder to write the tables and plots into
     (trials, Pareto front, per-layer precisions, and the tuned plan beside one global
     autocast per precision), MLflow or not. ``compile=True`` prices every plan as
@@ -751,30 +723,20 @@ def tune(
     See DESIGN.md for the contract.
     """
     started = time.monotonic()
-    cfg = TuneConfig.make(max_error=max_error, max_drop=max_drop, target=target,
-                          batch_size=batch_size, precisions=precisions, trials=trials,
-                          timeout=timeout, seed=seed, patience=patience,
-                          min_speedup=min_speedup, storage=storage, study_name=study_name,
-                          resume=resume, pareto=pareto, out=out, locked=locked,
-                          progress=progress, cache_dir=cache_dir, train_aware=train_aware,
-                          measure=measure, compile=compile, form=form,
-                          max_weight_mb=max_weight_mb, memory_limit_gb=memory_limit_gb)
+    if config is not None and options:
+        raise TypeError(f"tune: give a TuneConfig or its options, not both (got config and "
+                        f"{', '.join(sorted(options))})")
+    cfg = (config if config is not None else TuneConfig(**options)).validated()
     tracker = tracker or NullTracker()
-    if report is not None:  # before any work: the folder, and matplotlib for its plots
-        from autoprec.extras import require
-        from autoprec.paths import check_dir
-
-        check_dir(Path(report), "--report")
-        require("matplotlib", "tune --report's plots")
     prep = prepare(model, cfg, profile)
     space = make_space(prep, cfg)
     interrupted: list[bool] = []
     search = run_search(prep, space, cfg, tracker, interrupted)
     result = write(prep, space, search, cfg, tracker, started)
-    if report is not None:
+    if cfg.report is not None:
         from autoprec.search.baselines import write_report
 
-        result.report = write_report(Path(report), result, list(space.region.choices),
+        result.report = write_report(Path(cfg.report), result, list(space.region.choices),
                                      _per_layer(prep, space, result.policy))
     result.peak_memory, result.peak_memory_how = peak_bytes(prep.net)
     return result

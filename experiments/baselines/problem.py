@@ -58,11 +58,9 @@ def config(budget: float, *, target: str, batch_size: int, out: Path, cache_dir:
            ) -> TuneConfig:
     """The options ``tune`` runs with in the benchmark (the defaults a user gets, plus the
     budget, target, deployment batch and where its files go)."""
-    return TuneConfig.make(max_error=budget, max_drop=None, target=target,
-                           batch_size=batch_size, precisions=None, trials=40, timeout=None,
-                           seed=0, patience=None, min_speedup=None, storage="memory",
-                           study_name=None, resume=False, pareto=False, out=out, locked=(),
-                           progress=False, cache_dir=cache_dir, train_aware=False)
+    return TuneConfig(max_error=budget, target=target, batch_size=batch_size,
+                      storage="memory", out=out, progress=False,
+                      cache_dir=cache_dir).validated()
 
 
 class _GraphFacts:

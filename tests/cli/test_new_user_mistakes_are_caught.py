@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -274,8 +275,8 @@ def test_no_completed_trial_is_one_line_not_a_value_error() -> None:
     trial = study.ask()
     trial.set_user_attr("fail_reason", "PolicyError: something about 'mid'")
     study.tell(trial, state=optuna.trial.TrialState.FAIL)
-    driver = Driver.__new__(Driver)  # only the study is read
-    driver.study, driver.ran = study, 1
+    driver = Driver.__new__(Driver)  # only the study and the trial count are read
+    driver.study, driver.sampler = study, SimpleNamespace(ran=1)  # ran: the sampler's count
     err = driver.nothing_measured("s")
     assert isinstance(err, InputError) and err.exit_code == 2
     assert "all 1 trials failed, the first with PolicyError: something about 'mid'" in str(err)

@@ -20,11 +20,8 @@ TRAP = ROOT / "experiments" / "trap" / "model.py"
 def test_target_names_are_read_in_lower_case() -> None:
     assert canonical_target(" H100 ") == "h100" and canonical_target("CPU") == "cpu"
     assert device_type("CPU") == "cpu" and device_type("H100") == "cuda"
-    cfg = TuneConfig.make(max_error=0.01, max_drop=None, target="CPU", batch_size=None,
-                          precisions=None, trials=1, timeout=None, seed=0, patience=None,
-                          min_speedup=None, storage=None, study_name=None, resume=False,
-                          pareto=False, out="p.yaml", locked=(), progress=False,
-                          cache_dir=None, train_aware=False)
+    cfg = TuneConfig(max_error=0.01, target="CPU", trials=1, out="p.yaml",
+                     progress=False).validated()
     assert cfg.target == "cpu"
 
 

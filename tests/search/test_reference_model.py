@@ -52,13 +52,10 @@ def test_model_reference_reads_the_dtypes() -> None:
 
 
 def _cfg(tmp_path: Path, **kw: object) -> TuneConfig:
-    args: dict = dict(max_error=0.01, max_drop=None, target="h100", batch_size=64,
-                      precisions=None, trials=10, timeout=None, seed=0, patience=None,
-                      min_speedup=None, storage=None, study_name=None, resume=False,
-                      pareto=False, out=tmp_path / "p.yaml", locked=(), progress=False,
-                      cache_dir=tmp_path / "cache", train_aware=False)
+    args: dict = dict(max_error=0.01, target="h100", batch_size=64, trials=10,
+                      out=tmp_path / "p.yaml", progress=False, cache_dir=tmp_path / "cache")
     args.update(kw)
-    return TuneConfig.make(**args)
+    return TuneConfig(**args).validated()
 
 
 def test_space_offers_own_and_lower_plus_fp32_islands(tmp_path: Path) -> None:

@@ -1,0 +1,105 @@
+"""One decoder between a trial, its plan and the policy's rules; what "the same plan" is.
+
+    trial params   Optuna's {variable name: precision} (``space.all_variables``)
+      ↕ key        a tuple of precision codes, the default region first (search/space.py)
+      ↓ explicit   (default, a rule on every GEMM layer and locked path): what the search
+                   applies, measures and prices — one plan per key, no inheritance
+      ↓ compact    (default, the fewest rules that run the same plan; search/compact.py):
+                   what the policy file says; recorded on a feasible trial
+                   (``user_attrs["policy"]``) so that a study can be exported without the
+                   model
+
+Every stage that turns a trial or a key into rules or a policy asks a ``TrialDecoder``
+(the search's own, ``tune.Search.decoder``); none calls ``space.rules`` or
+``compact.compact`` itself.
+
+The same plan: a trial is identified by its key (``select.dedupe``, the driver's claim);
+two keys are one plan when they run the same schedule (``Planner.signature``, and
+``compact`` keeps the schedule of the explicit rules), and then their compact rules are
+equal; two rule sets — a trial's, a baseline's, the model as given — are one plan when
+their ``plan_id`` is (``confirm_speed.Row.key``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from autoprec.policy import Policy
+from autoprec.search import compact as _compact
+from autoprec.search.space import Key, SearchSpace
+
+#: (default, {module path: precision})
+Rules = tuple[str, dict[str, str]]
+
+
+def plan_id(default: str, layers: Mapping[str, str], form: str
+            ) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+    """What identifies a plan written as rules: its form, default and rules. A plan with
+    no 16-bit tensor anywhere (fp32 or tf32, no rules) runs the same in both forms."""
+    if default in ("fp32", "tf32") and not layers:
+        form = "any"
+    return form, default, tuple(sorted(layers.items()))
+
+
+def policy_for(default: str, layers: Mapping[str, str], fingerprint: str | None = None,
+               target: str | None = None, form: str = "train") -> Policy:
+    """A minimal policy (no metadata besides the fingerprint, target and form)."""
+    model = {"fingerprint": fingerprint} if fingerprint else {}
+    return Policy(default=default, layers=dict(layers), model=model, form=form,
+                  target={"device": target} if target else {})
+
+
+class TrialDecoder:
+    """Trial params ↔ key ↔ rules of one search space.
+
+    ``cost``: the cost model the compact rules are checked on (``compact.compact``); None
+    (``autoprec export``: no model) decodes a trial to the rules recorded on it, else to
+    its explicit rules (the same plan, written longer).
+    """
+
+    def __init__(self, space: SearchSpace, cost: Any = None) -> None:
+        self.space = space
+        self.cost = cost
+        self._compact: dict[Key, Rules] = {}
+
+    def key(self, params: Mapping[str, str]) -> Key:
+        """The plan key of a trial's params (a missing variable: fp32)."""
+        return self.space.key(params)
+
+    def params(self, key: Key) -> dict[str, str]:
+        """The trial params of a plan key."""
+        return self.space.params(key)
+
+    def explicit(self, key: Key) -> Rules:
+        """A rule on every GEMM layer and locked path: what the search runs."""
+        return self.space.rules(key)
+
+    def compact(self, key: Key) -> Rules:
+        """The fewest rules that run the same plan as ``explicit(key)`` (cached)."""
+        hit = self._compact.get(key)
+        if hit is None:
+            if self.cost is None:
+                raise ValueError("TrialDecoder.compact needs the cost model (cost=...)")
+            default, layers = self.explicit(key)
+            hit = _compact.compact(self.cost, default, layers,
+                                  defaults=self.space.region.choices)
+            self._compact[key] = hit
+        return hit[0], dict(hit[1])
+
+    def rules(self, cand: Any) -> Rules:
+        """The rules to write for a study candidate (``select.Candidate``): those recorded
+        on it (compacted when it was measured, or a baseline's own), else its compact
+        rules, else (no cost model) its explicit ones."""
+        if cand.policy:
+            return cand.policy["default"], dict(cand.policy["layers"])
+        key = self.key(cand.params)
+        return self.compact(key) if self.cost is not None else self.explicit(key)
+
+    def policy(self, key: Key, *, fingerprint: str | None = None, target: str | None = None,
+               form: str = "train") -> Policy:
+        """The policy the search applies for ``key`` (explicit rules)."""
+        return policy_for(*self.explicit(key), fingerprint, target, form)
+
+
+__all__ = ["Rules", "TrialDecoder", "plan_id", "policy_for"]
