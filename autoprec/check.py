@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from autoprec.assess import Assessment, assess
-from autoprec.cost import DeviceProfile, get_profile
+from autoprec.cost import DeviceProfile
 from autoprec.errors import CheckFailed, InputError, PolicyError
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec, load_model_file
@@ -48,7 +48,7 @@ from autoprec.report_json import (
     reasons_json,
     speedup,
 )
-from autoprec.targets import DEFAULT_TARGET, canonical_target
+from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
 
@@ -266,8 +266,14 @@ def check(
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
-    tgt = canonical_target(target or policy.target_device or DEFAULT_TARGET)
-    profile = get_profile(tgt)  # an unknown device is exit 2, before the long work
+    # the target resolved once (name, mode, speed source), as eval and tune resolve it;
+    # check measures nothing: a local target's calibration is read where it is cached
+    from autoprec.search.target import resolve_target
+
+    resolved = resolve_target(target, policy, compile=compile, measure=False,
+                              policy_path=policy_path if isinstance(policy_path, (str, Path))
+                              else None)
+    tgt, speed, profile = resolved.name, resolved.speed, resolved.profile
     net = spec.model()
     calib = spec.calibration_batches()
     bs = batch_size or policy.batch_size or batch_size_of(calib[0]) or 1
@@ -275,8 +281,7 @@ def check(
                          budget_kind=kind, budget=budget, budget_source=source, error=None,
                          target=tgt, batch_size=bs,
                          batch_size_from=batch_size_from(batch_size, policy.batch_size),
-                         mode=policy.mode if compile is None else
-                         ("compile" if compile else "eager"))
+                         mode=resolved.mode)
     reasons, notes = result.reasons, result.notes
 
     # -- structure --------------------------------------------------------------------
@@ -302,13 +307,6 @@ def check(
             raise
 
     # -- score, audit and price: the pipeline eval shares (autoprec/assess.py) ----------
-    # one price for one target: the speed source eval and tune use (a local target's
-    # calibration and op times where this machine has them cached; check measures nothing)
-    from autoprec.search.local_profile import calibration_dir, speed_source
-
-    speed = speed_source(tgt, measure=False, mode=result.mode, cache_dir=calibration_dir(
-        policy_path if isinstance(policy_path, (str, Path)) else None))
-    profile = speed.profile
     a = assess(spec, net, policy, target=tgt, profile=profile, batch_size=bs,
                mode=result.mode, force=True, fp8_backend=fp8_backend,
                capture_warnings=True, source=speed)
@@ -316,7 +314,7 @@ def check(
         notes.append(f"speed: {speed.note}")
 
     # -- target device: the applied plan's precisions -----------------------------------
-    if target is None and policy.target_device is None:
+    if not resolved.named:
         notes.append(f"no target given or in the policy: checked for {tgt} (the default)")
     dev_reasons, layer_why = _device_reasons(policy, a, net, profile, tgt)
     reasons.extend(dev_reasons)

@@ -21,7 +21,6 @@ import typer
 
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
-from autoprec.targets import DEFAULT_TARGET, canonical_target
 
 #: The target tune prices for when neither --target nor the policy names one.
 
@@ -169,26 +168,24 @@ def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
     """What ``eval --json`` prints: score, audit and cost of a policy on model.py."""
 
     from autoprec.assess import assess
-    from autoprec.cost import get_profile
     from autoprec.loading import load_model_file
     from autoprec.policy import load_policy
     from autoprec.report_json import batch_size_from, reasons_json, speedup, verdict_reasons
     from autoprec.report_json import feasible as feasible_rule
-    from autoprec.search.local_profile import calibration_dir, speed_source
+    from autoprec.search.target import resolve_target
     from autoprec.validate import check_batch_size
 
     check_batch_size(batch_size)  # autoprec.validate: [1, MAX_BATCH_SIZE]
     spec = load_model_file(model)
     net = spec.model()
     pol = load_policy(policy_path, model=net, force=force)
-    device = canonical_target(target or pol.target_device or DEFAULT_TARGET)
-    get_profile(device)  # an unknown device is exit 2 before the long work
-    # a local target is priced on this machine's calibration, as tune does (a profile
-    # fitted on another CPU promised 1.82x for a policy that ran 0.56x here)
-    mode = pol.mode if compile is None else ("compile" if compile else "eager")
-    source = speed_source(device, measure=measure, cache_dir=calibration_dir(policy_path),
-                          mode=mode)
-    profile = source.profile
+    # the target resolved once, as check and tune resolve it: a local target priced on this
+    # machine's calibration and op timings (a profile fitted on another CPU promised 1.82x
+    # for a policy that ran 0.56x here)
+    resolved = resolve_target(target, pol, compile=compile, measure=measure,
+                              policy_path=policy_path)
+    device, mode, source, profile = (resolved.name, resolved.mode, resolved.speed,
+                                     resolved.profile)
     # score, audit and price: the pipeline check shares (autoprec/assess.py)
     a = assess(spec, net, pol, target=device, profile=profile, batch_size=batch_size,
                mode=mode, force=force, source=source)

@@ -174,7 +174,9 @@ class TuneConfig:
     @property
     def mode(self) -> str:
         """The deployment mode plans are priced for: "compile" or "eager"."""
-        return "compile" if self.compile else "eager"
+        from autoprec.search.target import mode_of
+
+        return mode_of(self.compile)
 
     @property
     def use_metric(self) -> bool:

@@ -53,7 +53,7 @@ from autoprec.search.confirm_speed import SpeedCheck, confirm_tune, speed_metric
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.driver import Driver, TrialResult, trial_rows
 from autoprec.search.export import META_KEY, policy_from_candidate, study_meta
-from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
+from autoprec.search.local_profile import SpeedSource, calibration_dir
 from autoprec.search.objective import Evaluator, given_policy
 from autoprec.search.planner import Planner
 from autoprec.search.sampler import PlanSampler
@@ -65,6 +65,7 @@ from autoprec.search.storage import (
     open_storage,
     storage_errors,
 )
+from autoprec.search.target import resolve_target
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import NullTracker, PlotPlans, Tracker, log_tune_artifacts
@@ -181,8 +182,9 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
                   budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
-    source = speed_source(cfg.target, measure=cfg.measure,
-                          cache_dir=calibration_dir(out_path, cfg.cache_dir), mode=cfg.mode)
+    target = resolve_target(cfg.target, compile=cfg.compile, measure=cfg.measure,
+                            cache_dir=calibration_dir(out_path, cfg.cache_dir))
+    source = target.speed
     # the one price source of a target (SpeedSource.cost_model): on a local CPU the model's
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
     cost = (make_cost_model(graph, profile, deploy_bs, cfg.mode, form=cfg.form)
