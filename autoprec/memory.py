@@ -210,6 +210,8 @@ class StagePeaks:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
+        if not self.peaks:  # what came before the first stage (the model's load): its peak
+            self.peaks["load"] = self._peak()
         release_freed()
         if self._cuda():
             reset_peak(self.model)
@@ -225,6 +227,12 @@ class StagePeaks:
             return peak_bytes(self.model)[0]
         hwm = _vm_hwm() if self.resettable else None
         return hwm if hwm is not None else peak_bytes()[0]
+
+    @property
+    def overall(self) -> int:
+        """The peak over every stage. On Linux the reset also resets ``ru_maxrss``, so
+        after a stage this, not ``peak_bytes``, is the process's peak."""
+        return max(self.peaks.values(), default=0)
 
     @property
     def highest(self) -> str | None:

@@ -794,6 +794,8 @@ def tune(
         result.report = write_report(Path(report), result, list(space.region.choices),
                                      _per_layer(prep, space, result.policy))
     result.peak_memory, result.peak_memory_how = peak_bytes(prep.net)
+    # the per-stage resets reset ru_maxrss too (Linux): the peak is the highest stage's
+    result.peak_memory = max(result.peak_memory, peaks.overall)
     result.memory_stages = dict(peaks.peaks)
     return result
 
