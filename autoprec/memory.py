@@ -17,6 +17,12 @@ device offers: on CPU the memory available to this process (``/proc/meminfo``'s
 MemAvailable, or psutil's) plus what the model already takes; on CUDA the card's total
 memory. ``limit_bytes`` overrides it (``tune --memory-limit``; tests inject a small one).
 
+Between stages ``release_freed`` hands the C heap's free pages back to the OS (glibc's
+``malloc_trim``), and the CLI calls ``map_large_allocations`` once so that large tensors
+are mmapped and unmapped when freed (a fragmented heap otherwise keeps a freed probe's
+copies resident: 2.34 GB -> 2.07 GB peak on the 160 M GPT-2). ``StagePeaks`` measures the
+peak of each stage on its own (Linux: ``/proc/self/clear_refs`` resets VmHWM).
+
 ``peak_bytes`` is what tune reports as ``peak memory``: the process's peak resident set
 (``getrusage(RUSAGE_SELF).ru_maxrss``) on CPU, ``torch.cuda.max_memory_allocated`` for a
 model on CUDA.
@@ -24,7 +30,11 @@ model on CUDA.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +43,13 @@ from autoprec.errors import InputError
 
 #: Where Linux says how much memory a new allocation can get without swapping.
 MEMINFO = Path("/proc/meminfo")
+#: Writing "5" resets the process's peak resident set (VmHWM) to its current one (Linux).
+CLEAR_REFS = Path("/proc/self/clear_refs")
+STATUS = Path("/proc/self/status")
+#: mallopt's parameter number for the mmap threshold (glibc malloc.h: M_MMAP_THRESHOLD -3)
+M_MMAP_THRESHOLD = -3
+#: 1 MiB: an allocation this large (a 512 x 512 fp32 tensor) is mmapped, not heap-allocated
+MMAP_THRESHOLD = 1 << 20
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -121,5 +138,111 @@ def peak_bytes(model: torch.nn.Module | None = None) -> tuple[int, str]:
     return (int(rss) if sys.platform == "darwin" else int(rss) * 1024), "peak resident (RSS)"
 
 
-__all__ = ["available_bytes", "check_fits", "device_limit", "gb", "peak_bytes", "reset_peak",
-           "weight_bytes"]
+def _libc() -> ctypes.CDLL | None:
+    """glibc, or None (musl, macOS, Windows: the calls below are no-ops there)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None
+
+
+def release_freed() -> bool:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``), after a
+    ``gc.collect()`` so cycles holding tensors go first. False where not glibc."""
+    import gc
+
+    gc.collect()
+    lib = _libc()
+    if lib is None:
+        return False
+    lib.malloc_trim(0)
+    return True
+
+
+def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Serve allocations of ``threshold`` bytes or more by mmap (glibc ``mallopt``), so a
+    freed tensor goes back to the OS at once. Process-wide: the CLI calls it at start.
+    False where not glibc."""
+    lib = _libc()
+    if lib is None:
+        return False
+    return bool(lib.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+
+
+def _vm_hwm(status: Path = STATUS) -> int | None:
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_hwm(clear_refs: Path = CLEAR_REFS) -> bool:
+    try:
+        clear_refs.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class StagePeaks:
+    """The peak memory of each stage of a tune, measured on its own.
+
+    ``with peaks.stage("probe"): ...`` frees what earlier stages left (``release_freed``),
+    resets the peak counter (CUDA's peak for a model on CUDA; on Linux the resident peak,
+    VmHWM, via ``/proc/self/clear_refs``) and records the stage's peak on exit. Where the
+    resident peak cannot be reset the figure is the process's peak so far (``ru_maxrss``),
+    and ``resettable`` is False.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        self.model = model
+        self.peaks: dict[str, int] = {}
+        self.resettable = True
+
+    def _cuda(self) -> bool:
+        return self.model is not None and _device(self.model).type == "cuda"
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if not self.peaks:  # what came before the first stage (the model's load): its peak
+            self.peaks["load"] = self._peak()
+        release_freed()
+        if self._cuda():
+            reset_peak(self.model)
+        elif not _reset_hwm():
+            self.resettable = False
+        try:
+            yield
+        finally:
+            self.peaks[name] = max(self.peaks.get(name, 0), self._peak())
+
+    def _peak(self) -> int:
+        if self._cuda():
+            return peak_bytes(self.model)[0]
+        hwm = _vm_hwm() if self.resettable else None
+        return hwm if hwm is not None else peak_bytes()[0]
+
+    @property
+    def overall(self) -> int:
+        """The peak over every stage. On Linux the reset also resets ``ru_maxrss``, so
+        after a stage this, not ``peak_bytes``, is the process's peak."""
+        return max(self.peaks.values(), default=0)
+
+    @property
+    def highest(self) -> str | None:
+        """The stage with the highest peak (None before any)."""
+        return max(self.peaks, key=self.peaks.__getitem__) if self.peaks else None
+
+    def summary(self) -> str:
+        """``trace 1.20 GB, probe 2.07 GB, ...`` in stage order."""
+        return ", ".join(f"{k} {gb(v)}" for k, v in self.peaks.items())
+
+
+__all__ = ["StagePeaks", "available_bytes", "check_fits", "device_limit", "gb", "map_large_allocations",
+           "peak_bytes", "release_freed", "reset_peak", "weight_bytes"]

@@ -126,13 +126,14 @@ def run_one(kind: str, layers: int, workdir: Path, max_error: float, batch_size:
             "feasible": res["feasible"], "est": res["est_speedup"],
             "est_ref": res["est_speedup_over_reference"], "default": pol["default"],
             "fp8": sum(1 for v in rules.values() if v == "fp8"), "rules": len(rules),
-            "reference": res["reference"].get("dtype")}
+            "reference": res["reference"].get("dtype"),
+            "stages": res.get("memory_stages") or {}, "peak_stage": res.get("peak_memory_stage")}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | weights | params | peak memory | peak / weights | bound "
             "(2W + slack) | within | wall s | error (budget) | est. speed-up over fp32 "
-            "| over the model as given | plan |")
+            "| over the model as given | plan | peak per stage (GB) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(
@@ -140,7 +141,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['params'] / 1e6:.0f} M | {r['peak'] / 1e9:.2f} GB | {r['peak_over_w']:.2f}x "
             f"| {r['bound'] / 1e9:.2f} GB | {'yes' if r['within'] else 'NO'} | {r['wall']:.0f} "
             f"| {r['error']:.4f} ({r['budget']:g}) | {r['est']:.2f}x | {r['est_ref']:.2f}x "
-            f"| default {r['default']}, {r['rules']} rules ({r['fp8']} fp8) |")
+            f"| default {r['default']}, {r['rules']} rules ({r['fp8']} fp8) "
+            f"| {', '.join(f'{k} {v / 1e9:.2f}' for k, v in r['stages'].items())} |")
     return "\n".join(out)
 
 
@@ -157,6 +159,18 @@ def growth(rows: list[dict[str, Any]], kind: str) -> str:
     return (f"{kind}: peak ~ {peak[0]:.2f} x weights + {peak[1]:.2f} GB; wall ~ "
             f"{wall[0]:.0f} s per GB of weights + {wall[1]:.0f} s (least squares over "
             f"{len(sel)} sizes)")
+
+
+def _cpu_name() -> str:
+    """``lscpu``'s model name (what the wall times were measured on), or the platform's."""
+    import platform
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
+                 if ln.startswith("Model name:")), "unknown CPU")
 
 
 def main() -> None:
@@ -179,9 +193,10 @@ def main() -> None:
                   f"{row['peak'] / 1e9:.2f} GB ({row['peak_over_w']:.2f}x), {row['wall']:.0f} s",
                   flush=True)
     load1 = os.getloadavg()[0]
-    lines = [table(rows), "", *(g for g in (growth(rows, "llama"),) if g),
+    cpu = _cpu_name()
+    lines = [table(rows), "", *(g for g in (growth(rows, "llama"),) if g), "",
              f"load average (1 min) {load0:.2f} before, {load1:.2f} after; {os.cpu_count()} "
-             f"CPUs; tune --target h100 --batch-size {args.batch_size} --max-error "
+             f"CPUs ({cpu}); tune --target h100 --batch-size {args.batch_size} --max-error "
              f"{args.max_error:g}"]
     text = "\n".join(lines)
     print()

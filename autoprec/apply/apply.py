@@ -44,6 +44,7 @@ from autoprec.errors import CapabilityError, InputError, warn
 from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.lower.backends import format_backends
 from autoprec.lower.forward import lowered_forward
+from autoprec.lower.fp8 import drop_weight_caches
 from autoprec.lower.stored import consumer_forward, deploy_forward
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
@@ -217,6 +218,8 @@ class PolicyHandle:
                 mod.forward = old  # type: ignore[method-assign]
         if self.stored is not None:
             self.stored.restore()
+        # the quantised weights this plan's fp8 / block-scaled leaves cached go with it
+        drop_weight_caches(unwrap_model(self.model))
 
     def __enter__(self) -> PolicyHandle:
         return self

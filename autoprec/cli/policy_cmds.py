@@ -22,8 +22,6 @@ import typer
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
 
-#: The target tune prices for when neither --target nor the policy names one.
-
 
 @contextmanager
 def _warnings_to_stderr() -> Iterator[None]:

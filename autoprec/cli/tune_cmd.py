@@ -129,6 +129,10 @@ def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, A
             "est_speedup_over_reference", round(result.est_speedup, 4)),
         "model_weight_bytes": result.weight_bytes,
         "peak_memory_bytes": result.peak_memory, "peak_memory_measured": result.peak_memory_how,
+        # each stage's own peak (autoprec.memory.StagePeaks), and the stage that set the peak
+        "memory_stages": dict(result.memory_stages),
+        "peak_memory_stage": (max(result.memory_stages, key=result.memory_stages.__getitem__)
+                              if result.memory_stages else None),
     }
 
 
@@ -162,6 +166,9 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
             if w else ""
         print(f"peak memory {result.peak_memory / 1e9:.2f} GB "
               f"({result.peak_memory_how}){ratio}")
+        if result.memory_stages:
+            print("  per stage: " + ", ".join(f"{k} {v / 1e9:.2f} GB"
+                                              for k, v in result.memory_stages.items()))
     if result.speed is not None:
         _print_speed(result.speed)
 

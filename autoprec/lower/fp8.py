@@ -92,6 +92,22 @@ def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulate
                                   _weight_fp8(module, weight))
 
 
+#: The attributes ``_weight_fp8`` and ``blockscale._weight_cache`` keep a module's
+#: quantised weight in (one more copy of the weight, in 8 or 4 bits, with its scales).
+WEIGHT_CACHES = ("_autoprec_fp8_weight", "_autoprec_block_weight")
+
+
+def drop_weight_caches(model: torch.nn.Module) -> int:
+    """Forget every quantised-weight cache on ``model`` and its children (a plan removed,
+    a probe's shadow done): the copies go with it. Returns how many were dropped."""
+    n = 0
+    for m in model.modules():
+        for attr in WEIGHT_CACHES:
+            if m.__dict__.pop(attr, None) is not None:
+                n += 1
+    return n
+
+
 def _weight_fp8(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight in e4m3 with its scale, cached on the module until the weight changes.
 

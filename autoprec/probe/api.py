@@ -211,7 +211,7 @@ def _shadow_pass(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
     gprobes = GradProbes(settings.loss_scale, settings.fp8_backend) if loss is not None else None
     gen = torch.Generator().manual_seed(settings.seed)
     ref_outputs: list[list[torch.Tensor]] = []
-    sq_y, metric_sum, metric_w = 0.0, 0.0, 0.0
+    sq_y, metric_sum, metric_w = 0.0, 0.0, 0.0  # python floats: no tensor keeps a graph
     bar = tqdm(batches, desc="probe: shadow pass", unit="batch", disable=not settings.progress,
                leave=False)
     with ShadowPass(model, sel, settings.fp8_backend, track=True,
@@ -240,7 +240,10 @@ def _shadow_pass(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
                         gprobes.add(calls, edge_grads(lval, calls, retain=False))
             finally:
                 sp.busy = False
-            del out, calls
+            # the projection ``s`` and the loss are scalars *with* this batch's graph: drop
+            # them with the outputs, or the graph lives through the next batch's forward
+            s = lval = None
+            del out, calls, s, lval
     bar.close()
     ref_metric = None
     if metric is not None:

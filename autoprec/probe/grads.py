@@ -101,22 +101,27 @@ class Projections:
 
     def _add(self, calls: Sequence[Call], grads: list[list[Any]], weight: float,
              split: str) -> None:
-        per: dict[Key, list[torch.Tensor]] = defaultdict(list)
+        # One (layer, precision) pair at a time: only its calls' split products are alive
+        # (all pairs at once held every call's products of every precision together).
+        keys: dict[Key, list[tuple[Any, torch.Tensor]]] = defaultdict(list)
         for call, gs in zip(calls, grads):
             for p, deltas in call.deltas.items():
                 for g, d, edge in zip(gs, deltas, call.edges):
                     if edge is not None:
                         self.seen.add((call.layer.path, p))
                     if g is not None:
-                        per[(call.layer.path, p)].append(_split(g, d, split))
+                        keys[(call.layer.path, p)].append((g, d))
         sq = self.sq[split]
-        for key, parts in per.items():
+        for key, pairs in keys.items():
+            parts = [_split(g, d, split) for g, d in pairs]
             # A layer called twice contributes J1 δ1 + J2 δ2: sum before squaring when the
             # calls line up group by group, else treat them as independent.
             if len({t.shape for t in parts}) == 1:
-                sq[key] += weight * float(torch.stack(parts).sum(0).pow(2).sum())
+                total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+                sq[key] += weight * float(total.pow(2).sum())
             else:
                 sq[key] += weight * sum(float(t.pow(2).sum()) for t in parts)
+            del parts
 
 
 @dataclass

@@ -27,6 +27,7 @@ from torch import nn
 from autoprec.errors import InputError
 from autoprec.formats.gemm import ineligible_reason, is_gemm_module
 from autoprec.lower.forward import cast_floats, lowered_forward
+from autoprec.lower.fp8 import drop_weight_caches
 from autoprec.precisions import GEMM_FORMATS
 from autoprec.reference import offered, own_precision
 from autoprec.trace.graph import LayerGraph
@@ -193,5 +194,8 @@ def lowered_alone(layer: ProbeLayer, precision: str,
         return cast_floats(low(*args, **kwargs), x.dtype,
                            (torch.float32, torch.bfloat16, torch.float16))
 
-    with inner_fp32(layer), swapped_forward(layer.module, forward):
-        yield
+    try:
+        with inner_fp32(layer), swapped_forward(layer.module, forward):
+            yield
+    finally:  # the run's quantised weight goes with it: one layer's copy at a time
+        drop_weight_caches(layer.module)

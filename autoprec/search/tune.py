@@ -40,7 +40,7 @@ from autoprec.evaluate import Reference, batch_tensors, reference, same_tensors,
 from autoprec.formats.gemm import is_forward_only
 from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.loading import ModelSpec, load_model_file
-from autoprec.memory import check_fits, peak_bytes, reset_peak
+from autoprec.memory import StagePeaks, check_fits, peak_bytes, release_freed, reset_peak
 from autoprec.metrics import batch_size_of
 from autoprec.paths import check_out_path, remove_stale_fronts
 from autoprec.policy import Policy
@@ -110,6 +110,7 @@ class TuneResult:
     weight_bytes: int = 0  # the model's own weights (as given)
     peak_memory: int = 0  # bytes at the peak of the tune (autoprec.memory.peak_bytes)
     peak_memory_how: str = ""  # what was measured (peak RSS on CPU, allocated on CUDA)
+    memory_stages: dict[str, int] = field(default_factory=dict)  # stage -> its own peak bytes
 
 
 # -- stage 1: prepare ---------------------------------------------------------------------
@@ -135,7 +136,8 @@ class Prepared:
     reference: ModelReference = field(default_factory=ModelReference)  # the model as given
 
 
-def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None) -> Prepared:
+def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
+            peaks: StagePeaks | None = None) -> Prepared:
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     if cfg.use_metric and spec.metric is None:
         raise InputError(f"{spec.path}: --max-drop needs a metric(outputs, batch) in model.py")
@@ -148,6 +150,8 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
     refm = model_reference(net)
     check_fits(net, str(spec.path), cfg.memory_limit)  # the model twice, or one line now
     reset_peak(net)
+    peaks = peaks if peaks is not None else StagePeaks()
+    peaks.model = net
     if not refm.is_fp32 and (cfg.train_aware or cfg.form == "train"):
         what = "--train-aware" if cfg.train_aware else "--form train"
         raise InputError(f"{spec.path}: {what} runs autocast over fp32 master weights, but "
@@ -157,10 +161,8 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
     eval_batches = spec.eval_batches()
     same_data = spec.eval_data is None
     before = batch_tensors(calib[0])  # to tell an input changed in place from randomness
-    ref = reference(spec, net, calib, "of calibration_data",  # also: the model accepts it
-                    need_outputs=not cfg.use_metric)
-    eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
-    check = score(spec, net, calib, ref, "of calibration_data")
+    with peaks.stage("reference"):
+        ref, eval_ref, check = _references(spec, net, calib, eval_batches, same_data, cfg)
     if check.error != 0.0:
         if not same_tensors(before, batch_tensors(calib[0])):
             raise InputError(f"{spec.path}: forward() changes its input in place (batch 0 of "
@@ -170,16 +172,18 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
         raise InputError(f"{spec.path}: the {refm.label()} model is not deterministic (two "
                          "runs differ "
                          f"by {check.error:.3g}); put it in eval mode / fix random ops")
-    graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
+    with peaks.stage("trace"):
+        graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
     unknown = [lk for lk in cfg.locked if lk not in graph]
     if unknown:
         raise InputError(f"--lock {unknown[0]!r}: {spec.path} has no such module")
     cache = cfg.cache_dir or out_path.parent / ".autoprec" / "probe-cache"
     # Gradient probes (model.py's loss) cost ~20 forward-equivalents; only training needs them.
-    table = probe(net, calib, precisions=[p for p in cfg.precisions if p != "fp32"],
-                  forward=spec.forward, loss=spec.loss if cfg.train_aware else None,
-                  metric=spec.metric if cfg.use_metric else None, graph=graph,
-                  budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
+    with peaks.stage("probe"):
+        table = probe(net, calib, precisions=[p for p in cfg.precisions if p != "fp32"],
+                      forward=spec.forward, loss=spec.loss if cfg.train_aware else None,
+                      metric=spec.metric if cfg.use_metric else None, graph=graph,
+                      budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
     target = resolve_target(cfg.target, compile=cfg.compile, measure=cfg.measure,
@@ -196,6 +200,16 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None)
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
                     cost, deploy_bs, calib_bs, out_path, source, refm)
+
+
+def _references(spec: ModelSpec, net: Any, calib: list[Any], eval_batches: list[Any],
+                same_data: bool, cfg: TuneConfig) -> tuple[Any, Any, Any]:
+    """The model's own outputs on both sets, and a second run of it (determinism)."""
+    ref = reference(spec, net, calib, "of calibration_data",  # also: the model accepts it
+                    need_outputs=not cfg.use_metric)
+    eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
+    check = score(spec, net, calib, ref, "of calibration_data")
+    return ref, eval_ref, check
 
 
 # -- stage 2: the space -------------------------------------------------------------------
@@ -730,17 +744,24 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
                         f"{', '.join(sorted(options))})")
     cfg = (config if config is not None else TuneConfig(**options)).validated()
     tracker = tracker or NullTracker()
-    prep = prepare(model, cfg, profile)
-    space = make_space(prep, cfg)
-    interrupted: list[bool] = []
-    search = run_search(prep, space, cfg, tracker, interrupted)
-    result = write(prep, space, search, cfg, tracker, started)
+    peaks = StagePeaks()
+    prep = prepare(model, cfg, profile, peaks)
+    with peaks.stage("search"):
+        space = make_space(prep, cfg)
+        interrupted: list[bool] = []
+        search = run_search(prep, space, cfg, tracker, interrupted)
+    with peaks.stage("confirm"):  # select, confirm on the eval data, write
+        result = write(prep, space, search, cfg, tracker, started)
+    release_freed()
     if cfg.report is not None:
         from autoprec.search.baselines import write_report
 
         result.report = write_report(Path(cfg.report), result, list(space.region.choices),
                                      _per_layer(prep, space, result.policy))
     result.peak_memory, result.peak_memory_how = peak_bytes(prep.net)
+    # the per-stage resets reset ru_maxrss too (Linux): the peak is the highest stage's
+    result.peak_memory = max(result.peak_memory, peaks.overall)
+    result.memory_stages = dict(peaks.peaks)
     return result
 
 

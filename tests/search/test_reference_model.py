@@ -145,5 +145,11 @@ def test_peak_memory_is_in_the_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code in (0, 1), err
     got = json.loads(out)
     assert got["peak_memory_bytes"] > got["model_weight_bytes"] > 0
+    stages = got["memory_stages"]  # each stage's own peak (autoprec.memory.StagePeaks)
+    assert list(stages) == ["load", "reference", "trace", "probe", "search",
+                            "confirm"]
+    assert all(v > 0 for v in stages.values()), stages
+    assert got["peak_memory_bytes"] == max(stages.values())
+    assert got["peak_memory_stage"] == max(stages, key=stages.__getitem__)
     assert got["reference"] == {"dtype": "bf16", "layers": {DOWN: "fp32"}}
     assert got["est_speedup_over_reference"] >= 1.0
