@@ -16,7 +16,8 @@ row it prints the estimate at the timed batch next to the measurement, and check
 
     python experiments/estimate_accuracy.py                          # every model, both modes
     python experiments/estimate_accuracy.py --models wide,minilm --modes eager --trials 10
-    python experiments/estimate_accuracy.py --write    # + experiments/results/estimate_accuracy.md
+    python experiments/estimate_accuracy.py --modes eager --write
+                                 # + experiments/results/estimate_accuracy-eager.md
 
 Timings are this machine's (its CPU is named in the header); run it on a quiet machine.
 """
@@ -39,7 +40,7 @@ from autoprec.search.local_profile import speed_source
 from autoprec.search.tune import tune
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "estimate_accuracy.md"
+RESULTS = HERE / "results" / "estimate_accuracy-{modes}.md"  # one file per set of modes
 #: model -> (budget kind, budget): the budgets the other experiments use.
 MODELS = {
     "minilm": ("max_error", 0.03), "wide": ("max_error", 0.05),
@@ -95,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--write", action="store_true", help=f"also write {RESULTS}")
+    ap.add_argument("--skip", default="", help="comma list of models to leave out")
     args = ap.parse_args(argv)
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    skip = {m.strip() for m in args.skip.split(",") if m.strip()}
+    names = [m.strip() for m in args.models.split(",") if m.strip() and m.strip() not in skip]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in names if m not in MODELS] + [m for m in modes if m not in MODES]
     if bad:
@@ -135,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     text = report(table, runs, argv if argv is not None else sys.argv[1:])
     print(text)
     if args.write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(text + "\n")
-        print(f"wrote {RESULTS}")
+        path = Path(str(RESULTS).format(modes="-".join(modes)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        print(f"wrote {path}")
     ok = all(abs(r["off"]) <= LIMIT for r in table if r["written"] or r["role"] == "baseline")
     return 0 if ok and not any(r["wrong"] for r in runs) else 1
 

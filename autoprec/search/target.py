@@ -73,11 +73,9 @@ def resolve_target(given: str | None, policy: Any = None, *, compile: bool | Non
     the mode from ``compile``, else the policy's; the speed source cached in ``cache_dir``
     (default: beside ``policy_path``, as tune caches it beside the policy it writes).
     ``measure``: a local target's calibration may be measured now (else cached only)."""
-    from autoprec.cost import get_profile
-
     named = given or (policy.target_device if policy is not None else None)
     name = canonical_target(named or DEFAULT_TARGET)
-    get_profile(name)  # an unknown device is exit 2 here, before the long work
+    # speed_source looks the profile up once: an unknown device is exit 2 there
     mode = mode_of(compile, policy.mode if policy is not None else "eager")
     cache = cache_dir if cache_dir is not None else calibration_dir(policy_path)
     return Target(name, mode, speed_source(name, measure=measure, cache_dir=cache, mode=mode),
