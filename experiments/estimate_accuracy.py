@@ -25,6 +25,7 @@ Timings are this machine's (its CPU is named in the header); run it on a quiet m
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"  # one calibration per mode for all models: one machine
         for mode in modes:
@@ -131,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
                              "written": res.speed.winner.name if res.speed.winner else "-",
                              "retimed": res.speed.retimed})
                 table.extend(rows)
+                load.append(os.getloadavg()[0])
                 worst = max((abs(r["off"]) for r in rows), default=0.0)
                 print(f"{name} ({mode}): {len(rows)} timed rows, worst |est/meas - 1| "
                       f"{worst:.0%}; rank pairs {n}, out of order {len(wrong)}; "
                       f"{wall:.0f} s", flush=True)
-    text = report(table, runs, argv if argv is not None else sys.argv[1:])
+    text = report(table, runs, argv if argv is not None else sys.argv[1:], load)
     print(text)
     if args.write:
         path = Path(str(RESULTS).format(modes="-".join(modes)))
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok and not any(r["wrong"] for r in runs) else 1
 
 
-def report(table: list[dict[str, Any]], runs: list[dict[str, Any]], argv: list[str]) -> str:
+def report(table: list[dict[str, Any]], runs: list[dict[str, Any]], argv: list[str],
+           load: list[float]) -> str:
     cmd = " ".join(["python experiments/estimate_accuracy.py", *argv])
     within = [r for r in table if r["written"] or r["role"] == "baseline"]
     n_ok = sum(abs(r["off"]) <= LIMIT for r in within)
@@ -159,7 +163,8 @@ def report(table: list[dict[str, Any]], runs: list[dict[str, Any]], argv: list[s
         "batch, interleaved rounds; median of per-round ratios to fp32, p10-p90 in brackets)",
         "- estimate: the cost model at the timed batch, priced with the calibrated cpu "
         "profile and this model's ops timed here (autoprec/cost/op_times.py)",
-        f"- made by `{cmd}`", "",
+        f"- made by `{cmd}`; 1-minute load average {min(load):.1f}-{max(load):.1f} on "
+        f"{os.cpu_count()} CPUs during the run", "",
         f"**{n_ok} of {len(within)}** written-plan and baseline rows within "
         f"{LIMIT:.0%}; **{pairs - wrong} of {pairs}** pairs with separated measured ranges "
         "in the estimate's order.", "",
