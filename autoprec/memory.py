@@ -67,14 +67,22 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next((t.device for t in model.parameters()), torch.device("cpu"))
 
 
-def available_bytes(meminfo: Path = MEMINFO) -> int | None:
-    """Host memory available now (MemAvailable; psutil where /proc is absent), or None."""
+def _proc_bytes(path: Path, key: str) -> int | None:
+    """A ``key:  N kB`` line of a /proc file (meminfo, self/status) in bytes, or None."""
     try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in path.read_text().splitlines():
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def available_bytes(meminfo: Path = MEMINFO) -> int | None:
+    """Host memory available now (MemAvailable; psutil where /proc is absent), or None."""
+    got = _proc_bytes(meminfo, "MemAvailable")
+    if got is not None:
+        return got
     try:
         import psutil  # optional
 
@@ -173,13 +181,7 @@ def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
 
 
 def _vm_hwm(status: Path = STATUS) -> int | None:
-    try:
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_bytes(status, "VmHWM")
 
 
 def _reset_hwm(clear_refs: Path = CLEAR_REFS) -> bool:

@@ -37,6 +37,7 @@ size rebuilds each tensor that scales with the batch with its leading dimension 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -259,20 +260,22 @@ def _key(recipe: dict[str, Any], trace: OpTrace) -> str:
 
 
 def _time(call: Callable[[], Any]) -> float:
-    """Seconds of one ``call()``: thread CPU time, median of SAMPLES samples."""
+    """Seconds of one ``call()``: thread CPU time (``measure_latency``, as tune's timings),
+    median of SAMPLES samples of at least SAMPLE_S each."""
+    from autoprec.cost.measure import measure_latency
+
     call()  # warm-up (first-call allocations, oneDNN primitive creation)
     t0 = time.thread_time()
     call()
     one = max(time.thread_time() - t0, 1e-7)
     reps = max(1, min(10_000, math.ceil(SAMPLE_S / one)))
-    got = []
-    for _ in range(SAMPLES):
-        t0 = time.thread_time()
+
+    def sample() -> None:
         for _ in range(reps):
             call()
-        got.append((time.thread_time() - t0) / reps)
-    got.sort()
-    return got[len(got) // 2]
+
+    return measure_latency(sample, "cpu", warmup=0, repeats=SAMPLES,
+                           clock="thread").median_s / reps
 
 
 class _Runner:
@@ -288,15 +291,11 @@ class _Runner:
         kwargs = {k: builder.build(v, dtype) for k, v in recipe["k"].items()}
         copies = self._weight_copies(recipe, args, kwargs)
         if copies:
-            sets = iter(())
+            sets = itertools.cycle(copies)
 
             def call() -> Any:
-                nonlocal sets
-                a = next(sets, None)
-                if a is None:
-                    sets = iter(copies)
-                    a = next(sets)
-                return func(*a[0], **a[1])
+                a, k = next(sets)
+                return func(*a, **k)
         else:
             def call() -> Any:
                 return func(*args, **kwargs)
@@ -427,16 +426,9 @@ def _cast_times(trace: OpTrace, scale: float, span: int) -> dict[str, float]:
             for dst, ddt in DTYPES.items():
                 if dst == src:
                     continue
-                it = iter(())
-
-                def call(xs: list[torch.Tensor] = xs, ddt: torch.dtype = ddt) -> Any:
-                    nonlocal it
-                    x = next(it, None)
-                    if x is None:
-                        it = iter(xs)
-                        x = next(it)
-                    return x.to(ddt)
-                out[cast_key(n, src, dst, weight)] = _time(call)
+                it = itertools.cycle(xs)
+                out[cast_key(n, src, dst, weight)] = _time(
+                    lambda it=it, ddt=ddt: next(it).to(ddt))
     return out
 
 
