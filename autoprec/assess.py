@@ -9,7 +9,11 @@ share this pipeline and differ only in what they conclude from it:
 2. **audit** — one real forward under the policy: every GEMM at its rule's precision,
    every rule run (``apply.audit``), and the casts it ran;
 3. **price** — the whole forward traced on a calibration batch and priced under the
-   policy's plan on the target at the deployment batch size (eager or compiled).
+   policy's plan on the target at the deployment batch size (eager or compiled);
+4. **beside the baselines** (``beside_baselines``, eval's table) — the policy next to what
+   a user writes instead (``search.baselines.baseline_rows``, the table tune's last step
+   builds), each scored on the eval data, priced on the same cost model, and timed where
+   the target is this machine (``measure_rows``, tune's timing path).
 """
 
 from __future__ import annotations
@@ -22,10 +26,9 @@ from typing import Any
 
 import torch
 
-from autoprec.apply.apply import apply_policy
+from autoprec.apply.apply import apply_policy, audit_policy
 from autoprec.apply.audit import AuditReport
-from autoprec.cost import Breakdown, DeviceProfile
-from autoprec.cost.fusion import make_cost_model
+from autoprec.cost import Breakdown
 from autoprec.evaluate import Reference, Score, first_nonfinite_module, reference, score
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec
@@ -33,6 +36,7 @@ from autoprec.metrics import batch_size_of
 from autoprec.policy import Policy
 from autoprec.policy.modules import Resolved, gemm_leaf_paths
 from autoprec.probe.headroom import Headroom, measure_headroom
+from autoprec.search.target import Target
 from autoprec.trace import LayerGraph, trace
 
 
@@ -80,17 +84,16 @@ def first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
     return None
 
 
-def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str,
-           profile: DeviceProfile, batch_size: int | None, mode: str = "eager",
-           force: bool = False, fp8_backend: str | None = None,
-           capture_warnings: bool = False, source: Any = None) -> Assessment:
+def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Target,
+           batch_size: int | None, force: bool = False, fp8_backend: str | None = None,
+           capture_warnings: bool = False) -> Assessment:
     """Score, audit and price ``policy`` on ``net`` (built from ``spec``) for ``target``.
 
-    ``batch_size``: the deployment batch (None: the policy's, else the calibration
-    batch's). ``capture_warnings``: policy warnings raised while applying are collected in
-    ``notes`` instead of being emitted (check reports them in its result). ``source``:
-    the target's speed source (``search.local_profile.SpeedSource``): its ``cost_model``
-    prices the plan as tune does (on a local CPU, with the model's ops timed here).
+    ``target``: the run's one resolved target (``search.target.resolve_target``): its
+    cost model prices the plan as tune does (on a local CPU, with the model's ops timed
+    here), in its mode. ``batch_size``: the deployment batch (None: the policy's, else the
+    calibration batch's). ``capture_warnings``: policy warnings raised while applying are
+    collected in ``notes`` instead of being emitted (check reports them in its result).
     """
     batches = spec.eval_batches()
     calib0 = spec.calibration_batches()[0]
@@ -101,14 +104,13 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
         if capture_warnings:
             warnings.simplefilter("always")
             caught = got
-        with apply_policy(net, policy, fp8_backend=fp8_backend, force=force,
-                          target=target) as handle:
-            with torch.no_grad():  # the handle holds torch.nn's fused paths off
-                report = handle.audit(lambda: spec.run(net, batches[0], 0, "of eval_data"),
-                                      strict=False)
+        applied = dict(fp8_backend=fp8_backend, force=force, target=target.name)
+        report = audit_policy(net, policy,
+                              lambda: spec.run(net, batches[0], 0, "of eval_data"), **applied)
+        with apply_policy(net, policy, **applied):
             sc = score(spec, net, batches, ref, "of eval_data")
             bad = first_nonfinite(spec, net, batches) if sc.nonfinite else None
-            layers, backend = handle.layers, handle.fp8_backend
+    layers, backend = report.layers, report.fp8_backend
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     # headroom: the fp32 model (the policy is removed) on the calibration data
     with fused_paths_off():
@@ -121,8 +123,7 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
     # "price at the deployment shape"): GEMMs, casts, norms, activations, GEMM-format scaling.
     graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
     bs = batch_size or policy.batch_size or batch_size_of(calib0) or graph.batch_size
-    cost = (source.cost_model(graph, bs, mode) if source is not None
-            else make_cost_model(graph, profile, bs, mode))
+    cost = target.cost_model(graph, bs)
     return Assessment(
         reference=ref, score=sc, audit=report, layers=layers, fp8_backend=backend,
         first_nonfinite=bad, graph=graph, cost=cost, breakdown=cost.breakdown(policy),
@@ -130,4 +131,51 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: str
         batch_size=bs, eval_batches=len(batches), notes=notes, headroom=headroom)
 
 
-__all__ = ["Assessment", "assess", "first_nonfinite"]
+def beside_baselines(a: Assessment, spec: ModelSpec, net: torch.nn.Module, policy: Policy,
+                     target: Target, *, measure: bool = False, force: bool = False) -> Any:
+    """Step 4: ``policy`` (assessed as ``a``) next to fp32, one global autocast per
+    precision, uniform tf32 and the ``model.to(bf16/fp16)`` one-liners where the target
+    has them — error on the eval data, estimated speed-up and weight bytes on ``a.cost``,
+    and, with ``measure`` on a local target, timed in the target's mode (compiled: one
+    model copy per plan) at the calibration batch. A ``speed_rows.SpeedCheck``; eval
+    writes nothing, so no row is marked unless timed (then: fastest within budget)."""
+    from autoprec.search.baselines import baseline_rows
+    from autoprec.search.speed_rows import Row, check_speed
+    from autoprec.search.timing import measure_rows
+    from autoprec.trace.graph import fingerprint
+
+    budget = policy.metrics.get("budget")
+    value = a.score.value
+
+    def ok(err: float) -> bool:
+        return budget is not None and err <= float(budget)
+
+    rows = [Row("policy", "tuned", policy, value, ok(value) or budget is None,
+                a.cost.speedup(policy), weight_bytes=a.cost.weight_bytes(policy))]
+    # the baselines are built for this model: its fingerprint, so that applying them warns
+    # of nothing (a fingerprint-less one warned "model.fingerprint: missing … (normal for a
+    # hand-written policy)" about a file the user never wrote)
+    model_id = {"fingerprint": fingerprint(net)}
+    batches = spec.eval_batches()
+
+    def eval_error(base: Policy) -> tuple[float, None]:
+        with apply_policy(net, base, target=target.name):
+            return score(spec, net, batches, a.reference, "of eval_data").value, None
+
+    rows += baseline_rows(a.cost, eval_error, None if budget is None else float(budget),
+                          lambda p, form: Policy(default=p, form=form, model=model_id))
+    speed = target.speed
+    if not (measure and speed.local):
+        check = check_speed(rows, None)
+        check.winner = None  # eval writes nothing: no row is marked
+        check.reason = speed.note if not speed.local else "not measured (no --measure)"
+        return check
+    batch = spec.calibration_batches()[0]
+    at_batch = target.cost_model(a.graph, batch_size_of(batch) or 1)
+    check = measure_rows(rows, spec.forward, net, batch, speed.device, target.name, at_batch,
+                         force=force, compile=target.compile)
+    check.mark = "fastest within budget"
+    return check
+
+
+__all__ = ["Assessment", "assess", "beside_baselines", "first_nonfinite"]

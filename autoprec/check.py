@@ -307,9 +307,8 @@ def check(
             raise
 
     # -- score, audit and price: the pipeline eval shares (autoprec/assess.py) ----------
-    a = assess(spec, net, policy, target=tgt, profile=profile, batch_size=bs,
-               mode=result.mode, force=True, fp8_backend=fp8_backend,
-               capture_warnings=True, source=speed)
+    a = assess(spec, net, policy, target=resolved, batch_size=bs, force=True,
+               fp8_backend=fp8_backend, capture_warnings=True)
     if speed.local:
         notes.append(f"speed: {speed.note}")
 

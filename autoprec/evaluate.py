@@ -26,6 +26,7 @@ from autoprec.errors import ModelFileError
 from autoprec.fileio import brief
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec
+from autoprec.lower.wide16 import scoring_gemms
 from autoprec.metrics import (
     ErrorAccumulator,
     batch_size_of,
@@ -67,7 +68,8 @@ def _outputs(spec: ModelSpec, model: torch.nn.Module, batches: Sequence[Any], wh
     2); once the fp32 reference ran, a failure under a policy is not: it propagates as is
     (a search trial records it as failed, with the reason)."""
     outs = []
-    with torch.no_grad(), fused_paths_off():
+    # 16-bit GEMMs this CPU has no kernel for are scored as a GPU computes them (lower/wide16)
+    with torch.no_grad(), fused_paths_off(), scoring_gemms():
         for i, batch in enumerate(batches):
             outs.append(spec.forward(model, batch) if lowered else spec.run(model, batch, i, what))
     return outs

@@ -40,7 +40,7 @@ from autoprec.capability import cpu_facts
 from autoprec.evaluate import reference, score
 from autoprec.loading import load_model_file
 from autoprec.lower.stored import cast_tree
-from autoprec.search.confirm_speed import label
+from autoprec.search.speed_rows import label
 from autoprec.search.tune import tune
 
 HERE = Path(__file__).resolve().parent

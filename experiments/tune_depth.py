@@ -40,8 +40,9 @@ import numpy as np
 import torch
 from torch import nn
 
+import autoprec.search.prepare as prepare_mod
 import autoprec.search.tune as tune_mod
-from autoprec.cost import get_profile
+from autoprec.cost import CostModel, get_profile
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search import planner as planner_mod
@@ -137,8 +138,8 @@ def run_one(kind: str, blocks: int, workdir: Path) -> dict[str, Any]:
                    calibration_data=sp.calibration_data, eval_data=sp.eval_data,
                    forward=sp.forward)
     stages: list[tuple[Any, str, str]] = [
-        (tune_mod, "trace", "trace"), (tune_mod, "probe", "probe"),
-        (tune_mod, "CostModel", "cost"), (planner_mod.Planner, "__init__", "planner"),
+        (prepare_mod, "trace", "trace"), (prepare_mod, "probe", "probe"),
+        (prepare_mod, "make_cost_model", "cost"), (planner_mod.Planner, "__init__", "planner"),
         (Evaluator, "error", "evaluate")]
     t0 = time.perf_counter()
     with _patches(clock, stages):
@@ -147,7 +148,7 @@ def run_one(kind: str, blocks: int, workdir: Path) -> dict[str, Any]:
                             cache_dir=workdir / "cache", trials=40)
     total = time.perf_counter() - t0
     pl = clock.first["planner"]
-    cost = tune_mod.CostModel(res.graph, get_profile("h100"), batch_size=256)
+    cost = CostModel(res.graph, get_profile("h100"), batch_size=256)
     alt = {p: cost.speedup(Policy(default=p)) for p in ("tf32", "bf16", "fp16")}
     stage = {k: clock.s.get(k, 0.0) for k in ("trace", "probe", "cost", "planner", "evaluate")}
     stage["other"] = total - sum(stage.values())
@@ -247,8 +248,8 @@ def planner_check(kind: str, blocks: int, budgets: list[float], workdir: Path) -
     cfg = TuneConfig(max_error=0.01, target="h100", batch_size=256,
                      out=workdir / "check.yaml", progress=False,
                      cache_dir=workdir / "cache").validated()
-    prep = tune_mod.prepare(spec(kind, blocks), cfg)
-    space = tune_mod.make_space(prep, cfg)
+    prep = prepare_mod.prepare(spec(kind, blocks), cfg)
+    space = prepare_mod.make_space(prep, cfg)
     est = prep.table.estimate
     lines = [f"planner check, {kind} {blocks} blocks ({len(space.variables)} variables, "
              f"space {space.size:.3g} plans):",

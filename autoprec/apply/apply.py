@@ -46,6 +46,7 @@ from autoprec.lower.backends import format_backends
 from autoprec.lower.forward import lowered_forward
 from autoprec.lower.fp8 import drop_weight_caches
 from autoprec.lower.stored import consumer_forward, deploy_forward
+from autoprec.lower.wide16 import scoring_gemms
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
 from autoprec.policy.guard_spec import GuardSpec, parse_guard
@@ -440,4 +441,23 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
 
 
 
-__all__ = ["PolicyHandle", "Wrapped", "apply_policy"]
+def audit_policy(model: torch.nn.Module, policy: Policy, run: Callable[[], Any], *,
+                 fp8_backend: str | None = None, force: bool = False,
+                 target: str | None = None) -> AuditReport:
+    """The audit of ``policy`` on one real forward: applied to ``model``, ``run()`` under
+    ``no_grad`` (the handle holds torch.nn's fused paths off), removed again.
+
+    Not strict: the report's ``errors`` say which rule did not run. The one audit of a
+    plan that tune's search, tune's confirmation, ``check`` and ``eval`` all use; the
+    report also carries what was installed (``layers``, ``fp8_backend``).
+    """
+    # 16-bit GEMMs this CPU has no kernel for run wide (lower/wide16), below the audit's
+    # recorder: it still sees each GEMM's 16-bit operands first
+    with scoring_gemms(), apply_policy(model, policy, fp8_backend=fp8_backend, force=force,
+                                       target=target) as handle, torch.no_grad():
+        report = handle.audit(run, strict=False)
+    report.layers, report.fp8_backend = dict(handle.layers), handle.fp8_backend
+    return report
+
+
+__all__ = ["PolicyHandle", "Wrapped", "apply_policy", "audit_policy"]

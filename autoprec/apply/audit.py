@@ -85,6 +85,10 @@ class AuditReport:
     warnings: list[str] = field(default_factory=list)
     result: Any = None  # what ``run()`` returned
     casts: int = 0  # dtype conversions the forward ran (outside fp8 leaves), weights included
+    #: what was installed (``audit_policy`` fills these): each module path's resolution
+    #: (``policy.modules.Resolved``) and the fp8 backend the plan ran with
+    layers: dict[str, Any] = field(default_factory=dict)
+    fp8_backend: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -9,7 +9,6 @@ assignment on the target with the cost model.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -46,13 +45,6 @@ def _table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def _num(x: Any) -> Any:
-    """JSON has no inf/nan: those become strings, as in tune's output."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "inf" if x > 0 else "-inf" if x < 0 else "nan"
-    return x
 
 
 def _fmt(x: Any) -> str:
@@ -147,9 +139,11 @@ def eval_cmd(
 ) -> None:
     """Apply POLICY to MODEL: error vs fp32 on the eval data, per-layer precisions
     (rule vs computed), and the estimated speed-up on the target."""
+    from autoprec.report_json import eval_summary
+
     with _warnings_to_stderr():
-        summary = evaluate_policy(model, policy, target=target, batch_size=batch_size,
-                                  force=force, measure=measure, compile=compile_mode)
+        summary = eval_summary(model, policy, target=target, batch_size=batch_size,
+                               force=force, measure=measure, compile=compile_mode)
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -160,140 +154,10 @@ def eval_cmd(
             if len(summary["audit_errors"]) > 1 else ""))
 
 
-def evaluate_policy(model: Path, policy_path: Path, target: str | None = None,
-                    batch_size: int | None = None, force: bool = False,
-                    measure: bool = False, compile: bool | None = None) -> dict[str, Any]:
-    """What ``eval --json`` prints: score, audit and cost of a policy on model.py."""
-
-    from autoprec.assess import assess
-    from autoprec.loading import load_model_file
-    from autoprec.policy import load_policy
-    from autoprec.report_json import batch_size_from, reasons_json, speedup, verdict_reasons
-    from autoprec.report_json import feasible as feasible_rule
-    from autoprec.search.target import resolve_target
-    from autoprec.validate import check_batch_size
-
-    check_batch_size(batch_size)  # autoprec.validate: [1, MAX_BATCH_SIZE]
-    spec = load_model_file(model)
-    net = spec.model()
-    pol = load_policy(policy_path, model=net, force=force)
-    # the target resolved once, as check and tune resolve it: a local target priced on this
-    # machine's calibration and op timings (a profile fitted on another CPU promised 1.82x
-    # for a policy that ran 0.56x here)
-    resolved = resolve_target(target, pol, compile=compile, measure=measure,
-                              policy_path=policy_path)
-    device, mode, source, profile = (resolved.name, resolved.mode, resolved.speed,
-                                     resolved.profile)
-    # score, audit and price: the pipeline check shares (autoprec/assess.py)
-    a = assess(spec, net, pol, target=device, profile=profile, batch_size=batch_size,
-               mode=mode, force=force, source=source)
-    sc, ref, report, cost, bd = a.score, a.reference, a.audit, a.cost, a.breakdown
-    batches, calib0, graph, bs = spec.eval_batches(), spec.calibration_batches()[0], \
-        a.graph, a.batch_size
-    fp8_backend, est, infeasible, times = a.fp8_backend, a.est_speedup, a.infeasible, \
-        bd.by_module
-    planned_casts = a.planned_casts
-    warns = list(report.warnings)
-    if report.casts != planned_casts:  # e.g. dtype-dependent model code, or another batch
-        warns.append(f"the audited forward ran {report.casts} casts, the plan prices "
-                     f"{planned_casts}")
-    use_drop = sc.metric_drop is not None
-    value = sc.value
-    budget = pol.metrics.get("budget")
-    within = None if budget is None else bool(value <= float(budget))
-    feasible = feasible_rule(value, budget, runnable=not infeasible, audit_ok=report.ok)
-    why_not = verdict_reasons(value, budget, name="metric drop" if use_drop else "error",
-                              infeasible=infeasible, audit=report)
-    layers = []
-    rooms = {h.layer: h.to_dict()["headroom"] for h in a.headroom}
-    for row in report.rows:
-        t = times.get(row.layer)
-        layers.append({"layer": row.layer, "rule": row.rule, "precision": row.expected,
-                       "computed": row.computed, "ok": row.ok,
-                       "est_time_us": None if t is None else round(t * 1e6, 4),
-                       "headroom": rooms.get(row.layer),
-                       "reason": pol.reasons.get(row.layer)})
-    out: dict[str, Any] = {
-        "model": spec.name, "policy": str(policy_path),
-        "error": _num(sc.error),
-    }
-    if use_drop:
-        out["metric"] = _num(sc.metric)
-        out["metric_drop"] = _num(sc.metric_drop)
-    out.update({
-        "budget": budget, "within_budget": within,
-        "est_speedup": speedup(est, runnable=not infeasible), "feasible": feasible,
-        "target": device, "batch_size": bs,
-        "batch_size_from": batch_size_from(batch_size, pol.batch_size), "mode": mode,
-        "form": pol.form, "weight_bytes": cost.weight_bytes(pol),
-        "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
-        "fp8_backend": fp8_backend,
-        "reasons": reasons_json(why_not),
-        "infeasible": infeasible,
-        "audit_errors": report.errors,
-        "headroom": [{k: _num(v) for k, v in h.to_dict().items()} for h in a.headroom],
-        "guard": pol.guard.to_yaml(),
-        "warnings": warns,
-        "layers": layers,
-    })
-    speed = _beside_baselines(spec, net, pol, batches, ref, sc.value, budget, cost, graph,
-                              calib0, device, source, measure, force, mode)
-    out["speed_source"] = source.note
-    out["baselines"] = speed.to_dict()
-    if measure:
-        row = speed.rows[0]
-        out["measured"] = None if row.speedup is None else {
-            "device": speed.device, "batch_size": speed.batch_size, "timing": speed.how,
-            "speedup": round(row.speedup, 4), "p10": round(row.p10, 4),
-            "p90": round(row.p90, 4), "rounds": speed.rounds}
-    return out
-
-
-def _beside_baselines(spec: Any, net: Any, pol: Any, batches: Any, ref: Any, value: float,
-                      budget: Any, cost: Any, graph: Any, batch: Any, device: str, source: Any,
-                      measure: bool, force: bool = False, mode: str = "eager") -> Any:
-    """The policy next to fp32, one global bf16 / fp16 autocast and uniform tf32 (where the
-    target has it): error on the eval data, estimated speed-up, measured where local (in
-    the deployment ``mode``: compiled, one model copy per plan, for "compile")."""
-    from autoprec.apply.apply import apply_policy
-    from autoprec.evaluate import score
-    from autoprec.metrics import batch_size_of
-    from autoprec.policy import Policy
-    from autoprec.search.confirm_speed import Row, baseline_rows, check_speed, measure_rows
-    from autoprec.trace.graph import fingerprint
-
-    def ok(err: float) -> bool:
-        return budget is not None and err <= float(budget)
-
-    rows = [Row("policy", "tuned", pol, value, ok(value) or budget is None,
-                cost.speedup(pol), weight_bytes=cost.weight_bytes(pol))]
-    # the baselines are built here, for this model: its fingerprint, so that applying them
-    # warns of nothing (a fingerprint-less one warned "model.fingerprint: missing … (normal
-    # for a hand-written policy)" about a file the user never wrote)
-    model_id = {"fingerprint": fingerprint(net)}
-
-    def eval_error(base: Policy) -> tuple[float, None]:
-        with apply_policy(net, base, target=device):
-            return score(spec, net, batches, ref, "of eval_data").value, None
-
-    rows += baseline_rows(cost, eval_error, None if budget is None else float(budget),
-                          lambda p, form: Policy(default=p, form=form, model=model_id))
-    if not (measure and source.local):
-        check = check_speed(rows, None)
-        check.winner = None  # eval writes nothing: no row is marked
-        check.reason = source.note if not source.local else "not measured (no --measure)"
-        return check
-    at_batch = source.cost_model(graph, batch_size_of(batch) or 1, mode)
-    check = measure_rows(rows, spec.forward, net, batch, source.device, device, at_batch,
-                         force=force, compile=mode == "compile")
-    check.mark = "fastest within budget"
-    return check
-
-
 def _print_summary(s: dict[str, Any]) -> None:
     from autoprec.cost.model import PARTS
     from autoprec.report_json import batch_size_words
-    from autoprec.search.confirm_speed import format_rows
+    from autoprec.search.speed_rows import format_rows
 
     rows = [(r["layer"], r["rule"], r["precision"], r["computed"],
              "" if r["ok"] else "MISMATCH",

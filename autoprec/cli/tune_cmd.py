@@ -17,7 +17,7 @@ from autoprec.report_json import batch_size_from, batch_size_words
 from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
-    from autoprec.search.confirm_speed import SpeedCheck
+    from autoprec.search.speed_rows import SpeedCheck
     from autoprec.search.tune import TuneResult
 
 

@@ -14,7 +14,7 @@ tune's own timing (issue 29). So for a local CPU target the recorded forward
 - the host's cost of one module call (``nn.Module.__call__`` around a trivial forward),
   paid by every plan once per recorded call.
 
-Each is timed as tune times a model (``confirm_speed``): one torch thread, the thread's CPU
+Each is timed as tune times a model (``search.timing``): one torch thread, the thread's CPU
 time, the median of ``SAMPLES`` samples of at least ``SAMPLE_S`` each, after a warm-up.
 Inputs are rebuilt from the recipe (``uniform_`` values, integer tensors zero). An op
 timed alone finds its weight in the core's L2 cache, where the model's forward, running

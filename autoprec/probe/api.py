@@ -25,6 +25,7 @@ from autoprec.errors import InputError
 from autoprec.evaluate import Reference
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec, default_forward
+from autoprec.lower.wide16 import scoring_gemms
 from autoprec.metrics import batch_size_of, detach_floats
 from autoprec.paths import normalize_path, unwrap_model
 from autoprec.precisions import PRECISIONS, check_precision
@@ -165,7 +166,8 @@ def probe(
     flags = {m: m.training for m in model.modules()}
     model.eval()  # dropout would make the shadow re-runs differ from the fp32 pass
     try:
-        table = _probe(model, batches, graph, settings)
+        with scoring_gemms():  # 16-bit GEMMs this CPU has no kernel for: lower/wide16
+            table = _probe(model, batches, graph, settings)
     finally:
         for m, flag in flags.items():
             m.training = flag

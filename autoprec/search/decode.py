@@ -17,7 +17,7 @@ The same plan: a trial is identified by its key (``select.dedupe``, the driver's
 two keys are one plan when they run the same schedule (``Planner.signature``, and
 ``compact`` keeps the schedule of the explicit rules), and then their compact rules are
 equal; two rule sets — a trial's, a baseline's, the model as given — are one plan when
-their ``plan_id`` is (``confirm_speed.Row.key``).
+their ``plan_id`` is (``speed_rows.Row.key``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autoprec.apply.apply import apply_policy
+from autoprec.apply.apply import apply_policy, audit_policy
 from autoprec.evaluate import Reference, reference, score
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
@@ -105,10 +105,13 @@ class Evaluator:
 
     def audit(self, key: Key) -> list[str]:
         """The audit's errors for the plan on one real forward (empty: every rule ran)."""
+        return self.audit_policy(self.policy(key))
+
+    def audit_policy(self, policy: Policy) -> list[str]:
+        """The audit's errors for ``policy`` (a plan or a baseline) on one real forward."""
         batch = (self.eval_batches or self.batches)[0]
-        with apply_policy(self.model, self.policy(key), fp8_backend=self.fp8_backend) as h, \
-                torch.no_grad():  # the handle holds torch.nn's fused paths off
-            return h.audit(lambda: self.spec.forward(self.model, batch), strict=False).errors
+        return audit_policy(self.model, policy, lambda: self.spec.forward(self.model, batch),
+                            fp8_backend=self.fp8_backend).errors
 
     def within(self, error: float, speedup: float) -> bool:
         if not error <= self.budget:  # also False for nan

@@ -47,11 +47,12 @@ from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.probe.table import SensitivityTable
 from autoprec.search import compact, select
+from autoprec.search.config import TuneConfig
 from autoprec.search.evaluation import Evaluation
 from autoprec.search.objective import Evaluator
 from autoprec.search.planner import ENUMERATE, PlanSpace, descend, enumerate_keys
+from autoprec.search.prepare import Prepared, make_space, prepare
 from autoprec.search.space import Key, SearchSpace
-from autoprec.search.tune import Prepared, TuneConfig, make_space, prepare
 
 
 def config(budget: float, *, target: str, batch_size: int, out: Path, cache_dir: Path

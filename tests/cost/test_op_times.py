@@ -17,7 +17,7 @@ from autoprec.cost import get_profile
 from autoprec.cost.fusion import make_cost_model
 from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, measure
 from autoprec.policy import Policy
-from autoprec.search.confirm_speed import Row, check_speed, contradictions
+from autoprec.search.speed_rows import Row, check_speed, contradictions
 from autoprec.trace import trace
 from tests.zoo import mlp
 

@@ -22,6 +22,7 @@ from autoprec.evaluate import reference, score
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy
 from autoprec.reference import model_reference, offered, own_precision
+from autoprec.search import prepare as prepare_mod
 from autoprec.search import tune as tune_mod
 from autoprec.search.config import TuneConfig
 from autoprec.search.objective import given_policy
@@ -60,8 +61,8 @@ def _cfg(tmp_path: Path, **kw: object) -> TuneConfig:
 
 def test_space_offers_own_and_lower_plus_fp32_islands(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
-    prep = tune_mod.prepare(MIXED, cfg)
-    space = tune_mod.make_space(prep, cfg)
+    prep = prepare_mod.prepare(MIXED, cfg)
+    space = prepare_mod.make_space(prep, cfg)
     by = {v.name: v.choices for v in space.variables}
     q = by["model.layers.0.self_attn.q_proj"]
     assert "fp32" in q and "bf16" in q and "tf32" not in q  # an island, never tf32
@@ -69,16 +70,16 @@ def test_space_offers_own_and_lower_plus_fp32_islands(tmp_path: Path) -> None:
     assert "tf32" not in space.region.choices
     # a mixed model's own layout is measured, not assumed exact: this fp32 module casts
     # its own output back to bf16, which the deploy form's fp32 rule changes
-    assert tune_mod.reference_key(space, prep.reference) is None
+    assert prepare_mod.reference_key(space, prep.reference) is None
     with apply_policy(prep.net, given_policy(prep.reference)):
         assert 0.0 < score(prep.spec, prep.net, prep.calib, prep.ref).error < 0.01
 
 
 def test_the_bf16_model_as_given_is_exact(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
-    prep = tune_mod.prepare(BF16, cfg)
-    space = tune_mod.make_space(prep, cfg)
-    key = tune_mod.reference_key(space, prep.reference)
+    prep = prepare_mod.prepare(BF16, cfg)
+    space = prepare_mod.make_space(prep, cfg)
+    key = prepare_mod.reference_key(space, prep.reference)
     assert key is not None and set(space.rules(key)[1].values()) == {"bf16"}
     with apply_policy(prep.net, given_policy(prep.reference)):
         assert score(prep.spec, prep.net, prep.calib, prep.ref).error == 0.0

@@ -1,0 +1,181 @@
+"""Timing rows on the device at hand: interleaved rounds, eager or compiled.
+
+Every round runs each plan once in a fresh random order, each applied untimed before its
+runs (``cost.measure_interleaved``), on one calibration batch: CPU on one torch thread
+by the thread's CPU time, CUDA with events. The measured speed-up of a plan is the median
+over rounds of fp32's time / its time in the same round; p10-p90 of those ratios is its
+spread. Rounds go on (up to ``MAX_ROUNDS``, within ``TIME_BUDGET_S``) while the two
+fastest plans still straddle each other.
+
+A compiled deployment (``--compile``) is timed ``torch.compile``'d (``compiled_timer``):
+one copy of the model per plan, the plan applied, compiled by one untimed forward, then
+the same rounds. ``eval --measure`` and tune's last step both time through
+``measure_rows``: one timing path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from autoprec.policy import Policy, PolicyWarning
+from autoprec.search.speed_rows import Row, SpeedCheck, Timer, check_speed
+
+#: Rounds of the interleaved timing: at least, at most (more while the best two overlap).
+MIN_ROUNDS, MAX_ROUNDS = 7, 21
+
+
+#: Wall seconds after which no further round starts (beyond MIN_ROUNDS).
+TIME_BUDGET_S = 30.0
+
+
+#: A timed sample runs the forward this long at least (several runs if it is shorter).
+SAMPLE_S = 0.02
+
+
+def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: str, *,
+                      inner: int = 1, fp8_backend: str | None = None, seed: int = 0,
+                      force: bool = False) -> Timer:
+    """A Timer for ``check_speed``: each plan applied around ``run()`` (the forward of one
+    batch under ``torch.no_grad``), interleaved rounds on ``device`` (see the module doc)."""
+    from autoprec.apply.apply import apply_policy
+
+    def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+        around = {name: (lambda pol=pol: apply_policy(model, pol, target=target, force=force,
+                                                      fp8_backend=fp8_backend))
+                  for name, pol in plans.items()}
+        with _timing(device):
+            return _rounds({n: run for n in plans}, device, inner, seed, around)
+
+    return timer
+
+
+@contextlib.contextmanager
+def _timing(device: str) -> Iterator[None]:
+    """Torch threads for timing on ``device``; the one-plan policies' warnings quiet."""
+    from autoprec.cost.machine import timing_threads
+
+    with timing_threads(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyWarning)
+        yield
+
+
+def _rounds(runs: Mapping[str, Callable[[], Any]], device: str, inner: int, seed: int,
+            around: Mapping[str, Callable[[], Any]] | None = None
+            ) -> Mapping[str, Sequence[float]]:
+    """The interleaved rounds every timer runs (see the module doc)."""
+    from autoprec.cost.measure import measure_interleaved
+
+    return measure_interleaved(runs, device, around=around, rounds=MIN_ROUNDS,
+                               max_rounds=MAX_ROUNDS, more=_undecided,
+                               time_budget_s=TIME_BUDGET_S, inner=inner,
+                               clock="thread" if device == "cpu" else "wall", seed=seed)
+
+
+def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, device: str,
+                   target: str, *, inner: int = 1, fp8_backend: str | None = None,
+                   seed: int = 0, force: bool = False) -> Timer:
+    """A Timer for ``check_speed`` that times plans as a ``torch.compile`` deployment runs
+    them: per plan, a copy of ``model`` with the plan applied for the whole measurement
+    (``apply_policy``, then ``torch.compile``: the README's deployment snippet), compiled
+    by one untimed forward; then interleaved rounds as ``interleaved_timer``'s. One copy per
+    plan because a compiled program keeps the policy it was traced under: applying
+    another around it would recompile it in every round."""
+    import copy
+
+    import torch
+
+    from autoprec.apply.apply import apply_policy
+    from autoprec.fused import fused_paths_off
+
+    def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+        handles, runs = [], {}
+        limit = max(8, 2 * len(plans))  # each copy's forward is one more compiled entry
+        with _timing(device), torch._dynamo.config.patch(recompile_limit=limit):
+            torch._dynamo.reset()
+            try:
+                for name, pol in plans.items():
+                    mine = copy.deepcopy(model)
+                    handles.append(apply_policy(mine, pol, target=target, force=force,
+                                                fp8_backend=fp8_backend))
+                    compiled = torch.compile(mine)
+
+                    def run(c: Any = compiled) -> Any:
+                        with torch.no_grad(), fused_paths_off():
+                            return forward(c, batch)
+
+                    run()  # compiles (untimed)
+                    runs[name] = run
+                return _rounds(runs, device, inner, seed)
+            finally:
+                for h in handles:
+                    h.remove()
+                torch._dynamo.reset()
+
+    return timer
+
+
+def _undecided(samples: Mapping[str, Sequence[float]]) -> bool:
+    """More rounds while the two fastest plans' per-round ratio straddles 1 (p10-p90)."""
+    med = sorted((float(np.median(v)), k) for k, v in samples.items() if len(v))
+    if len(med) < 2:
+        return False
+    a, b = np.asarray(samples[med[0][1]]), np.asarray(samples[med[1][1]])
+    n = min(len(a), len(b))
+    p10, p90 = np.percentile(b[:n] / a[:n], [10, 90])
+    return bool(p10 < 1.0 < p90)
+
+
+def _to_device(obj: Any, device: str) -> Any:
+    """A batch on ``device``: tensors (and objects with ``.to``, e.g. a tokenizer's
+    BatchEncoding) moved; dicts, lists and tuples rebuilt; other leaves kept."""
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj) if type(obj) in (list, tuple) \
+            else obj
+    to = getattr(obj, "to", None)
+    return to(device) if callable(to) else obj
+
+
+def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, batch: Any,
+                 device: str, target: str, at_batch: Any, *, timer: Timer | None = None,
+                 seed: int = 0, force: bool = False, compile: bool = False) -> SpeedCheck:
+    """Time ``rows`` on the local ``device`` with ``forward(net, batch)`` (a copy of the
+    model on a GPU) and decide; ``at_batch``: the cost model at the timed batch size (the
+    estimate beside each measurement, and how many forwards make one sample).
+    ``compile``: each plan timed ``torch.compile``'d (``compiled_timer``)."""
+    import copy
+
+    import torch
+
+    if device != "cpu":
+        net, batch = copy.deepcopy(net).to(device), _to_device(batch, device)
+    for r in rows:
+        if r.policy is not None:
+            r.est_measured_batch = at_batch.speedup(r.policy)
+    inner = max(1, min(50, math.ceil(SAMPLE_S / max(at_batch.fp32_time, 1e-9))))
+
+    from autoprec.fused import fused_paths_off
+
+    def run() -> Any:  # fused torch.nn fast paths off, as in every measured forward
+        with torch.no_grad(), fused_paths_off():
+            return forward(net, batch)
+
+    how = ("1 torch thread, thread CPU time" if device == "cpu" else "CUDA events") + (
+        f", {inner} forwards per sample" if inner > 1 else "") + (
+        ", torch.compile'd (one model copy per plan)" if compile else "")
+    if timer is None:
+        timer = (compiled_timer(net, forward, batch, device, target, inner=inner, seed=seed,
+                                force=force) if compile else
+                 interleaved_timer(net, run, device, target, inner=inner, seed=seed,
+                                   force=force))
+    return check_speed(rows, timer, device=device, batch_size=at_batch.batch_size, how=how)
+
+
+__all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "compiled_timer", "interleaved_timer", "measure_rows"]
