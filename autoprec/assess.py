@@ -29,13 +29,13 @@ import torch
 from autoprec.apply.apply import apply_policy, audit_policy
 from autoprec.apply.audit import AuditReport
 from autoprec.cost import Breakdown
-from autoprec.evaluate import Reference, Score, first_nonfinite_module, reference, score
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec
 from autoprec.metrics import batch_size_of
 from autoprec.policy import Policy
 from autoprec.policy.modules import Resolved, gemm_leaf_paths
 from autoprec.probe.headroom import Headroom, measure_headroom
+from autoprec.scoring import Reference, Score, first_nonfinite_module, reference, score
 from autoprec.search.target import Target
 from autoprec.trace import LayerGraph, trace
 

@@ -32,11 +32,11 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.evaluate import reference, score
 from autoprec.loading import load_model_file
 from autoprec.plan import assignment
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.policy.modules import format_eligible
+from autoprec.scoring import reference, score
 from autoprec.search.tune import tune
 from autoprec.trace import trace
 

@@ -5,7 +5,7 @@ For each model and plan: apply the policy (``target="cpu"``), ``torch.compile`` 
 and count the kernels its ``call`` launches (``cpp_fused_*`` kernels + ``extern_kernels.*``
 GEMMs + aten fallbacks) and the bytes its fused kernels are passed (``fused_bytes``);
 time the compiled forward. The same plan is priced by
-``CompiledCostModel`` (autoprec/cost/fusion.py): its kernel count, and its time on a
+``CompiledCostModel`` (autoprec/cost/compiled.py): its kernel count, and its time on a
 profile calibrated here on *compiled* micro-benchmarks (single Linear per precision, an
 elementwise op; never on the plans being ranked). Reported: per plan the priced vs launched
 kernel count and inductor's ``generated_kernel_count`` (it counts C++ kernel bodies
@@ -40,7 +40,7 @@ from torch import nn
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import apply_calibration, fit, get_profile, measure_latency
 from autoprec.cost.calibrate import call_overhead, micro_samples
-from autoprec.cost.fusion import CompiledCostModel
+from autoprec.cost.compiled import CompiledCostModel
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace

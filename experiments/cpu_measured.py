@@ -2,7 +2,7 @@
 
 For each model, ``autoprec.search.tune.tune(..., target="cpu")`` as a user runs it: the
 ``cpu`` profile is calibrated on this machine first (micro-benchmarks, cached per machine:
-``autoprec/search/local_profile.py``), the search prices plans on it, and the last step
+``autoprec/search/speed_source.py``), the search prices plans on it, and the last step
 times the chosen plan, the next candidates, fp32 and one global bf16 / fp16 autocast,
 interleaved (one torch thread, thread CPU time, one calibration batch; median of per-round
 ratios to fp32, p10-p90 as the spread: ``autoprec/search/timing.py``), writing the

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from autoprec.capability import cpu_facts
-from autoprec.search.local_profile import speed_source
+from autoprec.search.speed_source import speed_source
 from autoprec.search.tune import tune
 
 HERE = Path(__file__).resolve().parent

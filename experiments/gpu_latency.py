@@ -28,7 +28,7 @@ One go on a lent GPU (made for an H200; a few minutes including CUDA start-up):
 5. compiled (``--compile``, the default on a GPU): the same stack ``torch.compile``d
    (inductor, after ``apply_policy``; one fresh compile per run) for all-fp32, the global
    bf16 autocast, ``default: bf16``, the fp8 mix and the per-leaf islands, timed the same
-   way and priced by ``CompiledCostModel`` (cost/fusion.py: GEMMs/SDPA extern, casts and
+   way and priced by ``CompiledCostModel`` (cost/compiled.py: GEMMs/SDPA extern, casts and
    pointwise ops fused between them; Triton: one kernel per data-connected group) with the
    datasheet and the calibrated profile (GEMM efficiencies carry over: the extern GEMMs
    are the eager ones); written to compiled.csv and a second table in results.md. A
@@ -65,7 +65,7 @@ from torch import nn
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import capability
 from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
-from autoprec.cost.fusion import CompiledCostModel
+from autoprec.cost.compiled import CompiledCostModel
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 

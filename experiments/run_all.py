@@ -43,13 +43,13 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.evaluate import Score, reference, score
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import batch_size_of
 from autoprec.plan import assignment
 from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.policy.modules import format_eligible
 from autoprec.precisions import PRECISIONS
+from autoprec.scoring import Score, reference, score
 from autoprec.search.tune import TuneResult, tune
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph

@@ -34,9 +34,9 @@ def probe_cmd(
 ) -> None:
     """Probe MODEL's GEMM layers in each precision: local error, range (overflow /
     underflow), a cheap end-to-end estimate and, where it matters, the measured one."""
-    from autoprec.evaluate import reference
     from autoprec.loading import load_model_file
     from autoprec.probe import probe
+    from autoprec.scoring import reference
     from autoprec.validate import check_budget
 
     precs = parse_precisions(precisions)  # a bad name: InputError, exit 2

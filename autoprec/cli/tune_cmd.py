@@ -74,7 +74,7 @@ def tune_cmd(
     target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile
-            from autoprec.search.local_profile import calibration_dir, speed_source
+            from autoprec.search.speed_source import calibration_dir, speed_source
 
             speed_source(target, measure=True, cache_dir=calibration_dir(out), mode=cfg.mode)
         code = run_workers(list(current_argv), workers)

@@ -6,7 +6,7 @@ measurements into a profile's efficiency factors.
 """
 
 from autoprec.cost.calibrate import FitResult, Sample, fit
-from autoprec.cost.fusion import MODES, CompiledCostModel, make_cost_model
+from autoprec.cost.compiled import MODES, CompiledCostModel, make_cost_model
 from autoprec.cost.measure import Timing, measure_interleaved, measure_latency
 from autoprec.cost.model import Breakdown, CostModel, Kernel
 from autoprec.cost.profiles import (

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from autoprec.cost.fusion import CompiledCostModel
+from autoprec.cost.compiled import CompiledCostModel
 from autoprec.cost.model import CostModel, Kernel
 from autoprec.cost.profiles import Calibration, DeviceProfile
 from autoprec.errors import InputError

@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 from autoprec.capability import runnable_precisions
 from autoprec.errors import InputError
-from autoprec.evaluate import Reference
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec, default_forward
 from autoprec.lower.wide16 import scoring_gemms
@@ -37,6 +36,7 @@ from autoprec.probe.ranges import TensorRange
 from autoprec.probe.rows import build_row, judge
 from autoprec.probe.shadow import LocalStats, ShadowPass
 from autoprec.probe.table import ProbeRow, SensitivityTable
+from autoprec.scoring import Reference
 from autoprec.trace.graph import LayerGraph
 
 Forward = Callable[[nn.Module, Any], Any]

@@ -34,7 +34,7 @@ def _uniform_errors(ev: Any, p: str, budget: float, form: str
     search's own score when it measured that very plan, else runs of the model. The eval
     data is run only when the calibration error is within budget (as the search does)."""
     from autoprec.apply.apply import apply_policy
-    from autoprec.evaluate import score
+    from autoprec.scoring import score
     from autoprec.search.objective import policy_for
 
     if p == "fp32":
@@ -145,7 +145,7 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     err = 0.0  # exact for a uniform 16-bit model; a mixed one's fp32 rules are measured
     if reference.islands:
         from autoprec.apply.apply import apply_policy
-        from autoprec.evaluate import score
+        from autoprec.scoring import score
 
         with apply_policy(ev.model, given, fp8_backend=ev.fp8_backend):
             err = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value

@@ -5,7 +5,7 @@ baselines (``baselines.py``: fp32, one global autocast per precision, uniform tf
 ``model.to(bf16)`` / ``model.to(fp16)`` one-liners; a 16-bit model's own rows), each with
 its error and its speed-up priced the same way as the tuned plan.
 
-Where the target is the device at hand (``local_profile.speed_source``) they are timed
+Where the target is the device at hand (``speed_source.speed_source``) they are timed
 (``timing.measure_rows``: interleaved rounds, eager or compiled as the deployment runs)
 and the written plan is the fastest *measured* one within budget (``speed_rows.decide``):
 a tuned plan measured slower than fp32 or a one-liner within budget is never written —

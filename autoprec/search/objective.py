@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from autoprec.apply.apply import apply_policy, audit_policy
-from autoprec.evaluate import Reference, reference, score
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
+from autoprec.scoring import Reference, reference, score
 from autoprec.search.decode import TrialDecoder, policy_for
 from autoprec.search.evaluation import Evaluation
 from autoprec.search.planner import PlanSpace

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from autoprec.cost import CostModel
-from autoprec.cost.fusion import make_cost_model
+from autoprec.cost.compiled import make_cost_model
 from autoprec.errors import InputError
-from autoprec.evaluate import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.formats.gemm import is_forward_only
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.memory import StagePeaks, check_fits, reset_peak
@@ -26,9 +25,10 @@ from autoprec.paths import check_out_path
 from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.reference import ModelReference, model_reference, offered, own_precision
+from autoprec.scoring import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.search.config import TuneConfig
-from autoprec.search.local_profile import SpeedSource, calibration_dir
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
+from autoprec.search.speed_source import SpeedSource, calibration_dir
 from autoprec.search.target import resolve_target
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph

@@ -10,7 +10,7 @@ policy (issue 30). ``resolve_target`` decides all of it once:
 - the **name**: given, else the policy's ``target.device``, else ``DEFAULT_TARGET``, in
   its one spelling (``canonical_target``); an unknown name is exit 2 here, before any work;
 - the **mode**: ``torch.compile``'d or eager (given, else the policy's ``target.mode``);
-- the **speed source** (``local_profile.SpeedSource``): the profile the cost model prices
+- the **speed source** (``speed_source.SpeedSource``): the profile the cost model prices
   with and where it comes from, measured here for a local target, with the model's own
   ops timed on a local CPU; its ``cost_model`` is the one way a price is made.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoprec.search.local_profile import SpeedSource, calibration_dir, speed_source
+from autoprec.search.speed_source import SpeedSource, calibration_dir, speed_source
 from autoprec.targets import DEFAULT_TARGET, canonical_target, device_type
 
 

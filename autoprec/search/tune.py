@@ -44,7 +44,7 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     (``search/confirm_speed.py``). ``report``: a folder to write the tables and plots into
     (trials, Pareto front, per-layer precisions, and the tuned plan beside one global
     autocast per precision), MLflow or not. ``compile=True`` prices every plan as
-    ``torch.compile`` runs it (cost/fusion.py) and records ``target.mode: compile`` (the
+    ``torch.compile`` runs it (cost/compiled.py) and records ``target.mode: compile`` (the
     measured confirmation times eager forwards, so it is skipped then); ``profile``: a
     DeviceProfile to price with (e.g. calibrated here) instead of ``target``'s.
     ``memory_limit_gb``: the device's memory for the up-front check that the model fits

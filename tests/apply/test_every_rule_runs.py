@@ -243,8 +243,8 @@ def test_tune_eval_check_and_the_applied_model_measure_the_same_error(tmp_path: 
     """The issue's `tune --precisions fp8` case: tune's recorded error (held-out), eval's,
     check's and the applied model's own error under no_grad agree (before: 0 vs 0.0067)."""
     from autoprec import load_model_file, load_policy, tune
-    from autoprec.evaluate import reference, score
     from autoprec.report_json import eval_summary
+    from autoprec.scoring import reference, score
 
     res = tune(NN_MODEL, max_error=0.005, precisions=["fp8"], batch_size=4096, trials=6,
                out=tmp_path / "p.yaml", progress=False, cache_dir=tmp_path / "cache")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autoprec.cost import get_profile
-from autoprec.cost.fusion import make_cost_model
+from autoprec.cost.compiled import make_cost_model
 from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, measure
 from autoprec.policy import Policy
 from autoprec.search.speed_rows import Row, check_speed, contradictions

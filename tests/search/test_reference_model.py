@@ -18,10 +18,10 @@ import torch
 from autoprec.apply.apply import apply_policy
 from autoprec.cli.main import main
 from autoprec.errors import InputError
-from autoprec.evaluate import reference, score
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy
 from autoprec.reference import model_reference, offered, own_precision
+from autoprec.scoring import reference, score
 from autoprec.search import prepare as prepare_mod
 from autoprec.search import tune as tune_mod
 from autoprec.search.config import TuneConfig

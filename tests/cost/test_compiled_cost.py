@@ -1,4 +1,4 @@
-"""Compile mode (cost/fusion.py): extern GEMMs + fused segments, by hand and against inductor."""
+"""Compile mode (cost/compiled.py): extern GEMMs + fused segments, by hand and against inductor."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.calibrate import gemm_graph
-from autoprec.cost.fusion import CompiledCostModel, make_cost_model
+from autoprec.cost.compiled import CompiledCostModel, make_cost_model
 from autoprec.errors import InputError
 from autoprec.policy import Policy
 from autoprec.trace import trace
