@@ -13,9 +13,9 @@ runs the ops CUDA autocast keeps in fp32 in fp32 (``lower.forward``'s ``emulate_
 
 Two forms (``precisions.FORMS``; the policy's ``form``, or ``apply_policy(form=...)``):
 
-- ``train``: weights are never cast in place: autocast casts per call
-  (``cache_enabled=False``, so a tied weight or a module called twice in two dtypes gets
-  the right cast each time) and the fp8 backend quantises a copy; the fp32 masters, their
+- ``train``: weights are never cast in place: autocast casts them (its cast cache on
+  where the plan has one 16-bit dtype, as one global autocast; off where it has two, so
+  a tied weight or a module called twice in two dtypes gets the right cast each time) and the fp8 backend quantises a copy; the fp32 masters, their
   storage and their gradients stay.
 - ``deploy``: each module's tensors are stored once in its precision (``apply.stored``)
   and the wrappers run without autocast (``lower.stored``): what ``model.to(bf16)``
@@ -53,6 +53,7 @@ from autoprec.policy.guard_spec import GuardSpec, parse_guard
 from autoprec.policy.modules import Resolved, gemm_leaf_paths, module_table
 from autoprec.policy.schema import Policy
 from autoprec.precisions import (
+    AUTOCAST_DTYPES,
     FORMS,
     PRECISIONS,
     STORAGE_DTYPES,
@@ -101,9 +102,9 @@ def _cast_out(obj: Any) -> Any:
 
 def _wrapper(module: torch.nn.Module, precision: str, fp8_backend: str,
              on_compute: Callable[[str], None] | None, cast_exit: bool,
-             emulate_cuda: bool) -> Callable[..., Any]:
+             emulate_cuda: bool, cast_cache: bool) -> Callable[..., Any]:
     inner = lowered_forward(module, precision, fp8_backend=fp8_backend, on_compute=on_compute,
-                            emulate_cuda=emulate_cuda)
+                            emulate_cuda=emulate_cuda, cast_cache=cast_cache)
     if not cast_exit:
         fwd = inner
     else:
@@ -416,9 +417,13 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
                 done.add(id(mod))
         stored = store_weights(root, plan, by_path, format_backend, keep_masters)
     else:
+        # one 16-bit autocast dtype in the whole plan: autocast's cast cache is safe (and
+        # the fast path, lower.forward.lowered_forward)
+        low = {PRECISIONS[int(r)] for r in plan.region} & set(AUTOCAST_DTYPES)
         wrappers = [(mod, _wrapper(mod, w.precision, format_backend.get(w.precision, "emulated"),
                                    notify_compute if is_gemm_format(w.precision) else None,
-                                   cast_exit=w.path != "", emulate_cuda=emulate))
+                                   cast_exit=w.path != "", emulate_cuda=emulate,
+                                   cast_cache=len(low) <= 1))
                     for mod, w in chosen]
     handle = PolicyHandle(model, policy, plan, res, [w for _, w in chosen], backend,
                           fp8_reason, dev, target_type)

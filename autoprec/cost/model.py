@@ -14,8 +14,8 @@ of the replay is priced on the target profile:
   outputs at the dtypes they carry; views cost nothing; an embedding reads the rows it
   gathers, not its table;
 - every inserted cast (read + write, one launch): autocast's input casts — weights too,
-  on every call, since apply runs autocast with ``cache_enabled=False`` — fp32 islands'
-  input casts, 16-bit outputs cast back to fp32 when they return to a fp32 caller;
+  once per forward where the plan has one 16-bit dtype (autocast's cast cache), on every
+  call where it has two — fp32 islands' input casts, 16-bit outputs cast back to fp32 when they return to a fp32 caller;
 - fp8 current scaling per GEMM input: an amax pass (read), a scale kernel (launch only),
   the cast to e4m3 (read, write 1 byte); the GEMM reads 1-byte operands and writes the
   region's 16-bit dtype. Weights are quantised once per weight version (apply caches the
@@ -29,7 +29,8 @@ Measured op times (``op_times``, ``cost.op_times``: a local CPU target): where t
 own op was timed here in the dtype a plan runs it in, that time replaces the roofline
 term of the op (dispatch included, so no launch overhead is added); views cost their
 dispatch; inserted casts their timed cast; every plan pays the recorded module calls'
-host cost. Ops without a timing keep the roofline.
+host cost, and each call through one of apply's wrappers (``Schedule.wrapper_calls``) the
+wrapper's. Ops without a timing keep the roofline.
 """
 
 from __future__ import annotations
@@ -173,7 +174,12 @@ class CostModel:
         self._static()
         self._tables()
         self._measured_tables()
-        self._fp32 = float(self.price(self.rules(()), np.array([[CODE["fp32"]]])).time[0])
+        self._fp32 = self._fp32_time()
+
+    def _fp32_time(self) -> float:
+        """The reference every speed-up divides: all fp32 with no autocast, the fp32 row
+        tune and eval time (the training form's; whatever form this model prices in)."""
+        return float(self.price(self.rules(()), np.array([[CODE["fp32"]]]), "train").time[0])
 
     # -- static per-op arrays ------------------------------------------------------------------
     def _static(self) -> None:
@@ -206,9 +212,11 @@ class CostModel:
         self._first_float: list[int | None] = [None] * len(self.trace.ops)
         self._fixed_s = 0.0  # views and the module calls: the same in every plan
         self._cast_tabs: dict[tuple[int, bool], np.ndarray] = {}
+        self._wrapper_s: dict[str, float] = {}  # per form, one call through apply's wrapper
         t = self.op_times
         if t is None:
             return
+        self._wrapper_s = dict(t.wrapper_s)
         vals = self.trace.values
         for i, op in enumerate(self.trace.ops):
             if i in t.compute:
@@ -276,7 +284,7 @@ class CostModel:
         new.__dict__.update(self.__dict__)
         new.profile = profile
         new._tables()
-        new._fp32 = float(new.price(new.rules(()), np.array([[CODE["fp32"]]])).time[0])
+        new._fp32 = new._fp32_time()
         return new
 
     # -- plans ---------------------------------------------------------------------------------
@@ -383,7 +391,7 @@ class CostModel:
                     op.kind if comp is not None else ("cast" if op.kind == "cast" else op.kind),
                     float(nbytes[0]), float(self._op_flops[i]) if comp is not None else 0.0,
                     prec, 1.0, 1.0 if comp is not None else 0.0)))
-        parts[:, _OTHER] += self._fixed_s
+        parts[:, _OTHER] += self._fixed_s + self._wrapper_s.get(sch.form, 0.0) * sch.wrapper_calls
         for c in sch.casts:
             n = self._numel[c.value]
             tm = n * (WIDTH[c.src] + WIDTH[c.dst]) / bw + launch

@@ -12,7 +12,8 @@ tune's own timing (issue 29). So for a local CPU target the recorded forward
   and fp16 (what it computes in), every other op with its floating inputs in each dtype;
 - every cast a plan may insert: each floating value's size, fp32 <-> bf16 <-> fp16;
 - the host's cost of one module call (``nn.Module.__call__`` around a trivial forward),
-  paid by every plan once per recorded call.
+  paid by every plan once per recorded call, and of apply's wrapper around one (per form),
+  paid per call of a module the plan wraps.
 
 Each is timed as tune times a model (``search.timing``): one torch thread, the thread's CPU
 time, the median of ``SAMPLES`` samples of at least ``SAMPLE_S`` each, after a warm-up.
@@ -47,16 +48,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from autoprec.fileio import atomic_write
 from autoprec.trace.ops import Op, OpTrace
 
 #: Bump when what is measured or how changes: older cache files are then ignored.
-VERSION = 2
+VERSION = 3
 #: A sample runs the op this long at least (several calls if one is shorter).
 SAMPLE_S = 5e-4
-SAMPLES = 7
+#: Samples per op and pass; passes over all the ops. An op's time is the median of its
+#: passes' medians: its samples are spread over the whole measurement, interleaved with
+#: every other op's, so a drift (a process warming up, a neighbour's load) shifts all ops
+#: alike instead of landing on the few timed while it lasted. Timed in one pass of 7, the
+#: same 256 x 256 Linear at 32 rows (experiments/trap) took 53-107 us fp32 and 43-78 us
+#: bf16 from one measurement to the next, and the model's bf16 estimate moved 0.98-1.41x.
+SAMPLES, PASSES = 3, 3
 #: Floating dtypes an op is timed in (the names of the plan stage).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: The kinds timed per compute precision (the rest per input dtype).
@@ -127,6 +135,7 @@ class OpTimes:
     machine: str = ""
     digest: str = ""
     cached: bool = False  # read from the cache (not measured by this process)
+    wrapper_s: dict[str, float] = field(default_factory=dict)  # per form, one wrapped call
 
     def cast_s(self, numel: int, src: str, dst: str, weight: bool = False) -> float | None:
         got = self.casts.get(cast_key(numel, src, dst, weight))
@@ -139,6 +148,7 @@ class OpTimes:
                 "compute": {str(k): v for k, v in self.compute.items()},
                 "other": {str(k): v for k, v in self.other.items()},
                 "casts": self.casts, "module_call_s": self.module_call_s,
+                "wrapper_s": self.wrapper_s,
                 "seconds": self.seconds, "distinct": self.distinct,
                 "machine": self.machine, "digest": self.digest}
 
@@ -149,7 +159,8 @@ class OpTimes:
                    {int(k): v for k, v in data["other"].items()},
                    dict(data["casts"]), float(data["module_call_s"]),
                    float(data.get("seconds", 0.0)), int(data.get("distinct", 0)),
-                   str(data.get("machine", "")), str(data.get("digest", "")))
+                   str(data.get("machine", "")), str(data.get("digest", "")),
+                   wrapper_s={str(k): float(v) for k, v in data.get("wrapper_s", {}).items()})
 
     def describe(self) -> str:
         return (f"{len(self.compute) + len(self.other)} ops ({self.distinct} distinct "
@@ -261,7 +272,7 @@ def _key(recipe: dict[str, Any], trace: OpTrace) -> str:
 
 def _time(call: Callable[[], Any]) -> float:
     """Seconds of one ``call()``: thread CPU time (``measure_latency``, as tune's timings),
-    median of SAMPLES samples of at least SAMPLE_S each."""
+    median of SAMPLES samples of at least SAMPLE_S each (one pass)."""
     from autoprec.cost.measure import measure_latency
 
     call()  # warm-up (first-call allocations, oneDNN primitive creation)
@@ -341,6 +352,25 @@ def _module_call_s() -> float:
     return max(0.0, _time(lambda: m(x)) - _time(lambda: m.forward(x)))
 
 
+def _wrapper_s() -> dict[str, float]:
+    """Per form, the host seconds apply's wrapper adds to one module call: a bf16 region
+    (train: ``lower.forward.lowered_forward``, an autocast block) or stored bf16 inputs
+    (deploy: ``lower.stored.deploy_forward``, autocast off) around a trivial forward.
+    Measured here: 8-15 us per wrapped Linear(4, 4), ~4 % of experiments/trap's forward."""
+    from autoprec.lower.forward import lowered_forward
+    from autoprec.lower.stored import deploy_forward
+
+    plain = torch.nn.Identity()
+    out = {}
+    for form, x in (("train", torch.zeros(2, 4)), ("deploy", torch.zeros(2, 4, dtype=torch.bfloat16))):
+        m = torch.nn.Identity()
+        m.forward = (lowered_forward(m, "bf16") if form == "train"  # type: ignore[method-assign]
+                     else deploy_forward(m, "bf16"))
+        with torch.no_grad():
+            out[form] = max(0.0, _time(lambda m=m, x=x: m(x)) - _time(lambda x=x: plain(x)))
+    return out
+
+
 def _weight_bytes(trace: OpTrace) -> int:
     return sum(v.numel * v.itemsize for v in trace.values if v.source == "param")
 
@@ -371,26 +401,35 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
     span = _span(_weight_bytes(trace))
     runner = _Runner(trace, scale, span)
     linear = _Runner(trace, 1.0, span)
-    done: dict[tuple[str, str], float | None] = {}
     out = OpTimes(batch_size, machine=machine)
-    todo = [(i, op) for i, op in enumerate(trace.ops) if op.recipe is not None]
-    for n, (i, op) in enumerate(todo):
-        recipe = op.recipe
-        assert recipe is not None
-        key = _key(recipe, trace)
+    # every op -> its distinct (recipe key, variant) timings; each distinct one timed once
+    uses: list[tuple[int, dict[int, dict[str, float]], str, tuple[str, str]]] = []
+    distinct: dict[tuple[str, str], dict[str, Any]] = {}
+    for i, op in enumerate(trace.ops):
+        if op.recipe is None:
+            continue
+        key = _key(op.recipe, trace)
         table = out.compute if op.kind in COMPUTE_KINDS else out.other
-        for var in _variants(op, bool(_floating_specs(recipe)), precisions):
-            got = done.get((key, var), math.nan)
-            if got is not None and math.isnan(got):
-                got = _try(runner, linear, recipe, DTYPES.get(var), scale)
-                done[(key, var)] = got
+        for var in _variants(op, bool(_floating_specs(op.recipe)), precisions):
+            distinct.setdefault((key, var), op.recipe)
+            uses.append((i, table, var, (key, var)))
+    passes: dict[tuple[str, str], list[float] | None] = {k: [] for k in distinct}
+    for p in range(PASSES):  # interleaved passes (see SAMPLES, PASSES)
+        for n, (k, recipe) in enumerate(distinct.items()):
+            got = passes[k]
             if got is not None:
-                table.setdefault(i, {})[var] = got
-        if progress is not None:
-            progress(n + 1, len(todo))
-    out.distinct = sum(1 for v in done.values() if v is not None)
+                one = _try(runner, linear, recipe, DTYPES.get(k[1]), scale)
+                passes[k] = None if one is None else [*got, one]
+            if progress is not None:
+                progress(p * len(distinct) + n + 1, PASSES * len(distinct))
+    done = {k: float(np.median(v)) for k, v in passes.items() if v}
+    for i, table, var, k in uses:
+        if k in done:
+            table.setdefault(i, {})[var] = done[k]
+    out.distinct = len(done)
     out.casts = _cast_times(trace, scale, span)
     out.module_call_s = _module_call_s()
+    out.wrapper_s = _wrapper_s()
     out.seconds = time.perf_counter() - t_start
     return out
 

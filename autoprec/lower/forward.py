@@ -6,9 +6,10 @@ A *region* is the numeric context a module's forward runs in:
 - tf32: fp32 plus tf32 matmuls — on Ampere+ via ``torch.backends.cuda.matmul``; elsewhere
   emulated by rounding matmul/conv operands to 10 mantissa bits (what the tensor core
   reads).
-- bf16 / fp16: ``torch.autocast(dtype=…, cache_enabled=False)``. The weight-cast cache is
-  keyed on the weight, so a weight used in two low dtypes in one outer region (tied
-  weights, a module called twice) would get the first cast: the cache stays off.
+- bf16 / fp16: ``torch.autocast(dtype=…)``. The weight-cast cache is keyed on the weight,
+  so a weight used in two low dtypes in one outer region (tied weights, a module called
+  twice) would get the first cast: the cache is on only under ``no_grad`` where a plan's
+  regions have one 16-bit dtype (``cast_cache``), as one global autocast runs.
 - fp8 / mxfp8 / nvfp4: not regions; Linear-like leaves call their GEMM backend
   (``backends.linear``: fp8.py, blockscale.py).
 
@@ -231,15 +232,16 @@ def _cuda_tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def region(precision: str, device_type: str,
-           emulate_cuda: bool = False) -> contextlib.AbstractContextManager[Any]:
-    """The numeric context for ``precision`` (fp32/tf32/bf16/fp16) on ``device_type``."""
+def region(precision: str, device_type: str, emulate_cuda: bool = False,
+           cast_cache: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """The numeric context for ``precision`` (fp32/tf32/bf16/fp16) on ``device_type``.
+    ``cast_cache``: autocast's weight-cast cache on (see ``lowered_forward``)."""
     check_precision(precision)
     if is_gemm_format(precision):
         raise ValueError(f"{precision} is a module backend, not an autocast region")
     if precision in AUTOCAST_DTYPES:
         ctx: contextlib.AbstractContextManager[Any] = torch.autocast(
-            device_type, dtype=AUTOCAST_DTYPES[precision], cache_enabled=False)
+            device_type, dtype=AUTOCAST_DTYPES[precision], cache_enabled=cast_cache)
     else:
         ctx = torch.autocast(device_type, enabled=False)
     emulate = emulate_cuda and device_type != "cuda"
@@ -293,6 +295,7 @@ def lowered_forward(
     fp8_backend: str = "emulated",
     on_compute: Callable[[str], None] | None = None,
     emulate_cuda: bool = False,
+    cast_cache: bool = False,
 ) -> Callable[..., Any]:
     """A forward for ``module`` that computes in ``precision``.
 
@@ -300,6 +303,15 @@ def lowered_forward(
     ``on_compute(precision)`` is called on every call (the audit listens to it).
     ``emulate_cuda``: see the module docstring. ``fp8_backend``: the backend of a GEMM
     format (fp8: emulated/torch/te; mxfp8/nvfp4: emulated/torch).
+    ``cast_cache``: under ``no_grad``, autocast's weight-cast cache on, as one global
+    ``torch.autocast`` has it; safe only when every autocast region of the forward has one
+    dtype (the cache is keyed on the weight alone). It is the fast path there: without it
+    a weight cast under ``no_grad`` does not require grad, and aten's matmul then sends a
+    non-contiguous 3-D input (MultiheadAttention's batch_first projections) to bmm over
+    the weight expanded per batch row instead of one mm: 13x slower for that Linear, 0.67x
+    of fp32 for the whole of experiments/nn_transformer where the global autocast runs
+    1.5x. With grad on, every call casts (a cast that requires grad folds; each call's
+    weight gradient is its own cast's, as the hand references in tests/apply compute).
     A GEMM format requires a Linear-like module it is eligible for (ValueError otherwise).
     """
     check_precision(precision)
@@ -331,7 +343,8 @@ def lowered_forward(
             on_compute(precision)
         dev = _device_type(module, args, kwargs)
         try:
-            with region(precision, dev, emulate_cuda):
+            with region(precision, dev, emulate_cuda,
+                        cast_cache and not torch.is_grad_enabled()):
                 return inner(*args, **kwargs)
         except RuntimeError as err:
             if "autocast::prioritize" not in str(err):

@@ -8,8 +8,9 @@ decides, as torch.autocast and apply's wrappers would on ``device_type``:
 - for every op, the dtype each input is read in and each output written in, and for
   GEMMs the precision they compute in (fp8 for an fp8 leaf's GEMM, tf32 in a tf32 region);
 - every cast that runs: autocast's input casts (``lower`` ops cast every floating input to
-  the region's dtype — weights too, on every call: apply runs autocast with
-  ``cache_enabled=False``; ``fp32`` ops cast 16-bit inputs to fp32), a fp32 island's input
+  the region's dtype — weights too: once per forward where the plan has one 16-bit dtype
+  (autocast's cast cache on), on every call where it has two; ``fp32`` ops cast 16-bit
+  inputs to fp32), a fp32 island's input
   casts, the casts of 16-bit outputs returning to a fp32 caller, and the model's own
   explicit casts (``x.float()``) where they change the dtype;
 - plans that cannot run (a GEMM fed mixed dtypes outside autocast, autocast's promote ops
@@ -85,7 +86,7 @@ class Cast:
     src: np.ndarray  # (T,) dtype code before
     dst: np.ndarray  # (T,) dtype code after
     on: np.ndarray  # (T,) bool: runs in that plan
-    weight: bool = False  # the value is a parameter (autocast re-casts it every call)
+    weight: bool = False  # the value is a parameter (or a view of one)
 
 
 @dataclass
@@ -116,6 +117,10 @@ class Schedule:
     quant_inputs: list[QuantInput] = field(default_factory=list)
     invalid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     reasons: dict[int, str] = field(default_factory=dict)  # plan row -> why it cannot run
+    #: (T,) calls through a wrapper apply installs (a wrapped module's forward, and in the
+    #: deploy form a consumer's input rule): each costs host time (``cost.op_times``)
+    wrapper_calls: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    form: str = "train"
 
     def cast_count(self, row: int = 0, weights: bool = False) -> int:
         """Casts one forward of plan ``row`` runs (weights: autocast's per-call weight casts
@@ -215,7 +220,40 @@ class _Replay:
                 self.leave(ev)
             else:
                 self.op(ev, idx)
+        if not self.stored:
+            self._cached_weight_casts()
+        self.sch.wrapper_calls = (self.wrappers() * self.calls()).sum(axis=1)
+        self.sch.form = "deploy" if self.stored else "train"
         return self.sch
+
+    def calls(self) -> np.ndarray:
+        """(M,) recorded forward calls of each module."""
+        mods = [c.module for c in self.trace.calls if c.module >= 0]
+        return np.bincount(np.asarray(mods, dtype=np.intp),
+                           minlength=len(self.trace.modules))[:len(self.trace.modules)]
+
+    def wrappers(self) -> np.ndarray:
+        """(T, M) bool: the module's forward runs through a wrapper apply installs."""
+        return self.wrapped.astype(bool)
+
+    def _cached_weight_casts(self) -> None:
+        """A plan whose autocast regions have one 16-bit dtype runs (under ``no_grad``, the
+        forward priced) with autocast's cast cache on (``lower.forward.lowered_forward``):
+        a parameter read twice in one forward (a module called twice) is cast once. Views
+        of parameters are not cached."""
+        both = (self.region == CODE["bf16"]).any(axis=1) & (self.region == CODE["fp16"]).any(axis=1)
+        one = ~both  # (T,)
+        if not one.any():
+            return
+        seen: dict[tuple[int, int], np.ndarray] = {}
+        for c in self.sch.casts:
+            if not c.weight or not self.vals[c.value].param:
+                continue
+            for dst in np.unique(c.dst[c.on & one]):
+                done = seen.setdefault((c.value, int(dst)), np.zeros(self.t, dtype=bool))
+                mine = c.on & one & (c.dst == dst)
+                c.on = c.on & ~(mine & done)
+                done |= mine
 
     def fail(self, mask: np.ndarray, why: str) -> None:
         sch = self.sch
@@ -430,6 +468,7 @@ class _StoredReplay(_Replay):
         # (apply installs their input rules only then, lower.stored)
         st = _STORAGE[self.region]
         self.mixed = ~(st == st[:, :1]).all(axis=1)
+        self.consumer = np.array([k != "" for k in self.kinds], dtype=bool)  # (M,)
         #: value -> module indices of its owners, for tensors tied between modules (each
         #: owner stores its own copy in its dtype; an op in an owner reads that copy)
         self.tied: dict[int, set[int]] = {}
@@ -498,6 +537,12 @@ class _StoredReplay(_Replay):
         for v, old in saved.items():
             if v not in call.outputs:
                 self.state[v] = old  # the caller still holds its own dtype
+
+    def wrappers(self) -> np.ndarray:
+        """Wrapped modules, and where a plan stores two dtypes every other consumer (a
+        module with weights or a norm: its input rule, ``lower.stored.consumer_forward``)."""
+        own = self.wrapped.astype(bool)
+        return own | (self.mixed[:, None] & self.consumer[None, :] & ~own)
 
     def norm_params(self, ev: int, op, m: int) -> list[tuple[int, np.ndarray]]:  # noqa: ANN001
         """A 16-bit norm fed fp32: its weight and bias cast up for the call (returns the

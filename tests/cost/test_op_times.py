@@ -194,3 +194,35 @@ def test_a_timing_the_estimate_agrees_with_is_not_repeated() -> None:
 
     check = check_speed(_rows(), timer, device="cpu", batch_size=2)
     assert len(calls) == 1 and check.retimed == ()
+
+
+@pytest.mark.parametrize(("pol", "form"), [
+    (Policy(default="fp32"), "train"),
+    (Policy(default="fp32", layers={"fc1": "bf16"}), "train"),
+    (Policy(default="bf16", form="deploy"), "deploy"),
+    (Policy(default="fp32", layers={"fc1": "bf16"}, form="deploy"), "deploy"),  # + consumers
+])
+def test_each_call_through_an_installed_wrapper_costs_the_timed_wrapper(
+        graph, timed, pol: Policy, form: str) -> None:  # noqa: ANN001
+    """The wrappers priced are the wrappers apply installs (counted on the model)."""
+    from autoprec.apply.apply import apply_policy
+    from tests.zoo import mlp
+
+    case = mlp()
+    with apply_policy(case.model, pol, target="cpu"):
+        installed = sum("forward" in m.__dict__ for m in case.model.modules())
+    base = OpTimes(graph.batch_size, compute=timed.compute, other=timed.other,
+                   casts=timed.casts, module_call_s=timed.module_call_s)
+    with_wrappers = OpTimes(graph.batch_size, compute=timed.compute, other=timed.other,
+                            casts=timed.casts, module_call_s=timed.module_call_s,
+                            wrapper_s={"train": 1e-3, "deploy": 2e-3})
+    prof = get_profile("cpu")
+    plain = make_cost_model(graph, prof, graph.batch_size, op_times=base)
+    wrapped = make_cost_model(graph, prof, graph.batch_size, op_times=with_wrappers)
+    extra = wrapped.breakdown(pol).total_s - plain.breakdown(pol).total_s
+    assert installed >= 2 if pol.layers else installed == 1
+    assert extra == pytest.approx(installed * {"train": 1e-3, "deploy": 2e-3}[form], rel=1e-9)
+    # the fp32 reference is the training form's fp32 (root wrapper, 1 ms) in every form
+    assert wrapped.fp32_time - plain.fp32_time == pytest.approx(1e-3, rel=1e-9)
+    assert set(timed.wrapper_s) == {"train", "deploy"}
+    assert all(0 < s < 1e-3 for s in timed.wrapper_s.values())
