@@ -250,7 +250,7 @@ def test_an_unusable_default_cache_is_a_warning(tmp_path: Path, capsys, monkeypa
     (tmp_path / ".autoprec").write_text("a file where the cache folder goes")
     code, _, err = run_cli(["tune", TRAP, "--no-track", "--quiet", "--trials", "2",
                             "--precisions", "bf16,fp16", "--out", tmp_path / "p.yaml"], capsys)
-    assert code in (0, 1), err
+    assert code == 0, err
     assert "Traceback" not in err and "autoprec: warning: probe cache not written" in err
     assert (tmp_path / ".autoprec").read_text() == "a file where the cache folder goes"
     assert load_policy(tmp_path / "p.yaml").model["name"] == "trap"  # the run wrote its policy
@@ -370,17 +370,17 @@ def test_a_study_is_tied_to_the_code(tmp_path: Path, capsys, monkeypatch) -> Non
     common = ["--no-track", "--quiet", "--trials", "2", "--precisions", "bf16,fp16",
               "--json", "--out", tmp_path / "p.yaml"]
     code, out, err = run_cli(["tune", model, *common, "--storage", db], capsys)
-    assert code in (0, 1), err
+    assert code == 0, err
     first = yaml.safe_load(out)["study"]
     code, out, err = run_cli(["tune", model, *common, "--storage", db, "--study-name",
                               "named"], capsys)
-    assert code in (0, 1), err
+    assert code == 0, err
     model.write_text(TRAP_SRC.replace(*FORWARD_EDIT))
     code, _, err = run_cli(["tune", model, *common, "--storage", db, "--study-name", "named"],
                            capsys)
     assert code == 2 and "was tuned with other settings (code: " in one_error_line(err)
     code, out, err = run_cli(["tune", model, *common, "--storage", db], capsys)
-    assert code in (0, 1), err
+    assert code == 0, err
     assert yaml.safe_load(out)["study"] != first
 
 

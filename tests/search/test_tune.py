@@ -198,7 +198,7 @@ def test_compile_mode_prices_compiled_and_is_recorded(tmp_path: Path, capsys):
               "s", "--trials", "2", "--precisions", "fp16", "--target", "t4",
               "--out", str(tmp_path / "p.yaml")]
     code, err = _cli([*common, "--compile"], capsys)
-    assert code in (0, 1), err
+    assert code == 0, err
     pol = load_policy(tmp_path / "p.yaml")
     assert pol.mode == "compile" and pol.target["device"] == "t4"
     # the compiled price is a study setting: an eager run may not join the compiled study
