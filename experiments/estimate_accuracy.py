@@ -17,7 +17,7 @@ row it prints the estimate at the timed batch next to the measurement, and check
     python experiments/estimate_accuracy.py                          # every model, both modes
     python experiments/estimate_accuracy.py --models wide,minilm --modes eager --trials 10
     python experiments/estimate_accuracy.py --modes eager --write
-                                 # + experiments/results/estimate_accuracy-eager.md
+                     # + experiments/results/estimate_accuracy-eager-<CPU class>.md (-avx2, ...)
 
 Timings are this machine's (its CPU is named in the header); run it on a quiet machine.
 """
@@ -36,12 +36,24 @@ from typing import Any
 
 import torch
 
-from autoprec.capability import cpu_facts
+from autoprec.capability import cpu_facts, cpu_flags
 from autoprec.search.speed_source import speed_source
 from autoprec.search.tune import tune
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "estimate_accuracy-{modes}.md"  # one file per set of modes
+#: one file per set of modes and CPU class: estimate_accuracy-eager-avx2.md, ...
+RESULTS = HERE / "results" / "estimate_accuracy-{modes}{cpu}.md"
+
+
+def cpu_class() -> str:
+    """This CPU's 16-bit matmul class as a file-name suffix: "-amx", "-avx512bf16",
+    "-avx512" or "-avx2" (no 16-bit matmul instructions)."""
+    _, flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "-amx"
+    if "avx512_bf16" in flags:
+        return "-avx512bf16"
+    return "-avx512" if "avx512f" in flags else "-avx2"
 #: model -> (budget kind, budget): the budgets the other experiments use.
 MODELS = {
     "minilm": ("max_error", 0.03), "wide": ("max_error", 0.05),
@@ -141,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(table, runs, argv if argv is not None else sys.argv[1:], load)
     print(text)
     if args.write:
-        path = Path(str(RESULTS).format(modes="-".join(modes)))
+        path = Path(str(RESULTS).format(modes="-".join(modes), cpu=cpu_class()))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
         print(f"wrote {path}")
