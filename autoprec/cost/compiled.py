@@ -30,7 +30,8 @@ every cast) is regrouped into the kernels inductor generates:
   reduction) and a scale-and-cast pass (a second kernel on CUDA: it needs the finished
   amax), MXFP8 as one fused pass; weights are quantised once (cached), as in eager.
 - Measured op times (a local CPU, ``cost.op_times``): the extern kernels take their time
-  measured here, as in eager; the fused segments keep the calibrated roofline.
+  measured here, as in eager, a convolution its channels-last time (inductor's CPU layout);
+  the fused segments keep the calibrated roofline.
 
 Weights are read every call and their casts run every call (the default
 ``torch.compile``); freezing (``torch._inductor.config.freezing``) would constant-fold them,
@@ -51,6 +52,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from autoprec.cost.model import _FP8, _GEMM, _OTHER, CostModel, Kernel, device_type_of
 from autoprec.cost.profiles import DeviceProfile
@@ -117,6 +119,12 @@ class CompiledCostModel(CostModel):
                                               else call_overhead_s))
         super().__init__(graph, profile, batch_size, device_type=device_type, form=form,
                          op_times=op_times)  # type: ignore[arg-type]
+
+    def _convs_channels_last(self) -> bool:
+        """Inductor's CPU backend runs every convolution of a graph channels-last when oneDNN
+        is there (``torch._inductor.graph.GraphLowering.decide_layout_opt``): the op timings
+        (a local CPU's) price each convolution at its channels-last time."""
+        return bool(torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available())
 
     # -- the fused program ---------------------------------------------------------------
     def _units(self, sch: Schedule) -> tuple[list[_Edge], np.ndarray, list[tuple[int, object]],

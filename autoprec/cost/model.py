@@ -130,6 +130,16 @@ class Priced:
     reasons: dict[int, str]  # row -> why infeasible / invalid
 
 
+def _precision_table(got: Mapping[str, float]) -> np.ndarray:
+    """Measured seconds per precision code (NaN: not timed); a CPU's tf32 is its fp32."""
+    tab = np.full(len(PRECISIONS), math.nan)
+    for p, sec in got.items():
+        tab[PRECISIONS.index(p)] = sec
+    if "fp32" in got and "tf32" in PRECISIONS:
+        tab[PRECISIONS.index("tf32")] = got["fp32"]  # a CPU has no tf32
+    return tab
+
+
 def device_type_of(profile: DeviceProfile) -> str:
     """Whose autocast lists apply: "cpu" for the cpu profile, "cuda" for the GPUs."""
     return device_type(profile.name)
@@ -219,13 +229,10 @@ class CostModel:
         self._wrapper_s = dict(t.wrapper_s)
         vals = self.trace.values
         for i, op in enumerate(self.trace.ops):
-            if i in t.compute:
-                tab = np.full(len(PRECISIONS), math.nan)
-                for p, sec in t.compute[i].items():
-                    tab[PRECISIONS.index(p)] = sec
-                if "fp32" in t.compute[i] and "tf32" in PRECISIONS:
-                    tab[PRECISIONS.index("tf32")] = t.compute[i]["fp32"]  # a CPU has no tf32
-                self._timed[i] = tab
+            if i in t.compute_cl and self._convs_channels_last():
+                self._timed[i] = _precision_table(t.compute_cl[i])
+            elif i in t.compute:
+                self._timed[i] = _precision_table(t.compute[i])
             elif i in t.other:
                 tab = np.full(len(DTYPES), math.nan)
                 got = t.other[i]
@@ -242,6 +249,11 @@ class CostModel:
                     (k for k, v in enumerate(op.inputs) if vals[v].dtype in ("fp32", "bf16",
                                                                               "fp16")), None)
         self._fixed_s += len(self.trace.calls) * t.module_call_s
+
+    def _convs_channels_last(self) -> bool:
+        """Whether convolutions run channels-last (priced at ``OpTimes.compute_cl``): not
+        in eager, where they run as the model lays them out."""
+        return False
 
     def _op_seconds(self, i: int, sch: Schedule, comp: np.ndarray | None) -> np.ndarray | None:
         """(T,) measured seconds of op ``i`` under each plan row (NaN where not measured),

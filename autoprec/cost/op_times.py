@@ -10,6 +10,11 @@ tune's own timing (issue 29). So for a local CPU target the recorded forward
 - every distinct op (same function, shapes, strides, dtypes and arguments) once per
   precision it may run in: a GEMM / SDPA / conv with its floating operands in fp32, bf16
   and fp16 (what it computes in), every other op with its floating inputs in each dtype;
+- every convolution once more per precision in channels-last layout (``compute_cl``), the
+  layout inductor's CPU backend gives every convolution of a graph (``torch._inductor
+  .graph.decide_layout_opt``: with oneDNN, always): the digits CNN's bf16 ``conv2``
+  (16 -> 32 channels, 64 x 8 x 8) took 20.6 ms NCHW and 8.8 ms channels-last on an AVX2
+  EPYC, and its compiled 16-bit rows were estimated 30-46 % too slow;
 - every cast a plan may insert: each floating value's size, fp32 <-> bf16 <-> fp16;
 - the host's cost of one module call (``nn.Module.__call__`` around a trivial forward),
   paid by every plan once per recorded call, and of apply's wrapper around one (per form),
@@ -55,7 +60,7 @@ from autoprec.fileio import atomic_write
 from autoprec.trace.ops import Op, OpTrace
 
 #: Bump when what is measured or how changes: older cache files are then ignored.
-VERSION = 3
+VERSION = 4
 #: A sample runs the op this long at least (several calls if one is shorter).
 SAMPLE_S = 5e-4
 #: Samples per op and pass; passes over all the ops. An op's time is the median of its
@@ -69,6 +74,11 @@ SAMPLES, PASSES = 3, 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: The kinds timed per compute precision (the rest per input dtype).
 COMPUTE_KINDS = ("gemm", "attention")
+#: Variant prefix of a convolution timed in channels-last layout (``OpTimes.compute_cl``).
+CL = "cl:"
+#: Recipe functions that are convolutions (timed in both layouts).
+_CONVS = frozenset({"F.conv1d", "F.conv2d", "F.conv3d", "aten.convolution.default",
+                    "aten.conv2d.default", "aten.conv3d.default"})
 #: The last-level cache assumed when the OS does not say, and the most believed (a VM's
 #: sysfs reported 260 MB on one of the team's machines).
 LLC_DEFAULT, LLC_MAX = 32 << 20, 64 << 20
@@ -120,7 +130,8 @@ def cast_key(numel: int, src: str, dst: str, weight: bool = False) -> str:
 class OpTimes:
     """Seconds of each recorded op on this machine at ``batch_size`` (see module docs).
 
-    ``compute[i][p]``: GEMM/SDPA op ``i`` computing in precision ``p``; ``other[i][d]``:
+    ``compute[i][p]``: GEMM/SDPA op ``i`` computing in precision ``p``; ``compute_cl[i][p]``:
+    the same for a convolution with its input and weight channels-last; ``other[i][d]``:
     any other op (views included) with its floating inputs in dtype ``d`` ("-": it has
     none); ``casts[cast_key(...)]``: one cast; ``module_call_s``: one module call.
     """
@@ -136,6 +147,7 @@ class OpTimes:
     digest: str = ""
     cached: bool = False  # read from the cache (not measured by this process)
     wrapper_s: dict[str, float] = field(default_factory=dict)  # per form, one wrapped call
+    compute_cl: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def cast_s(self, numel: int, src: str, dst: str, weight: bool = False) -> float | None:
         got = self.casts.get(cast_key(numel, src, dst, weight))
@@ -149,6 +161,7 @@ class OpTimes:
                 "other": {str(k): v for k, v in self.other.items()},
                 "casts": self.casts, "module_call_s": self.module_call_s,
                 "wrapper_s": self.wrapper_s,
+                "compute_cl": {str(k): v for k, v in self.compute_cl.items()},
                 "seconds": self.seconds, "distinct": self.distinct,
                 "machine": self.machine, "digest": self.digest}
 
@@ -160,7 +173,8 @@ class OpTimes:
                    dict(data["casts"]), float(data["module_call_s"]),
                    float(data.get("seconds", 0.0)), int(data.get("distinct", 0)),
                    str(data.get("machine", "")), str(data.get("digest", "")),
-                   wrapper_s={str(k): float(v) for k, v in data.get("wrapper_s", {}).items()})
+                   wrapper_s={str(k): float(v) for k, v in data.get("wrapper_s", {}).items()},
+                   compute_cl={int(k): v for k, v in data.get("compute_cl", {}).items()})
 
     def describe(self) -> str:
         return (f"{len(self.compute) + len(self.other)} ops ({self.distinct} distinct "
@@ -295,12 +309,16 @@ class _Runner:
     def __init__(self, trace: OpTrace, scale: float, span: int) -> None:
         self.trace, self.scale, self.span = trace, scale, span
 
-    def seconds(self, recipe: dict[str, Any], dtype: torch.dtype | None) -> float:
+    def seconds(self, recipe: dict[str, Any], dtype: torch.dtype | None,
+                channels_last: bool = False) -> float:
         func = _resolve(recipe["f"])
         builder = _Builder(self.trace, self.scale)
         args = builder.build(recipe["a"], dtype)
         kwargs = {k: builder.build(v, dtype) for k, v in recipe["k"].items()}
         copies = self._weight_copies(recipe, args, kwargs)
+        if channels_last:
+            args = _channels_last(args)
+            copies = [(_channels_last(a), k) for a, k in copies]
         if copies:
             sets = itertools.cycle(copies)
 
@@ -343,6 +361,26 @@ class _Runner:
             sets.append((fresh(recipe["a"], args),
                          {k: fresh(v, kwargs[k]) for k, v in recipe["k"].items()}))
         return sets
+
+
+def _channels_last(obj: Any) -> Any:
+    """``obj`` with every 4-D / 5-D tensor in channels-last layout (a convolution's input
+    and weight, as inductor's CPU backend lays them out)."""
+    if isinstance(obj, list):
+        return [_channels_last(x) for x in obj]
+    if isinstance(obj, torch.Tensor) and obj.dim() in (4, 5):
+        fmt = torch.channels_last if obj.dim() == 4 else torch.channels_last_3d
+        return obj.contiguous(memory_format=fmt)
+    return obj
+
+
+def is_conv(op: Op) -> bool:
+    """A convolution with a 4-D or 5-D input: inductor's CPU backend runs it channels-last."""
+    r = op.recipe
+    if r is None or r.get("f") not in _CONVS or not r.get("a"):
+        return False
+    first = r["a"][0]
+    return isinstance(first, dict) and len(first.get("shape", ())) in (4, 5)
 
 
 def _module_call_s() -> float:
@@ -388,7 +426,8 @@ def digest(trace: OpTrace, batch_size: int, machine: str) -> str:
 def _variants(op: Op, floating: bool, precisions: Iterable[str]) -> list[str]:
     if not floating:
         return ["-"]
-    return [p for p in DTYPES if op.kind not in COMPUTE_KINDS or p in precisions]
+    out = [p for p in DTYPES if op.kind not in COMPUTE_KINDS or p in precisions]
+    return out + [CL + p for p in out] if is_conv(op) else out
 
 
 def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYPES,
@@ -412,13 +451,16 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
         table = out.compute if op.kind in COMPUTE_KINDS else out.other
         for var in _variants(op, bool(_floating_specs(op.recipe)), precisions):
             distinct.setdefault((key, var), op.recipe)
-            uses.append((i, table, var, (key, var)))
+            cl = var.startswith(CL)
+            uses.append((i, out.compute_cl if cl else table, var.removeprefix(CL), (key, var)))
     passes: dict[tuple[str, str], list[float] | None] = {k: [] for k in distinct}
     for p in range(PASSES):  # interleaved passes (see SAMPLES, PASSES)
         for n, (k, recipe) in enumerate(distinct.items()):
             got = passes[k]
             if got is not None:
-                one = _try(runner, linear, recipe, DTYPES.get(k[1]), scale)
+                var = k[1]
+                one = _try(runner, linear, recipe, DTYPES.get(var.removeprefix(CL)), scale,
+                           channels_last=var.startswith(CL))
                 passes[k] = None if one is None else [*got, one]
             if progress is not None:
                 progress(p * len(distinct) + n + 1, PASSES * len(distinct))
@@ -435,16 +477,16 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
 
 
 def _try(runner: _Runner, linear: _Runner, recipe: dict[str, Any], dtype: torch.dtype | None,
-         scale: float) -> float | None:
+         scale: float, channels_last: bool = False) -> float | None:
     """Seconds of the recipe at the cost model's batch; at the recorded batch scaled
     linearly when it does not rebuild there; None when it does not run alone."""
     try:
-        return runner.seconds(recipe, dtype)
+        return runner.seconds(recipe, dtype, channels_last)
     except Exception:  # noqa: BLE001 - any op that cannot run alone is priced by roofline
         if scale == 1.0:
             return None
     try:
-        return linear.seconds(recipe, dtype) * scale
+        return linear.seconds(recipe, dtype, channels_last) * scale
     except Exception:  # noqa: BLE001
         return None
 
@@ -498,4 +540,4 @@ def cached_or_measured(trace: OpTrace, batch_size: int, cache_dir: Path, *, mach
     return got
 
 
-__all__ = ["OpTimes", "cached_or_measured", "cast_key", "digest", "measure"]
+__all__ = ["OpTimes", "cached_or_measured", "cast_key", "digest", "is_conv", "measure"]

@@ -15,11 +15,11 @@ import torch
 
 from autoprec.cost import get_profile
 from autoprec.cost.compiled import make_cost_model
-from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, measure
+from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, is_conv, measure
 from autoprec.policy import Policy
 from autoprec.search.speed_rows import Row, check_speed, contradictions
 from autoprec.trace import trace
-from tests.zoo import mlp
+from tests.zoo import cnn, mlp
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,38 @@ def test_compiled_cost_model_takes_the_timed_gemms(graph, timed) -> None:  # noq
                    compute={i: {"fp32": 1e-3, "bf16": 3e-3, "fp16": 2e-3} for i in timed.compute})
     cost = make_cost_model(graph, prof, graph.batch_size, "compile", op_times=hand)
     assert cost.breakdown(Policy(default="bf16")).parts["gemm"] == pytest.approx(9e-3, rel=1e-9)
+
+
+def test_convolutions_are_timed_channels_last_too_and_compiled_plans_take_those() -> None:
+    """Inductor's CPU backend runs every convolution channels-last (oneDNN): the compiled
+    cost model prices a convolution at that layout's time, eager at the model's own."""
+    case = cnn()
+    g = trace(case.model, case.batch)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = measure(g.ops, g.batch_size)
+    finally:
+        torch.set_num_threads(old)
+    convs = [i for i, op in enumerate(g.ops.ops) if is_conv(op)]
+    gemms = [i for i, op in enumerate(g.ops.ops) if op.kind == "gemm"]
+    assert len(convs) == 2 and set(convs) < set(gemms)  # the head's Linear is no conv
+    assert sorted(got.compute_cl) == convs
+    assert all(set(got.compute_cl[i]) == {"fp32", "bf16", "fp16"} for i in convs)
+    assert all(0 < s < 0.05 for i in convs for s in got.compute_cl[i].values())
+    assert OpTimes.from_json(json.loads(json.dumps(got.to_json()))).compute_cl == got.compute_cl
+    # priced: channels-last at 10x the model's layout tells the two apart
+    hand = OpTimes(g.batch_size,
+                   compute={i: {"fp32": 1e-3, "bf16": 1e-3, "fp16": 1e-3} for i in gemms},
+                   compute_cl={i: {"fp32": 1e-2, "bf16": 1e-2, "fp16": 1e-2} for i in convs})
+    prof = get_profile("cpu")
+    eager = make_cost_model(g, prof, g.batch_size, op_times=hand)
+    compiled = make_cost_model(g, prof, g.batch_size, "compile", op_times=hand)
+    assert eager.breakdown(Policy(default="bf16")).parts["gemm"] == pytest.approx(
+        len(gemms) * 1e-3, rel=1e-9)
+    if torch.backends.mkldnn.is_available():
+        assert compiled.breakdown(Policy(default="bf16")).parts["gemm"] == pytest.approx(
+            (len(gemms) - len(convs)) * 1e-3 + len(convs) * 1e-2, rel=1e-9)
 
 
 def test_op_times_at_another_batch_rebuild_the_scaled_tensors(graph) -> None:  # noqa: ANN001
