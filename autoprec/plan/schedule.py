@@ -29,7 +29,7 @@ import numpy as np
 from autoprec.formats.gemm import BLOCK_SCALED
 from autoprec.lower.autocast import cast_policy
 from autoprec.plan.compile import CODE, FORMAT_CODES
-from autoprec.precisions import BYTES, GEMM_FORMATS
+from autoprec.precisions import BYTES, GEMM_FORMATS, PRECISIONS
 from autoprec.trace.ops import OpTrace
 
 #: Value dtype codes ("fp8": a float8 tensor, trace.ops' name), then one per block-scaled
@@ -494,6 +494,8 @@ class _StoredReplay(_Replay):
         for v, old in back:
             self.state[v] = old
         m = op.module
+        if op.kind in ("gemm", "attention") and m >= 0:
+            self._rule_holds(op, m)
         if op.kind == "gemm" and m >= 0:  # a GEMM-format leaf gives its region's dtype
             fmt = _IS_FMT[self.precision[:, m]]
             if fmt.any():
@@ -503,6 +505,25 @@ class _StoredReplay(_Replay):
                 for k, o in enumerate(op.outputs):
                     if self.floating[o]:
                         self.state[o] = out[k]
+
+    def _rule_holds(self, op, m: int) -> None:  # noqa: ANN001 - trace.ops.Op
+        """A GEMM / SDPA computes in the dtype its operands arrive in (no autocast here):
+        where that is not its module's rule — an attention module's SDPA ruled fp32 fed
+        by bf16 q / k / v leaves, which keep their dtype on the way out — the rule would
+        not run and the audit refuses the plan (``apply.audit``), so the plan cannot run
+        as written. Seen: every compiled encoder4 trial spent on ``attention.self: fp32``
+        over bf16 q / k / v."""
+        comp = self.sch.compute[-1]
+        if comp is None or not any(self.floating[v] for v in op.inputs):
+            return
+        r = self.region[:, m]
+        off = ~_IS_FMT[self.precision[:, m]] & (comp != r)
+        if off.any():
+            row = int(np.flatnonzero(off)[0])
+            self.fail(off, f"{op.name} in {_where(self.trace, op.module)} computes in "
+                           f"{PRECISIONS[int(comp[row])]} (the dtype its operands arrive in: the deploy "
+                           f"form casts no module's output back), but its rule says "
+                           f"{PRECISIONS[int(r[row])]}; give the modules feeding it the same rule")
 
     def enter(self, ev: int, idx: int) -> None:
         call = self.trace.calls[idx]

@@ -44,13 +44,23 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     def row(c: Any, name: str, role: str) -> Row:
         err = c.calib.error if c.eval_error is None else c.eval_error
         r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, cfg.target, ev.form), err,
-                c.calib.feasible, c.calib.est_speedup, trial=c.number)
+                c.calib.feasible, c.calib.est_speedup, trial=c.number,
+                why_not=_why_not(c.calib, cfg.budget))
         r.source = c
         r.weight_bytes = prep.cost.weight_bytes(r.policy)
         return r
 
     rows = [row(chosen, "tuned", "tuned")]
-    timed = source.local and cfg.measure and feasible
+    rows_after = tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
+                                    prep.reference)
+    for r in rows_after:  # the speed target binds on a baseline as on a trial
+        if (r.feasible and cfg.min_speedup is not None
+                and (r.est_speedup or 0.0) < cfg.min_speedup):
+            r.feasible, r.why_not = False, f"below --min-speedup {cfg.min_speedup:g}"
+    # no trial within budget, a baseline is: the baselines are what may be written (timed
+    # where the target is here), never the closest over-budget plan
+    fallback = not feasible and any(r.feasible and r.policy is not None for r in rows_after)
+    timed = source.local and cfg.measure and (feasible or fallback)
     if timed:
         seen = {rows[0].key}
         nxt = sorted((c for c in select.dedupe(cands) if c.calib.feasible),
@@ -62,19 +72,18 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
             if r.key not in seen:
                 seen.add(r.key)
                 rows.append(r)
-    rows += tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
-                               prep.reference)
+    rows += rows_after
     if not timed:
         check = check_speed(rows, None)
         check.reason = (source.note if not source.local else "not measured (--no-measure)"
                         if not cfg.measure else "not measured: no plan within budget")
-        given = _given_if_faster(rows)
-        if given is None:
+        instead = _given_if_faster(rows) or _best_baseline_if_infeasible(rows)
+        if instead is None:
             return check, chosen, rules_of(chosen)
-        check.winner = given
-        check.reason += (f"; {given.name} is estimated faster than the tuned plan (or the "
-                         "only plan within budget): wrote it")
-        return check, *_baseline_candidate(prep, space, given)
+        check.winner = instead
+        check.reason += (f"; {instead.name} is estimated faster than the tuned plan (or is "
+                         "the fastest plan within budget): wrote it")
+        return check, *_baseline_candidate(prep, space, instead)
 
     at_measured = (source.cost_model(prep.graph, prep.calib_bs, cfg.mode)
                    if prep.cost.op_times is not None else
@@ -103,6 +112,30 @@ def _given_if_faster(rows: Sequence[Row]) -> Row | None:
     if tuned.feasible and (tuned.est_speedup or 0.0) >= (given.est_speedup or 0.0):
         return None
     return given
+
+
+def _best_baseline_if_infeasible(rows: Sequence[Row]) -> Row | None:
+    """The fastest baseline within budget (by estimate; the simpler among equals) when the
+    tuned plan is not within budget: a one-liner that meets the budget is written rather
+    than the closest over-budget plan."""
+    if rows[0].feasible:
+        return None
+    ok = [r for r in rows if r.role == "baseline" and r.feasible and r.policy is not None
+          and r.est_speedup is not None]
+    if not ok:
+        return None
+    return max(ok, key=lambda r: (r.est_speedup or 0.0, -len(r.policy.layers),
+                                  -(r.weight_bytes or 0)))
+
+
+def _why_not(ev: Any, budget: float) -> str:
+    """Why a candidate is not within budget, for its row (empty when it is)."""
+    if ev.feasible:
+        return ""
+    if ev.audit_error:
+        return "no: a rule did not run"
+    err = ev.error if ev.eval_error is None else max(ev.error, ev.eval_error)
+    return "no: over budget" if err > budget else "no"
 
 
 def _baseline_candidate(prep: Any, space: Any, win: Row) -> tuple[Any, tuple[str, dict[str, str]]]:

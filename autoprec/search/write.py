@@ -105,6 +105,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     # the last step: the chosen plan beside its baselines, timed when the target is here
     speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible,
                                         prep.source)
+    feasible = chosen.calib.feasible  # a baseline within budget may replace the closest plan
     if prep.source is not None:
         provenance.update(prep.source.provenance())
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,

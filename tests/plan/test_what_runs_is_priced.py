@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autoprec.apply.apply import apply_policy
+from autoprec.apply.apply import apply_policy, audit_policy
 from autoprec.cost import CostModel, get_profile
 from autoprec.loading import load_model_file
 from autoprec.plan.compile import compile_plan
@@ -144,12 +144,20 @@ def test_casts_gemm_dtypes_and_bytes_match_an_independent_count(case, target: st
             continue  # the cpu profile has no tf32
         bd = cost.breakdown(pol)
         if form == "deploy" and bd.invalid is not None:
-            # a fp32 island's output keeps fp32 in the deploy form (a consumer casts what it
-            # needs): where it meets 16-bit operands in one functional GEMM / SDPA, the plan
-            # cannot run, and the real forward refuses it too
-            assert "different dtypes" in bd.invalid, (label, bd.invalid)
-            with pytest.raises(RuntimeError):
-                run_counted(model, pol, fwd, batch, target=target)
+            # a module's output keeps its dtype in the deploy form (a consumer casts what it
+            # needs): where a fp32 island meets 16-bit operands in one functional GEMM /
+            # SDPA, the plan cannot run, and the real forward refuses it too; where 16-bit
+            # leaves feed a functional GEMM / SDPA ruled fp32, it runs in 16 bits and the
+            # real forward's audit refuses the rule
+            if "different dtypes" in bd.invalid:
+                with pytest.raises(RuntimeError):
+                    run_counted(model, pol, fwd, batch, target=target)
+            else:
+                assert "but its rule says" in bd.invalid, (label, bd.invalid)
+                m = copy.deepcopy(model)
+                report = audit_policy(m, pol, lambda m=m: fwd(m, batch), target=target)
+                assert any("but its GEMMs computed in" in e for e in report.errors), (
+                    label, report.errors)
             continue
         assert bd.invalid is None, (label, bd.invalid)
         got = run_counted(model, pol, fwd, batch, target=target)

@@ -300,3 +300,19 @@ def test_of_two_one_liners_as_fast_the_one_holding_less_memory_is_written():
     for r in rs:
         r.same_as = None
     assert check_speed(rs, t, device="cpu", batch_size=16).winner is autocast
+
+
+def test_with_no_trial_within_budget_the_fastest_baseline_within_budget_is_written():
+    """A tuned plan over budget (or whose rule did not run) is not what is written when a
+    one-liner meets the budget: the fastest such baseline is (by estimate, for a remote
+    target); a baseline below ``--min-speedup`` is not a choice."""
+    from autoprec.search.confirm_speed import _best_baseline_if_infeasible
+
+    rs = rows(tuned_ok=False)
+    got = _best_baseline_if_infeasible(rs)
+    assert got is not None and got.name == label("bf16")  # 1.9x beats fp32's 1.0x
+    assert _best_baseline_if_infeasible(rows(tuned_ok=True)) is None
+    rs[3].feasible = False  # bf16 over budget: fp32 is the one within budget
+    assert _best_baseline_if_infeasible(rs).name == label("fp32")
+    rs[2].feasible = False  # nothing within budget: the closest plan stands
+    assert _best_baseline_if_infeasible(rs) is None
