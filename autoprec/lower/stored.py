@@ -23,7 +23,7 @@ island's precision alive past its own output (HF's ``_keep_in_fp32_modules`` wor
   quantises it per call, multiplies by the weight quantised once at apply
   (``stored_weight``), and gives its input's dtype.
 
-The plan's replay (``plan.schedule._StoredReplay``) applies the same rules, from the
+The plan's replay (``plan.replay_stored.StoredReplay``) applies the same rules, from the
 ``consumer_kind`` of every module recorded with the trace.
 
 Autocast is off inside every region (a user's own ``torch.autocast`` around a deployed
