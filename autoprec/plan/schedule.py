@@ -38,7 +38,8 @@ from autoprec.trace.ops import OpTrace
 
 def signature(sch: Schedule, row: int = 0) -> tuple:
     """What plan ``row`` runs, as a hashable value: two policies with the same signature
-    run the same kernels on the same dtypes with the same casts (the same plan)."""
+    run the same kernels on the same dtypes with the same casts (the same plan; which
+    notion of "the same plan" the search uses where: ``search.decode``)."""
     ops = tuple((tuple(int(c) for c in sch.reads[i][:, row]),
                  tuple(int(c) for c in sch.writes[i][:, row]),
                  None if sch.compute[i] is None else int(sch.compute[i][row]),
