@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoprec.errors import PolicyWarning
+from autoprec.formats.gemm import stores_in_out
 from autoprec.lower.stored import dequantized_weight, stored_weight
 from autoprec.plan.compile import ExecutionPlan
 from autoprec.precisions import PRECISIONS, STORAGE_DTYPES, is_gemm_format
@@ -187,7 +188,7 @@ def _store_format(out: StoredWeights, mod: torch.nn.Module, fmt: str, region: st
     """A GEMM-format leaf: ``weight`` -> quantised elements (+ scale buffers); the bias
     and any other tensor in the region's dtype."""
     q, scales = stored_weight(mod, fmt, backend)  # (N, K)
-    if type(mod).__name__ == "Conv1D":  # HF GPT-2 stores (K, N): keep its layout
+    if stores_in_out(mod):  # HF GPT-2's Conv1D stores (K, N): keep its layout
         q = q.t()
     orig = mod._parameters["weight"]
     _replace(out, mod, "_parameters", "weight", torch.nn.Parameter(q, requires_grad=False),

@@ -13,7 +13,7 @@ Source: ``aten/src/ATen/autocast_mode.{h,cpp}`` (the ``AT_FORALL_*`` lists and t
 - anything else (``None``): autocast leaves the op alone; it runs in the dtype PyTorch's
   type promotion gives its inputs (bf16 + fp16 -> fp32, 16-bit + fp32 -> fp32).
 
-The names are those ``autoprec.trace.ops`` records: function-level names for what it
+The names are those ``autoprec.trace.op_recorder`` records: function-level names for what it
 records as one op (``linear``, ``conv``, ``scaled_dot_product_attention``), aten packet
 names for the rest (``native_layer_norm`` is what ``layer_norm`` runs, ``_softmax`` what
 ``softmax`` runs).

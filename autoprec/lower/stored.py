@@ -23,7 +23,7 @@ island's precision alive past its own output (HF's ``_keep_in_fp32_modules`` wor
   quantises it per call, multiplies by the weight quantised once at apply
   (``stored_weight``), and gives its input's dtype.
 
-The plan's replay (``plan.schedule._StoredReplay``) applies the same rules, from the
+The plan's replay (``plan.replay_stored.StoredReplay``) applies the same rules, from the
 ``consumer_kind`` of every module recorded with the trace.
 
 Autocast is off inside every region (a user's own ``torch.autocast`` around a deployed
@@ -100,12 +100,6 @@ NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
     (torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ())
 
 
-#: Modules whose own weights meet their input in a GEMM (which refuses mixed operands).
-GEMM_TYPES: tuple[type[torch.nn.Module], ...] = (
-    torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd,
-    torch.nn.MultiheadAttention)
-
-
 def consumer_kind(module: torch.nn.Module) -> str:
     """How a module reads inputs of another dtype in the deploy form: "norm" (computes in
     the wider dtype), "weights" (its own weights meet its input in a GEMM: casts its inputs
@@ -113,7 +107,9 @@ def consumer_kind(module: torch.nn.Module) -> str:
     a parameter with an input of another dtype runs in the wider one)."""
     if isinstance(module, NORM_TYPES):
         return "norm"
-    if isinstance(module, GEMM_TYPES) or is_gemm_module(module):
+    # its own weights meet its input in a GEMM (which refuses mixed operands): a GEMM module
+    # (``formats.gemm.is_gemm_module``: Linear-likes, Bilinear, convolutions) or an MHA
+    if is_gemm_module(module) or isinstance(module, torch.nn.MultiheadAttention):
         return "weights"
     return ""
 
@@ -281,6 +277,6 @@ def stored_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
         return fn.apply(x, q, bias, backend, out_dtype, wcache)
 
 
-__all__ = ["GEMM_TYPES", "NORM_TYPES", "SCALE", "SCALE_2", "cast_tree", "consumer_forward", "consumer_kind",
+__all__ = ["NORM_TYPES", "SCALE", "SCALE_2", "cast_tree", "consumer_forward", "consumer_kind",
            "deploy_forward", "dequantized_weight",
            "stored_linear", "stored_weight"]

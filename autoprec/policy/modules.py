@@ -32,13 +32,6 @@ from autoprec.paths import normalize_path, unwrap_model
 from autoprec.precisions import is_gemm_format
 from autoprec.trace.graph import fingerprint
 
-#: Leaf module types whose own forward is one GEMM/conv (what fp8 and the cost model price).
-_GEMM_LEAF_TYPES: tuple[type[torch.nn.Module], ...] = (
-    torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd,
-)
-#: Linear-likes known by class name (no import of their library): HF GPT-2's Conv1D.
-_GEMM_LEAF_NAMES = ("Conv1D",)
-
 
 class PolicyRules(Protocol):
     """What the checks here read of a policy (``autoprec.policy.schema.Policy``)."""
@@ -74,10 +67,10 @@ def is_leaf(module: torch.nn.Module) -> bool:
 
 
 def is_gemm_leaf(module: torch.nn.Module) -> bool:
-    """A leaf whose forward is a matmul/conv (Linear, Conv*, Bilinear, HF Conv1D)."""
-    return is_leaf(module) and (isinstance(module, _GEMM_LEAF_TYPES)
-                                or type(module).__name__ in _GEMM_LEAF_NAMES) and \
-        not_called_reason(module) is None  # MHA's out_proj: its GEMM is the attention's
+    """A leaf whose forward is a matmul/conv (Linear, Conv*, Bilinear, HF Conv1D: what the
+    format decides, ``formats.gemm.is_gemm_module``) and runs (MHA's out_proj does not: its
+    GEMM is the attention's)."""
+    return is_leaf(module) and gemm.is_gemm_module(module) and not_called_reason(module) is None
 
 
 def format_eligible(module: torch.nn.Module, precision: str) -> bool:

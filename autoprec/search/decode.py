@@ -13,11 +13,31 @@ Every stage that turns a trial or a key into rules or a policy asks a ``TrialDec
 (the search's own, ``tune.Search.decoder``); none calls ``space.rules`` or
 ``compact.compact`` itself.
 
-The same plan: a trial is identified by its key (``select.dedupe``, the driver's claim);
-two keys are one plan when they run the same schedule (``Planner.signature``, and
-``compact`` keeps the schedule of the explicit rules), and then their compact rules are
-equal; two rule sets — a trial's, a baseline's, the model as given — are one plan when
-their ``plan_id`` is (``speed_rows.Row.key``).
+The same plan — two notions with two jobs, defined here; every other use derives from one:
+
+1. **The same name: what apply installs.** ``plan_id(default, layers, form)``: the form,
+   the default and the sorted rules (a plan with no 16-bit tensor anywhere — fp32 or tf32,
+   no rules — runs alike in both forms). The trial key is this name inside one search
+   space: ``explicit(key)`` gives every GEMM layer and locked path a rule, so a key names
+   its explicit rules one to one; a trial's params are the key in Optuna's spelling
+   (``space.key``). Used for identity: a trial is not run twice (the driver's claim and
+   cache, ``select.dedupe``), and rows beside the baselines are timed once per plan_id
+   (``speed_rows.Row.key``).
+2. **The same run: what the kernels do.** ``plan.schedule.signature`` (vectorised:
+   ``plan.schedule.same_as``): the same kernels on the same dtypes, the same casts and
+   quantisation passes in the recorded forward. Coarser than 1: many names, one run (two
+   default regions no op runs in once every GEMM layer is set; a compact rule set and the
+   explicit one). Used where a name is traded for another: the walk measures no key whose
+   run (``Planner.signature``, cached per key) and priced time equal those of a key
+   measured or being measured, and ``compact`` accepts only rewrites of the same run (what
+   was measured and priced is what the written file runs).
+
+Why not one: 2 needs the recorded forward and the cost model (``autoprec export`` and the
+study's storage have neither; a trial's identity must be exact and free), and it leaves out
+what apply installs around the kernels (the host time of every call through a wrapper,
+``Schedule.wrapper_calls``), which a measurement tells apart — so rows are timed once only
+when their names are one. And 1 alone would let the walk spend a measurement on a second
+name of a run it has measured, and give ``compact`` nothing to check its rewrites against.
 """
 
 from __future__ import annotations

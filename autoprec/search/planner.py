@@ -378,8 +378,9 @@ class Planner:
         return limit
 
     def signature(self, key: Key) -> tuple:
-        """What ``key`` runs (``plan.schedule.signature``): keys with one signature are
-        one plan (e.g. two default regions no op runs in once every GEMM is set)."""
+        """What ``key`` runs (``plan.schedule.signature``, cached): keys with one signature
+        are one run (e.g. two default regions no op runs in once every GEMM is set); the
+        two notions of "the same plan" are ``search.decode``'s."""
         sig = self._signatures.get(key)
         if sig is None:
             codes = self.space.codes(np.array([key], dtype=np.intp))

@@ -43,7 +43,8 @@ def completed(study: optuna.Study) -> list[Candidate]:
 
 
 def dedupe(cands: Sequence[Candidate]) -> list[Candidate]:
-    """One candidate per distinct plan (the earliest trial)."""
+    """One candidate per distinct plan (the earliest trial): per trial key, spelt as its
+    params (``search.decode``: the same name)."""
     seen: dict[tuple[tuple[str, str], ...], Candidate] = {}
     for c in sorted(cands, key=lambda c: c.number):
         seen.setdefault(tuple(sorted(c.params.items())), c)

@@ -59,7 +59,9 @@ class Row:
 
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]] | None:
-        """The plan: two rows of one key run the same (form, default and rules)."""
+        """The plan's name (``decode.plan_id``: form, default and rules): rows of one key
+        install the same and are timed once (why by name, not by what runs:
+        ``search.decode``)."""
         if self.policy is None:
             return None
         from autoprec.search.decode import plan_id

@@ -25,7 +25,8 @@ from autoprec.precisions import GEMM_FORMATS
 from autoprec.trace.graph import GEMM_KINDS, KINDS, LayerGraph, LayerNode, fingerprint
 from autoprec.trace.kinds import classify, eligibility, format_reason
 from autoprec.trace.measure import Measurement, measure
-from autoprec.trace.ops import OpTrace, record_ops
+from autoprec.trace.op_recorder import record_ops
+from autoprec.trace.ops import OpTrace
 from autoprec.trace.structure import GemmLayout, TraceFailed, export_edges, fx_edges
 
 __all__ = ["GEMM_KINDS", "KINDS", "LayerGraph", "LayerNode", "OpTrace", "TRACERS", "fingerprint",

@@ -343,16 +343,16 @@ def test_the_alias_bomb_is_refused_before_anything_is_built(tmp_path: Path,
     constructed, validated or printed."""
     from autoprec.errors import PolicyError
     from autoprec.policy import load_policy
-    from autoprec.policy.schema import _PolicyLoader
+    from autoprec.policy.yaml_loader import PolicyLoader
 
     built: list[object] = []
-    construct = _PolicyLoader.construct_document
+    construct = PolicyLoader.construct_document
 
     def spy(self, node):  # type: ignore[no-untyped-def]
         built.append(node)
         return construct(self, node)
 
-    monkeypatch.setattr(_PolicyLoader, "construct_document", spy)
+    monkeypatch.setattr(PolicyLoader, "construct_document", spy)
     for where in ("autoprec_policy", "default", "layer", "batch_size"):
         path = policy_file(tmp_path, bomb(12, where), f"{where}.yaml")
         with pytest.raises(PolicyError, match=r"alias \*a0: a policy may not use YAML "
