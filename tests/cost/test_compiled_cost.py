@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ from autoprec.errors import InputError
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests.cost.graphs import TOY
+from tests.helpers import ROOT
 
 L = 1e-6  # TOY launch overhead
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bf16_gemm_by_hand_casts_fuse_into_one_kernel():

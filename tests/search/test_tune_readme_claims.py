@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from autoprec.policy import load_policy
-from tests.test_loading import run_cli
+from tests.helpers import run_cli
 
 EXACT = '''
 """Three Linears (512 wide: at a large batch the GEMMs, not the casts, set the time);

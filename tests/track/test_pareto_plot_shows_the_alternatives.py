@@ -13,9 +13,7 @@ import pytest
 
 import autoprec
 from autoprec.track.plots import MAX_PRICED_POINTS, pareto_data, pareto_front, pareto_plot
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
+from tests.helpers import TRAP
 
 
 def _trials() -> pd.DataFrame:
