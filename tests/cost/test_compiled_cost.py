@@ -45,6 +45,9 @@ def test_fp32_plan_prices_like_eager_when_nothing_fuses():
 
 
 class Chain(nn.Module):
+    """fc1 | GELU | fc2 | add + LayerNorm: the segments the kernel counts below are worked
+    from (post-norm, unlike test_cost_model.Block)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(64, 64)
