@@ -395,7 +395,7 @@ def test_a_new_tune_leaves_no_stale_front(tmp_path: Path, capsys, monkeypatch) -
     code, _, err = run_cli(["tune", TRAP, "--no-track", "--quiet", "--trials", "2",
                             "--precisions", "bf16,fp16", "--out", tmp_path / "p.yaml"],
                            capsys)
-    assert code in (0, 1), err
+    assert code == 0, err  # trap within the default budget, as in the cache test above
     assert not stale.exists() and (tmp_path / "p.yaml").exists()
 
 

@@ -367,9 +367,11 @@ def test_three_tune_processes_share_one_postgres_study(pg_url: str, tmp_path: Pa
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=600)
-        assert proc.returncode in (0, 1), err[-3000:]  # 1: no feasible policy (still written)
-        assert out.strip(), f"exit {proc.returncode}, no JSON on stdout; stderr: {err[-3000:]}"
+        # 0: at mlp.py's calibration batch (2) no plan beats fp32 on h100 (launch-bound), and
+        # fp32's error, 0, is within the default budget: every process writes it, feasible
+        assert proc.returncode == 0, err[-3000:]
         results.append(json.loads(out))
+        assert results[-1]["feasible"] and results[-1]["error"] == 0.0, results[-1]
     study = load(pg_url)
     counts = by_state(study)
     assert TrialState.RUNNING not in counts and TrialState.WAITING not in counts, counts
@@ -398,7 +400,7 @@ def test_tune_with_workers_flag(pg_url: str, tmp_path: Path) -> None:
     env = cli_env()
     cmd = _tune_cmd(MODEL, pg_url, tmp_path / "p.yaml", 3, "--workers", "2", "--quiet")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode in (0, 1), done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]  # the worst worker's: both feasible (above)
     assert "starting 2 workers on postgresql://postgres@127.0.0.1" in done.stderr
     study = load(pg_url)
     assert by_state(study).get(TrialState.RUNNING) is None
