@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The repository root (tests.helpers.ROOT, which cannot be imported before this runs).
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 # One PostgreSQL server per test session (started lazily by the first test that needs it).
 from tests.pg import pg_server, pg_url  # noqa: E402, F401

@@ -6,26 +6,14 @@ Bad input is exit 2 with one line on stderr that names the file and the problem.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
 from autoprec.errors import ModelFileError
 from autoprec.loading import default_forward, load_model_file
-
-MODELS = Path(__file__).parent / "fixtures" / "models"
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``autoprec ARGS`` in-process (each arg as ``str``): (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return int(exit_info.value.code or 0), out, err
+from tests.helpers import CLI, MODELS, cli_env, run_cli
 
 
 def bad_graph(path: Path | str, capsys: pytest.CaptureFixture[str]) -> str:
@@ -117,11 +105,8 @@ def test_env(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_entry_point_one_line(tmp_path: Path) -> None:
     """The real process: exit code 2 and a single stderr line, no traceback."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "autoprec.cli.main", "graph", str(MODELS / "build_raises.py")],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+    proc = subprocess.run([*CLI, "graph", str(MODELS / "build_raises.py")],
+                          capture_output=True, text=True, env=cli_env(), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "hidden_size 30 is not divisible by 4 heads" in proc.stderr

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from autoprec.policy import load_policy
+from tests.helpers import ROOT, cli_env
 
-ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
@@ -54,7 +54,7 @@ def test_the_python_snippets_run_as_written(tmp_path: Path) -> None:
     blocks = _blocks("python", "Python API")
     assert len(blocks) == 2, "the API example and the training example"
     (tmp_path / "experiments").symlink_to(ROOT / "experiments")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = cli_env()
     outputs = []
     for i, code in enumerate(blocks):  # one process each, in order: as a user pastes them
         run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,

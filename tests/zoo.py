@@ -138,6 +138,36 @@ def cnn() -> Case:
     return Case("cnn", _ready(CNN()), torch.randn(B, 3, 16, 16), {"B": B, "H": 16})
 
 
+class GeluChain(nn.Module):
+    """x -> fcs.0 -> gelu -> fcs.1 -> gelu -> ...: ``n`` Linears (d -> d) with the model's
+    own code between every pair of GEMMs, so a one-layer change adds a cast boundary (the
+    coupling that stops a walk of one-layer steps short of the faster plan)."""
+
+    def __init__(self, n: int = 5, d: int = 512) -> None:
+        super().__init__()
+        self.fcs = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, d) -> (B, d)
+        for fc in self.fcs:
+            x = torch.nn.functional.gelu(fc(x))
+        return x
+
+
+class ReluMLP(nn.Module):
+    """fc1 (16 -> hidden), fc2 (hidden -> 32), head (32 -> 4), ReLUs between: small enough
+    to train in a test. tests/check/fixtures/mlp_model.py is the same net as a model.py
+    (a model.py stands alone, so it keeps its own copy)."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, hidden)
+        self.fc2 = nn.Linear(hidden, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 16)
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))  # (B, 4)
+
+
 # ------------------------------------------------------------ torch.nn's own transformers
 # Their eval/no_grad fused paths skip module calls, and nn.MultiheadAttention never calls
 # out_proj (autoprec/fused.py): these models are how the tests hold apply to that.

@@ -185,9 +185,13 @@ def pareto_data(
 _BASELINE_MARKERS = ("s", "D", "^", "v", "P", "X", "h")
 
 
-def pareto_plot(
+def pareto_plot(trials: pd.DataFrame, path: Path, **kwargs: Any) -> Path:
+    """``pareto_figure(trials, **kwargs)`` written to ``path`` (PNG); returns ``path``."""
+    return _save(pareto_figure(trials, **kwargs), path)
+
+
+def pareto_figure(
     trials: pd.DataFrame,
-    path: Path,
     *,
     chosen_trial: int | None = None,
     budget: float | None = None,
@@ -195,10 +199,10 @@ def pareto_plot(
     baselines: pd.DataFrame | None = None,
     chosen: Point | None = None,
     title: str = "Plans: error vs estimated speed-up",
-) -> Path:
+) -> Any:
     """The chosen plan among its alternatives (``pareto_data``): the priced plans and their
     front, the plans measured on the model, the baselines and the budget. Baselines with an
-    infinite error (fp16 overflow) are drawn at the right edge. Returns ``path`` (PNG)."""
+    infinite error (fp16 overflow) are drawn at the right edge. Returns the Figure."""
     d = pareto_data(trials, priced=priced, baselines=baselines, chosen_trial=chosen_trial,
                     chosen=chosen, budget=budget)
     fig = _figure(7.6, 5.0)
@@ -208,7 +212,7 @@ def pareto_plot(
         ax.text(0.5, 0.5, "no plan with a finite error", ha="center", va="center")
         ax.set_axis_off()
         ax.set_title(title, fontsize=10)
-        return _save(fig, path)
+        return fig
     errs = [e for e, _ in finite]
     right = max(errs + ([d.budget] if d.budget else [])) * 1.5 or 1.0
 
@@ -253,13 +257,17 @@ def pareto_plot(
     if d.hidden:
         title += f"  ({d.hidden} measured with a non-finite error not shown)"
     ax.set_title(title, fontsize=10)
-    return _save(fig, path)
+    return fig
 
 
-def layers_plot(layers: dict[str, str], path: Path, *,
-                title: str = "Precision per GEMM layer") -> Path:
+def layers_plot(layers: dict[str, str], path: Path, **kwargs: Any) -> Path:
+    """``layers_figure(layers, **kwargs)`` written to ``path`` (PNG); returns ``path``."""
+    return _save(layers_figure(layers, **kwargs), path)
+
+
+def layers_figure(layers: dict[str, str], *, title: str = "Precision per GEMM layer") -> Any:
     """One bar per layer (in the given order, top to bottom), coloured by precision; the
-    bar's length is the precision's compute bits. Returns ``path`` (PNG)."""
+    bar's length is the precision's compute bits. Returns the Figure."""
     names = list(layers)
     n = len(names)
     fig = _figure(8.0, min(1.6 + 0.22 * n, 80.0))
@@ -268,7 +276,7 @@ def layers_plot(layers: dict[str, str], path: Path, *,
         ax.text(0.5, 0.5, "no per-layer rules: every layer at the default", ha="center")
         ax.set_axis_off()
         ax.set_title(title, fontsize=10)
-        return _save(fig, path)
+        return fig
     precisions = [str(layers[name]) for name in names]
     colors = [PRECISION_COLORS.get(p, _OTHER_COLOR) for p in precisions]
     bits = [PRECISION_BITS.get(p, 32) for p in precisions]
@@ -293,14 +301,19 @@ def layers_plot(layers: dict[str, str], path: Path, *,
     ]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"{title} ({n} layers)", fontsize=10)
-    return _save(fig, path)
+    return fig
 
 
-def baselines_plot(rows: pd.DataFrame, path: Path, *, budget: float | None = None,
-                   title: str = "Tuned plan against one global autocast") -> Path:
+def baselines_plot(rows: pd.DataFrame, path: Path, **kwargs: Any) -> Path:
+    """``baselines_figure(rows, **kwargs)`` written to ``path`` (PNG); returns ``path``."""
+    return _save(baselines_figure(rows, **kwargs), path)
+
+
+def baselines_figure(rows: pd.DataFrame, *, budget: float | None = None,
+                     title: str = "Tuned plan against one global autocast") -> Any:
     """Bars of estimated speed-up (``plan``, ``est_speedup``, ``error`` columns; the tuned
     plan first), green within ``budget`` and grey over it, each labelled with its error.
-    Returns ``path`` (PNG)."""
+    Returns the Figure."""
     names = [str(v) for v in rows["plan"]]
     speed = [float(v) for v in rows["est_speedup"]]
     errors = [float(v) for v in rows["error"]]
@@ -316,4 +329,4 @@ def baselines_plot(rows: pd.DataFrame, path: Path, *, budget: float | None = Non
     ax.set_xlabel("estimated speed-up over fp32 (x)")
     ax.set_xlim(0, max(speed + [1.0]) * 1.45)
     ax.set_title(title + (f" (budget {budget:g})" if budget is not None else ""), fontsize=10)
-    return _save(fig, path)
+    return fig

@@ -25,9 +25,9 @@ from autoprec.loading import load_model_file
 from autoprec.policy import Policy, loads_policy
 from autoprec.trace import trace
 from tests import zoo
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class Net(nn.Module):

@@ -31,8 +31,8 @@ from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests import zoo
 from tests.apply.test_audit import _rotating_policy
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 NN_MODEL = ROOT / "experiments" / "nn_transformer" / "model.py"
 
 

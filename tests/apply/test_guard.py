@@ -11,7 +11,6 @@ guarded model detects too; calibration-sized inputs pass untouched.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +20,8 @@ from autoprec.errors import GuardError, GuardWarning, InputError, PolicyError
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy, loads_policy
 from autoprec.policy.guard_spec import GuardSpec
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SPEC = load_model_file(ROOT / "experiments" / "mixed8" / "model.py")
 POLICY = ROOT / "experiments" / "mixed8" / "guarded.yaml"
 SCALE = 3e4  # wide1's input reaches ~7.7e4 > 65504 (fp16's max)

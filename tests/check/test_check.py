@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 
 from autoprec.check import check
-from autoprec.cli.main import main
 from autoprec.errors import InputError, PolicyError
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy
 from autoprec.trace.graph import fingerprint
+from tests.helpers import CLI, ROOT, run_cli
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mlp_model.py"
 
@@ -45,11 +44,9 @@ def _policy(model_py: Path, target: str | dict = "t4", budget: float = 0.01, **e
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict, str]:
-    with pytest.raises(SystemExit) as ex, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        main(["check", *argv, "--json"])
-    out, err = capsys.readouterr()
-    return int(ex.value.code), json.loads(out) if out.strip() else {}, err
+    """``check ARGV --json``: (exit code, the parsed report or {}, stderr)."""
+    code, out, err = run_cli(["check", *argv, "--json"], capsys, quiet_warnings=True)
+    return code, json.loads(out) if out.strip() else {}, err
 
 
 def test_passes_a_policy_within_budget(model_py: Path, capsys) -> None:
@@ -129,10 +126,9 @@ def test_budget_given_overrides_the_policys(model_py: Path, capsys) -> None:
 
 def test_bad_input_is_exit_2(model_py: Path, capsys) -> None:
     policy = _policy(model_py)
-    with pytest.raises(SystemExit) as ex:
-        main(["check", str(model_py), "--policy", str(policy), "--max-error", "0.1",
-              "--max-drop", "0.1"])
-    assert ex.value.code == 2
+    code, _, _ = run_cli(["check", model_py, "--policy", policy, "--max-error", "0.1",
+                          "--max-drop", "0.1"], capsys)
+    assert code == 2
     with pytest.raises(InputError, match="metric"):
         check(model_py, policy, max_drop=0.01)  # model.py has no metric
     bad = policy.parent / "bad.yaml"
@@ -143,11 +139,9 @@ def test_bad_input_is_exit_2(model_py: Path, capsys) -> None:
 
 def test_text_output(model_py: Path, capsys) -> None:
     policy = _policy(model_py)
-    with pytest.raises(SystemExit) as ex, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        main(["check", str(model_py), "--policy", str(policy)])
-    out = capsys.readouterr().out
-    assert ex.value.code == 0 and "PASSED" in out and "fc1" in out
+    code, out, _ = run_cli(["check", model_py, "--policy", policy], capsys,
+                           quiet_warnings=True)
+    assert code == 0 and "PASSED" in out and "fc1" in out
 
 
 def test_passes_a_freshly_tuned_policy(model_py: Path, capsys) -> None:
@@ -162,20 +156,16 @@ def test_passes_a_freshly_tuned_policy(model_py: Path, capsys) -> None:
     assert out["fingerprint_match"] is True
 
 
-
 def test_text_output_says_each_reason_and_note_once(model_py: Path) -> None:
     """As a user sees it: a real process, Python's own warning display included."""
     import subprocess
-    import sys
 
     path = model_py.parent / "hand.yaml"  # hand-written: no fingerprint, a note
     path.write_text("autoprec_policy: 1\ndefault: fp32\nlayers: {fc1: fp16}\n")
     _variant(model_py, "overflow")
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-m", "autoprec.cli.main", "check", str(model_py),
-                          "--policy", str(path), "--target", "t4"], capture_output=True,
-                         text=True, cwd=model_py.parent, timeout=120,
-                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    run = subprocess.run([*CLI, "check", str(model_py), "--policy", str(path), "--target",
+                          "t4"], capture_output=True, text=True, cwd=model_py.parent,
+                         timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     both = run.stdout + run.stderr
     assert run.returncode == 1, both
     assert "FAILED" in run.stdout and both.count("non-finite output values") == 1

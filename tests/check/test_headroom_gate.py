@@ -5,16 +5,13 @@ given factor of its format's limit on calibration data, naming the layer; eval /
 from __future__ import annotations
 
 import json
-import warnings
-from pathlib import Path
 
 import pytest
 
 from autoprec.check import check
-from autoprec.cli.main import main
 from autoprec.errors import InputError
+from tests.helpers import ROOT, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "experiments" / "mixed8" / "model.py"
 POLICY = ROOT / "experiments" / "mixed8" / "guarded.yaml"  # wide1/wide2/tail1/tail2 fp16
 
@@ -37,12 +34,9 @@ def test_headroom_rows_and_the_gate() -> None:
 
 def test_cli_gate_exits_1_and_json_carries_headroom(capsys: pytest.CaptureFixture[str]
                                                     ) -> None:
-    with pytest.raises(SystemExit) as ex, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        main(["check", str(MODEL), "--policy", str(POLICY), "--min-headroom", "3e4",
-              "--json"])
-    out, err = capsys.readouterr()
-    assert ex.value.code == 1
+    code, out, err = run_cli(["check", MODEL, "--policy", POLICY, "--min-headroom", "3e4",
+                              "--json"], capsys, quiet_warnings=True)
+    assert code == 1
     d = json.loads(out)
     assert d["min_headroom"] == 3e4 and not d["passed"]
     assert {r["layer"] for r in d["reasons"]} == {"wide1", "tail1", "tail2"}  # wide2 has more

@@ -16,9 +16,9 @@ import pytest
 from autoprec.check import check
 from autoprec.policy import load_policy
 from autoprec.search.tune import tune
-from tests.test_loading import run_cli
+from tests.helpers import MODELS, run_cli
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "mlp.py"
+FIXTURE = MODELS / "mlp.py"
 
 
 def test_tune_eval_and_check_print_one_price_for_the_local_cpu(

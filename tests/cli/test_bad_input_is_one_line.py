@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
 from autoprec.policy import Policy
+from tests.helpers import TRAP, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
 TRAP_SRC = TRAP.read_text()
 TUNE = ["--no-track", "--quiet", "--trials", "2"]
 GOOD = "autoprec_policy: 1\ndefault: fp32\nlayers: {}\n"
@@ -45,13 +43,6 @@ def policy_file(tmp: Path, text: str | bytes, name: str = "p.yaml") -> Path:
     else:
         path.write_text(text)
     return path
-
-
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return int(info.value.code or 0), out, err
 
 
 @dataclass

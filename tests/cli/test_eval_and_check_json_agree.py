@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
 from autoprec.report_json import Reason, feasible, number, reasons_json, speedup
+from tests.helpers import ROOT, run_cli
 
-MLP = Path(__file__).parents[1] / "check" / "fixtures" / "mlp_model.py"
+MLP = ROOT / "tests" / "check" / "fixtures" / "mlp_model.py"
 
 
 @pytest.fixture
@@ -26,12 +25,9 @@ def model_py(tmp_path: Path) -> Path:
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
-    with pytest.raises(SystemExit) as ex, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        main([*argv, "--json"])
-    out, err = capsys.readouterr()
+    code, out, err = run_cli([*argv, "--json"], capsys, quiet_warnings=True)
     assert out.strip(), err
-    return int(ex.value.code), json.loads(out)
+    return code, json.loads(out)
 
 
 def _policy(tmp_path: Path, layers: str, budget: float | None = None) -> Path:

@@ -7,20 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
 from autoprec.policy import Policy
-
-TRAP = Path(__file__).resolve().parents[2] / "experiments" / "trap" / "model.py"
+from tests.helpers import TRAP, run_cli
 
 
 def test_eval_measure_times_the_policy_beside_its_baselines_on_a_local_target(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     pol = tmp_path / "p.yaml"
     Policy(default="fp32", layers={"head": "bf16"}, metrics={"budget": 0.01}).save(pol)
-    with pytest.raises(SystemExit) as exc:
-        main(["eval", str(TRAP), "--policy", str(pol), "--target", "cpu", "--measure", "--json"])
-    assert exc.value.code == 0
-    out = json.loads(capsys.readouterr().out)
+    code, printed, err = run_cli(["eval", TRAP, "--policy", pol, "--target", "cpu", "--measure",
+                                  "--json"], capsys)
+    assert code == 0, err
+    out = json.loads(printed)
     m = out["measured"]
     assert m["device"] == "cpu" and m["batch_size"] == 32 and m["rounds"] >= 7
     assert m["p10"] <= m["speedup"] <= m["p90"]
@@ -48,11 +46,10 @@ def test_eval_measure_of_a_compiled_deployment_times_the_rows_compiled(
                          "compile"))
     pol = tmp_path / "p.yaml"
     Policy(default="fp32", layers={"head": "bf16"}, metrics={"budget": 0.01}).save(pol)
-    with pytest.raises(SystemExit) as exc:
-        main(["eval", str(TRAP), "--policy", str(pol), "--target", "cpu", "--measure",
-              "--compile", "--json"])
-    assert exc.value.code == 0
-    out = json.loads(capsys.readouterr().out)
+    code, printed, err = run_cli(["eval", TRAP, "--policy", pol, "--target", "cpu", "--measure",
+                                  "--compile", "--json"], capsys)
+    assert code == 0, err
+    out = json.loads(printed)
     assert out["mode"] == "compile"
     assert "compiled micro-benchmarks" in out["speed_source"]
     assert "torch.compile'd" in out["measured"]["timing"]
@@ -63,10 +60,9 @@ def test_eval_of_a_remote_target_prints_the_baselines_estimated(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     pol = tmp_path / "p.yaml"
     Policy(default="fp32", layers={"head": "bf16"}, metrics={"budget": 0.01}).save(pol)
-    with pytest.raises(SystemExit) as exc:
-        main(["eval", str(TRAP), "--policy", str(pol), "--target", "h100", "--measure"])
-    assert exc.value.code == 0
-    text = capsys.readouterr().out
+    code, text, err = run_cli(["eval", TRAP, "--policy", pol, "--target", "h100", "--measure"],
+                              capsys)
+    assert code == 0, err
     for name in ("policy", "fp32 (no autocast)", "bf16 (one global autocast)",
                  "fp16 (one global autocast)", "tf32 (global flag)"):
         assert name in text
@@ -77,7 +73,5 @@ def test_eval_of_a_remote_target_prints_the_baselines_estimated(
 def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path, capsys):
     bad = tmp_path / "dup.yaml"
     bad.write_text("autoprec_policy: 1\ndefault: fp32\nlayers:\n  blow: bf16\n  blow: fp16\n")
-    with pytest.raises(SystemExit) as exc:
-        main(["show", str(bad)])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and f"{bad}:5:3" in err and "'blow' given twice" in err, err
+    code, _, err = run_cli(["show", bad], capsys)
+    assert code == 2 and f"{bad}:5:3" in err and "'blow' given twice" in err, err

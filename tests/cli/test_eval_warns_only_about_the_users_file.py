@@ -8,13 +8,11 @@ from pathlib import Path
 
 import yaml
 
-from tests.test_loading import run_cli as run
+from tests.helpers import ROOT
+from tests.helpers import run_cli as run
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "experiments" / "mixed8" / "model.py"
 POLICY = ROOT / "policies" / "mixed8-h100.yaml"
-
-
 
 
 def test_eval_of_a_tuned_policy_prints_no_warning(capsys) -> None:

@@ -19,28 +19,18 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from autoprec.cli.main import main
 from autoprec.errors import OutputError
 from autoprec.loading import load_model_file
 from autoprec.paths import remove_stale_fronts
 from autoprec.policy import Policy, load_policy
+from tests.helpers import CLI, MODELS, TRAP, cli_env, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-SLOW = ROOT / "tests" / "fixtures" / "models" / "slow_trap.py"
-TRAP = ROOT / "experiments" / "trap" / "model.py"
+SLOW = MODELS / "slow_trap.py"
 TRAP_SRC = TRAP.read_text()
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-CLI = [sys.executable, "-m", "autoprec.cli.main"]
+ENV = cli_env()
 #: An edit of the module class's forward that changes nothing numerically.
 FORWARD_EDIT = ("        return self.head(h)  # (B, 16)",
                 "        h = h * 1.0  # an edit\n        return self.head(h)  # (B, 16)")
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return int(info.value.code or 0), out, err
 
 
 def one_error_line(err: str) -> str:
@@ -405,7 +395,7 @@ def test_a_new_tune_leaves_no_stale_front(tmp_path: Path, capsys, monkeypatch) -
     code, _, err = run_cli(["tune", TRAP, "--no-track", "--quiet", "--trials", "2",
                             "--precisions", "bf16,fp16", "--out", tmp_path / "p.yaml"],
                            capsys)
-    assert code in (0, 1), err
+    assert code == 0, err  # trap within the default budget, as in the cache test above
     assert not stale.exists() and (tmp_path / "p.yaml").exists()
 
 

@@ -22,12 +22,10 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.cli.main import main
 from autoprec.policy import Policy, load_policy
 from tests.cli.test_faults_give_no_wrong_result import tmpfs
+from tests.helpers import TRAP, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
 TRAP_SRC = TRAP.read_text()
 TUNE = ["--no-track", "--quiet", "--trials", "3"]
 #: model.py's build_model raising: a row that must be refused before any work shows it.
@@ -186,13 +184,6 @@ ROWS: dict[str, Row] = {
         _tune("--precisions", "mxfp8", "--target", "h100", extra=NOT_BUILT), 2,
         "--precisions mxfp8: the target h100 runs none of them (mxfp8: Hopper"),
 }
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return int(info.value.code or 0), out, err
 
 
 @pytest.mark.parametrize("name", list(ROWS))

@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 from autoprec.cli.runnable import autoprec_command, tool_command
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
+from tests.helpers import ROOT, TRAP, cli_env
 
 
 def _script(path: Path) -> Path:
@@ -60,9 +58,8 @@ def test_the_printed_check_command_runs(tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "autoprec"
     if not script.is_file():
         pytest.skip(f"no autoprec console script beside {sys.executable}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
-                                   if Path(p).resolve() != script.parent.resolve())}
+    env = cli_env(PATH=os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                       if Path(p).resolve() != script.parent.resolve()))
     tune = subprocess.run([str(script), "tune", str(TRAP), "--no-track", "--quiet",
                            "--trials", "1", "--out", "p.yaml"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)

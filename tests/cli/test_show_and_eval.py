@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
 from autoprec.policy import Policy
 from autoprec.trace.graph import fingerprint
+from tests.helpers import ROOT
+from tests.helpers import run_cli as run
 
-GOLDEN = Path(__file__).parents[1] / "policy" / "golden"
+GOLDEN = ROOT / "tests" / "policy" / "golden"
 
 MODEL_PY = '''
 import torch
@@ -59,13 +60,6 @@ METRIC = '''
 def metric(outputs, batch):
     return float((outputs.argmax(-1) == 0).float().mean())
 '''
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as ex:
-        main(argv)
-    out, err = capsys.readouterr()
-    return int(ex.value.code or 0), out, err
 
 
 @pytest.fixture()

@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
+from tests.helpers import TRAP, run_cli
 
 # trap's modules run inp, blow, norm1, mid1, offset, norm2, mid2, head; the file says
 # otherwise, and alphabetical order would be a third order.
@@ -34,11 +31,9 @@ def _rows(out: str) -> list[str]:
 
 
 def _show(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(["show", *args])
-    out = capsys.readouterr()
-    assert exc.value.code == 0, out.err
-    return out.out
+    code, out, err = run_cli(["show", *args], capsys)
+    assert code == 0, err
+    return out
 
 
 def test_show_keeps_the_file_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,6 +54,5 @@ def test_show_with_model_refuses_a_path_the_model_lacks(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "p.yaml"
     path.write_text("autoprec_policy: 1\ndefault: fp32\nlayers: {nope: bf16}\n")
-    with pytest.raises(SystemExit) as exc:
-        main(["show", str(path), "--model", str(TRAP)])
-    assert exc.value.code == 2 and "nope" in capsys.readouterr().err
+    code, _, err = run_cli(["show", path, "--model", TRAP], capsys)
+    assert code == 2 and "nope" in err

@@ -7,12 +7,8 @@ import json
 from pathlib import Path
 
 from autoprec.report_json import batch_size_from, batch_size_words
-from tests.test_loading import run_cli as run
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
-
-
+from tests.helpers import TRAP
+from tests.helpers import run_cli as run
 
 
 def test_batch_size_sources_are_named() -> None:

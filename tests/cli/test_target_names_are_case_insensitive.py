@@ -9,12 +9,8 @@ from pathlib import Path
 from autoprec.policy import load_policy
 from autoprec.search.config import TuneConfig
 from autoprec.targets import canonical_target, device_type
-from tests.test_loading import run_cli as run
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
-
-
+from tests.helpers import TRAP
+from tests.helpers import run_cli as run
 
 
 def test_target_names_are_read_in_lower_case() -> None:

@@ -6,14 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from autoprec.policy import load_policy
-from tests.test_loading import run_cli as run
+from tests.helpers import MODELS, TRAP
+from tests.helpers import run_cli as run
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
-ENCODER = ROOT / "tests" / "fixtures" / "models" / "encoder4.py"
+ENCODER = MODELS / "encoder4.py"
 TUNE = ["--no-track", "--quiet", "--trials", "2", "--target", "h100"]
-
-
 
 
 def test_tf32_on_every_layer_but_the_head_is_written_as_the_tf32_default(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ from autoprec.errors import InputError
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests.cost.graphs import TOY
+from tests.helpers import ROOT
 
 L = 1e-6  # TOY launch overhead
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bf16_gemm_by_hand_casts_fuse_into_one_kernel():
@@ -46,6 +45,9 @@ def test_fp32_plan_prices_like_eager_when_nothing_fuses():
 
 
 class Chain(nn.Module):
+    """fc1 | GELU | fc2 | add + LayerNorm: the segments the kernel counts below are worked
+    from (post-norm, unlike test_cost_model.Block)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(64, 64)

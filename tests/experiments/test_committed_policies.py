@@ -17,8 +17,8 @@ import pytest
 from autoprec.check import check
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.policy import load_policy
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 POLICIES = sorted((ROOT / "policies").glob("*.yaml"))  # not recursive: examples/ excluded
 SLOW_MODELS = {"minilm", "gpt", "vit", "digits_cnn"}  # seconds each; trap's stay quick
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +16,9 @@ import torch
 
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.metrics import iter_floats, mean_metric
+from tests.helpers import ROOT
 
-EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
+EXPERIMENTS = ROOT / "experiments"
 MODEL_FILES = sorted(EXPERIMENTS.glob("*/model.py"))
 NAMES = [p.parent.name for p in MODEL_FILES]
 

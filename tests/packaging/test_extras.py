@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
 from autoprec.extras import EXTRAS, MissingExtra, installed, require
 from autoprec.track import make_tracker
+from tests.helpers import MODELS, ROOT, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-MLP = ROOT / "tests" / "fixtures" / "models" / "mlp.py"
+MLP = MODELS / "mlp.py"
 
 
 def _uninstall(monkeypatch: pytest.MonkeyPatch, module: str) -> None:
@@ -49,10 +48,9 @@ def test_tune_without_mlflow_exits_2_in_one_line(monkeypatch: pytest.MonkeyPatch
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     _uninstall(monkeypatch, "mlflow")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as ex:
-        main(["tune", str(MLP), "--trials", "2", "--out", str(tmp_path / "p.yaml"), "--quiet"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert ex.value.code == 2
-    assert err == ["autoprec: error: MLflow tracking needs mlflow, which is not installed: "
+    code, _, err = run_cli(["tune", MLP, "--trials", "2", "--out", tmp_path / "p.yaml",
+                            "--quiet"], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == ["autoprec: error: MLflow tracking needs mlflow, which is not installed: "
                    "pip install 'autoprec[mlflow]' (or turn it off: --no-track)"]
     assert not (tmp_path / "p.yaml").exists()

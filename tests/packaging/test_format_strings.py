@@ -21,7 +21,7 @@ from pathlib import Path
 
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
 from autoprec.precisions import PRECISIONS, REGIONS
-from tests.packaging.test_layering import ROOT
+from tests.packaging.test_layering import PACKAGE
 
 #: The format names a decision may not spell (every GEMM format autoprec has, and the MX
 #: names a new one would likely take).
@@ -70,7 +70,7 @@ def format_compares(path: Path) -> Iterator[tuple[int, str]]:
             yield node.lineno, ast.get_source_segment(src, node) or ""
 
 
-def offenders(root: Path = ROOT) -> dict[str, list[tuple[int, str]]]:
+def offenders(root: Path = PACKAGE) -> dict[str, list[tuple[int, str]]]:
     """``{file: [(line, comparison)]}`` outside the owners and the allow-list."""
     out: dict[str, list[tuple[int, str]]] = {}
     for path in sorted(root.rglob("*.py")):
@@ -92,7 +92,7 @@ def test_no_stage_compares_gemm_format_names() -> None:
 
 def test_the_allow_list_names_files_that_exist_outside_the_owners() -> None:
     for rel in ALLOWED:
-        assert (ROOT / rel).is_file() and rel.split("/")[0] not in OWNERS, rel
+        assert (PACKAGE / rel).is_file() and rel.split("/")[0] not in OWNERS, rel
     assert set(NAMES) >= set(PRECISIONS) - set(REGIONS)
 
 

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 HEAVY = ("optuna", "mlflow", "pandas", "matplotlib", "scipy", "sqlalchemy", "transformers")
 

@@ -18,7 +18,9 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2] / "autoprec"
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "autoprec"
 
 #: The stages in the order the data flows through them.
 STAGES = ("trace", "probe", "plan", "cost", "search", "apply", "track")
@@ -30,17 +32,17 @@ FOUNDATIONS = ("formats", "lower", "precisions", "capability", "errors")
 
 
 def _parts() -> set[str]:
-    return {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"} | {
-        p.parent.name for p in ROOT.glob("*/__init__.py")}
+    return {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"} | {
+        p.parent.name for p in PACKAGE.glob("*/__init__.py")}
 
 
-def _module_name(path: Path, root: Path = ROOT) -> str:
+def _module_name(path: Path, root: Path = PACKAGE) -> str:
     rel = path.relative_to(root.parent).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
     return ".".join(parts)
 
 
-def _imported(path: Path, root: Path = ROOT) -> Iterator[str]:
+def _imported(path: Path, root: Path = PACKAGE) -> Iterator[str]:
     """Every name ``path`` imports: ``from a.b import c`` gives ``a.b.c``."""
     name = _module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -59,7 +61,7 @@ def import_graph() -> dict[str, set[str]]:
     """part -> the other parts it imports (the root package left out, see above)."""
     parts = _parts()
     graph: dict[str, set[str]] = {p: set() for p in parts}
-    for path in ROOT.rglob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         name = _module_name(path)
         if name == "autoprec":
             continue

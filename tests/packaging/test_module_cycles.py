@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.packaging.test_layering import ROOT, _cycles, _imported, _module_name
+from tests.packaging.test_layering import PACKAGE, _cycles, _imported, _module_name
 
 
-def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+def module_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """module -> the other ``autoprec`` modules it imports (the root package left out)."""
     paths = {_module_name(p, root): p for p in root.rglob("*.py")}
     top = root.name

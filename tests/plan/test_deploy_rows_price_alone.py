@@ -5,8 +5,6 @@ consumer rule, and 9 % of trap's plans were priced as unrunnable)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -14,8 +12,7 @@ from autoprec.cost import CostModel, get_profile
 from autoprec.loading import load_model_file
 from autoprec.plan.compile import CODE
 from autoprec.trace import trace
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize("form", ["deploy", "train"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +23,9 @@ from autoprec.plan.compile import compile_plan
 from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.trace import trace
 from tests import zoo
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
-ROOT = Path(__file__).resolve().parents[2]
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution"}
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -3,18 +3,17 @@ apply, and audit clean."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.policy import PolicyWarning, load_policy
 from tests import zoo
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*structure is not checked:autoprec.policy.PolicyWarning")
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "policies" / "examples"
+EXAMPLES = ROOT / "policies" / "examples"
 MODELS = {"bert_mixed.yaml": zoo.bert, "keep_fp32_islands.yaml": zoo.gpt2}
 
 

@@ -4,15 +4,14 @@ leaves, so a rule on the module reaches its eligible Linear layers (the old reas
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from torch import nn
 
 from autoprec.loading import load_model_file
 from autoprec.probe.layers import select_layers
 from autoprec.trace import trace
+from tests.helpers import MODELS
 
-ENCODER = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "encoder4.py"
+ENCODER = MODELS / "encoder4.py"
 
 
 def test_attention_fp8_reason_counts_the_linear_layers_it_lowers() -> None:

@@ -11,6 +11,7 @@ import pytest
 from autoprec.errors import InputError
 from autoprec.probe.e2e import choose
 from autoprec.probe.layers import ProbeLayer
+from tests.helpers import run_cli
 
 
 def _layers() -> list[ProbeLayer]:
@@ -63,28 +64,22 @@ MODEL_PY = textwrap.dedent('''
 ''')
 
 
-def _run(argv: list[str]) -> int:
-    from autoprec.cli.main import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    return int(exc.value.code or 0)
-
-
 def test_cli_probe_table_csv_and_json(tmp_path, capsys):
     model = tmp_path / "model.py"
     model.write_text(MODEL_PY)
     out = tmp_path / "t.csv"
-    code = _run(["probe", str(model), "--precisions", "bf16,fp8", "--out", str(out), "--quiet"])
-    printed = capsys.readouterr().out
-    assert code == 0
+    code, printed, err = run_cli(["probe", model, "--precisions", "bf16,fp8", "--out", out,
+                                  "--quiet"], capsys)
+    assert code == 0, err
     assert "fp8: out_features 10 not a multiple of 16" in printed
     assert "forward-pass equivalents" in printed
     df = pd.read_csv(out)
     assert {"layer", "precision", "local_error", "e2e_error", "reason"} <= set(df.columns)
     assert set(df.precision) == {"bf16", "fp8"} and len(df) == 4
-    assert _run(["probe", str(model), "--precisions", "bf16", "--e2e", "none", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    code, printed, err = run_cli(["probe", model, "--precisions", "bf16", "--e2e", "none",
+                                  "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(printed)
     assert doc["model"] == tmp_path.name  # model.py is named after its folder
     assert {r["layer"] for r in doc["rows"]} == {"0", "2"}
 
@@ -92,8 +87,8 @@ def test_cli_probe_table_csv_and_json(tmp_path, capsys):
 def test_cli_bad_precisions_exit_2_one_line(tmp_path, capsys):
     model = tmp_path / "model.py"
     model.write_text(MODEL_PY)
-    assert _run(["probe", str(model), "--precisions", "fp16,fp7"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "unknown precision 'fp7'" in err
-    assert _run(["probe", str(model), "--e2e", "sometimes"]) == 2
-    assert "--e2e" in capsys.readouterr().err
+    code, _, err = run_cli(["probe", model, "--precisions", "fp16,fp7"], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "unknown precision 'fp7'" in err
+    code, _, err = run_cli(["probe", model, "--e2e", "sometimes"], capsys)
+    assert code == 2 and "--e2e" in err

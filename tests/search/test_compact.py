@@ -3,8 +3,6 @@ plan: the same replayed schedule, and bit-identical outputs when applied."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,9 +14,9 @@ from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.search.compact import compact
 from autoprec.trace import trace
 from tests import zoo
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
-ROOT = Path(__file__).resolve().parents[2]
 REGIONS = ("fp32", "tf32", "bf16", "fp16")
 
 

@@ -16,10 +16,8 @@ import autoprec.search.tune as tune_mod
 from autoprec.errors import InputError
 from autoprec.policy import load_policy
 from autoprec.search.config import OPTIONS, TuneConfig
-from tests.test_loading import run_cli
+from tests.helpers import TRAP, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
 QUICK = ["--target", "h100", "--batch-size", "65536", "--precisions", "bf16,fp16",
          "--no-track", "--quiet"]
 

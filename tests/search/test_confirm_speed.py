@@ -17,9 +17,9 @@ import autoprec.search.timing as timing
 from autoprec.policy import Policy, load_policy
 from autoprec.search.speed_rows import Row, check_speed, decide, label
 from autoprec.search.tune import tune
+from tests.helpers import MODELS
 
-ROOT = Path(__file__).resolve().parents[2]
-MLP = ROOT / "tests" / "fixtures" / "models" / "mlp.py"
+MLP = MODELS / "mlp.py"
 
 
 def rows(tuned_ok: bool = True, bf16_ok: bool = True) -> list[Row]:

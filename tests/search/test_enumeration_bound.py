@@ -14,32 +14,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from autoprec.cost import CostModel, get_profile
 from autoprec.search import planner as planner_mod
 from autoprec.search.planner import ENUMERATE, Planner
 from autoprec.search.space import SearchSpace, build_space
 from autoprec.trace import trace
+from tests.zoo import GeluChain
 
 FIVE = ["fp32", "tf32", "bf16", "fp16", "fp8"]
 N = 11  # GEMM layers
 
 
-class Chain(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fcs = nn.ModuleList(nn.Linear(16, 16) for _ in range(N))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 16)
-        for fc in self.fcs:
-            x = torch.nn.functional.gelu(fc(x))
-        return x
-
-
 def _space(over: bool) -> tuple[SearchSpace, CostModel]:
     torch.manual_seed(0)
-    graph = trace(Chain().eval(), torch.randn(4, 16), tracers=("hooks",))
+    graph = trace(GeluChain(N, 16).eval(), torch.randn(4, 16), tracers=("hooks",))
     cost = CostModel(graph, get_profile("h100"), batch_size=65536)
     layers = [f"fcs.{i}" for i in range(N)]
     allowed = {lay: FIVE if i < 6 else ["fp32", "bf16"] for i, lay in enumerate(layers)}

@@ -9,32 +9,27 @@ import pytest
 import torch
 
 from autoprec.check import check
-from autoprec.cli.main import main
 from autoprec.policy import Policy, load_policy
 from autoprec.search.export import EXPORT_NOTE
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
+from tests.helpers import TRAP, run_cli
 
 
 def test_tune_then_export(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = f"sqlite:///{tmp_path / 'study.db'}"
     tuned_path = tmp_path / "tuned.yaml"
-    with pytest.raises(SystemExit) as exc:
-        main(["tune", str(TRAP), "--max-error", "0.01", "--precisions", "bf16,fp16",
-              "--batch-size", "65536", "--trials", "6", "--storage", db, "--study-name", "s",
-              "--out", str(tuned_path), "--no-track", "--quiet"])
-    out = capsys.readouterr().out
-    assert exc.value.code == 0, out
+    code, out, err = run_cli(["tune", TRAP, "--max-error", "0.01", "--precisions", "bf16,fp16",
+                              "--batch-size", "65536", "--trials", "6", "--storage", db,
+                              "--study-name", "s", "--out", tuned_path, "--no-track",
+                              "--quiet"], capsys)
+    assert code == 0, out + err
     # The summary is for people: the error rounded (the policy file keeps 6 digits).
     (line,) = [x for x in out.splitlines() if x.startswith("error ")]
     assert line.split()[1] == f"{load_policy(tuned_path).metrics['error']:.4g}", line
     assert "(budget 0.01)" in line
-    with pytest.raises(SystemExit) as exc:
-        main(["export", "--storage", db, "--study-name", "s", "--out",
-              str(tmp_path / "exported.yaml")])
-    assert exc.value.code == 0, capsys.readouterr().err
+    code, _, err = run_cli(["export", "--storage", db, "--study-name", "s", "--out",
+                            tmp_path / "exported.yaml"], capsys)
+    assert code == 0, err
     tuned, exported = load_policy(tuned_path), load_policy(tmp_path / "exported.yaml")
 
     assert exported.layers == tuned.layers

@@ -3,10 +3,8 @@ without running any of them again."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,8 +12,9 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-ROOT = Path(__file__).resolve().parents[2]
-SLOW = ROOT / "tests" / "fixtures" / "models" / "slow_trap.py"  # trap, 0.2 s a batch
+from tests.helpers import CLI, MODELS, cli_env
+
+SLOW = MODELS / "slow_trap.py"  # trap, 0.2 s a batch
 
 
 def _complete(url: str) -> list[optuna.trial.FrozenTrial]:
@@ -32,10 +31,10 @@ def test_ctrl_c_then_resume_reruns_no_finished_trial(tmp_path: Path) -> None:
     two measured trials, then resumed: the stored trials stay as they are and no plan is
     measured twice."""
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    cmd = [sys.executable, "-m", "autoprec.cli.main", "tune", str(SLOW), "--storage", url,
-           "--study-name", "s", "--no-track", "--quiet", "--batch-size", "65536", "--pareto",
-           "--precisions", "bf16,fp16", "--out", str(tmp_path / "p.yaml")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [*CLI, "tune", str(SLOW), "--storage", url, "--study-name", "s", "--no-track",
+           "--quiet", "--batch-size", "65536", "--pareto", "--precisions", "bf16,fp16",
+           "--out", str(tmp_path / "p.yaml")]
+    env = cli_env()
     proc = subprocess.Popen([*cmd, "--trials", "100000"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300

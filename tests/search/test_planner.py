@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from autoprec.cost import CostModel, get_profile
 from autoprec.precisions import PRECISIONS
@@ -16,28 +15,14 @@ from autoprec.search import planner as planner_mod
 from autoprec.search.planner import Planner, PlanSpace, descend, enumerate_keys
 from autoprec.search.space import build_space
 from autoprec.trace import trace
+from tests.zoo import GeluChain
 
 P = {p: i for i, p in enumerate(PRECISIONS)}
 
 
-class Chain(nn.Module):
-    """x -> fc0 -> gelu -> fc1 -> gelu -> ... : the model's own code between every pair of
-    GEMMs, so a one-layer change adds a cast boundary (the coupling that stops a walk of
-    one-layer steps short of the faster plan)."""
-
-    def __init__(self, n: int = 5, d: int = 512) -> None:
-        super().__init__()
-        self.fcs = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fc in self.fcs:
-            x = torch.nn.functional.gelu(fc(x))
-        return x
-
-
 def _setup(n: int = 5, errors: dict[tuple[int, str], float] | None = None):
     torch.manual_seed(0)
-    net = Chain(n).eval()
+    net = GeluChain(n).eval()
     graph = trace(net, torch.randn(8, 512), tracers=("hooks",))
     cost = CostModel(graph, get_profile("h100"), batch_size=65536)
     layers = [f"fcs.{i}" for i in range(n)]

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cli.main import main
 from autoprec.errors import InputError
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy
@@ -26,18 +25,11 @@ from autoprec.search import prepare as prepare_mod
 from autoprec.search import tune as tune_mod
 from autoprec.search.config import TuneConfig
 from autoprec.search.objective import given_policy
+from tests.helpers import MODELS, run_cli
 
-MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 BF16 = MODELS / "bf16_llama.py"
 MIXED = MODELS / "mixed_llama.py"
 DOWN = "model.layers.1.mlp.down_proj"
-
-
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(args)
-    out, err = capsys.readouterr()
-    return int(info.value.code or 0), out, err
 
 
 def test_model_reference_reads_the_dtypes() -> None:

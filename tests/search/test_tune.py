@@ -14,13 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autoprec.cli.main import main
 from autoprec.loading import load_model_file
 from autoprec.policy import load_policy
 from autoprec.search.tune import tune
+from tests.helpers import TRAP, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -132,9 +130,8 @@ def test_resume_runs_no_finished_trial_again(tmp_path: Path):
 
 
 def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    return int(exc.value.code or 0), capsys.readouterr().err
+    code, _, err = run_cli(args, capsys)
+    return code, err
 
 
 @pytest.mark.parametrize(

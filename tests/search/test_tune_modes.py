@@ -6,13 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
 from autoprec.errors import InputError
 from autoprec.policy import load_policy
 from autoprec.search.tune import tune
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
+from tests.helpers import TRAP, run_cli
 
 TRAINABLE = '''
 import torch
@@ -57,17 +54,15 @@ def test_export_writes_the_policy_of_a_stored_study(tmp_path: Path, capsys):
     db = f"sqlite:///{tmp_path / 'study.db'}"
     res = tune(TRAP, max_error=0.01, precisions=["bf16", "fp16"], batch_size=65536, trials=6,
                storage=db, study_name="s", out=tmp_path / "tuned.yaml", progress=False)
-    with pytest.raises(SystemExit) as exc:
-        main(["export", "--storage", db, "--study-name", "s", "--out",
-              str(tmp_path / "exported.yaml")])
-    assert exc.value.code == 0, capsys.readouterr().err
+    code, _, err = run_cli(["export", "--storage", db, "--study-name", "s", "--out",
+                            tmp_path / "exported.yaml"], capsys)
+    assert code == 0, err
     exported = load_policy(tmp_path / "exported.yaml")
     assert exported.layers == res.policy.layers
     assert exported.model["fingerprint"] == res.policy.model["fingerprint"]
-    with pytest.raises(SystemExit) as exc:
-        main(["export", "--storage", db, "--study-name", "nope", "--out",
-              str(tmp_path / "x.yaml")])
-    assert exc.value.code == 2 and "no study named 'nope'" in capsys.readouterr().err
+    code, _, err = run_cli(["export", "--storage", db, "--study-name", "nope", "--out",
+                            tmp_path / "x.yaml"], capsys)
+    assert code == 2 and "no study named 'nope'" in err
 
 
 def test_train_aware_checks_training_fidelity(tmp_path: Path):

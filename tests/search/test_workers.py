@@ -31,8 +31,8 @@ from autoprec.search.workers import (
     strip_option,
     worker_seed,
 )
+from tests.helpers import CLI, MODELS, ROOT, cli_env
 
-ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT = "sha256:" + "5e" * 32
 HEARTBEAT, GRACE = 1, 3  # seconds; short so a dead worker's trial goes stale in-test
 T = TypeVar("T")
@@ -87,7 +87,7 @@ def worker_main(url: str, study_name: str, trials: int, index: int, sleep_s: flo
 def start_worker(
     url: str, study: str, trials: int, index: int, sleep_s: float, stop_file: Path | None = None
 ) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = cli_env()
     args = [sys.executable, __file__, "worker", url, study, str(trials), str(index), str(sleep_s)]
     if stop_file is not None:
         args.append(str(stop_file))
@@ -317,7 +317,7 @@ def test_run_workers_forwards_ctrl_c(tmp_path: Path) -> None:
 def test_children_command_is_runnable() -> None:
     # run_workers starts `python -m autoprec.cli.main …`: the module must run as a script.
     done = subprocess.run(
-        [sys.executable, "-m", "autoprec.cli.main", "--help"], capture_output=True, text=True
+        [*CLI, "--help"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     assert "Usage" in done.stdout
@@ -325,15 +325,13 @@ def test_children_command_is_runnable() -> None:
 
 # --- end to end: `autoprec tune` workers on one PostgreSQL study -------------------------
 
-MODEL = ROOT / "tests" / "fixtures" / "models" / "mlp.py"
+MODEL = MODELS / "mlp.py"
 OTHER_MODEL = ROOT / "tests" / "track" / "fixtures" / "mlp3.py"
 
 
 def _tune_cmd(model: Path, url: str, out: Path, trials: int, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "autoprec.cli.main",
+        *CLI,
         "tune",
         str(model),
         "--storage",
@@ -354,7 +352,7 @@ def _tune_cmd(model: Path, url: str, out: Path, trials: int, *extra: str) -> lis
 
 @pytest.mark.slow
 def test_three_tune_processes_share_one_postgres_study(pg_url: str, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = cli_env()
     procs = [
         subprocess.Popen(
             _tune_cmd(MODEL, pg_url, tmp_path / f"p{i}.yaml", 4),
@@ -369,9 +367,11 @@ def test_three_tune_processes_share_one_postgres_study(pg_url: str, tmp_path: Pa
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=600)
-        assert proc.returncode in (0, 1), err[-3000:]  # 1: no feasible policy (still written)
-        assert out.strip(), f"exit {proc.returncode}, no JSON on stdout; stderr: {err[-3000:]}"
+        # 0: at mlp.py's calibration batch (2) no plan beats fp32 on h100 (launch-bound), and
+        # fp32's error, 0, is within the default budget: every process writes it, feasible
+        assert proc.returncode == 0, err[-3000:]
         results.append(json.loads(out))
+        assert results[-1]["feasible"] and results[-1]["error"] == 0.0, results[-1]
     study = load(pg_url)
     counts = by_state(study)
     assert TrialState.RUNNING not in counts and TrialState.WAITING not in counts, counts
@@ -397,10 +397,10 @@ def test_three_tune_processes_share_one_postgres_study(pg_url: str, tmp_path: Pa
 
 @pytest.mark.slow
 def test_tune_with_workers_flag(pg_url: str, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = cli_env()
     cmd = _tune_cmd(MODEL, pg_url, tmp_path / "p.yaml", 3, "--workers", "2", "--quiet")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode in (0, 1), done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]  # the worst worker's: both feasible (above)
     assert "starting 2 workers on postgresql://postgres@127.0.0.1" in done.stderr
     study = load(pg_url)
     assert by_state(study).get(TrialState.RUNNING) is None

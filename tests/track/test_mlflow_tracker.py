@@ -14,6 +14,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import matplotlib.image
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
@@ -27,6 +28,8 @@ from autoprec.track import (
     log_tune_artifacts,
     make_tracker,
 )
+from autoprec.track.plots import pareto_figure, pareto_plot
+from tests.track.figures import series
 
 POLICY_TEXT = "autoprec_policy: 1\ndefault: fp32\nlayers: {fc1: bf16}\n"
 N_TRIALS = 8
@@ -168,7 +171,19 @@ def test_full_run_round_trips(store: tuple[str | None, Path], experiment: str) -
     trials_copy = Path(client.download_artifacts(run_id, "tables/trials.csv", str(down)))
     assert pd.read_csv(trials_copy)["number"].tolist() == list(range(N_TRIALS))
     png = Path(client.download_artifacts(run_id, "plots/pareto.png", str(down)))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the picture of this run's trials: the completed ones with a finite error (trial 5's is
+    # inf, 6 failed), split at the budget, trial 3 chosen; pixel for pixel that figure
+    fig = pareto_figure(fake_trials(), chosen_trial=3, budget=0.01)
+    drawn = series(fig)
+    point = {n: (trial_metrics(n)["error"], trial_metrics(n)["est_speedup"])
+             for n in range(N_TRIALS)}
+    assert drawn.pop("measured, feasible (5)") == [point[n] for n in range(5)]
+    assert drawn.pop("measured, infeasible (1)") == [point[7]]  # error 0.016
+    assert drawn.pop("chosen (trial 3)") == [point[3]]
+    assert drawn.pop("budget 0.01")[0][0] == 0.01 and set(drawn) == {"measured front"}
+    assert "1 measured with a non-finite error not shown" in fig.axes[0].get_title()
+    ours = pareto_plot(fake_trials(), workdir / "ours.png", chosen_trial=3, budget=0.01)
+    assert (matplotlib.image.imread(png) == matplotlib.image.imread(ours)).all()
     if uri is None:  # the documented local layout
         assert (workdir / "mlflow.db").is_file()
         assert any((workdir / "mlruns").rglob("mlp.yaml"))

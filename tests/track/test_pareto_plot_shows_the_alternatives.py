@@ -12,10 +12,15 @@ import pandas as pd
 import pytest
 
 import autoprec
-from autoprec.track.plots import MAX_PRICED_POINTS, pareto_data, pareto_front, pareto_plot
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
+from autoprec.track.plots import (
+    MAX_PRICED_POINTS,
+    pareto_data,
+    pareto_figure,
+    pareto_front,
+    pareto_plot,
+)
+from tests.helpers import TRAP
+from tests.track.figures import series
 
 
 def _trials() -> pd.DataFrame:
@@ -49,11 +54,25 @@ def test_pareto_data_holds_priced_measured_baselines_budget_and_chosen() -> None
 def test_pareto_plot_draws_every_series(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     rng = np.random.default_rng(0)
-    path = pareto_plot(_trials(), tmp_path / "p.png", chosen_trial=0, budget=0.01,
-                       priced=(rng.random(500) * 0.05, 1 + rng.random(500)),
-                       baselines=pd.DataFrame({"plan": ["fp32", "one global fp16"],
-                                               "error": [0.0, math.inf],
-                                               "est_speedup": [1.0, 1.6]}))
+    errs, spds = rng.random(500) * 0.05, 1 + rng.random(500)
+    kwargs = {"chosen_trial": 0, "budget": 0.01, "priced": (errs, spds),
+              "baselines": pd.DataFrame({"plan": ["fp32", "one global fp16"],
+                                         "error": [0.0, math.inf], "est_speedup": [1.0, 1.6]})}
+    got = series(pareto_figure(_trials(), **kwargs))
+    priced = list(zip(errs.tolist(), spds.tolist()))
+    assert sorted(got.pop("priced plans (500, predicted error)")) == sorted(priced)  # all 500
+    assert got.pop("priced front") == [priced[i] for i in pareto_front(*zip(*priced))]
+    edge = max(errs.max(), 0.02) * 1.5  # right of every finite error (0.02: trial 1's)
+    assert got == {
+        "measured, feasible (1)": [(0.004, 1.8)],  # trial 0; trial 2 was pruned
+        "measured, infeasible (1)": [(0.02, 2.1)],
+        "measured front": [(0.004, 1.8), (0.02, 2.1)],
+        "fp32": [(0.0, 1.0)],
+        "one global fp16 (error inf, at edge)": [(edge, 1.6)],
+        "chosen (trial 0)": [(0.004, 1.8)],
+        "budget 0.01": [(0.01, 0.0), (0.01, 1.0)],  # a vertical line (y in axes units)
+    }
+    path = pareto_plot(_trials(), tmp_path / "p.png", **kwargs)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

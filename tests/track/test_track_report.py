@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,20 @@ import pandas as pd
 import pytest
 
 from autoprec.track import Tracker, TrackingWarning, log_tune_artifacts, write_tune_report
-from autoprec.track.plots import layers_plot, pareto_front, pareto_plot
+from autoprec.track.plots import (
+    PRECISION_COLORS,
+    baselines_figure,
+    baselines_plot,
+    layers_figure,
+    layers_plot,
+    pareto_figure,
+    pareto_front,
+    pareto_plot,
+)
+from tests.track.figures import bars, legend, series, texts
 
 PNG = b"\x89PNG\r\n\x1a\n"
+OTHER = "#9467bd"  # the colour of a precision autoprec has none for
 
 
 class RecordingTracker(Tracker):
@@ -93,16 +105,64 @@ def test_pareto_front_keeps_only_non_dominated_points() -> None:
 def test_pareto_plot_draws_awkward_inputs(
     frame: pd.DataFrame, chosen: int | None, tmp_path: Path
 ) -> None:
+    got = series(pareto_figure(frame, chosen_trial=chosen, budget=0.004))
+    done = frame if "state" not in frame else frame[frame["state"].str.endswith("COMPLETE")]
+    want = sorted((float(e), float(s)) for e, s in zip(done["error"], done["est_speedup"])
+                  if math.isfinite(e))  # completed trials with a finite error
+    drawn = sorted(p for label, pts in got.items() if label.startswith("measured,")
+                   for p in pts)
+    assert drawn == want
+    marked = [label for label in got if label.startswith("chosen")]
+    assert marked == ([f"chosen (trial {chosen})"] if (chosen, True) in {
+        (n, math.isfinite(e)) for n, e in zip(done["number"], done["error"])} else [])
     path = pareto_plot(frame, tmp_path / "p.png", chosen_trial=chosen, budget=0.004)
     assert path.read_bytes()[:8] == PNG
     assert matplotlib.image.imread(path).shape[0] > 100
 
 
+#: Compute bits a layer's bar is long: sign + exponent + mantissa (tf32: 1 + 8 + 10; fp8
+#: e4m3: 1 + 4 + 3); a name autoprec does not know is drawn at fp32's 32.
+BITS = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8, "int4": 32}
+
+
 @pytest.mark.parametrize("n", [0, 3, 400])
-def test_layers_plot_scales_with_layer_count(n: int, tmp_path: Path) -> None:
-    names = ["fp32", "tf32", "bf16", "fp16", "fp8", "int4"]  # int4: an unknown name still draws
+def test_layers_plot_draws_one_bar_per_layer(n: int, tmp_path: Path) -> None:
+    names = list(BITS)  # int4: an unknown name still draws
     layers = {f"blocks.{i}.mlp.fc": names[i % len(names)] for i in range(n)}
+    fig = layers_figure(layers)
+    got = bars(fig)
+    # top to bottom in the given order, each as long as its bits, coloured by precision
+    assert [(w, c) for _, w, c in got] == [
+        (BITS[p], PRECISION_COLORS.get(p, OTHER)) for p in layers.values()]
+    assert OTHER not in PRECISION_COLORS.values()
+    # every layer named up to 300 (400 would be unreadable)
+    assert [label for label, _, _ in got] == (list(layers) if n <= 300 else [""] * n)
+    counts = Counter(layers.values())
+    assert (legend(fig) if n else []) == [f"{p} ({counts[p]})" for p in names if p in counts]
     path = layers_plot(layers, tmp_path / "l.png")
+    assert path.read_bytes()[:8] == PNG
+
+
+GREEN, GREY = "#2ca02c", "#b0b0b0"  # within budget, over it
+
+
+def test_baselines_plot_draws_one_bar_per_plan(tmp_path: Path) -> None:
+    rows = pd.DataFrame({
+        "plan": ["tuned", "fp32 (no autocast)", "bf16 (one global autocast)",
+                 "fp16 (one global autocast)"],
+        "est_speedup": [1.8, 1.0, 2.0, 2.1],
+        "error": [0.004, 0.0, 0.03, math.inf],
+    })
+    fig = baselines_figure(rows, budget=0.01)
+    assert bars(fig) == [("tuned", 1.8, GREEN), ("fp32 (no autocast)", 1.0, GREEN),
+                         ("bf16 (one global autocast)", 2.0, GREY),
+                         ("fp16 (one global autocast)", 2.1, GREY)]
+    assert texts(fig) == [" 1.80x, error 0.004", " 1.00x, error 0",
+                          " 2.00x, error 0.03 (over budget)", " 2.10x, error inf (over budget)"]
+    assert fig.axes[0].get_title().endswith("(budget 0.01)")
+    # without a budget nothing is over it
+    assert {c for _, _, c in bars(baselines_figure(rows))} == {GREEN}
+    path = baselines_plot(rows, tmp_path / "b.png", budget=0.01)
     assert path.read_bytes()[:8] == PNG
 
 

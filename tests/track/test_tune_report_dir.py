@@ -8,22 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.cli.main import main
-
-ROOT = Path(__file__).resolve().parents[2]
-TRAP = ROOT / "experiments" / "trap" / "model.py"
+from tests.helpers import TRAP, run_cli
 
 
 def test_report_dir_holds_the_tables_and_plots(tmp_path: Path, capsys, monkeypatch) -> None:
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
     report = tmp_path / "report"
-    with pytest.raises(SystemExit) as info:
-        main(["tune", str(TRAP), "--no-track", "--quiet", "--batch-size", "65536",
-              "--precisions", "bf16,fp16", "--out", str(tmp_path / "p.yaml"),
-              "--report", str(report)])
-    out, err = capsys.readouterr()
-    assert info.value.code in (0, None), err
+    code, out, err = run_cli(["tune", TRAP, "--no-track", "--quiet", "--batch-size", "65536",
+                              "--precisions", "bf16,fp16", "--out", tmp_path / "p.yaml",
+                              "--report", report], capsys)
+    assert code == 0, err
     names = {p.name for p in report.iterdir()}
     assert {"baselines.csv", "baselines.png", "layers.png", "pareto.png", "trials.csv"} <= names
     rows = list(csv.DictReader((report / "baselines.csv").open()))
@@ -39,7 +34,6 @@ def test_report_dir_holds_the_tables_and_plots(tmp_path: Path, capsys, monkeypat
 
 def test_report_dir_is_checked_before_any_work(tmp_path: Path, capsys) -> None:
     (tmp_path / "file").write_text("not a folder")
-    with pytest.raises(SystemExit) as info:
-        main(["tune", str(TRAP), "--no-track", "--quiet", "--report", str(tmp_path / "file")])
-    _, err = capsys.readouterr()
-    assert info.value.code == 2 and "--report" in err and "is not a directory" in err
+    code, _, err = run_cli(["tune", TRAP, "--no-track", "--quiet", "--report",
+                            tmp_path / "file"], capsys)
+    assert code == 2 and "--report" in err and "is not a directory" in err

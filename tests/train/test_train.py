@@ -17,22 +17,12 @@ from autoprec.train import (
     prepare_training,
     train_step,
 )
+from tests.zoo import ReluMLP
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 32)
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 16)
-        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))  # (B, 4)
-
-
-def _mlp(seed: int = 0) -> MLP:
+def _mlp(seed: int = 0) -> ReluMLP:
     torch.manual_seed(seed)
-    return MLP()
+    return ReluMLP()
 
 
 def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -159,7 +149,7 @@ def test_fidelity_check_passes_a_sound_policy() -> None:
 
 
 def test_fidelity_check_flags_a_divergent_policy() -> None:
-    def build() -> MLP:
+    def build() -> ReluMLP:
         model = _mlp()
         with torch.no_grad():
             model.fc1.weight.mul_(1e5)  # fc1's outputs reach ~1e5: past fp16's 65504

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import ROOT
+
 pytest.importorskip("sklearn")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "train_digits.py"
+SCRIPT = ROOT / "experiments" / "train_digits.py"
 
 
 @pytest.mark.slow

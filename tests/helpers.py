@@ -1,0 +1,49 @@
+"""What many test files share: the repository's paths and one way to run the CLI.
+
+``run_cli`` runs ``autoprec ARGS`` in this process (``main``, as the console script does)
+and returns its exit code and what it printed; a test that needs a process boundary (a
+signal, a hang, ``sys.exit`` inside model.py) runs ``CLI`` with ``cli_env()`` instead.
+
+Import as ``from tests.helpers import ROOT, run_cli`` (tests/conftest.py puts the
+repository root on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
+TRAP = ROOT / "experiments" / "trap" / "model.py"  # the example every CLI test tunes
+MODELS = ROOT / "tests" / "fixtures" / "models"  # small model.py files, good and broken
+
+#: ``autoprec`` as a separate process (with ``env=cli_env()``).
+CLI = [sys.executable, "-m", "autoprec.cli.main"]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the worktree's ``autoprec`` importable."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def run_cli(args: list[object], capsys: pytest.CaptureFixture[str], *,
+            quiet_warnings: bool = False) -> tuple[int, str, str]:
+    """``autoprec ARGS`` in-process (each arg as ``str``): (exit code, stdout, stderr).
+
+    ``quiet_warnings``: Python warnings are ignored while it runs (the check/eval tests
+    read ``--json`` and do not care about a hand-written policy's fingerprint warning).
+    """
+    from autoprec.cli.main import main
+
+    with pytest.raises(SystemExit) as info, \
+            warnings.catch_warnings() if quiet_warnings else contextlib.nullcontext():
+        if quiet_warnings:
+            warnings.simplefilter("ignore")
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return int(info.value.code or 0), out, err
