@@ -25,6 +25,7 @@ import numpy as np
 
 from autoprec.policy import Policy, PolicyWarning
 from autoprec.search.speed_rows import Row, SpeedCheck, Timer, check_speed
+from autoprec.targets import is_cpu
 
 #: Rounds of the interleaved timing: at least, at most (more while the best two overlap).
 MIN_ROUNDS, MAX_ROUNDS = 7, 21
@@ -74,7 +75,7 @@ def _rounds(runs: Mapping[str, Callable[[], Any]], device: str, inner: int, seed
     return measure_interleaved(runs, device, around=around, rounds=MIN_ROUNDS,
                                max_rounds=MAX_ROUNDS, more=_undecided,
                                time_budget_s=TIME_BUDGET_S, inner=inner,
-                               clock="thread" if device == "cpu" else "wall", seed=seed)
+                               clock="thread" if is_cpu(device) else "wall", seed=seed)
 
 
 def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, device: str,
@@ -154,7 +155,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
 
     import torch
 
-    if device != "cpu":
+    if not is_cpu(device):
         net, batch = copy.deepcopy(net).to(device), _to_device(batch, device)
     for r in rows:
         if r.policy is not None:
@@ -167,7 +168,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
         with torch.no_grad(), fused_paths_off():
             return forward(net, batch)
 
-    how = ("1 torch thread, thread CPU time" if device == "cpu" else "CUDA events") + (
+    how = ("1 torch thread, thread CPU time" if is_cpu(device) else "CUDA events") + (
         f", {inner} forwards per sample" if inner > 1 else "") + (
         ", torch.compile'd (one model copy per plan)" if compile else "")
     if timer is None:
