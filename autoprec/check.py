@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from autoprec.assess import Assessment, assess
 from autoprec.cost import DeviceProfile
 from autoprec.errors import CheckFailed, InputError, PolicyError
 from autoprec.fused import fused_paths_off
@@ -48,6 +47,7 @@ from autoprec.report_json import (
     reasons_json,
     speedup,
 )
+from autoprec.search.assess import Assessment, assess
 from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
@@ -306,7 +306,7 @@ def check(
                 return result
             raise
 
-    # -- score, audit and price: the pipeline eval shares (autoprec/assess.py) ----------
+    # -- score, audit and price: the pipeline eval shares (search/assess.py) ---
     a = assess(spec, net, policy, target=resolved, batch_size=bs, force=True,
                fp8_backend=fp8_backend, capture_warnings=True)
     if speed.local:

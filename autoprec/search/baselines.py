@@ -35,7 +35,7 @@ def _uniform_errors(ev: Any, p: str, budget: float, form: str
     data is run only when the calibration error is within budget (as the search does)."""
     from autoprec.apply.apply import apply_policy
     from autoprec.scoring import score
-    from autoprec.search.objective import policy_for
+    from autoprec.search.plan_scorer import policy_for
 
     if p == "fp32":
         return 0.0, None
@@ -113,7 +113,7 @@ def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[s
     """``baseline_rows`` as tune's last step scores them: the search's own errors where it
     measured that very plan, the eval data only within budget, the audit as the search's.
     A 16-bit model (``reference`` not fp32) has its own rows (``reference_rows``)."""
-    from autoprec.search.objective import policy_for
+    from autoprec.search.plan_scorer import policy_for
 
     if reference is not None and not reference.is_fp32:
         return reference_rows(cost, ev, budget, precisions, reference)
@@ -133,7 +133,7 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     model) other than the model itself. The training form's rows (autocast over fp32
     masters) have no fp32 masters to run over."""
     from autoprec.reference import offered
-    from autoprec.search.objective import given_policy, policy_for
+    from autoprec.search.plan_scorer import given_policy, policy_for
 
     name = reference.label()
     up = policy_for("fp32", {}, ev.fingerprint, ev.target, "deploy")

@@ -35,9 +35,9 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     (default, rules)."""
     from autoprec.cost import make_cost_model
     from autoprec.search import select
-    from autoprec.search.objective import policy_for
+    from autoprec.search.plan_scorer import policy_for
 
-    ev = search.evaluator
+    ev = search.scorer
 
     rules_of = search.decoder.rules  # recorded on the trial, else compacted (search/decode.py)
 
@@ -141,14 +141,14 @@ def _why_not(ev: Any, budget: float) -> str:
 def _baseline_candidate(prep: Any, space: Any, win: Row) -> tuple[Any, tuple[str, dict[str, str]]]:
     """A baseline row as the candidate to write (no trial of the study) and its rules."""
     from autoprec.search import select
-    from autoprec.search.evaluation import Evaluation
+    from autoprec.search.plan_score import PlanScore
 
     assert win.policy is not None
     p = win.policy.default
     calib, evl = win.source
     layers = dict(win.policy.layers)  # the model as given keeps its fp32 modules' rules
     pseudo = select.Candidate(number=-1, params=space.params(space.uniform(p)),
-                              calib=Evaluation(calib, prep.cost.estimate(win.policy),
+                              calib=PlanScore(calib, prep.cost.estimate(win.policy),
                                                win.est_speedup or 0.0, True, eval_error=evl),
                               policy={"default": p, "layers": layers, "form": win.policy.form})
     return pseudo, (p, layers)

@@ -27,7 +27,7 @@ from autoprec.search.config import TuneConfig
 from autoprec.search.confirm_speed import confirm_tune
 from autoprec.search.driver import trial_rows
 from autoprec.search.export import policy_from_candidate
-from autoprec.search.objective import given_policy
+from autoprec.search.plan_scorer import given_policy
 from autoprec.search.prepare import Prepared, reference_key
 from autoprec.search.run import Search
 from autoprec.search.space import SearchSpace
@@ -142,7 +142,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
                          **{k: v for k, v in policy.metrics.items()
                             if k in ("measured_speedup", "weight_bytes", "min_headroom")},
-                         "evaluations": search.evaluator.evaluations,
+                         "evaluations": search.scorer.evaluations,
                          "trials": search.driver.ran})
     import pandas as pd
 
@@ -159,7 +159,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       error=chosen.calib.error, eval_error=eval_error,
                       est_speedup=chosen.calib.est_speedup, budget=cfg.budget,
                       study_name=search.study_name, storage=search.storage_desc,
-                      trials=search.driver.ran, evaluations=search.evaluator.evaluations,
+                      trials=search.driver.ran, evaluations=search.scorer.evaluations,
                       seconds=time.monotonic() - started, front=front_pols,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
                       graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
@@ -176,7 +176,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
 def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | None:
     """The model as given (a 16-bit model's own layout) as a candidate (no trial of the
     study): error 0, priced like every plan. None for an fp32 model."""
-    from autoprec.search.evaluation import Evaluation
+    from autoprec.search.plan_score import PlanScore
 
     refm = prep.reference
     if refm.is_fp32 or refm.islands:  # a mixed model's own layout is measured (reference_key)
@@ -185,7 +185,7 @@ def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | N
     t = prep.cost.estimate(pol)
     key = reference_key(space, refm) or space.uniform(refm.default)
     return select.Candidate(number=-1, params=space.params(key),
-                            calib=Evaluation(0.0, t, prep.cost.fp32_time / t if t > 0 else 0.0,
+                            calib=PlanScore(0.0, t, prep.cost.fp32_time / t if t > 0 else 0.0,
                                              True, eval_error=0.0),
                             policy={"default": refm.default, "layers": refm.rules(),
                                     "form": "deploy"})

@@ -25,7 +25,7 @@ from autoprec.scoring import reference, score
 from autoprec.search import prepare as prepare_mod
 from autoprec.search import tune as tune_mod
 from autoprec.search.config import TuneConfig
-from autoprec.search.objective import given_policy
+from autoprec.search.plan_scorer import given_policy
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 BF16 = MODELS / "bf16_llama.py"

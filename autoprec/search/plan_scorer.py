@@ -23,7 +23,7 @@ from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.scoring import Reference, reference, score
 from autoprec.search.decode import TrialDecoder, policy_for
-from autoprec.search.evaluation import Evaluation
+from autoprec.search.plan_score import PlanScore
 from autoprec.search.planner import PlanSpace
 from autoprec.search.space import Key, SearchSpace
 from autoprec.trace.graph import fingerprint
@@ -38,7 +38,7 @@ def given_policy(reference: Any, fingerprint: str | None = None,
     return policy_for(reference.default, reference.rules(), fingerprint, target, "deploy")
 
 
-class Evaluator:
+class PlanScorer:
     """Scores plan keys; counts how many model evaluations it really ran."""
 
     def __init__(
@@ -80,14 +80,14 @@ class Evaluator:
         # all-fp32 plan; a bf16 model's own layout, ``reference.ModelReference``)
         self.exact = exact if exact is not None else self.space.uniform("fp32")
         self.fingerprint = fingerprint(model)
-        self.cache: dict[Key, Evaluation] = {}
+        self.cache: dict[Key, PlanScore] = {}
         self.evaluations = 0.0  # full-set equivalents of model evaluation
         # --train-aware: policy -> (trains like fp32, details); run on plans within budget
         self.extra_check: Callable[[Policy], tuple[bool, dict[str, Any]]] | None = None
 
     def remember(self, key: Key, attrs: Mapping[str, Any]) -> None:
         """Prefill the cache from a finished trial's user attributes (shared studies)."""
-        ev = Evaluation.from_attrs(attrs)
+        ev = PlanScore.from_attrs(attrs)
         if ev is not None:
             self.cache[key] = ev
 
@@ -118,43 +118,43 @@ class Evaluator:
             return False
         return self.min_speedup is None or speedup >= self.min_speedup
 
-    def __call__(self, key: Key) -> Evaluation:
+    def __call__(self, key: Key) -> PlanScore:
         hit = self.cache.get(key)
         if hit is not None:
-            return Evaluation(hit.error, hit.est_time, hit.est_speedup, hit.feasible,
+            return PlanScore(hit.error, hit.est_time, hit.est_speedup, hit.feasible,
                               hit.screened, True, hit.eval_error)
         est_time, speedup = self.timing(key)
         n = len(self.batches)
         if not math.isfinite(est_time):
-            ev = Evaluation(math.inf, est_time, 0.0, False, screened=True)
+            ev = PlanScore(math.inf, est_time, 0.0, False, screened=True)
         elif key == self.exact:
-            ev = Evaluation(0.0, est_time, speedup, self.within(0.0, speedup))
+            ev = PlanScore(0.0, est_time, speedup, self.within(0.0, speedup))
         else:
             ev = None
             if self.sub_ref is not None:
                 sub_err = self.error(key, self.sub_batches, self.sub_ref, "(screening)")
                 self.evaluations += len(self.sub_batches) / n
                 if not sub_err <= SCREEN_FACTOR * self.budget:
-                    ev = Evaluation(sub_err, est_time, speedup, False, screened=True)
+                    ev = PlanScore(sub_err, est_time, speedup, False, screened=True)
             if ev is None:
                 err = self.error(key, self.batches, self.ref, "(calibration)")
                 self.evaluations += 1.0
-                ev = Evaluation(err, est_time, speedup, self.within(err, speedup))
+                ev = PlanScore(err, est_time, speedup, self.within(err, speedup))
         if ev.feasible and self.eval_batches is not None and self.eval_ref is not None:
             eval_err = self.error(key, self.eval_batches, self.eval_ref, "of eval_data")
-            ev = Evaluation(ev.error, ev.est_time, ev.est_speedup,
+            ev = PlanScore(ev.error, ev.est_time, ev.est_speedup,
                             self.within(eval_err, speedup), ev.screened, False, eval_err)
         if ev.feasible:
             audit_errors = self.audit(key)
             if audit_errors:  # a rule that did not run: the measured error is not the plan's
-                ev = Evaluation(ev.error, ev.est_time, ev.est_speedup, False, ev.screened,
+                ev = PlanScore(ev.error, ev.est_time, ev.est_speedup, False, ev.screened,
                                 False, ev.eval_error, audit_error=audit_errors[0])
         if ev.feasible and self.extra_check is not None:
             ok, _info = self.extra_check(self.policy(key))
-            ev = Evaluation(ev.error, ev.est_time, ev.est_speedup, ok, ev.screened, False,
+            ev = PlanScore(ev.error, ev.est_time, ev.est_speedup, ok, ev.screened, False,
                             ev.eval_error, ok)
         self.cache[key] = ev
         return ev
 
 
-__all__ = ["Evaluator", "SCREEN_FACTOR", "given_policy", "policy_for"]
+__all__ = ["PlanScorer", "SCREEN_FACTOR", "given_policy", "policy_for"]
