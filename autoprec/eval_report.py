@@ -71,7 +71,7 @@ def eval_report(model: Path, policy_path: Path, target: str | None = None,
         "feasible": feasible(sc.value, budget, runnable=runnable, audit_ok=report.ok),
         "target": tgt.name, "batch_size": a.batch_size,
         "batch_size_from": batch_size_from(batch_size, pol.batch_size), "mode": tgt.mode,
-        "form": pol.form, "weight_bytes": cost.weight_bytes(pol),
+        "form": tgt.form, "weight_bytes": cost.weight_bytes(pol),
         "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
         "fp8_backend": a.fp8_backend,
         "reasons": reasons_json(verdict_reasons(

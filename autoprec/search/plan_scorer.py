@@ -12,13 +12,13 @@ scored (this process, or any finished trial of a shared study) are not run again
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from autoprec.apply.apply import apply_policy, audit_policy
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.scoring import Reference, reference, score
@@ -26,10 +26,16 @@ from autoprec.search.decode import TrialDecoder, policy_for
 from autoprec.search.plan_score import PlanScore
 from autoprec.search.planner import PlanSpace
 from autoprec.search.space import Key, SearchSpace
+from autoprec.search.target import Target
 from autoprec.trace.graph import fingerprint
 
 #: A subset error this many times the budget is hopeless: the full set is not run.
 SCREEN_FACTOR = 3.0
+
+#: The search scores and audits its plans with fp8 emulated, as the probes run it: a
+#: plan's error is then the one its probes predicted, on any machine. The deployment's
+#: own backend (``Target.fp8_backend``) times the rows (confirm_speed) and runs eval/check.
+SCORING_FP8_BACKEND = "emulated"
 
 
 def given_policy(reference: Any, fingerprint: str | None = None,
@@ -50,11 +56,10 @@ class PlanScorer:
         ref: Reference,
         plans: PlanSpace,
         budget: float,
-        target: str,
+        target: Target,
         min_speedup: float | None = None,
         eval_batches: Sequence[Any] | None = None,
         eval_ref: Reference | None = None,
-        fp8_backend: str = "emulated",
         screen: bool = True,
         exact: Key | None = None,
         decoder: TrialDecoder | None = None,
@@ -62,9 +67,11 @@ class PlanScorer:
         self.spec, self.model, self.plans = spec, model, plans
         self.space: SearchSpace = plans.space
         self.decoder = decoder if decoder is not None else TrialDecoder(plans.space, plans.cost)
-        self.budget, self.min_speedup, self.fp8_backend = budget, min_speedup, fp8_backend
-        self.target = target
-        self.form = plans.cost.form  # the form every plan of the search runs in
+        self.budget, self.min_speedup = budget, min_speedup
+        self.target = target  # the tune's: its name goes into every policy, its form
+        # the target as the search scores on it (SCORING_FP8_BACKEND)
+        self.scoring = dataclasses.replace(target, fp8_backend=SCORING_FP8_BACKEND)
+        self.form = target.form  # the form every plan of the search runs in
         self.batches, self.ref = list(batches), ref
         self.eval_batches = list(eval_batches) if eval_batches is not None else None
         self.eval_ref = eval_ref
@@ -96,11 +103,11 @@ class PlanScorer:
         return t, (self.fp32_time / t if 0 < t < math.inf else 0.0)
 
     def policy(self, key: Key) -> Policy:
-        return self.decoder.policy(key, fingerprint=self.fingerprint, target=self.target,
+        return self.decoder.policy(key, fingerprint=self.fingerprint, target=self.target.name,
                                    form=self.form)
 
     def error(self, key: Key, batches: Sequence[Any], ref: Reference, what: str) -> float:
-        with apply_policy(self.model, self.policy(key), fp8_backend=self.fp8_backend):
+        with self.scoring.apply(self.model, self.policy(key)):
             return score(self.spec, self.model, batches, ref, what).value
 
     def audit(self, key: Key) -> list[str]:
@@ -110,8 +117,8 @@ class PlanScorer:
     def audit_policy(self, policy: Policy) -> list[str]:
         """The audit's errors for ``policy`` (a plan or a baseline) on one real forward."""
         batch = (self.eval_batches or self.batches)[0]
-        return audit_policy(self.model, policy, lambda: self.spec.forward(self.model, batch),
-                            fp8_backend=self.fp8_backend).errors
+        return self.scoring.audit(self.model, policy,
+                                  lambda: self.spec.forward(self.model, batch)).errors
 
     def within(self, error: float, speedup: float) -> bool:
         if not error <= self.budget:  # also False for nan
@@ -157,4 +164,4 @@ class PlanScorer:
         return ev
 
 
-__all__ = ["PlanScorer", "SCREEN_FACTOR", "given_policy", "policy_for"]
+__all__ = ["PlanScorer", "SCORING_FP8_BACKEND", "SCREEN_FACTOR", "given_policy", "policy_for"]

@@ -66,7 +66,7 @@ class Search:
 def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
     """What a study's trials depend on besides the structure (the fingerprint): joining a
     study made under other settings would reuse errors and times that do not hold here."""
-    here = prep.source is not None and prep.source.how != "stored profile"  # priced as measured
+    here = prep.target.speed.how != "stored profile"  # priced as measured
     return json.loads(json.dumps({
         **({"profile": prep.cost.profile.to_dict()} if here else {}),
         "target": cfg.target, "batch_size": prep.deploy_bs, "budget": cfg.budget,
@@ -130,12 +130,12 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
     study, name, shown, meta, notes = open_study(prep, space, cfg, sampler)
     n_before = len(study.trials)
     decoder = TrialDecoder(space, prep.cost)
-    scorer = PlanScorer(decoder=decoder, spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
-                          plans=planner.ps, budget=cfg.budget, target=cfg.target,
-                          min_speedup=cfg.min_speedup,
-                          eval_batches=None if prep.same_data else prep.eval_batches,
-                          eval_ref=None if prep.same_data else prep.eval_ref,
-                          exact=reference_key(space, prep.reference))
+    scorer = PlanScorer(decoder=decoder, spec=prep.spec, model=prep.net, batches=prep.calib,
+                        ref=prep.ref, plans=planner.ps, budget=cfg.budget, target=prep.target,
+                        min_speedup=cfg.min_speedup,
+                        eval_batches=None if prep.same_data else prep.eval_batches,
+                        eval_ref=None if prep.same_data else prep.eval_ref,
+                        exact=reference_key(space, prep.reference))
     if cfg.train_aware:
         scorer.extra_check = _train_check(prep.spec)
     to_run = max(cfg.trials - count_finished(study), 0) if cfg.resume else cfg.trials

@@ -103,11 +103,9 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
     provenance = _provenance(search, cfg)
     # the last step: the chosen plan beside its baselines, timed when the target is here
-    speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible,
-                                        prep.source)
+    speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible)
     feasible = chosen.calib.feasible  # a baseline within budget may replace the closest plan
-    if prep.source is not None:
-        provenance.update(prep.source.provenance())
+    provenance.update(prep.target.speed.provenance())
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
     policy.target["batch_size"] = prep.deploy_bs
@@ -164,9 +162,10 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
                       graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
                       + _one_liner_note(prep, policy, speed)
-                      + ([prep.source.note] if prep.source is not None else [])
-                      + ([f"priced with this model's ops {prep.source.describe_op_times()}"]
-                         if prep.source is not None and prep.source.timed else []),
+                      + [prep.target.speed.note]
+                      + ([f"priced with this model's ops "
+                          f"{prep.target.speed.describe_op_times()}"]
+                         if prep.target.speed.timed else []),
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
                       measured=len(search.driver.by_key), plot_plans=plans,

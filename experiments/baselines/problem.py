@@ -170,7 +170,7 @@ class Problem:
         self.plans = PlanSpace(model.space, prep.cost, self.table.estimate)
         self.evaluator = PlanScorer(
             spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
-            plans=self.plans, budget=budget, target=model.cfg.target,
+            plans=self.plans, budget=budget, target=prep.target,
             eval_batches=None if prep.same_data else prep.eval_batches,
             eval_ref=None if prep.same_data else prep.eval_ref)
         self.scored: dict[tuple, Scored] = {}  # by signature
