@@ -114,7 +114,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
                             cache_dir=calibration_dir(out_path, cfg.cache_dir))
     # the one price source of a target (Target.cost_model): on a local CPU the model's
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
-    cost = (make_cost_model(graph, profile, deploy_bs, cfg.mode, form=cfg.form)
+    cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form)
             if profile is not None else target.cost_model(graph, deploy_bs))
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
         cost.max_weight_bytes = cfg.max_weight_mb * 1e6
