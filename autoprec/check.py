@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from autoprec.assess import Assessment, assess
 from autoprec.cost import DeviceProfile
 from autoprec.errors import CheckFailed, InputError, PolicyError
 from autoprec.fused import fused_paths_off
@@ -48,6 +47,8 @@ from autoprec.report_json import (
     reasons_json,
     speedup,
 )
+from autoprec.search.assess import Assessment, assess
+from autoprec.search.target import resolve_target
 from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
@@ -266,11 +267,11 @@ def check(
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
-    # the target resolved once (name, mode, speed source), as eval and tune resolve it;
-    # check measures nothing: a local target's calibration is read where it is cached
-    from autoprec.search.target import resolve_target
-
-    resolved = resolve_target(target, policy, compile=compile, measure=False,
+    # the target resolved once (name, mode, form, fp8 backend, speed source), as eval and
+    # tune resolve it; check measures nothing: a local target's calibration is read where
+    # it is cached
+    resolved = resolve_target(target, policy, compile=compile, fp8_backend=fp8_backend,
+                              measure=False,
                               policy_path=policy_path if isinstance(policy_path, (str, Path))
                               else None)
     tgt, speed, profile = resolved.name, resolved.speed, resolved.profile
@@ -306,9 +307,9 @@ def check(
                 return result
             raise
 
-    # -- score, audit and price: the pipeline eval shares (autoprec/assess.py) ----------
+    # -- score, audit and price: the pipeline eval shares (search/assess.py) ---
     a = assess(spec, net, policy, target=resolved, batch_size=bs, force=True,
-               fp8_backend=fp8_backend, capture_warnings=True)
+               capture_warnings=True)
     if speed.local:
         notes.append(f"speed: {speed.note}")
 
@@ -320,7 +321,7 @@ def check(
     s, ref, report, bd = a.score, a.reference, a.audit, a.breakdown
     result.eval_batches = a.eval_batches
     result.est_speedup = a.est_speedup
-    result.form = policy.form
+    result.form = resolved.form  # the policy's: how its plan ran
     result.weight_bytes = a.cost.weight_bytes(policy)
     result.breakdown = {**bd.to_dict(), "audited_casts": report.casts}
     notes.extend(n for n in a.notes if "fingerprint" not in n)

@@ -46,7 +46,7 @@ from autoprec.cost import CostModel, get_profile
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search import planner as planner_mod
-from autoprec.search.objective import Evaluator
+from autoprec.search.plan_scorer import PlanScorer
 
 VOCAB, CONTEXT, B, T = 1024, 64, 4, 64
 
@@ -140,7 +140,7 @@ def run_one(kind: str, blocks: int, workdir: Path) -> dict[str, Any]:
     stages: list[tuple[Any, str, str]] = [
         (prepare_mod, "trace", "trace"), (prepare_mod, "probe", "probe"),
         (prepare_mod, "make_cost_model", "cost"), (planner_mod.Planner, "__init__", "planner"),
-        (Evaluator, "error", "evaluate")]
+        (PlanScorer, "error", "evaluate")]
     t0 = time.perf_counter()
     with _patches(clock, stages):
         res = tune_mod.tune(sp, max_error=0.01, target="h100", batch_size=256,

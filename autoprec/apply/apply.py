@@ -59,7 +59,7 @@ from autoprec.precisions import (
     STORAGE_DTYPES,
     is_gemm_format,
 )
-from autoprec.targets import device_type
+from autoprec.targets import device_type, named_target
 
 _LOW = (torch.float16, torch.bfloat16)
 _MISSING = object()
@@ -273,13 +273,12 @@ def _model_device(root: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def target_device_type(target: str | None, policy: Policy, device: torch.device) -> str:
+def target_device_type(target: str | None, device: torch.device) -> str:
     """Whose autocast op lists the plan follows: the target's (a device profile name such
-    as "h100", or a device type), else the policy's target, else the device it runs on."""
-    name = target or policy.target_device
-    if name is None:
+    as "h100", or a device type; ``targets.named_target``), else the device it runs on."""
+    if target is None:
         return device.type
-    return device_type(name)
+    return device_type(target)
 
 
 def _target_runs(name: str | None) -> Callable[[str], bool]:
@@ -365,7 +364,9 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     modules = dict(root.named_modules())
     chosen = [(modules[w.path] if w.path in modules else table[w.path], w)
               for w in plan.wrappers()]
-    target_type = target_device_type(target, policy, dev)
+    # the target named (here, else the policy's): the one order targets.named_target keeps
+    target = named_target(target, policy.target_device)
+    target_type = target_device_type(target, dev)
     emulate = target_type == "cuda" and dev.type != "cuda"
 
     spec = policy.guard if guard is None else parse_guard("apply_policy(guard=...)", guard)
@@ -378,7 +379,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
         guarded = select_layers(spec, gemm_leaf_paths(root), {**table, **modules}, res,
                                 policy.reasons, dev,
                                 policy.source if guard is None else "apply_policy(guard=...)",
-                                _target_runs(target or policy.target_device))
+                                _target_runs(target))
         if not guarded:
             warn(f"{policy.source}: guard {spec.mode}: no layer to check (no GEMM layer "
                  "computes in a small-range format; guard.layers: all checks every one)")

@@ -133,8 +133,9 @@ def _classify(name: str, args: tuple[Any, ...], device: str) -> str | None:
     return gemm_precision(dtypes, name, device)
 
 
-def gemm_precision(dtypes: set[torch.dtype], name: str, device: str) -> str | None:
-    """The precision a GEMM with floating operands of ``dtypes`` computes in."""
+def gemm_precision(dtypes: set[torch.dtype], name: str, device_type: str) -> str | None:
+    """The precision a GEMM with floating operands of ``dtypes`` computes in on
+    ``device_type`` (a tensor's ``device.type``: "cuda" reads torch's TF32 flags)."""
     if any(d in _FP8 for d in dtypes):
         return "fp8"
     if torch.float16 in dtypes:
@@ -142,7 +143,7 @@ def gemm_precision(dtypes: set[torch.dtype], name: str, device: str) -> str | No
     if torch.bfloat16 in dtypes:
         return "bf16"
     if torch.float32 in dtypes:
-        if device == "cuda":
+        if device_type == "cuda":
             on = (torch.backends.cudnn.allow_tf32 if name in _CONV_OPS
                   else torch.backends.cuda.matmul.allow_tf32)
             return "tf32" if on else "fp32"

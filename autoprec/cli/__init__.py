@@ -6,15 +6,12 @@ current_argv: list[str] = []
 
 def target_names() -> str:
     """The device profiles of the shipped ``autoprec/cost/devices.yaml`` ("h100, h200, …"),
-    for the ``--target`` help (read here: importing autoprec.cost would slow every
-    command's start)."""
-    from pathlib import Path
-
-    import yaml
+    for the ``--target`` help, as the profiles module lists them (``profile_names``: read
+    without importing torch, which every command's start would pay)."""
+    from autoprec.cost.profiles import profile_names
+    from autoprec.errors import InputError
 
     try:
-        data = yaml.safe_load((Path(__file__).resolve().parent.parent / "cost"
-                               / "devices.yaml").read_text())
-        return ", ".join(str(k) for k in data["devices"])
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return ", ".join(profile_names())
+    except InputError:
         return "see autoprec/cost/devices.yaml"

@@ -139,11 +139,11 @@ def eval_cmd(
 ) -> None:
     """Apply POLICY to MODEL: error vs fp32 on the eval data, per-layer precisions
     (rule vs computed), and the estimated speed-up on the target."""
-    from autoprec.report_json import eval_summary
+    from autoprec.eval_report import eval_report
 
     with _warnings_to_stderr():
-        summary = eval_summary(model, policy, target=target, batch_size=batch_size,
-                               force=force, measure=measure, compile=compile_mode)
+        summary = eval_report(model, policy, target=target, batch_size=batch_size,
+                              force=force, measure=measure, compile=compile_mode)
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
     else:

@@ -74,9 +74,11 @@ def tune_cmd(
     target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile
-            from autoprec.search.speed_source import calibration_dir, speed_source
+            from autoprec.search.speed_source import calibration_dir
+            from autoprec.search.target import resolve_target
 
-            speed_source(target, measure=True, cache_dir=calibration_dir(out), mode=cfg.mode)
+            resolve_target(cfg.target, compile=cfg.compile, form=cfg.form, measure=True,
+                           cache_dir=calibration_dir(cfg.out, cfg.cache_dir))
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
     # A worker started by --workers: its own seed (environment read at the CLI boundary).

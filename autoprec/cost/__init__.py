@@ -5,19 +5,53 @@ prices an assignment (``CompiledCostModel``: as ``torch.compile`` runs it); ``me
 measurements into a profile's efficiency factors.
 """
 
-from autoprec.cost.calibrate import FitResult, Sample, fit
-from autoprec.cost.compiled import MODES, CompiledCostModel, make_cost_model
-from autoprec.cost.measure import Timing, measure_interleaved, measure_latency
-from autoprec.cost.model import Breakdown, CostModel, Kernel
-from autoprec.cost.profiles import (
-    Calibration,
-    DeviceProfile,
-    apply_calibration,
-    get_profile,
-    known_devices,
-    load_calibration,
-    load_profiles,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> the submodule that holds it. Imported on first use (as the root package
+#: does): ``autoprec.cost.profiles`` is then readable without torch, and every command's
+#: ``--target`` help lists the profiles (``profiles.profile_names``) without the ~3 s
+#: torch import a ``show`` or ``--help`` does not need.
+_EXPORTS = {
+    "FitResult": "calibrate", "Sample": "calibrate", "fit": "calibrate",
+    "MODES": "compiled", "CompiledCostModel": "compiled", "make_cost_model": "compiled",
+    "Timing": "measure", "measure_interleaved": "measure", "measure_latency": "measure",
+    "Breakdown": "model", "CostModel": "model", "Kernel": "model",
+    "Calibration": "profiles", "DeviceProfile": "profiles",
+    "apply_calibration": "profiles", "get_profile": "profiles", "known_devices": "profiles",
+    "load_calibration": "profiles", "load_profiles": "profiles",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.cost.calibrate import FitResult, Sample, fit
+    from autoprec.cost.compiled import MODES, CompiledCostModel, make_cost_model
+    from autoprec.cost.measure import Timing, measure_interleaved, measure_latency
+    from autoprec.cost.model import Breakdown, CostModel, Kernel
+    from autoprec.cost.profiles import (
+        Calibration,
+        DeviceProfile,
+        apply_calibration,
+        get_profile,
+        known_devices,
+        load_calibration,
+        load_profiles,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    where = _EXPORTS.get(name)
+    if where is None:
+        raise AttributeError(f"module 'autoprec.cost' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"autoprec.cost.{where}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "Breakdown",

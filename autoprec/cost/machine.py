@@ -28,6 +28,7 @@ import torch
 from autoprec.capability import CPU_FLAGS, cpu_flags
 from autoprec.cost.profiles import Calibration, DeviceProfile, load_calibration
 from autoprec.errors import InputError
+from autoprec.targets import cuda_index, device_kind, is_cpu, is_cpu_target
 
 #: CPU timings run on one torch thread and read the thread's CPU time: on a shared,
 #: oversubscribed machine the wall time of one forward varied 10x (experiments/
@@ -64,18 +65,14 @@ class Machine:
 
 def this_machine(device: str = "cpu") -> Machine:
     """The facts of ``device`` here ("cpu" or "cuda[:N]")."""
-    kind = device.split(":", 1)[0]
-    if kind == "cpu":
+    if is_cpu(device_kind(device)):  # device_kind: an unknown device is an InputError
         name, flags = cpu_flags()
         return Machine("cpu", name, tuple(f for f in CPU_FLAGS if f in flags),
                        str(torch.__version__), CPU_THREADS)
-    if kind == "cuda":
-        dev = torch.device(device)
-        index = dev.index or 0
-        major, minor = torch.cuda.get_device_capability(index)
-        return Machine(f"cuda:{index}", torch.cuda.get_device_name(index),
-                       (f"sm_{major}{minor}",), str(torch.__version__), 0)
-    raise InputError(f"unknown device {device!r}; expected cpu or cuda[:N]")
+    index = cuda_index(device)
+    major, minor = torch.cuda.get_device_capability(index)
+    return Machine(f"cuda:{index}", torch.cuda.get_device_name(index),
+                   (f"sm_{major}{minor}",), str(torch.__version__), 0)
 
 
 def _tokens(text: str) -> list[str]:
@@ -86,9 +83,7 @@ def local_device(profile: DeviceProfile) -> tuple[str | None, str]:
     """``(device, why)``: the device here that ``profile`` describes — ``"cpu"`` for a CPU
     profile, ``"cuda:N"`` for a GPU profile whose name is a word of a CUDA device's name
     ("h200" in "NVIDIA H200") — or ``(None, why not)``."""
-    from autoprec.cost.model import device_type_of
-
-    if device_type_of(profile) == "cpu":
+    if is_cpu_target(profile.name):
         return "cpu", f"the {profile.name} target is this machine's CPU"
     here = [f"CPU {cpu_flags()[0]}"]
     if torch.cuda.is_available():
@@ -132,7 +127,7 @@ def cached_calibration(cache_dir: str | Path, profile: DeviceProfile, machine: M
 @contextmanager
 def timing_threads(device: str) -> Iterator[None]:
     """Torch threads for timings on ``device``: ``CPU_THREADS`` on a CPU (restored after)."""
-    if not device.startswith("cpu"):
+    if not is_cpu(device):
         yield
         return
     old = torch.get_num_threads()

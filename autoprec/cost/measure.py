@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from autoprec.errors import CapabilityError, InputError
+from autoprec.targets import device_kind, is_cpu
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,12 @@ def measure_latency(
 ) -> Timing:
     """Time ``run()`` on ``device`` ("cpu", "cuda", "cuda:1"); see the module docstring."""
     _check_counts(warmup, repeats)
-    kind = device.split(":", 1)[0]
     if clock not in ("wall", "thread"):
         raise InputError(f"measure_latency: clock must be 'wall' or 'thread', got {clock!r}")
-    if kind == "cuda":
+    if not is_cpu(device_kind(device, "measure_latency")):
         if clock != "wall":
             raise InputError("measure_latency: clock='thread' is for the CPU only")
         return _measure_cuda(run, device, warmup, repeats)
-    if kind != "cpu":
-        raise InputError(f"measure_latency: unknown device {device!r}; expected cpu or cuda[:N]")
     if clock == "thread":
         import torch
 
@@ -137,10 +135,8 @@ def measure_interleaved(
     _check_counts(warmup, rounds)
     if inner < 1:
         raise InputError(f"`inner >= 1` must hold, but got inner={inner}")
-    kind = device.split(":", 1)[0]
-    if kind not in ("cpu", "cuda"):
-        raise InputError(f"measure_interleaved: unknown device {device!r}")
-    if clock == "thread" and kind != "cpu":
+    cpu = is_cpu(device_kind(device, "measure_interleaved"))
+    if clock == "thread" and not cpu:
         raise InputError("measure_interleaved: clock='thread' is for the CPU only")
     around = around or {}
     rng = random.Random(seed)
@@ -163,7 +159,7 @@ def measure_interleaved(
 def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock: str) -> float:
     for _ in range(warmup):
         run()
-    if device.startswith("cuda"):
+    if not is_cpu(device):
         import torch
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

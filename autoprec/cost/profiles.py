@@ -20,7 +20,9 @@ from typing import Any
 import yaml
 
 from autoprec.errors import InputError
-from autoprec.precisions import PRECISIONS, check_precision
+
+# autoprec.precisions (which imports torch) is imported where a profile is built or asked:
+# reading the profile names (``profile_names``, every command's --target help) needs no torch
 
 #: The profiles shipped with autoprec.
 DEVICES_FILE = Path(__file__).with_name("devices.yaml")
@@ -51,6 +53,8 @@ class DeviceProfile:
 
     def supports(self, precision: str) -> tuple[bool, str]:
         """``(ok, reason)``: can this device compute in ``precision``?"""
+        from autoprec.precisions import check_precision
+
         check_precision(precision)
         if self.peak_flops.get(precision) is not None:
             return True, ""
@@ -62,6 +66,8 @@ class DeviceProfile:
     @property
     def precisions(self) -> tuple[str, ...]:
         """Precisions this device runs, in the canonical order."""
+        from autoprec.precisions import PRECISIONS
+
         return tuple(p for p in PRECISIONS if self.peak_flops.get(p) is not None)
 
     def peak(self, precision: str) -> float:
@@ -135,12 +141,16 @@ def _precision_map(raw: Any, what: str, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(raw, Mapping):
         raise InputError(f"{where}: {what} must be a mapping precision -> value, got {raw!r}")
+    from autoprec.precisions import check_precision
+
     for p in raw:
         check_precision(str(p), f"{where}: {what}")
     return {str(k): v for k, v in raw.items()}
 
 
 def _profile_from_dict(key: str, raw: Mapping[str, Any], where: str) -> DeviceProfile:
+    from autoprec.precisions import PRECISIONS
+
     where = f"{where}: device {key!r}"
     for required in ("peak_tflops", "memory_tbps", "launch_overhead_us"):
         if required not in raw:
@@ -204,6 +214,17 @@ def load_profiles(path: str | Path | None = None) -> dict[str, DeviceProfile]:
 
 def known_devices(path: str | Path | None = None) -> tuple[str, ...]:
     return tuple(load_profiles(path))
+
+
+def profile_names(path: str | Path | None = None) -> tuple[str, ...]:
+    """The profile names in ``path`` (default: the shipped ``devices.yaml``), in the file's
+    order, read without building the profiles (no torch): ``known_devices``'s names, for
+    the CLI's ``--target`` help."""
+    where = Path(path) if path is not None else DEVICES_FILE
+    data = _read_yaml(where)
+    if not isinstance(data, Mapping) or not isinstance(data.get("devices"), Mapping):
+        raise InputError(f"{where}: expected a mapping with a 'devices' mapping")
+    return tuple(str(k) for k in data["devices"])
 
 
 def get_profile(
@@ -336,6 +357,7 @@ __all__ = [
     "apply_calibration",
     "get_profile",
     "known_devices",
+    "profile_names",
     "load_calibration",
     "load_profiles",
 ]

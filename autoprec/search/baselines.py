@@ -33,9 +33,8 @@ def _uniform_errors(ev: Any, p: str, budget: float, form: str
     """Errors (calibration; eval data, or None) of ``default: p`` with no rules: the
     search's own score when it measured that very plan, else runs of the model. The eval
     data is run only when the calibration error is within budget (as the search does)."""
-    from autoprec.apply.apply import apply_policy
     from autoprec.scoring import score
-    from autoprec.search.objective import policy_for
+    from autoprec.search.decode import policy_for
 
     if p == "fp32":
         return 0.0, None
@@ -45,8 +44,8 @@ def _uniform_errors(ev: Any, p: str, budget: float, form: str
     hit = (ev.cache.get(key) if default == p and set(layers.values()) <= {p}
            and form == ev.form else None)
     calib, evl = (None, None) if hit is None else (hit.error, hit.eval_error)
-    pol = policy_for(p, {}, ev.fingerprint, ev.target, form)
-    with apply_policy(ev.model, pol, fp8_backend=ev.fp8_backend):
+    pol = policy_for(p, {}, ev.fingerprint, ev.target.name, form)
+    with ev.scoring.apply(ev.model, pol):  # as the search scored its plans
         if calib is None:
             calib = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
         if evl is None and ev.eval_batches is not None and calib <= budget:
@@ -113,13 +112,13 @@ def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[s
     """``baseline_rows`` as tune's last step scores them: the search's own errors where it
     measured that very plan, the eval data only within budget, the audit as the search's.
     A 16-bit model (``reference`` not fp32) has its own rows (``reference_rows``)."""
-    from autoprec.search.objective import policy_for
+    from autoprec.search.decode import policy_for
 
     if reference is not None and not reference.is_fp32:
         return reference_rows(cost, ev, budget, precisions, reference)
     return baseline_rows(
         cost, lambda pol: _uniform_errors(ev, pol.default, budget, pol.form), budget,
-        lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target, form),
+        lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target.name, form),
         precisions=precisions, train_aware=train_aware,
         audit=ev.audit_policy, baselines=baselines)
 
@@ -133,21 +132,21 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     model) other than the model itself. The training form's rows (autocast over fp32
     masters) have no fp32 masters to run over."""
     from autoprec.reference import offered
-    from autoprec.search.objective import given_policy, policy_for
+    from autoprec.search.decode import policy_for
+    from autoprec.search.plan_scorer import given_policy
 
     name = reference.label()
-    up = policy_for("fp32", {}, ev.fingerprint, ev.target, "deploy")
+    up = policy_for("fp32", {}, ev.fingerprint, ev.target.name, "deploy")
     rows = [Row("fp32 (model.float())", "baseline", up, None, False, cost.speedup(up),
                 why_not=f"an upcast of the {name} model: the speed reference only",
                 weight_bytes=cost.weight_bytes(up))]
-    given = given_policy(reference, ev.fingerprint, ev.target)
+    given = given_policy(reference, ev.fingerprint, ev.target.name)
     why = cost.cannot_run(given)
     err = 0.0  # exact for a uniform 16-bit model; a mixed one's fp32 rules are measured
     if reference.islands:
-        from autoprec.apply.apply import apply_policy
         from autoprec.scoring import score
 
-        with apply_policy(ev.model, given, fp8_backend=ev.fp8_backend):
+        with ev.scoring.apply(ev.model, given):
             err = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
         if not why and not err <= budget:
             why = [f"over budget ({err:.3g} > {budget:g})"]

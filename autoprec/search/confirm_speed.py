@@ -5,9 +5,11 @@ baselines (``baselines.py``: fp32, one global autocast per precision, uniform tf
 ``model.to(bf16)`` / ``model.to(fp16)`` one-liners; a 16-bit model's own rows), each with
 its error and its speed-up priced the same way as the tuned plan.
 
-Where the target is the device at hand (``speed_source.speed_source``) they are timed
-(``timing.measure_rows``: interleaved rounds, eager or compiled as the deployment runs)
-and the written plan is the fastest *measured* one within budget (``speed_rows.decide``):
+The rows are judged by the one evaluation pipeline eval and check use (``search.assess``):
+the search scored and audited every row through the tune's ``Target`` (the same
+``Target.apply`` / ``Target.audit``), and where the target is the device at hand the rows
+are timed by ``assess.time_rows`` (interleaved rounds, eager or compiled as the
+deployment runs), the step eval's ``--measure`` takes too. The written plan is the fastest *measured* one within budget (``speed_rows.decide``):
 a tuned plan measured slower than fp32 or a one-liner within budget is never written —
 the next candidate or the baseline is, and the reason says why. Where the target is not
 here, the estimates stand, and a 16-bit model's own layout is written when it is
@@ -19,31 +21,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from autoprec.search.assess import time_rows
 from autoprec.search.baselines import tune_baseline_rows
-from autoprec.search.speed_rows import Row, SpeedCheck, Timer, check_speed
-from autoprec.search.timing import measure_rows
+from autoprec.search.speed_rows import Row, SpeedCheck, Timer
 
 #: Candidates from the study timed after the chosen one (the next fastest feasible ones).
 NEXT_CANDIDATES = 2
 
 
 def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[Any],
-                 chosen: Any, feasible: bool, source: Any,
+                 chosen: Any, feasible: bool,
                  timer: Timer | None = None) -> tuple[SpeedCheck, Any, tuple[str, dict[str, str]]]:
-    """tune's last step: the rows beside the chosen plan, timed where the target is local
-    (compiled, for a ``--compile`` tune); returns the check, the candidate to write and its
-    (default, rules)."""
+    """tune's last step: the rows beside the chosen plan, timed where the tune's target
+    (``prep.target``) is local (compiled, for a ``--compile`` tune); returns the check, the
+    candidate to write and its (default, rules)."""
     from autoprec.cost import make_cost_model
     from autoprec.search import select
-    from autoprec.search.objective import policy_for
+    from autoprec.search.decode import policy_for
 
-    ev = search.evaluator
+    ev, target = search.scorer, prep.target
 
     rules_of = search.decoder.rules  # recorded on the trial, else compacted (search/decode.py)
 
     def row(c: Any, name: str, role: str) -> Row:
         err = c.calib.error if c.eval_error is None else c.eval_error
-        r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, cfg.target, ev.form), err,
+        r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, target.name, ev.form), err,
                 c.calib.feasible, c.calib.est_speedup, trial=c.number,
                 why_not=_why_not(c.calib, cfg.budget))
         r.source = c
@@ -60,7 +62,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     # no trial within budget, a baseline is: the baselines are what may be written (timed
     # where the target is here), never the closest over-budget plan
     fallback = not feasible and any(r.feasible and r.policy is not None for r in rows_after)
-    timed = source.local and cfg.measure and (feasible or fallback)
+    timed = target.local and cfg.measure and (feasible or fallback)
     if timed:
         seen = {rows[0].key}
         nxt = sorted((c for c in select.dedupe(cands) if c.calib.feasible),
@@ -73,10 +75,15 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                 seen.add(r.key)
                 rows.append(r)
     rows += rows_after
-    if not timed:
-        check = check_speed(rows, None)
-        check.reason = (source.note if not source.local else "not measured (--no-measure)"
-                        if not cfg.measure else "not measured: no plan within budget")
+    # an explicit profile (tune(profile=...): tests, experiments) prices the timed batch by
+    # itself too; else the target's cost model at the calibration batch (time_rows)
+    at_batch = (None if not timed or prep.cost.op_times is not None else
+                make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode))
+    check = time_rows(rows, target, prep.spec.forward, prep.net, prep.calib[0], prep.graph,
+                      measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,
+                      not_measured="not measured (--no-measure)" if not cfg.measure else
+                      "not measured: no plan within budget")
+    if not check.measured:
         instead = _given_if_faster(rows) or _best_baseline_if_infeasible(rows)
         if instead is None:
             return check, chosen, rules_of(chosen)
@@ -84,13 +91,6 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         check.reason += (f"; {instead.name} is estimated faster than the tuned plan (or is "
                          "the fastest plan within budget): wrote it")
         return check, *_baseline_candidate(prep, space, instead)
-
-    at_measured = (source.cost_model(prep.graph, prep.calib_bs, cfg.mode)
-                   if prep.cost.op_times is not None else
-                   make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, cfg.mode))
-    check = measure_rows(rows, prep.spec.forward, prep.net, prep.calib[0], source.device,
-                         cfg.target, at_measured, timer=timer, seed=cfg.seed,
-                         compile=cfg.compile)
     win = check.winner
     if win is not None and win.role != "tuned":
         check.reason += f": wrote {win.name} instead"
@@ -141,14 +141,14 @@ def _why_not(ev: Any, budget: float) -> str:
 def _baseline_candidate(prep: Any, space: Any, win: Row) -> tuple[Any, tuple[str, dict[str, str]]]:
     """A baseline row as the candidate to write (no trial of the study) and its rules."""
     from autoprec.search import select
-    from autoprec.search.evaluation import Evaluation
+    from autoprec.search.plan_score import PlanScore
 
     assert win.policy is not None
     p = win.policy.default
     calib, evl = win.source
     layers = dict(win.policy.layers)  # the model as given keeps its fp32 modules' rules
     pseudo = select.Candidate(number=-1, params=space.params(space.uniform(p)),
-                              calib=Evaluation(calib, prep.cost.estimate(win.policy),
+                              calib=PlanScore(calib, prep.cost.estimate(win.policy),
                                                win.est_speedup or 0.0, True, eval_error=evl),
                               policy={"default": p, "layers": layers, "form": win.policy.form})
     return pseudo, (p, layers)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import optuna
 
 from autoprec.errors import InputError
-from autoprec.search.evaluation import Evaluation
-from autoprec.search.objective import Evaluator
+from autoprec.search.plan_score import PlanScore
+from autoprec.search.plan_scorer import PlanScorer
 from autoprec.search.sampler import PlanSampler
 from autoprec.search.space import Key, SearchSpace
 
@@ -35,7 +35,7 @@ class TrialResult:
     number: int
     key: Key
     params: dict[str, str]
-    evaluation: Evaluation | None  # None: pruned (not measured)
+    evaluation: PlanScore | None  # None: pruned (not measured)
     skipped: str | None = None
 
 
@@ -44,12 +44,12 @@ class Driver:
     input, Ctrl-C: ``PlanSampler``) or the trial count or time runs out. ``on_trial`` is
     called after every trial (progress bar, tracking)."""
 
-    def __init__(self, study: optuna.Study, space: SearchSpace, evaluator: Evaluator,
+    def __init__(self, study: optuna.Study, space: SearchSpace, scorer: PlanScorer,
                  sampler: PlanSampler, *, pareto: bool, trials: int,
                  timeout: float | None = None,
                  on_trial: Callable[[TrialResult], None] | None = None,
                  compact: Callable[[Key], tuple[str, dict[str, str]]] | None = None) -> None:
-        self.study, self.space, self.evaluator, self.sampler = study, space, evaluator, sampler
+        self.study, self.space, self.scorer, self.sampler = study, space, scorer, sampler
         self.pareto, self.trials, self.timeout = pareto, trials, timeout
         self.on_trial = on_trial
         self.compact = compact  # key -> the policy's (default, rules) for feasible plans
@@ -59,7 +59,7 @@ class Driver:
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if {v.name for v in space.all_variables} <= set(t.params):
                 key = space.key(t.params)
-                evaluator.remember(key, t.user_attrs)
+                scorer.remember(key, t.user_attrs)
                 self.by_key.setdefault(key, t.number)
 
     @property
@@ -85,7 +85,7 @@ class Driver:
             trial.set_user_attr("skipped", "search complete: no faster plan is predicted "
                                            "within the budget")
             raise optuna.TrialPruned()
-        if key in self.evaluator.cache and key in self.by_key:
+        if key in self.scorer.cache and key in self.by_key:
             trial.set_user_attr("skipped", f"already measured in trial {self.by_key[key]}")
             raise optuna.TrialPruned()
         held = claim(self.study, self.space, trial, key)
@@ -93,7 +93,7 @@ class Driver:
             trial.set_user_attr("skipped", held)
             raise optuna.TrialPruned()
         try:
-            ev = self.evaluator(key)
+            ev = self.scorer(key)
         except Exception as err:  # recorded on the trial; Optuna marks it FAIL and goes on
             trial.set_user_attr("fail_reason", f"{type(err).__name__}: {err}"[:500])
             if isinstance(err, InputError) and self.fatal is None:
@@ -109,9 +109,9 @@ class Driver:
             trial.set_user_attr("policy", {"default": default, "layers": rules})
         self.by_key.setdefault(key, trial.number)
         # finite and never NaN: a non-finite error is 1e30 (flagged by "nonfinite")
-        violation = min(ev.error, 1e30) - self.evaluator.budget
-        if self.evaluator.min_speedup is not None:
-            violation = max(violation, self.evaluator.min_speedup - ev.est_speedup)
+        violation = min(ev.error, 1e30) - self.scorer.budget
+        if self.scorer.min_speedup is not None:
+            violation = max(violation, self.scorer.min_speedup - ev.est_speedup)
         trial.set_constraint("budget", float(violation))
         if self.pareto:
             return min(ev.error, 1e30), min(ev.est_time, 1e30)
@@ -121,7 +121,7 @@ class Driver:
         if self.on_trial is None:
             return
         key = self.space.key(frozen.params) if frozen.params else ()
-        ev = (self.evaluator.cache.get(key)
+        ev = (self.scorer.cache.get(key)
               if frozen.state == optuna.trial.TrialState.COMPLETE else None)
         self.on_trial(TrialResult(frozen.number, key, dict(frozen.params), ev,
                                   frozen.user_attrs.get("skipped")))
@@ -239,7 +239,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, object]]:
     rows = []
     for t in study.get_trials(deepcopy=False):
         row: dict[str, object] = {"number": t.number, "state": t.state.name}
-        ev = Evaluation.from_attrs(t.user_attrs)
+        ev = PlanScore.from_attrs(t.user_attrs)
         row["calibration_error"] = ev.error if ev else None
         row["error"] = ev.eval_error if ev else None
         for k in ("est_time", "est_speedup", "feasible", "screened", "skipped", "fail_reason"):

@@ -28,8 +28,8 @@ from autoprec.reference import ModelReference, model_reference, offered, own_pre
 from autoprec.scoring import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.search.config import TuneConfig
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
-from autoprec.search.speed_source import SpeedSource, calibration_dir
-from autoprec.search.target import resolve_target
+from autoprec.search.speed_source import calibration_dir
+from autoprec.search.target import Target, resolve_target
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.validate import check_out_not_input
@@ -53,7 +53,9 @@ class Prepared:
     deploy_bs: int
     calib_bs: int
     out_path: Path
-    source: SpeedSource | None = None  # where the speed figures come from (measured here?)
+    #: the one target of the tune (name, mode, form, fp8 backend, speed source: where the
+    #: speed figures come from, measured here or not)
+    target: Target
     reference: ModelReference = field(default_factory=ModelReference)  # the model as given
 
 
@@ -107,20 +109,19 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
                       budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
     deploy_bs = cfg.batch_size or calib_bs
-    target = resolve_target(cfg.target, compile=cfg.compile, measure=cfg.measure,
+    target = resolve_target(cfg.target, compile=cfg.compile, form=cfg.form,
+                            measure=cfg.measure,
                             cache_dir=calibration_dir(out_path, cfg.cache_dir))
-    source = target.speed
-    # the one price source of a target (SpeedSource.cost_model): on a local CPU the model's
+    # the one price source of a target (Target.cost_model): on a local CPU the model's
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
-    cost = (make_cost_model(graph, profile, deploy_bs, cfg.mode, form=cfg.form)
-            if profile is not None else
-            source.cost_model(graph, deploy_bs, cfg.mode, form=cfg.form))
+    cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form)
+            if profile is not None else target.cost_model(graph, deploy_bs))
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
         cost.max_weight_bytes = cfg.max_weight_mb * 1e6
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
-                    cost, deploy_bs, calib_bs, out_path, source, refm)
+                    cost, deploy_bs, calib_bs, out_path, target, refm)
 
 
 def _references(spec: ModelSpec, net: Any, calib: list[Any], eval_batches: list[Any],

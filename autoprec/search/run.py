@@ -1,7 +1,7 @@
 """tune's stage 3: the search — the planner as an Optuna sampler over a (shared) study.
 
 The planner (search/planner.py) proposes the plans worth measuring, the driver runs the
-trials (search/driver.py), each scored by the Evaluator (search/objective.py) and logged by
+trials (search/driver.py), each scored by the PlanScorer (search/plan_scorer.py) and logged by
 the tracker; progress, Ctrl-C (finish the trial, then write) and the study's settings
 (what a shared study must agree on) are here.
 """
@@ -29,7 +29,7 @@ from autoprec.search.config import TuneConfig
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.driver import Driver, TrialResult
 from autoprec.search.export import META_KEY, study_meta
-from autoprec.search.objective import Evaluator
+from autoprec.search.plan_scorer import PlanScorer
 from autoprec.search.planner import Planner
 from autoprec.search.prepare import Prepared, reference_key
 from autoprec.search.sampler import PlanSampler
@@ -55,7 +55,7 @@ class Search:
     study_name: str
     storage_desc: str
     meta: dict[str, Any]
-    evaluator: Evaluator
+    scorer: PlanScorer  # scores each plan the search runs (search/plan_scorer.py)
     decoder: TrialDecoder  # trial params <-> key <-> rules (search/decode.py)
     planner: Planner
     driver: Driver
@@ -66,7 +66,7 @@ class Search:
 def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
     """What a study's trials depend on besides the structure (the fingerprint): joining a
     study made under other settings would reuse errors and times that do not hold here."""
-    here = prep.source is not None and prep.source.how != "stored profile"  # priced as measured
+    here = prep.target.speed.how != "stored profile"  # priced as measured
     return json.loads(json.dumps({
         **({"profile": prep.cost.profile.to_dict()} if here else {}),
         "target": cfg.target, "batch_size": prep.deploy_bs, "budget": cfg.budget,
@@ -130,14 +130,14 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
     study, name, shown, meta, notes = open_study(prep, space, cfg, sampler)
     n_before = len(study.trials)
     decoder = TrialDecoder(space, prep.cost)
-    evaluator = Evaluator(decoder=decoder, spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
-                          plans=planner.ps, budget=cfg.budget, target=cfg.target,
-                          min_speedup=cfg.min_speedup,
-                          eval_batches=None if prep.same_data else prep.eval_batches,
-                          eval_ref=None if prep.same_data else prep.eval_ref,
-                          exact=reference_key(space, prep.reference))
+    scorer = PlanScorer(decoder=decoder, spec=prep.spec, model=prep.net, batches=prep.calib,
+                        ref=prep.ref, plans=planner.ps, budget=cfg.budget, target=prep.target,
+                        min_speedup=cfg.min_speedup,
+                        eval_batches=None if prep.same_data else prep.eval_batches,
+                        eval_ref=None if prep.same_data else prep.eval_ref,
+                        exact=reference_key(space, prep.reference))
     if cfg.train_aware:
-        evaluator.extra_check = _train_check(prep.spec)
+        scorer.extra_check = _train_check(prep.spec)
     to_run = max(cfg.trials - count_finished(study), 0) if cfg.resume else cfg.trials
     parent = tracker.start(
         name=f"{name} #{n_before}" if n_before else name,
@@ -155,7 +155,7 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
                disable=not cfg.progress, leave=False)
     on_trial = _progress(bar, tracker, name)
 
-    driver = Driver(study, space, evaluator, sampler, pareto=cfg.pareto, trials=to_run,
+    driver = Driver(study, space, scorer, sampler, pareto=cfg.pareto, trials=to_run,
                     timeout=cfg.timeout, on_trial=on_trial,
                     compact=decoder.compact)
     status = "FAILED"
@@ -176,7 +176,7 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
             tracker.finish(status)
     if interrupted:  # finished trials are in the study; --resume goes on from them
         raise KeyboardInterrupt
-    return Search(study, name, shown, meta, evaluator, decoder, planner, driver, n_before,
+    return Search(study, name, shown, meta, scorer, decoder, planner, driver, n_before,
                   notes)
 
 

@@ -31,7 +31,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
-from autoprec.search.evaluation import Evaluation
+from autoprec.search.plan_score import PlanScore
 from autoprec.search.planner import Planner
 from autoprec.search.space import Key, SearchSpace
 
@@ -60,7 +60,7 @@ def measured_state(study: optuna.Study, space: SearchSpace, exclude: int | None 
         key = space.key(t.params)
         if state == TrialState.RUNNING:
             busy.add(key)
-        elif (ev := Evaluation.from_attrs(t.user_attrs)) is not None:
+        elif (ev := PlanScore.from_attrs(t.user_attrs)) is not None:
             measured[key] = ev.error
             feasible[key] = ev.feasible or feasible.get(key, False)
     return measured, feasible, busy
@@ -116,7 +116,7 @@ class PlanSampler(BaseSampler):
         """Count the trial towards ``patience``; end the study when the search is over."""
         self.ran += 1
         if state == TrialState.COMPLETE:
-            ev = Evaluation.from_attrs(trial.user_attrs)
+            ev = PlanScore.from_attrs(trial.user_attrs)
             if ev is not None and ev.feasible and ev.est_time < self._best_time * (1 - 1e-9):
                 self._best_time = ev.est_time
                 self._since_best = 0

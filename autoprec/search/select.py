@@ -1,7 +1,7 @@
 """Pick the policy from a finished study.
 
 The search scores on the calibration data; the budget binds on the eval data: a trial is
-feasible only once it was also within budget there (objective.py confirms at once). The
+feasible only once it was also within budget there (plan_scorer.py confirms at once). The
 chosen plan is the fastest feasible one. When none is, the run is infeasible and the
 closest plan is reported (optuna#4180: pick by a stated rule, say when nothing is
 feasible, exit non-zero).
@@ -16,14 +16,14 @@ from typing import Any
 
 import optuna
 
-from autoprec.search.evaluation import Evaluation
+from autoprec.search.plan_score import PlanScore
 
 
 @dataclass
 class Candidate:
     number: int
     params: dict[str, str]
-    calib: Evaluation
+    calib: PlanScore
     policy: dict[str, Any] = field(default_factory=dict)  # compact {default, layers}
 
     @property
@@ -35,7 +35,7 @@ def completed(study: optuna.Study) -> list[Candidate]:
     """Every measured trial (COMPLETE with a score), earliest first."""
     out = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        ev = Evaluation.from_attrs(t.user_attrs)
+        ev = PlanScore.from_attrs(t.user_attrs)
         if ev is not None:
             out.append(Candidate(t.number, dict(t.params), ev,
                                  dict(t.user_attrs.get("policy") or {})))
@@ -63,7 +63,7 @@ def pareto_front(cands: Sequence[Candidate]) -> list[Candidate]:
     return front
 
 
-def closeness(ev: Evaluation, budget: float, min_speedup: float | None) -> float:
+def closeness(ev: PlanScore, budget: float, min_speedup: float | None) -> float:
     """How far from feasible (0 = feasible): relative budget overshoot + speed shortfall."""
     err = ev.error if ev.eval_error is None else max(ev.error, ev.eval_error)
     over = 0.0 if err <= budget else (err - budget) / max(budget, 1e-12)

@@ -42,6 +42,7 @@ from autoprec.cost.machine import (
 )
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.policy import Policy, PolicyWarning
+from autoprec.targets import is_cpu
 
 
 @dataclass
@@ -70,7 +71,7 @@ class SpeedSource:
         from autoprec.cost.machine import timing_threads
         from autoprec.cost.op_times import cached_or_measured
 
-        if (not self.local or self.device != "cpu" or self.how == "stored profile"
+        if (not self.local or not is_cpu(self.device) or self.how == "stored profile"
                 or self.cache_dir is None or graph.ops is None):
             return None
         with timing_threads(self.device):
@@ -169,7 +170,6 @@ def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None 
     from autoprec.capability import capability
 
     machine = machine or this_machine(device)
-    kind = device.split(":", 1)[0]
     plans = {p: Policy(default=p) for p in ("fp32", "tf32", "bf16", "fp16")
              if profile.supports(p)[0] and capability(p, None, device)[0]}
     fp8 = None
@@ -180,7 +180,7 @@ def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None 
     def run_as(module: Any, pol: Policy) -> Any:
         return apply_policy(module, pol, target=profile.name, fp8_backend=fp8)
 
-    if kind == "cpu":
+    if is_cpu(device):
         def timer(run: Any) -> float:
             return measure_latency(run, "cpu", warmup=2, repeats=5, clock="thread").median_s
 

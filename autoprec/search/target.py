@@ -1,31 +1,38 @@
-"""The target a policy is priced and timed for: resolved once, then carried as one value.
+"""The target a policy is priced, scored and timed for: resolved once, carried as one value.
 
-A target used to travel as a string (``"cpu"``, ``"h100"``) beside loose ``mode`` and
-``measure`` arguments, and every stage re-derived what it needed: the fallback
-``target or policy.target_device or DEFAULT_TARGET`` in ``check`` and in ``eval``, the
-compile flag turned into a mode in each, the profile looked up again. ``check`` read the
-stored profile where ``eval`` read this machine's calibration: 2.59x against 3.01x for one
-policy (issue 30). ``resolve_target`` decides all of it once:
+A target used to travel as a string (``"cpu"``, ``"h100"``) beside loose ``mode``,
+``form``, ``fp8_backend`` and ``measure`` arguments, and every stage re-derived what it
+needed: the fallback ``target or policy.target_device or DEFAULT_TARGET`` in ``check`` and
+in ``eval``, the compile flag turned into a mode in each, the profile looked up again.
+``check`` read the stored profile where ``eval`` read this machine's calibration: 2.59x
+against 3.01x for one policy (issue 30). ``resolve_target`` decides all of it once:
 
-- the **name**: given, else the policy's ``target.device``, else ``DEFAULT_TARGET``, in
-  its one spelling (``canonical_target``); an unknown name is exit 2 here, before any work;
+- the **name**: given, else the policy's ``target.device`` (``targets.named_target``),
+  else ``DEFAULT_TARGET``, in its one spelling; an unknown name is exit 2 here, before
+  any work;
 - the **mode**: ``torch.compile``'d or eager (given, else the policy's ``target.mode``);
+- the **form**: how plans run, "deploy" (weights stored in their precision) or "train"
+  (autocast over fp32 masters): given (tune's ``--form``), else the policy's;
+- the **GEMM backend** of fp8 layers (``apply_policy``'s ``fp8_backend``; None: the best
+  this device runs);
 - the **speed source** (``speed_source.SpeedSource``): the profile the cost model prices
   with and where it comes from, measured here for a local target, with the model's own
-  ops timed on a local CPU; its ``cost_model`` is the one way a price is made.
+  ops timed on a local CPU; ``Target.cost_model`` is the one way a price is made.
 
-The device type (whose autocast op lists a plan follows) is ``targets.device_type`` of
-the name: the plan replay, the cost model and apply ask it there.
+``Target.apply`` and ``Target.audit`` are the one way a stage of tune, eval or check
+applies and audits a policy for the target. The device type (whose autocast op lists a plan follows) is
+``targets.device_type`` of the name: the plan replay, the cost model and apply ask it there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autoprec.search.speed_source import SpeedSource, calibration_dir, speed_source
-from autoprec.targets import DEFAULT_TARGET, canonical_target, device_type
+from autoprec.targets import DEFAULT_TARGET, device_type, named_target
 
 
 def mode_of(compile: bool | None, default: str = "eager") -> str:
@@ -38,12 +45,14 @@ def mode_of(compile: bool | None, default: str = "eager") -> str:
 
 @dataclass
 class Target:
-    """One target, resolved: its name, deployment mode and speed source."""
+    """One target, resolved: its name, deployment mode and form, fp8 backend, speed source."""
 
     name: str  # canonical profile name: "h100", "cpu", ...
     mode: str  # "eager" | "compile"
     speed: SpeedSource
     named: bool = True  # False: nothing named it (the default was taken)
+    form: str = "deploy"  # how the run's plans run (precisions.FORMS)
+    fp8_backend: str | None = None  # fp8 layers' GEMM backend (None: the best here)
 
     @property
     def profile(self) -> Any:
@@ -58,28 +67,57 @@ class Target:
         return self.speed.local
 
     @property
+    def device(self) -> str | None:
+        """The device here that runs the target ("cpu", "cuda:N"); None: a remote target."""
+        return self.speed.device
+
+    @property
     def compile(self) -> bool:
         return self.mode == "compile"
 
-    def cost_model(self, graph: Any, batch_size: int | None = None, form: str = "train") -> Any:
-        """The cost model of ``graph`` on this target (``SpeedSource.cost_model``)."""
-        return self.speed.cost_model(graph, batch_size, self.mode, form=form)
+    def cost_model(self, graph: Any, batch_size: int | None = None) -> Any:
+        """The cost model of ``graph`` on this target, in its mode and form
+        (``SpeedSource.cost_model``)."""
+        return self.speed.cost_model(graph, batch_size, self.mode, form=self.form)
+
+    def apply(self, model: Any, policy: Any, *, force: bool = False) -> Any:
+        """``policy`` applied to ``model`` as this target runs it (its autocast op lists,
+        its fp8 backend; each policy keeps its own form): a removable ``PolicyHandle``."""
+        from autoprec.apply.apply import apply_policy
+
+        return apply_policy(model, policy, target=self.name, fp8_backend=self.fp8_backend,
+                            force=force)
+
+    def audit(self, model: Any, policy: Any, run: Callable[[], Any], *,
+              force: bool = False) -> Any:
+        """The audit of ``policy`` applied as ``apply`` applies it, on one real forward
+        (``run()``; ``apply.audit_policy``): an ``AuditReport`` whose ``errors`` name each
+        rule that did not run. The one audit of tune's search and confirmation, ``eval``
+        and ``check``."""
+        from autoprec.apply.apply import audit_policy
+
+        return audit_policy(model, policy, run, fp8_backend=self.fp8_backend, force=force,
+                            target=self.name)
 
 
 def resolve_target(given: str | None, policy: Any = None, *, compile: bool | None = None,
+                   form: str | None = None, fp8_backend: str | None = None,
                    measure: bool = False, cache_dir: Path | None = None,
                    policy_path: Path | None = None) -> Target:
     """The target of a run: ``given`` (``--target``), else ``policy``'s, else the default;
-    the mode from ``compile``, else the policy's; the speed source cached in ``cache_dir``
-    (default: beside ``policy_path``, as tune caches it beside the policy it writes).
-    ``measure``: a local target's calibration may be measured now (else cached only)."""
-    named = given or (policy.target_device if policy is not None else None)
-    name = canonical_target(named or DEFAULT_TARGET)
+    the mode from ``compile``, else the policy's; the form from ``form``, else the
+    policy's, else "deploy"; the speed source cached in ``cache_dir`` (default: beside
+    ``policy_path``, as tune caches it beside the policy it writes). ``measure``: a local
+    target's calibration may be measured now (else cached only)."""
+    named = named_target(given, policy.target_device if policy is not None else None)
+    name = named or DEFAULT_TARGET
     # speed_source looks the profile up once: an unknown device is exit 2 there
     mode = mode_of(compile, policy.mode if policy is not None else "eager")
     cache = cache_dir if cache_dir is not None else calibration_dir(policy_path)
     return Target(name, mode, speed_source(name, measure=measure, cache_dir=cache, mode=mode),
-                  named=named is not None)
+                  named=named is not None,
+                  form=form or (policy.form if policy is not None else "deploy"),
+                  fp8_backend=fp8_backend)
 
 
 __all__ = ["Target", "mode_of", "resolve_target"]

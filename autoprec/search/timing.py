@@ -25,6 +25,8 @@ import numpy as np
 
 from autoprec.policy import Policy, PolicyWarning
 from autoprec.search.speed_rows import Row, SpeedCheck, Timer, check_speed
+from autoprec.search.target import Target
+from autoprec.targets import is_cpu
 
 #: Rounds of the interleaved timing: at least, at most (more while the best two overlap).
 MIN_ROUNDS, MAX_ROUNDS = 7, 21
@@ -74,7 +76,7 @@ def _rounds(runs: Mapping[str, Callable[[], Any]], device: str, inner: int, seed
     return measure_interleaved(runs, device, around=around, rounds=MIN_ROUNDS,
                                max_rounds=MAX_ROUNDS, more=_undecided,
                                time_budget_s=TIME_BUDGET_S, inner=inner,
-                               clock="thread" if device == "cpu" else "wall", seed=seed)
+                               clock="thread" if is_cpu(device) else "wall", seed=seed)
 
 
 def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, device: str,
@@ -144,17 +146,21 @@ def _to_device(obj: Any, device: str) -> Any:
 
 
 def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, batch: Any,
-                 device: str, target: str, at_batch: Any, *, timer: Timer | None = None,
-                 seed: int = 0, force: bool = False, compile: bool = False) -> SpeedCheck:
-    """Time ``rows`` on the local ``device`` with ``forward(net, batch)`` (a copy of the
-    model on a GPU) and decide; ``at_batch``: the cost model at the timed batch size (the
-    estimate beside each measurement, and how many forwards make one sample).
-    ``compile``: each plan timed ``torch.compile``'d (``compiled_timer``)."""
+                 target: Target, at_batch: Any, *, timer: Timer | None = None,
+                 seed: int = 0, force: bool = False) -> SpeedCheck:
+    """Time ``rows`` on the local ``target``'s device with ``forward(net, batch)`` (a copy
+    of the model on a GPU), each plan applied as the target runs it (its fp8 backend), and
+    decide; ``at_batch``: the cost model at the timed batch size (the estimate beside each
+    measurement, and how many forwards make one sample). A compiled target (``--compile``)
+    times each plan ``torch.compile``'d (``compiled_timer``)."""
     import copy
 
     import torch
 
-    if device != "cpu":
+    device = target.device
+    if device is None:
+        raise ValueError(f"measure_rows: the {target.name} target is not this machine")
+    if not is_cpu(device):
         net, batch = copy.deepcopy(net).to(device), _to_device(batch, device)
     for r in rows:
         if r.policy is not None:
@@ -167,14 +173,13 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
         with torch.no_grad(), fused_paths_off():
             return forward(net, batch)
 
-    how = ("1 torch thread, thread CPU time" if device == "cpu" else "CUDA events") + (
+    how = ("1 torch thread, thread CPU time" if is_cpu(device) else "CUDA events") + (
         f", {inner} forwards per sample" if inner > 1 else "") + (
-        ", torch.compile'd (one model copy per plan)" if compile else "")
+        ", torch.compile'd (one model copy per plan)" if target.compile else "")
     if timer is None:
-        timer = (compiled_timer(net, forward, batch, device, target, inner=inner, seed=seed,
-                                force=force) if compile else
-                 interleaved_timer(net, run, device, target, inner=inner, seed=seed,
-                                   force=force))
+        kw = dict(inner=inner, seed=seed, force=force, fp8_backend=target.fp8_backend)
+        timer = (compiled_timer(net, forward, batch, device, target.name, **kw)
+                 if target.compile else interleaved_timer(net, run, device, target.name, **kw))
     return check_speed(rows, timer, device=device, batch_size=at_batch.batch_size, how=how)
 
 

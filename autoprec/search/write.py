@@ -27,7 +27,7 @@ from autoprec.search.config import TuneConfig
 from autoprec.search.confirm_speed import confirm_tune
 from autoprec.search.driver import trial_rows
 from autoprec.search.export import policy_from_candidate
-from autoprec.search.objective import given_policy
+from autoprec.search.plan_scorer import given_policy
 from autoprec.search.prepare import Prepared, reference_key
 from autoprec.search.run import Search
 from autoprec.search.space import SearchSpace
@@ -103,11 +103,9 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
     provenance = _provenance(search, cfg)
     # the last step: the chosen plan beside its baselines, timed when the target is here
-    speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible,
-                                        prep.source)
+    speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible)
     feasible = chosen.calib.feasible  # a baseline within budget may replace the closest plan
-    if prep.source is not None:
-        provenance.update(prep.source.provenance())
+    provenance.update(prep.target.speed.provenance())
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
     policy.target["batch_size"] = prep.deploy_bs
@@ -142,7 +140,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
                          **{k: v for k, v in policy.metrics.items()
                             if k in ("measured_speedup", "weight_bytes", "min_headroom")},
-                         "evaluations": search.evaluator.evaluations,
+                         "evaluations": search.scorer.evaluations,
                          "trials": search.driver.ran})
     import pandas as pd
 
@@ -159,14 +157,15 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       error=chosen.calib.error, eval_error=eval_error,
                       est_speedup=chosen.calib.est_speedup, budget=cfg.budget,
                       study_name=search.study_name, storage=search.storage_desc,
-                      trials=search.driver.ran, evaluations=search.evaluator.evaluations,
+                      trials=search.driver.ran, evaluations=search.scorer.evaluations,
                       seconds=time.monotonic() - started, front=front_pols,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
                       graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
                       + _one_liner_note(prep, policy, speed)
-                      + ([prep.source.note] if prep.source is not None else [])
-                      + ([f"priced with this model's ops {prep.source.describe_op_times()}"]
-                         if prep.source is not None and prep.source.timed else []),
+                      + [prep.target.speed.note]
+                      + ([f"priced with this model's ops "
+                          f"{prep.target.speed.describe_op_times()}"]
+                         if prep.target.speed.timed else []),
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
                       measured=len(search.driver.by_key), plot_plans=plans,
@@ -176,7 +175,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
 def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | None:
     """The model as given (a 16-bit model's own layout) as a candidate (no trial of the
     study): error 0, priced like every plan. None for an fp32 model."""
-    from autoprec.search.evaluation import Evaluation
+    from autoprec.search.plan_score import PlanScore
 
     refm = prep.reference
     if refm.is_fp32 or refm.islands:  # a mixed model's own layout is measured (reference_key)
@@ -185,7 +184,7 @@ def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | N
     t = prep.cost.estimate(pol)
     key = reference_key(space, refm) or space.uniform(refm.default)
     return select.Candidate(number=-1, params=space.params(key),
-                            calib=Evaluation(0.0, t, prep.cost.fp32_time / t if t > 0 else 0.0,
+                            calib=PlanScore(0.0, t, prep.cost.fp32_time / t if t > 0 else 0.0,
                                              True, eval_error=0.0),
                             policy={"default": refm.default, "layers": refm.rules(),
                                     "form": "deploy"})

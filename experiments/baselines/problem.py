@@ -8,7 +8,7 @@ Every method is scored by autoprec's own stages, so the numbers differ only by t
 - plans are plan keys (``autoprec.search.space``: the default region first, then one
   precision per layer variable), priced by the whole-forward cost model through
   ``PlanSpace.times`` (casts at every boundary included);
-- errors come from one shared ``Evaluator`` (the policy applied, the calibration data run
+- errors come from one shared ``PlanScorer`` (the policy applied, the calibration data run
   and compared with fp32; screening on a quarter of the batches first; a plan within
   budget on calibration data confirmed on the eval data at once, so ``feasible`` means
   within budget on both);
@@ -26,7 +26,7 @@ each method is charged as if it had started with an empty cache: :class:`Counter
 every plan the method asks for the first time, the evaluations (full-calibration-set
 equivalents: a plan rejected on the screening subset costs a quarter) and the seconds that
 plan cost when it was first run. Eval-data confirmations are charged to nobody (``tune``'s
-``Evaluator`` does not count them either); all-fp32 is free (it is the reference). A key
+``PlanScorer`` does not count them either); all-fp32 is free (it is the reference). A key
 that compiles to a plan the method has already measured (the same
 ``plan.schedule.signature``: e.g. two default regions that no op runs in once every GEMM
 has its own rule) is the same plan: it is neither run nor charged again.
@@ -48,8 +48,8 @@ from autoprec.probe import probe
 from autoprec.probe.table import SensitivityTable
 from autoprec.search import compact, select
 from autoprec.search.config import TuneConfig
-from autoprec.search.evaluation import Evaluation
-from autoprec.search.objective import Evaluator
+from autoprec.search.plan_score import PlanScore
+from autoprec.search.plan_scorer import PlanScorer
 from autoprec.search.planner import ENUMERATE, PlanSpace, descend, enumerate_keys
 from autoprec.search.prepare import Prepared, make_space, prepare
 from autoprec.search.space import Key, SearchSpace
@@ -155,22 +155,22 @@ def load(path: str | Path, *, budget: float, target: str, batch_size: int, work:
 class Scored:
     """A scored plan and what scoring it cost the first time."""
 
-    evaluation: Evaluation
+    evaluation: PlanScore
     evaluations: float
     seconds: float
 
 
 class Problem:
-    """One model at one budget: a shared, charged-per-method Evaluator."""
+    """One model at one budget: a shared, charged-per-method PlanScorer."""
 
     def __init__(self, model: Model, budget: float) -> None:
         self.model, self.budget = model, budget
         self.table = model.table(budget)
         prep = model.prep
         self.plans = PlanSpace(model.space, prep.cost, self.table.estimate)
-        self.evaluator = Evaluator(
+        self.evaluator = PlanScorer(
             spec=prep.spec, model=prep.net, batches=prep.calib, ref=prep.ref,
-            plans=self.plans, budget=budget, target=model.cfg.target,
+            plans=self.plans, budget=budget, target=prep.target,
             eval_batches=None if prep.same_data else prep.eval_batches,
             eval_ref=None if prep.same_data else prep.eval_ref)
         self.scored: dict[tuple, Scored] = {}  # by signature
@@ -260,8 +260,8 @@ class Counter:
 
     def __init__(self, problem: Problem, cap: float | None = None) -> None:
         self.problem, self.cap = problem, cap
-        self.seen: dict[Key, Evaluation] = {}
-        self.by_signature: dict[tuple, Evaluation] = {}  # the distinct plans measured
+        self.seen: dict[Key, PlanScore] = {}
+        self.by_signature: dict[tuple, PlanScore] = {}  # the distinct plans measured
         self.order: list[Key] = []
         self.evaluations = 0.0
         self.seconds = 0.0
@@ -271,7 +271,7 @@ class Counter:
         # a user keeps when a method finds nothing better
         self(problem.fp32_key)
 
-    def __call__(self, key: Key) -> Evaluation:
+    def __call__(self, key: Key) -> PlanScore:
         key = tuple(int(c) for c in key)
         if key in self.seen:
             return self.seen[key]
@@ -291,7 +291,7 @@ class Counter:
         self.order.append(key)
         return s.evaluation
 
-    def chosen(self) -> tuple[Key, Evaluation, bool]:
+    def chosen(self) -> tuple[Key, PlanScore, bool]:
         space = self.problem.space
         cands = [select.Candidate(i, space.params(k), self.seen[k])
                  for i, k in enumerate(self.order)]

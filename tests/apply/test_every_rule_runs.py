@@ -243,7 +243,7 @@ def test_tune_eval_check_and_the_applied_model_measure_the_same_error(tmp_path: 
     """The issue's `tune --precisions fp8` case: tune's recorded error (held-out), eval's,
     check's and the applied model's own error under no_grad agree (before: 0 vs 0.0067)."""
     from autoprec import load_model_file, load_policy, tune
-    from autoprec.report_json import eval_summary
+    from autoprec.eval_report import eval_report
     from autoprec.scoring import reference, score
 
     res = tune(NN_MODEL, max_error=0.005, precisions=["fp8"], batch_size=4096, trials=6,
@@ -252,7 +252,7 @@ def test_tune_eval_check_and_the_applied_model_measure_the_same_error(tmp_path: 
     assert any(p == "fp8" for p in pol.layers.values())  # it lowered something
     recorded = float(pol.metrics["error"])
     assert 0 < recorded <= 0.005
-    evaluated = eval_summary(NN_MODEL, Path(res.path))["error"]
+    evaluated = eval_report(NN_MODEL, Path(res.path))["error"]
     checked = check(str(NN_MODEL), pol).error
     spec = load_model_file(NN_MODEL)
     net, batches = spec.model(), spec.eval_batches()

@@ -15,7 +15,7 @@ from autoprec.plan.schedule import replay, same_as
 from autoprec.policy import Policy
 from autoprec.precisions import PRECISIONS
 from autoprec.search.decode import TrialDecoder, plan_id
-from autoprec.search.evaluation import Evaluation
+from autoprec.search.plan_score import PlanScore
 from autoprec.search.planner import enumerate_keys
 from autoprec.search.select import Candidate
 from tests.search.test_planner import _setup
@@ -58,7 +58,7 @@ def test_every_plan_round_trips_params_key_rules_and_runs_the_same_plan() -> Non
 def test_a_trial_decodes_to_its_recorded_rules_else_compact_else_explicit() -> None:
     _, cost, space, _ = _setup(n=3)
     key = space.uniform("bf16")
-    ev = Evaluation(0.001, 1.0, 2.0, True)
+    ev = PlanScore(0.001, 1.0, 2.0, True)
     bare = Candidate(number=3, params=space.params(key), calib=ev)
     recorded = Candidate(number=4, params=space.params(key), calib=ev,
                          policy={"default": "bf16", "layers": {"fcs.0": "bf16"}})

@@ -24,7 +24,7 @@ from autoprec.scoring import reference, score
 from autoprec.search import prepare as prepare_mod
 from autoprec.search import tune as tune_mod
 from autoprec.search.config import TuneConfig
-from autoprec.search.objective import given_policy
+from autoprec.search.plan_scorer import given_policy
 from tests.helpers import MODELS, run_cli
 
 BF16 = MODELS / "bf16_llama.py"

@@ -1,7 +1,7 @@
 """The score of one plan, and the one way it is stored on a trial and read back.
 
 Kept free of heavy imports: tables and selection use it. ``to_attrs`` writes a trial's
-``user_attrs``; ``from_attrs`` reads them (the objective's cache, the sampler, selection,
+``user_attrs``; ``from_attrs`` reads them (the plan scorer's cache, the sampler, selection,
 the trial tables). Infinities are stored as such (JSON ``Infinity``, which every Optuna
 storage round-trips); studies written before stored ``1e30`` with ``nonfinite: true``,
 which still reads as inf.
@@ -16,7 +16,7 @@ from typing import Any
 
 
 @dataclass
-class Evaluation:
+class PlanScore:
     error: float  # on calibration data, in the budget's units; inf if non-finite
     est_time: float  # seconds per batch on the target (cost model)
     est_speedup: float  # over all-fp32 on the target
@@ -47,7 +47,7 @@ class Evaluation:
 
 
     @classmethod
-    def from_attrs(cls, attrs: Mapping[str, Any], cached: bool = True) -> Evaluation | None:
+    def from_attrs(cls, attrs: Mapping[str, Any], cached: bool = True) -> PlanScore | None:
         """The evaluation a trial stored (None: the trial holds none, e.g. skipped; a
         record without ``est_time`` reads as not priced, inf)."""
         if "error" not in attrs:

@@ -1,32 +1,37 @@
-"""One evaluation of a policy on model.py, staged like tune: score, audit, price.
+"""The one evaluation pipeline of a policy on a target: score, audit, price, baselines, time.
 
-``check`` (the gate) and ``eval`` (the report) both judge a policy the same way, so they
-share this pipeline and differ only in what they conclude from it:
+tune's confirmation, ``check`` (the gate) and ``eval`` (the report) judge plans the same
+way, through these steps on one resolved ``Target`` (``search.target``: it applies and
+audits every policy, ``Target.apply`` / ``Target.audit``, and prices it,
+``Target.cost_model``), and differ only in what they conclude:
 
-1. **score** — the fp32 reference on the eval data, then the policy applied and scored
-   against it (relative L2, or the metric drop), and where an output is non-finite, the
-   first module that produced it;
+1. **score** — the reference on the eval data, then the policy applied and scored against
+   it (relative L2, or the metric drop), and where an output is non-finite, the first
+   module that produced it;
 2. **audit** — one real forward under the policy: every GEMM at its rule's precision,
-   every rule run (``apply.audit``), and the casts it ran;
+   every rule run (``Target.audit``), and the casts it ran;
 3. **price** — the whole forward traced on a calibration batch and priced under the
    policy's plan on the target at the deployment batch size (eager or compiled);
-4. **beside the baselines** (``beside_baselines``, eval's table) — the policy next to what
-   a user writes instead (``search.baselines.baseline_rows``, the table tune's last step
-   builds), each scored on the eval data, priced on the same cost model, and timed where
-   the target is this machine (``measure_rows``, tune's timing path).
+4. **beside the baselines, timed** (``time_rows``) — the plan next to what a user writes
+   instead (``search.baselines.baseline_rows``, the one table), each priced on the same
+   cost model, and timed where the target is this machine (``timing.measure_rows``).
+
+``assess`` runs steps 1-3 for one policy (``check``, ``eval``); ``beside_baselines`` is
+eval's step 4 (the baselines scored on the eval data). tune's confirmation
+(``confirm_speed``) runs step 4 on the search's own scores and audits
+(``baselines.tune_baseline_rows``), which the search made through the same ``Target``.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from autoprec.apply.apply import apply_policy, audit_policy
 from autoprec.apply.audit import AuditReport
 from autoprec.cost import Breakdown
 from autoprec.fused import fused_paths_off
@@ -36,7 +41,9 @@ from autoprec.policy import Policy
 from autoprec.policy.modules import Resolved, gemm_leaf_paths
 from autoprec.probe.headroom import Headroom, measure_headroom
 from autoprec.scoring import Reference, Score, first_nonfinite_module, reference, score
+from autoprec.search.speed_rows import Row, SpeedCheck, Timer, check_speed
 from autoprec.search.target import Target
+from autoprec.search.timing import measure_rows
 from autoprec.trace import LayerGraph, trace
 
 
@@ -85,15 +92,16 @@ def first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
 
 
 def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Target,
-           batch_size: int | None, force: bool = False, fp8_backend: str | None = None,
+           batch_size: int | None, force: bool = False,
            capture_warnings: bool = False) -> Assessment:
     """Score, audit and price ``policy`` on ``net`` (built from ``spec``) for ``target``.
 
-    ``target``: the run's one resolved target (``search.target.resolve_target``): its
-    cost model prices the plan as tune does (on a local CPU, with the model's ops timed
-    here), in its mode. ``batch_size``: the deployment batch (None: the policy's, else the
-    calibration batch's). ``capture_warnings``: policy warnings raised while applying are
-    collected in ``notes`` instead of being emitted (check reports them in its result).
+    ``target``: the run's one resolved target (``search.target.resolve_target``): the
+    policy applied as it runs there (its fp8 backend), and its cost model prices the plan
+    as tune does (on a local CPU, with the model's ops timed here), in its mode.
+    ``batch_size``: the deployment batch (None: the policy's, else the calibration
+    batch's). ``capture_warnings``: policy warnings raised while applying are collected in
+    ``notes`` instead of being emitted (check reports them in its result).
     """
     batches = spec.eval_batches()
     calib0 = spec.calibration_batches()[0]
@@ -104,10 +112,9 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Tar
         if capture_warnings:
             warnings.simplefilter("always")
             caught = got
-        applied = dict(fp8_backend=fp8_backend, force=force, target=target.name)
-        report = audit_policy(net, policy,
-                              lambda: spec.run(net, batches[0], 0, "of eval_data"), **applied)
-        with apply_policy(net, policy, **applied):
+        report = target.audit(net, policy, lambda: spec.run(net, batches[0], 0, "of eval_data"),
+                              force=force)
+        with target.apply(net, policy, force=force):
             sc = score(spec, net, batches, ref, "of eval_data")
             bad = first_nonfinite(spec, net, batches) if sc.nonfinite else None
     layers, backend = report.layers, report.fp8_backend
@@ -131,17 +138,36 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Tar
         batch_size=bs, eval_batches=len(batches), notes=notes, headroom=headroom)
 
 
+def time_rows(rows: list[Row], target: Target, forward: Callable[[Any, Any], Any],
+              net: torch.nn.Module, batch: Any, graph: LayerGraph, *, measure: bool,
+              not_measured: str, at_batch: Any = None, timer: Timer | None = None,
+              seed: int = 0, force: bool = False) -> SpeedCheck:
+    """Step 4's decision: ``rows`` (a plan, its candidates, its baselines) timed on
+    ``batch`` where the target is this machine and ``measure`` says so (interleaved rounds
+    in the target's mode, ``timing.measure_rows``), else their estimates, with why not
+    timed (``not_measured`` for a local target, the speed source's note for a remote one).
+    ``at_batch``: the cost model at ``batch``'s size (default: the target's, of ``graph``):
+    each timed row's estimate beside its measurement."""
+    if not (measure and target.local):
+        check = check_speed(rows, None)
+        check.reason = target.speed.note if not target.local else not_measured
+        return check
+    if at_batch is None:
+        at_batch = target.cost_model(graph, batch_size_of(batch) or 1)
+    return measure_rows(rows, forward, net, batch, target, at_batch, timer=timer, seed=seed,
+                        force=force)
+
+
 def beside_baselines(a: Assessment, spec: ModelSpec, net: torch.nn.Module, policy: Policy,
-                     target: Target, *, measure: bool = False, force: bool = False) -> Any:
-    """Step 4: ``policy`` (assessed as ``a``) next to fp32, one global autocast per
+                     target: Target, *, measure: bool = False, force: bool = False
+                     ) -> SpeedCheck:
+    """eval's step 4: ``policy`` (assessed as ``a``) next to fp32, one global autocast per
     precision, uniform tf32 and the ``model.to(bf16/fp16)`` one-liners where the target
     has them — error on the eval data, estimated speed-up and weight bytes on ``a.cost``,
-    and, with ``measure`` on a local target, timed in the target's mode (compiled: one
-    model copy per plan) at the calibration batch. A ``speed_rows.SpeedCheck``; eval
-    writes nothing, so no row is marked unless timed (then: fastest within budget)."""
+    and, with ``measure`` on a local target, timed (``time_rows``) at the calibration
+    batch. Eval writes nothing, so no row is marked unless timed (then: fastest within
+    budget)."""
     from autoprec.search.baselines import baseline_rows
-    from autoprec.search.speed_rows import Row, check_speed
-    from autoprec.search.timing import measure_rows
     from autoprec.trace.graph import fingerprint
 
     budget = policy.metrics.get("budget")
@@ -159,23 +185,19 @@ def beside_baselines(a: Assessment, spec: ModelSpec, net: torch.nn.Module, polic
     batches = spec.eval_batches()
 
     def eval_error(base: Policy) -> tuple[float, None]:
-        with apply_policy(net, base, target=target.name):
+        with target.apply(net, base):
             return score(spec, net, batches, a.reference, "of eval_data").value, None
 
     rows += baseline_rows(a.cost, eval_error, None if budget is None else float(budget),
                           lambda p, form: Policy(default=p, form=form, model=model_id))
-    speed = target.speed
-    if not (measure and speed.local):
-        check = check_speed(rows, None)
+    check = time_rows(rows, target, spec.forward, net, spec.calibration_batches()[0], a.graph,
+                      measure=measure, not_measured="not measured (no --measure)",
+                      force=force)
+    if check.measured:
+        check.mark = "fastest within budget"
+    else:
         check.winner = None  # eval writes nothing: no row is marked
-        check.reason = speed.note if not speed.local else "not measured (no --measure)"
-        return check
-    batch = spec.calibration_batches()[0]
-    at_batch = target.cost_model(a.graph, batch_size_of(batch) or 1)
-    check = measure_rows(rows, spec.forward, net, batch, speed.device, target.name, at_batch,
-                         force=force, compile=target.compile)
-    check.mark = "fastest within budget"
     return check
 
 
-__all__ = ["Assessment", "assess", "beside_baselines", "first_nonfinite"]
+__all__ = ["Assessment", "assess", "beside_baselines", "first_nonfinite", "time_rows"]

@@ -1,0 +1,99 @@
+"""``autoprec eval``: what a policy does to model.py, as one report (``eval --json``).
+
+The policy applied to the model of model.py and judged by the one evaluation pipeline
+(``search.assess``: scored on the eval data, audited on a real forward, priced on the
+target), then set beside its baselines (``assess.beside_baselines``: fp32, one global
+autocast, the one-line casts), timed where the target is this machine and ``measure``
+asks. ``check`` gates on the same pipeline (``autoprec.check``); the CLI only parses and
+prints (``cli/policy_cmds.py``). The fields mean what ``autoprec.report_json`` says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autoprec.loading import load_model_file
+from autoprec.policy import load_policy
+from autoprec.report_json import (
+    batch_size_from,
+    feasible,
+    number,
+    reasons_json,
+    speedup,
+    verdict_reasons,
+)
+from autoprec.search.assess import assess, beside_baselines
+from autoprec.search.target import resolve_target
+from autoprec.validate import check_batch_size
+
+
+def eval_report(model: Path, policy_path: Path, target: str | None = None,
+                batch_size: int | None = None, force: bool = False, measure: bool = False,
+                compile: bool | None = None) -> dict[str, Any]:
+    """What ``eval --json`` prints: a policy on model.py scored, audited and priced
+    (``assess``), beside its baselines (``assess.beside_baselines``)."""
+    check_batch_size(batch_size)  # autoprec.validate: [1, MAX_BATCH_SIZE]
+    spec = load_model_file(model)
+    net = spec.model()
+    pol = load_policy(policy_path, model=net, force=force)
+    # the target resolved once, as check and tune resolve it: a local target priced on this
+    # machine's calibration and op timings (a profile fitted on another CPU promised 1.82x
+    # for a policy that ran 0.56x here)
+    tgt = resolve_target(target, pol, compile=compile, measure=measure,
+                         policy_path=policy_path)
+    a = assess(spec, net, pol, target=tgt, batch_size=batch_size, force=force)
+    sc, report, cost, bd = a.score, a.audit, a.cost, a.breakdown
+    warns = list(report.warnings)
+    if (note := a.casts_note()) is not None:  # dtype-dependent model code, another batch
+        warns.append(note)
+    use_drop = sc.metric_drop is not None
+    budget = pol.metrics.get("budget")
+    within = None if budget is None else bool(sc.value <= float(budget))
+    runnable = not a.infeasible
+    rooms = {h.layer: h.to_dict()["headroom"] for h in a.headroom}
+    layers = []
+    for row in report.rows:
+        t = bd.by_module.get(row.layer)
+        layers.append({"layer": row.layer, "rule": row.rule, "precision": row.expected,
+                       "computed": row.computed, "ok": row.ok,
+                       "est_time_us": None if t is None else round(t * 1e6, 4),
+                       "headroom": rooms.get(row.layer),
+                       "reason": pol.reasons.get(row.layer)})
+    out: dict[str, Any] = {"model": spec.name, "policy": str(policy_path),
+                           "error": number(sc.error)}
+    if use_drop:
+        out["metric"] = number(sc.metric)
+        out["metric_drop"] = number(sc.metric_drop)
+    out.update({
+        "budget": budget, "within_budget": within,
+        "est_speedup": speedup(a.est_speedup, runnable=runnable),
+        "feasible": feasible(sc.value, budget, runnable=runnable, audit_ok=report.ok),
+        "target": tgt.name, "batch_size": a.batch_size,
+        "batch_size_from": batch_size_from(batch_size, pol.batch_size), "mode": tgt.mode,
+        "form": tgt.form, "weight_bytes": cost.weight_bytes(pol),
+        "breakdown": {**bd.to_dict(), "audited_casts": report.casts},
+        "fp8_backend": a.fp8_backend,
+        "reasons": reasons_json(verdict_reasons(
+            sc.value, budget, name="metric drop" if use_drop else "error",
+            infeasible=a.infeasible, audit=report)),
+        "infeasible": a.infeasible,
+        "audit_errors": report.errors,
+        "headroom": [{k: number(v) for k, v in h.to_dict().items()} for h in a.headroom],
+        "guard": pol.guard.to_yaml(),
+        "warnings": warns,
+        "layers": layers,
+    })
+    speed = beside_baselines(a, spec, net, pol, tgt, measure=measure, force=force)
+    out["speed_source"] = tgt.speed.note
+    out["baselines"] = speed.to_dict()
+    if measure:
+        row = speed.rows[0]
+        out["measured"] = None if row.speedup is None else {
+            "device": speed.device, "batch_size": speed.batch_size, "timing": speed.how,
+            "speedup": round(row.speedup, 4), "p10": round(row.p10, 4),
+            "p90": round(row.p90, 4), "rounds": speed.rounds}
+    return out
+
+
+__all__ = ["eval_report"]
