@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests.packaging.test_format_strings import _literals
-from tests.packaging.test_layering import ROOT
+from tests.packaging.test_layering import PACKAGE as ROOT
 
 #: The device words a decision may not compare a name with.
 WORDS = frozenset({"cpu", "cuda"})
