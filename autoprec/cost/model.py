@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from autoprec.cost.op_pricing import OpPricer
-from autoprec.cost.op_times import OpTimes
+from autoprec.cost.op_times_record import OpTimes
 from autoprec.cost.price_types import PARTS, Breakdown, Kernel, Priced
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.errors import InputError

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from autoprec.cost.op_times import OpTimes
+from autoprec.cost.op_times_record import OpTimes
 from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Kernel
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.formats.gemm import gemm_format
