@@ -54,7 +54,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from autoprec.cost.model import _FP8, _GEMM, _OTHER, CostModel, Kernel, device_type_of
+from autoprec.cost.model import CostModel, Kernel, device_type_of
+from autoprec.cost.price_types import _FP8, _GEMM, _OTHER
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
 from autoprec.plan.compile import CODE
