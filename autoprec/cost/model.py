@@ -113,8 +113,18 @@ class CostModel(OpPricer):
 
     def _fp32_time(self) -> float:
         """The reference every speed-up divides: all fp32 with no autocast, the fp32 row
-        tune and eval time (the training form's; whatever form this model prices in)."""
-        return float(self.price(self.rules(()), np.array([[CODE["fp32"]]]), "train").time[0])
+        tune and eval time. For an fp32 model that is the training form's (whatever form
+        this model prices in); a 16-bit model's weights are upcast as ``model.float()``
+        does — the deploy form's fp32, since the training form keeps the weights it is
+        given, and its "fp32" would be the 16-bit model itself (est_speedup over fp32 then
+        equalled the speed-up over the model as given)."""
+        form = "deploy" if self._sixteen_bit_weights() else "train"
+        return float(self.price(self.rules(()), np.array([[CODE["fp32"]]]), form).time[0])
+
+    def _sixteen_bit_weights(self) -> bool:
+        """Whether any floating parameter of the traced model is stored in 16 bits."""
+        return any(v.source == "param" and v.dtype in ("bf16", "fp16")
+                   for v in self.trace.values)
 
     def with_profile(self, profile: DeviceProfile) -> CostModel:
         """The same trace priced on another (e.g. calibrated) profile."""
