@@ -110,6 +110,7 @@ class CostModel(OpPricer):
         self._tables()
         self._measured_tables()
         self._fp32 = self._fp32_time()
+        self._given = self._given_time()
 
     def _fp32_time(self) -> float:
         """The reference every speed-up divides: all fp32 with no autocast, the fp32 row
@@ -120,6 +121,14 @@ class CostModel(OpPricer):
         equalled the speed-up over the model as given)."""
         form = "deploy" if self._sixteen_bit_weights() else "train"
         return float(self.price(self.rules(()), np.array([[CODE["fp32"]]]), form).time[0])
+
+    def _given_time(self) -> float:
+        """Seconds of the model as given: no autocast, every weight as it is stored (the
+        training form's fp32 keeps the weights it is given); ``fp32_time`` for an fp32
+        model."""
+        if not self._sixteen_bit_weights():
+            return self._fp32
+        return float(self.price(self.rules(()), np.array([[CODE["fp32"]]]), "train").time[0])
 
     def _sixteen_bit_weights(self) -> bool:
         """Whether any floating parameter of the traced model is stored in 16 bits."""
@@ -133,6 +142,7 @@ class CostModel(OpPricer):
         new.profile = profile
         new._tables()
         new._fp32 = new._fp32_time()
+        new._given = new._given_time()
         return new
 
     # -- plans ---------------------------------------------------------------------------------
@@ -206,6 +216,13 @@ class CostModel(OpPricer):
     def fp32_time(self) -> float:
         """Seconds of the all-fp32 plan (the reference of ``speedup``)."""
         return self._fp32
+
+    @property
+    def reference_time(self) -> float:
+        """Seconds of the model as given (a 16-bit model's own layout; ``fp32_time`` for an
+        fp32 model): the search's scale of time, so that a bf16 model's walk weighs time
+        against error as an fp32 model's does, not against an upcast nobody runs."""
+        return self._given
 
     def speedup(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> float:
         """All-fp32 time over the plan's (0.0 when it cannot run on the target; 1.0 for a

@@ -153,7 +153,7 @@ def descend(ps: PlanSpace, budget: float, lambdas: Iterable[float] | None = None
     """
     space = ps.space
     choices = _choice_codes(space)
-    t32 = ps.cost.fp32_time
+    t32 = ps.cost.reference_time  # the model as given: fp32_time for an fp32 model
     seen: dict[Key, tuple[float, float]] = {}
 
     def score(keys: list[Key]) -> list[tuple[float, float]]:
@@ -227,7 +227,7 @@ def refine(ps: PlanSpace, budget: float, seen: dict[Key, tuple[float, float]],
     already priced, as arrays (keys, times, predictions), starting points too."""
     space = ps.space
     choices = _choice_codes(space)
-    t32 = ps.cost.fp32_time
+    t32 = ps.cost.reference_time  # the model as given: fp32_time for an fp32 model
     scale = max(budget, 1e-12)
 
     def score(keys: list[Key]) -> np.ndarray:

@@ -31,6 +31,8 @@ def test_a_bf16_models_fp32_reference_is_its_weights_upcast(graph) -> None:
     # width 64: bytes more than FLOPs set the time, so bf16 gains ~1.2x, not the 15x of peaks
     assert cost.speedup(given) == pytest.approx(upcast / cost.estimate(given), rel=1e-9)
     assert cost.speedup(given) > 1.1
+    # the search's scale of time is the model as given, not the upcast nobody runs
+    assert cost.reference_time == pytest.approx(cost.estimate(given), rel=1e-9)
 
 
 def test_an_fp32_models_reference_is_unchanged() -> None:
@@ -41,3 +43,4 @@ def test_an_fp32_models_reference_is_unchanged() -> None:
     cost = CostModel(g, get_profile("h100"), 4096)
     assert cost.fp32_time == pytest.approx(cost.estimate(Policy(default="fp32", form="train")),
                                            rel=1e-9)
+    assert cost.reference_time == cost.fp32_time
