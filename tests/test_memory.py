@@ -36,7 +36,9 @@ def test_each_stage_has_its_own_peak() -> None:
     assert peaks.overall == max(peaks.peaks.values())
     assert peaks.resettable
     assert peaks.peaks["big"] - peaks.peaks["small"] > 200e6, peaks.peaks
-    assert peaks.highest == "big"
+    # "load" is the process's peak before the first reset: in a pytest-xdist worker that ran
+    # other tests first it may top "big", so the highest stage is whichever is largest
+    assert peaks.highest == max(peaks.peaks, key=peaks.peaks.get)
     assert peaks.summary().startswith("load ") and ", big " in peaks.summary()
 
 
