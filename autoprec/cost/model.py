@@ -109,31 +109,22 @@ class CostModel(OpPricer):
         self._static()
         self._tables()
         self._measured_tables()
-        self._fp32 = self._fp32_time()
-        self._given = self._given_time()
+        self._fp32, self._given = self._reference_times()
 
-    def _fp32_time(self) -> float:
-        """The reference every speed-up divides: all fp32 with no autocast, the fp32 row
-        tune and eval time. For an fp32 model that is the training form's (whatever form
-        this model prices in); a 16-bit model's weights are upcast as ``model.float()``
-        does — the deploy form's fp32, since the training form keeps the weights it is
-        given, and its "fp32" would be the 16-bit model itself (est_speedup over fp32 then
-        equalled the speed-up over the model as given)."""
-        form = "deploy" if self._sixteen_bit_weights() else "train"
-        return float(self.price(self.rules(()), np.array([[CODE["fp32"]]]), form).time[0])
-
-    def _given_time(self) -> float:
-        """Seconds of the model as given: no autocast, every weight as it is stored (the
-        training form's fp32 keeps the weights it is given); ``fp32_time`` for an fp32
-        model."""
-        if not self._sixteen_bit_weights():
-            return self._fp32
-        return float(self.price(self.rules(()), np.array([[CODE["fp32"]]]), "train").time[0])
-
-    def _sixteen_bit_weights(self) -> bool:
-        """Whether any floating parameter of the traced model is stored in 16 bits."""
-        return any(v.source == "param" and v.dtype in ("bf16", "fp16")
-                   for v in self.trace.values)
+    def _reference_times(self) -> tuple[float, float]:
+        """(all-fp32, the model as given) seconds. All-fp32 is the reference every speed-up
+        divides, the fp32 row tune and eval time: for an fp32 model the training form's
+        (whatever form this model prices in) — which is also the model as given. A 16-bit
+        model's fp32 is its weights upcast as ``model.float()`` does, the deploy form's
+        fp32: the training form keeps the weights it is given, so its "fp32" is the 16-bit
+        model itself (est_speedup over fp32 once equalled the speed-up over the model)."""
+        fp32_code = np.array([[CODE["fp32"]]])
+        as_given = float(self.price(self.rules(()), fp32_code, "train").time[0])
+        sixteen = any(v.source == "param" and v.dtype in ("bf16", "fp16")
+                      for v in self.trace.values)
+        if not sixteen:
+            return as_given, as_given
+        return float(self.price(self.rules(()), fp32_code, "deploy").time[0]), as_given
 
     def with_profile(self, profile: DeviceProfile) -> CostModel:
         """The same trace priced on another (e.g. calibrated) profile."""
@@ -141,8 +132,7 @@ class CostModel(OpPricer):
         new.__dict__.update(self.__dict__)
         new.profile = profile
         new._tables()
-        new._fp32 = new._fp32_time()
-        new._given = new._given_time()
+        new._fp32, new._given = new._reference_times()
         return new
 
     # -- plans ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ plot), a call argument (``capability("fp8", "torch", device)``), a docstring.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
@@ -70,17 +70,22 @@ def format_compares(path: Path) -> Iterator[tuple[int, str]]:
             yield node.lineno, ast.get_source_segment(src, node) or ""
 
 
-def offenders(root: Path = PACKAGE) -> dict[str, list[tuple[int, str]]]:
-    """``{file: [(line, comparison)]}`` outside the owners and the allow-list."""
+def scan(root: Path, find: Callable[[Path], Iterable[tuple[int, str]]],
+         skip: Callable[[str], bool]) -> dict[str, list[tuple[int, str]]]:
+    """``{file: [(line, code)]}`` of what ``find`` reports in every module below ``root``
+    whose relative path ``skip`` does not exempt (the packaging checks share it)."""
     out: dict[str, list[tuple[int, str]]] = {}
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel.split("/")[0] in OWNERS or rel in ALLOWED:
-            continue
-        found = list(format_compares(path))
-        if found:
+        if not skip(rel) and (found := sorted(find(path))):
             out[rel] = found
     return out
+
+
+def offenders(root: Path = PACKAGE) -> dict[str, list[tuple[int, str]]]:
+    """``{file: [(line, comparison)]}`` outside the owners and the allow-list."""
+    return scan(root, format_compares,
+                lambda rel: rel.split("/")[0] in OWNERS or rel in ALLOWED)
 
 
 def test_no_stage_compares_gemm_format_names() -> None:

@@ -22,7 +22,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.packaging.test_format_strings import _literals
+from tests.packaging.test_format_strings import _literals, scan
 from tests.packaging.test_layering import PACKAGE as ROOT
 
 #: The device words a decision may not compare a name with.
@@ -69,15 +69,7 @@ def target_parsing(path: Path) -> Iterator[tuple[int, str]]:
 
 def offenders(root: Path = ROOT) -> dict[str, list[tuple[int, str]]]:
     """``{file: [(line, code)]}`` outside the owner and the allow-list."""
-    out: dict[str, list[tuple[int, str]]] = {}
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel == OWNER or rel in ALLOWED:
-            continue
-        found = sorted(target_parsing(path))
-        if found:
-            out[rel] = found
-    return out
+    return scan(root, target_parsing, lambda rel: rel == OWNER or rel in ALLOWED)
 
 
 def test_no_stage_parses_a_target_or_device_name() -> None:
