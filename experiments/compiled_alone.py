@@ -1,0 +1,105 @@
+"""Compiled plans timed alone, back to back, beside their estimates (issue 29).
+
+tune's timing step interleaves its rows round by round; this times each plan on its own
+(20 forwards after 3 warm-ups, one torch thread, thread CPU time) right after pricing it
+with the cost model tune uses (this machine's calibration and op timings, cached under
+``--cache``), so a row's spread between runs can be told from the estimate's error. Rows:
+
+- ``fp32``: no rule; ``bf16 deploy``: ``model.to(bf16)`` (the deploy form's
+  ``default: bf16``); ``bf16 autocast (apply)``: one global autocast as autoprec applies it
+  (the training form's ``default: bf16``, torch.nn's fused fast paths off so the rule runs);
+- ``bf16 autocast (plain)``: a user's own ``with torch.autocast("cpu", bfloat16)`` around
+  the compiled model, fast paths as torch leaves them (no estimate: not a plan autoprec
+  writes).
+
+    python experiments/compiled_alone.py                      # minilm, nn_transformer
+    python experiments/compiled_alone.py --models nn_transformer
+
+Timings are this machine's (its CPU is printed); ratios within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from autoprec.apply.apply import apply_policy  # noqa: E402
+from autoprec.capability import cpu_facts  # noqa: E402
+from autoprec.loading import load_model_file  # noqa: E402
+from autoprec.policy import Policy  # noqa: E402
+from autoprec.search.speed_source import speed_source  # noqa: E402
+from autoprec.trace import trace  # noqa: E402
+
+PLANS = {"fp32": Policy(default="fp32", form="deploy"),
+         "bf16 deploy": Policy(default="bf16", form="deploy"),
+         "bf16 autocast (apply)": Policy(default="bf16", form="train"),
+         "bf16 autocast (plain)": None}
+
+
+def seconds(fn: Any, n: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    t = time.thread_time()
+    for _ in range(n):
+        fn()
+    return (time.thread_time() - t) / n
+
+
+def rows_of(name: str, cache: Path) -> list[tuple[str, float | None, float]]:
+    spec = load_model_file(ROOT / "experiments" / name / "model.py")
+    batch = spec.calibration_batches()[0]
+    graph = trace(spec.model(), batch, forward=spec.forward)
+    src = speed_source("cpu", measure=True, cache_dir=cache, mode="compile")
+    out = []
+    for label, pol in PLANS.items():
+        model = spec.model()
+        handle = apply_policy(model, pol) if pol is not None else None
+        compiled = torch.compile(model)
+
+        def run(c: Any = compiled, plain: bool = pol is None) -> Any:
+            with torch.no_grad():
+                if plain:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        return spec.forward(c, batch)
+                return spec.forward(c, batch)
+
+        est = (src.cost_model(graph, graph.batch_size, "compile", form=pol.form)
+               .estimate(pol) if pol is not None else None)
+        out.append((label, est, seconds(run)))
+        if handle is not None:
+            handle.remove()
+        torch._dynamo.reset()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="minilm,nn_transformer")
+    ap.add_argument("--cache", type=Path, default=Path(".autoprec_cache") / "compiled_alone")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    print(f"machine: {cpu_facts()}; torch {torch.__version__}; 1 thread, thread CPU time\n")
+    print("| model | plan | est. ms | measured ms | est. x | measured x |")
+    print("|---|---|---|---|---|---|")
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        rows = rows_of(name, args.cache)
+        est32, meas32 = rows[0][1], rows[0][2]
+        for label, est, meas in rows:
+            e = "-" if est is None else f"{est * 1e3:.2f}"
+            ex = "-" if est is None or est32 is None else f"{est32 / est:.2f}x"
+            print(f"| {name} | {label} | {e} | {meas * 1e3:.2f} | {ex} | {meas32 / meas:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
