@@ -30,8 +30,10 @@ every cast) is regrouped into the kernels inductor generates:
   reduction) and a scale-and-cast pass (a second kernel on CUDA: it needs the finished
   amax), MXFP8 as one fused pass; weights are quantised once (cached), as in eager.
 - Measured op times (a local CPU, ``cost.op_times``): the extern kernels take their time
-  measured here, as in eager, a convolution its channels-last time (inductor's CPU layout);
-  the fused segments keep the calibrated roofline.
+  measured here, as in eager, a convolution its channels-last time (inductor's CPU layout),
+  a Linear over a transposed 3-D input whose weight the plan casts the time of the ``bmm``
+  inductor runs instead of the folded GEMM (``cost.unfolded``); the fused segments keep
+  the calibrated roofline.
 
 Weights are read every call and their casts run every call (the default
 ``torch.compile``); freezing (``torch._inductor.config.freezing``) would constant-fold them,
@@ -55,6 +57,7 @@ import numpy as np
 import torch
 
 from autoprec.cost.model import CostModel, Kernel, device_type_of
+from autoprec.cost.op_pricing import _precision_table
 from autoprec.cost.price_types import _FP8, _GEMM, _OTHER
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
@@ -126,6 +129,27 @@ class CompiledCostModel(CostModel):
         is there (``torch._inductor.graph.GraphLowering.decide_layout_opt``): the op timings
         (a local CPU's) price each convolution at its channels-last time."""
         return bool(torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available())
+
+    def _measured_tables(self) -> None:
+        super()._measured_tables()
+        t = self.op_times
+        #: per GEMM inductor does not fold when its weight is cast: the bmm's seconds
+        self._unfolded_tabs = ({} if t is None else
+                               {i: _precision_table(got) for i, got in
+                                t.compute_unfolded.items()})
+
+    def _unfolded_seconds(self, i: int, sch: Schedule, comp: np.ndarray,
+                          timed: np.ndarray | None) -> np.ndarray:
+        """(T,) seconds of GEMM ``i``: the unfolded ``bmm``'s (``cost.unfolded``) in the
+        rows that cast its weight per call (the training form reading it in another dtype
+        than the parameter's; the deploy form stores each weight in its precision), the
+        folded GEMM's (``timed``; NaN: not timed) in the others."""
+        w = self.trace.ops[i].inputs[1]
+        cast = (np.asarray(sch.reads[i][1]) != DTYPES.index(self.trace.values[w].dtype)) & (
+            sch.form == "train")
+        alt = self._unfolded_tabs[i][comp]
+        folded = np.full(sch.plans, math.nan) if timed is None else timed
+        return np.where(cast & ~np.isnan(alt), alt, folded)
 
     # -- the fused program ---------------------------------------------------------------
     def _units(self, sch: Schedule) -> tuple[list[_Edge], np.ndarray, list[tuple[int, object]],
@@ -303,6 +327,8 @@ class CompiledCostModel(CostModel):
                 op.outputs, sch.writes[i])
             comp = sch.compute[i]
             timed = self._op_seconds(i, sch, comp)  # measured here (a local CPU), else None
+            if comp is not None and i in self._unfolded_tabs:
+                timed = self._unfolded_seconds(i, sch, comp, timed)
             if comp is None:  # an aten-level SDPA: no FLOPs recorded, memory-bound
                 tm = nbytes / bw + launch
                 parts[:, _GEMM] += tm if timed is None else np.where(np.isnan(timed), tm, timed)

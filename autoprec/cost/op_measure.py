@@ -1,5 +1,6 @@
 """What is timed of a recorded forward: every op in each precision it may run in, every
-cast a plan may insert, a module call and apply's wrapper around one (``measure``).
+cast a plan may insert, a module call and apply's wrapper around one (``measure``), and
+the batched GEMM inductor runs for a Linear it does not fold (``cost.unfolded``).
 
 Each is timed alone by ``op_runner``; the result is an ``OpTimes`` (``op_times_record``),
 cached by ``cost.op_times``.
@@ -18,6 +19,7 @@ import torch
 
 from autoprec.cost.op_runner import PASSES, _floating_specs, _key, _Runner, _span, _time
 from autoprec.cost.op_times_record import OpTimes, cast_key
+from autoprec.cost.unfolded import unfolded_gemms
 from autoprec.trace.ops import Op, OpTrace
 
 #: Floating dtypes an op is timed in (the names of the plan stage).
@@ -100,6 +102,11 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
             distinct.setdefault((key, var), op.recipe)
             cl = var.startswith(CL)
             uses.append((i, out.compute_cl if cl else table, var.removeprefix(CL), (key, var)))
+    for i, recipe in unfolded_gemms(trace).items():  # the bmm inductor runs instead
+        key = _key(recipe, trace)
+        for var in _variants(trace.ops[i], True, precisions):
+            distinct.setdefault((key, var), recipe)
+            uses.append((i, out.compute_unfolded, var, (key, var)))
     passes: dict[tuple[str, str], list[float] | None] = {k: [] for k in distinct}
     for p in range(PASSES):  # interleaved passes (see SAMPLES, PASSES)
         for n, (k, recipe) in enumerate(distinct.items()):

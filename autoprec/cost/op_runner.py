@@ -106,10 +106,11 @@ class _Builder:
         shape, stride = list(spec["shape"]), list(spec["stride"])
         v = self.trace.values[spec["t"]]
         if self.scale != 1.0 and v.scales and shape:
-            n = shape[0] * self.scale
+            d = spec.get("bdim", 0)  # the batch dimension (0 unless the recipe says)
+            n = shape[d] * self.scale
             if abs(n - round(n)) > 1e-9 or round(n) < 1:
                 raise ValueError("batch dimension does not scale")
-            shape[0] = int(round(n))
+            shape[d] = int(round(n))
             stride = _dense_strides(shape, stride)
         return shape, stride
 
@@ -117,12 +118,17 @@ class _Builder:
         shape, stride = self.shape(spec)
         own = getattr(torch, spec["dt"])
         dt = dtype if dtype is not None and own.is_floating_point else own
-        t = torch.empty_strided(shape, stride, dtype=dt)
+        # the storage the strides span, filled, then viewed (a stride-0 broadcast operand,
+        # e.g. ``cost.unfolded``'s expanded weight, cannot be filled through its view)
+        broadcast = 0 in stride and all(shape)
+        size = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+        t = (torch.empty(size, dtype=dt) if broadcast
+             else torch.empty_strided(shape, stride, dtype=dt))
         if dt.is_floating_point:
             t.uniform_(0.1, 1.0)  # positive: log, sqrt, division stay finite
         else:
             t.zero_()  # indices in range, masks all false
-        return t
+        return t.as_strided(shape, stride) if broadcast else t
 
     def build(self, obj: Any, dtype: torch.dtype | None) -> Any:
         if isinstance(obj, list):

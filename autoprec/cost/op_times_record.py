@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bump when what is measured or how changes: older cache files are then ignored.
-VERSION = 4
+VERSION = 5
 
 
 def cast_key(numel: int, src: str, dst: str, weight: bool = False) -> str:
@@ -22,7 +22,9 @@ class OpTimes:
     """Seconds of each recorded op on this machine at ``batch_size`` (see module docs).
 
     ``compute[i][p]``: GEMM/SDPA op ``i`` computing in precision ``p``; ``compute_cl[i][p]``:
-    the same for a convolution with its input and weight channels-last; ``other[i][d]``:
+    the same for a convolution with its input and weight channels-last;
+    ``compute_unfolded[i][p]``: the ``bmm`` inductor runs for GEMM ``i`` when its weight is
+    cast (``cost.unfolded``); ``other[i][d]``:
     any other op (views included) with its floating inputs in dtype ``d`` ("-": it has
     none); ``casts[cast_key(...)]``: one cast; ``module_call_s``: one module call.
     """
@@ -39,6 +41,7 @@ class OpTimes:
     cached: bool = False  # read from the cache (not measured by this process)
     wrapper_s: dict[str, float] = field(default_factory=dict)  # per form, one wrapped call
     compute_cl: dict[int, dict[str, float]] = field(default_factory=dict)
+    compute_unfolded: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def cast_s(self, numel: int, src: str, dst: str, weight: bool = False) -> float | None:
         got = self.casts.get(cast_key(numel, src, dst, weight))
@@ -53,6 +56,7 @@ class OpTimes:
                 "casts": self.casts, "module_call_s": self.module_call_s,
                 "wrapper_s": self.wrapper_s,
                 "compute_cl": {str(k): v for k, v in self.compute_cl.items()},
+                "compute_unfolded": {str(k): v for k, v in self.compute_unfolded.items()},
                 "seconds": self.seconds, "distinct": self.distinct,
                 "machine": self.machine, "digest": self.digest}
 
@@ -65,7 +69,9 @@ class OpTimes:
                    float(data.get("seconds", 0.0)), int(data.get("distinct", 0)),
                    str(data.get("machine", "")), str(data.get("digest", "")),
                    wrapper_s={str(k): float(v) for k, v in data.get("wrapper_s", {}).items()},
-                   compute_cl={int(k): v for k, v in data.get("compute_cl", {}).items()})
+                   compute_cl={int(k): v for k, v in data.get("compute_cl", {}).items()},
+                   compute_unfolded={int(k): v for k, v in
+                                     data.get("compute_unfolded", {}).items()})
 
     def describe(self) -> str:
         return (f"{len(self.compute) + len(self.other)} ops ({self.distinct} distinct "

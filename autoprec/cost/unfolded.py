@@ -1,0 +1,88 @@
+"""GEMMs that inductor runs unfolded: a Linear over a transposed 3-D input with a cast weight.
+
+``x @ W.t()`` with a 3-D ``x`` (``F.linear`` on ``(T, B, K)``) is "folded" into one 2-D
+GEMM: ``x`` is reshaped to ``(T * B, K)`` — a copy when ``x`` is not contiguous, as
+``nn.MultiheadAttention``'s ``batch_first`` input is after its ``transpose(1, 0)`` — and
+multiplied by ``W.t()`` once. Both eager and inductor fold (``torch._decomp.decompositions
+.should_fold``) when the weight operand requires grad or ``x`` is contiguous. An fp32
+parameter requires grad, so the recorded forward (fp32, ``no_grad``) shows the fold: a
+``clone`` of the transposed input, an ``_unsafe_view`` and an ``mm``.
+
+Under a plan that casts that weight — autocast's per-call cast in the training form — the
+GEMM's weight operand is the cast's output, which under ``no_grad`` does not require grad,
+and ``x`` is not contiguous: inductor does not fold. It lowers the Linear to
+``bmm(x, W.t().expand(T, K, N))``, and on a CPU the batched GEMM copies the stride-0 expanded
+weight ``T`` times before it multiplies ``T`` small ``(B, K) @ (K, N)`` products. Measured
+on an AMD EPYC (AVX512-BF16), experiments/nn_transformer (d=192, T=32, B=8) compiled under
+apply's bf16 autocast: each in-projection took ~1.3 ms of copy and ~0.9 ms of bmm against
+0.18 ms folded, and the whole forward ran at 0.60-0.75x of fp32 where the folded estimate
+said 2.6x. Eager autocast folds (its in-projection took 0.24 ms) and the deploy form's
+stored bf16 weight is a parameter (it requires grad), so both run the folded GEMM.
+
+``unfolded_gemms`` finds these GEMMs in a recorded forward and gives each the recipe of the
+``bmm`` inductor runs instead; ``cost.op_measure`` times it on this machine
+(``OpTimes.compute_unfolded``) and the compiled cost model prices a row with it wherever
+the row reads the GEMM's weight in another dtype than the parameter's (a cast weight). Only
+3-D inputs are matched (a 4-D one would flatten its leading dimensions first). Without op
+timings (a GPU profile) nothing changes: the roofline prices the same FLOPs either way, and
+whether cuBLAS copies a stride-0 batch was not measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autoprec.trace.ops import OpTrace
+
+
+def _non_contiguous(shape: list[int], stride: list[int]) -> bool:
+    """``should_fold``'s test: not laid out row-major (dimensions of size 1 ignored)."""
+    expect, acc = [0] * len(shape), 1
+    for d in range(len(shape) - 1, -1, -1):
+        expect[d] = acc
+        acc *= shape[d]
+    return any(n != 1 and s != e for n, s, e in zip(shape, stride, expect, strict=True))
+
+
+def unfolded_gemms(trace: OpTrace) -> dict[int, dict[str, Any]]:
+    """Op index of each folded ``mm`` whose input was a non-contiguous 3-D tensor and whose
+    weight operand is a parameter's ``t()`` -> the ``aten.bmm`` recipe inductor runs when
+    that weight is cast (see the module docs)."""
+    producer: dict[int, int] = {}
+    for i, op in enumerate(trace.ops):
+        for o in op.outputs:
+            producer.setdefault(o, i)
+    vals = trace.values
+    out: dict[int, dict[str, Any]] = {}
+    for i, op in enumerate(trace.ops):
+        if op.name != "mm" or op.recipe is None or len(op.inputs) != 2:
+            continue
+        a, b = op.inputs
+        view = trace.ops[producer[a]] if a in producer else None
+        clone = (trace.ops[producer[view.inputs[0]]]
+                 if view is not None and view.name == "_unsafe_view" and view.inputs
+                 and view.inputs[0] in producer else None)
+        wt = trace.ops[producer[b]] if b in producer else None
+        if (clone is None or clone.name != "clone" or clone.recipe is None
+                or wt is None or wt.name != "t" or not wt.inputs
+                or vals[wt.inputs[0]].source != "param"):
+            continue
+        src = clone.recipe["a"][0] if clone.recipe["a"] else None
+        if not isinstance(src, dict) or "t" not in src or len(src["shape"]) != 3:
+            continue
+        shape, stride = list(src["shape"]), list(src["stride"])
+        if not _non_contiguous(shape, stride):
+            continue
+        d0, d1, k = shape
+        w = op.recipe["a"][1]
+        n = w["shape"][1]
+        # the batch dimension of the model is the outermost in memory (largest stride)
+        bdim = max(range(2), key=lambda d: stride[d]) if vals[src["t"]].scales else 0
+        x = {"t": src["t"], "shape": [d0, d1, k], "stride": [d1 * k, k, 1], "dt": src["dt"],
+             "bdim": bdim}
+        weight = {"t": wt.inputs[0], "shape": [d0, k, n], "stride": [0, 1, k], "dt": w["dt"]}
+        out[i] = {"f": "aten.bmm.default", "a": [x, weight], "k": {}}
+    return out
+
+
+__all__ = ["unfolded_gemms"]
