@@ -14,6 +14,7 @@ import contextlib
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,16 @@ def run_cli(args: list[object], capsys: pytest.CaptureFixture[str], *,
         main([str(a) for a in args])
     out, err = capsys.readouterr()
     return int(info.value.code or 0), out, err
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread (the op timings' thread clock needs it), restored after."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

@@ -19,6 +19,7 @@ from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, is_conv,
 from autoprec.policy import Policy
 from autoprec.search.speed_rows import Row, check_speed, contradictions
 from autoprec.trace import trace
+from tests.helpers import one_torch_thread
 from tests.zoo import cnn, mlp
 
 
@@ -30,12 +31,8 @@ def graph():  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def timed(graph):  # noqa: ANN001, ANN201
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return measure(graph.ops, graph.batch_size)
-    finally:
-        torch.set_num_threads(old)
 
 
 def test_every_op_but_a_cast_records_how_to_run_it(graph) -> None:  # noqa: ANN001
@@ -114,12 +111,8 @@ def test_convolutions_are_timed_channels_last_too_and_compiled_plans_take_those(
     cost model prices a convolution at that layout's time, eager at the model's own."""
     case = cnn()
     g = trace(case.model, case.batch)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         got = measure(g.ops, g.batch_size)
-    finally:
-        torch.set_num_threads(old)
     convs = [i for i, op in enumerate(g.ops.ops) if is_conv(op)]
     gemms = [i for i, op in enumerate(g.ops.ops) if op.kind == "gemm"]
     assert len(convs) == 2 and set(convs) < set(gemms)  # the head's Linear is no conv

@@ -15,6 +15,7 @@ from autoprec.cost.unfolded import unfolded_gemms
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests import zoo
+from tests.helpers import one_torch_thread
 
 
 class _Encoder(nn.Module):
@@ -57,23 +58,15 @@ def test_the_bmm_recipe_rebuilds_its_broadcast_weight_and_scales_the_batch_dimen
     assert x[0].shape == (6, 8, 32) and x[0].is_contiguous()  # the batch (4) doubled
     assert x[1].shape == (6, 32, 96) and x[1].stride() == (0, 1, 32)
     assert torch.isfinite(torch.bmm(*x)).all()
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         assert _Runner(g.ops, 1.0, 0).seconds(recipe, torch.bfloat16) > 0
-    finally:
-        torch.set_num_threads(old)
 
 
 def test_measured_and_priced_only_where_the_training_form_casts_the_weight() -> None:
     g = _graph()
     found = sorted(unfolded_gemms(g.ops))
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         got = measure(g.ops, g.batch_size)
-    finally:
-        torch.set_num_threads(old)
     assert sorted(got.compute_unfolded) == found
     assert all(set(got.compute_unfolded[i]) == {"fp32", "bf16", "fp16"} for i in found)
     # priced: every GEMM 1 ms folded, 10 ms unfolded
