@@ -126,8 +126,13 @@ class _Builder:
              else torch.empty_strided(shape, stride, dtype=dt))
         if dt.is_floating_point:
             t.uniform_(0.1, 1.0)  # positive: log, sqrt, division stay finite
+        elif dt == torch.bool:
+            # masks all true: an SDPA's boolean attn_mask that is false everywhere masks
+            # every score, and the CPU flash kernel skips the masked blocks — MiniLM's
+            # attention (16 x 12 heads x 15 tokens) took 0.78 ms so, 1.20 ms attending
+            t.fill_(True)
         else:
-            t.zero_()  # indices in range, masks all false
+            t.zero_()  # indices in range
         return t.as_strided(shape, stride) if broadcast else t
 
     def build(self, obj: Any, dtype: torch.dtype | None) -> Any:

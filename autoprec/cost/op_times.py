@@ -22,11 +22,11 @@ tune's own timing (issue 29). So for a local CPU target the recorded forward
 
 Each is timed as tune times a model (``search.timing``): one torch thread, the thread's CPU
 time, the median of ``SAMPLES`` samples of at least ``SAMPLE_S`` each, after a warm-up.
-Inputs are rebuilt from the recipe (``uniform_`` values, integer tensors zero). An op
-timed alone finds its weight in the core's L2 cache, where the model's forward, running
-every layer in turn, finds it only if all the weights fit there: a model whose weights
-exceed L2 reads them from L3 on every forward, one that exceeds the last-level cache from
-memory. So the weight operands (and weight casts) of such a model are cycled through
+Inputs are rebuilt from the recipe (``uniform_`` values, integer tensors zero, boolean
+ones true: a mask that attends everywhere). An op timed alone finds its weight in the
+core's L2 cache, where the model's forward, running every layer in turn, finds it only if
+all the weights fit there: a model whose weights exceed L2 reads them from L3 on every
+forward, one that exceeds the last-level cache from memory. So the weight operands (and weight casts) of such a model are cycled through
 copies spanning twice that cache (``_span``): on this team's AMD EPYC a 256 x 256 fp32
 Linear at 64 rows took 145 us alone and 200 us with its weight cycled through 18 copies,
 as in a model of 18 such layers.

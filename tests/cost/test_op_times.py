@@ -15,10 +15,12 @@ import torch
 
 from autoprec.cost import get_profile
 from autoprec.cost.compiled import make_cost_model
+from autoprec.cost.op_runner import _Builder
 from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, is_conv, measure
 from autoprec.policy import Policy
 from autoprec.search.speed_rows import Row, check_speed, contradictions
 from autoprec.trace import trace
+from tests import zoo
 from tests.helpers import one_torch_thread
 from tests.zoo import cnn, mlp
 
@@ -104,6 +106,56 @@ def test_compiled_cost_model_takes_the_timed_gemms(graph, timed) -> None:  # noq
                    compute={i: {"fp32": 1e-3, "bf16": 3e-3, "fp16": 2e-3} for i in timed.compute})
     cost = make_cost_model(graph, prof, graph.batch_size, "compile", op_times=hand)
     assert cost.breakdown(Policy(default="bf16")).parts["gemm"] == pytest.approx(9e-3, rel=1e-9)
+
+
+def test_compiled_fused_kernels_cost_at_least_their_ops_timed_one_by_one(graph, timed
+                                                                         ) -> None:  # noqa: ANN001
+    """On a CPU thread inductor's fused kernels do the activations' and norms' arithmetic:
+    a compiled plan's fused part is the larger of the bytes' roofline and those ops' timed
+    seconds (the others, e.g. adds, are left to the roofline)."""
+    ops = graph.ops.ops
+    fused = [i for i, op in enumerate(ops)
+             if op.kind not in ("gemm", "attention", "view") and i in timed.other]
+    heavy = [i for i in fused if ops[i].name in ("gelu", "native_layer_norm")]
+    assert heavy == fused  # the MLP's GELU and LayerNorm
+
+    def other(sec: float | None) -> float:
+        times = None if sec is None else OpTimes(graph.batch_size, other={
+            i: dict.fromkeys(("-", "fp32", "bf16", "fp16"), sec) for i in fused})
+        cost = make_cost_model(graph, get_profile("cpu"), graph.batch_size, "compile",
+                               op_times=times)
+        return cost.breakdown(Policy(default="fp32")).parts["other"]
+
+    roofline = other(None)
+    assert other(1e-12) == pytest.approx(roofline, rel=1e-9)  # below it: the roofline
+    slow = len(heavy) * 1e-2
+    assert slow <= other(1e-2) <= slow + roofline
+
+
+def test_compiled_adds_and_relus_keep_the_roofline() -> None:
+    """Memory-bound ops (residual adds, ReLU) and ops inductor lowers otherwise than eager
+    are priced by their bytes, however long eager took for them."""
+    case = zoo.mha()
+    g = trace(case.model, case.batch)
+    fused = [i for i, op in enumerate(g.ops.ops) if op.name in ("add", "relu")]
+    assert len(fused) >= 3
+
+    def other(times: OpTimes | None) -> float:
+        cost = make_cost_model(g, get_profile("cpu"), g.batch_size, "compile", op_times=times)
+        return cost.breakdown(Policy(default="fp32")).parts["other"]
+
+    slow = OpTimes(g.batch_size, other={i: dict.fromkeys(("-", "fp32", "bf16", "fp16"), 1e-2)
+                                        for i in fused})
+    assert other(slow) == pytest.approx(other(None), rel=1e-9)
+
+
+def test_boolean_inputs_are_rebuilt_all_true() -> None:
+    """An SDPA's boolean mask false everywhere masks every score, which the CPU flash
+    kernel skips: the rebuilt mask attends everywhere, as a padding mask mostly does."""
+    case = mlp()
+    g = trace(case.model, case.batch)
+    spec = {"t": 0, "shape": [2, 1, 3, 3], "stride": [9, 9, 3, 1], "dt": "bool"}
+    assert _Builder(g.ops, 1.0).tensor(spec, None).all()
 
 
 def test_convolutions_are_timed_channels_last_too_and_compiled_plans_take_those() -> None:
