@@ -33,9 +33,9 @@ every cast) is regrouped into the kernels inductor generates:
   measured here, as in eager, a convolution its channels-last time (inductor's CPU layout),
   a Linear over a transposed 3-D input whose weight the plan casts the time of the ``bmm``
   inductor runs instead of the folded GEMM (``cost.unfolded``); the fused segments cost
-  the larger of the calibrated roofline and the seconds their ops and casts took timed
-  one by one (``_fused_eager_seconds``: on a CPU thread the fused kernels are bound by
-  their arithmetic).
+  the larger of the calibrated roofline and the seconds their activations, norms and
+  softmaxes took timed one by one (``_fused_eager_seconds``: on a CPU thread those kernels
+  are bound by their arithmetic).
 
 Weights are read every call and their casts run every call (the default
 ``torch.compile``); freezing (``torch._inductor.config.freezing``) would constant-fold them,
