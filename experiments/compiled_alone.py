@@ -14,6 +14,13 @@ with the cost model tune uses (this machine's calibration and op timings, cached
 
     python experiments/compiled_alone.py                      # minilm, nn_transformer
     python experiments/compiled_alone.py --models nn_transformer
+    python experiments/compiled_alone.py --models minilm --profile   # + where the time goes
+
+``--profile`` adds, per model, fp32 and ``model.to(bf16)``'s estimate split into GEMMs,
+SDPA and the rest (``CostModel`` parts and per-op timings) beside a torch.profiler run of
+10 compiled forwards split the same way (a GEMM's ``aten::copy_``, its bias broadcast into
+the output, counted with it, as its op timing does) and the forward timed without the
+profiler.
 
 Timings are this machine's (its CPU is printed); ratios within one run only.
 """
@@ -81,10 +88,63 @@ def rows_of(name: str, cache: Path) -> list[tuple[str, float | None, float]]:
     return out
 
 
+_GEMM_EVENTS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::copy_")
+
+
+def profile_rows(name: str, cache: Path) -> list[str]:
+    """Where compiled fp32 and ``model.to(bf16)`` spend their time: estimated vs profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from autoprec.cost.compiled import _is_extern
+
+    spec = load_model_file(ROOT / "experiments" / name / "model.py")
+    batch = spec.calibration_batches()[0]
+    graph = trace(spec.model(), batch, forward=spec.forward)
+    src = speed_source("cpu", measure=True, cache_dir=cache, mode="compile")
+    out = []
+    for label in ("fp32", "bf16"):
+        pol = Policy(default=label, form="deploy")
+        cost = src.cost_model(graph, graph.batch_size, "compile", form="deploy")
+        sch = cost.schedule(pol)
+        est = {"gemm": 0.0, "sdpa": 0.0}
+        for i, op in enumerate(graph.ops.ops):
+            if _is_extern(op):
+                sec = cost._op_seconds(i, sch, sch.compute[i])
+                kind = "sdpa" if op.kind == "attention" or "scaled" in op.name else "gemm"
+                est[kind] += float(sec[0]) if sec is not None else float("nan")
+        model = spec.model()
+        handle = apply_policy(model, pol)
+        compiled = torch.compile(model)
+
+        def run(c: Any = compiled) -> Any:
+            with torch.no_grad():
+                return spec.forward(c, batch)
+
+        measured = seconds(run)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                run()
+        got = {"gemm": 0.0, "sdpa": 0.0, "rest": 0.0}
+        for e in prof.key_averages():
+            kind = ("gemm" if e.key in _GEMM_EVENTS else
+                    "sdpa" if "scaled_dot" in e.key else "rest")
+            got[kind] += e.self_cpu_time_total / 10 / 1e6
+        bd = cost.breakdown(pol)
+        ms = [1e3 * x for x in (est["gemm"], got["gemm"], est["sdpa"], got["sdpa"],
+                                bd.parts["other"], got["rest"], bd.total_s, measured)]
+        out.append(f"| {name} | {label} | " + " | ".join(f"{x:.2f}" for x in ms) + " |")
+        handle.remove()
+        torch._dynamo.reset()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="minilm,nn_transformer")
     ap.add_argument("--cache", type=Path, default=Path(".autoprec_cache") / "compiled_alone")
+    ap.add_argument("--profile", action="store_true",
+                    help="also split fp32 and model.to(bf16) into GEMMs, SDPA and the rest, "
+                         "estimated vs profiled")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -98,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
             e = "-" if est is None else f"{est * 1e3:.2f}"
             ex = "-" if est is None or est32 is None else f"{est32 / est:.2f}x"
             print(f"| {name} | {label} | {e} | {meas * 1e3:.2f} | {ex} | {meas32 / meas:.2f}x |")
+    if args.profile:
+        print("\n| model | plan | GEMMs est. ms | profiled | SDPA est. | profiled | rest est. "
+              "| profiled | total est. | measured |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            for row in profile_rows(name, args.cache):
+                print(row)
     return 0
 
 
