@@ -146,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also split fp32 and model.to(bf16) into GEMMs, SDPA and the rest, "
                          "estimated vs profiled")
     args = ap.parse_args(argv)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    for name in names:
+        if not (ROOT / "experiments" / name / "model.py").is_file():
+            ap.error(f"--models: no experiments/{name}/model.py")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     print(f"machine: {cpu_facts()}; torch {torch.__version__}; 1 thread, thread CPU time\n")
     print("| model | plan | est. ms | measured ms | est. x | measured x |")
     print("|---|---|---|---|---|---|")
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+    for name in names:
         rows = rows_of(name, args.cache)
         est32, meas32 = rows[0][1], rows[0][2]
         for label, est, meas in rows:
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n| model | plan | GEMMs est. ms | profiled | SDPA est. | profiled | rest est. "
               "| profiled | total est. | measured |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        for name in names:
             for row in profile_rows(name, args.cache):
                 print(row)
     return 0

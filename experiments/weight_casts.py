@@ -34,7 +34,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,18 +44,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoprec.capability import cpu_facts  # noqa: E402
+from autoprec.cost.measure import measure_latency  # noqa: E402
 from autoprec.loading import load_model_file  # noqa: E402
 
 _RAISED = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def _seconds(fn: Any, n: int) -> float:
-    for _ in range(10):
-        fn()
-    t = time.thread_time()
-    for _ in range(n):
-        fn()
-    return (time.thread_time() - t) / n
+    """Median seconds of one ``fn()`` (thread CPU time, after 10 warm-up calls)."""
+    return measure_latency(fn, "cpu", warmup=10, repeats=n, clock="thread").median_s
 
 
 def _shapes(model_name: str) -> list[list[int]]:
@@ -96,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="nn_transformer", help="a folder of experiments/")
     ap.add_argument("--row", choices=("loaded", "bare"), help=argparse.SUPPRESS)  # a run
     args = ap.parse_args(argv)
+    if not (ROOT / "experiments" / args.model / "model.py").is_file():
+        ap.error(f"--model {args.model!r}: no experiments/{args.model}/model.py")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     if args.row:

@@ -145,6 +145,8 @@ class CompiledCostModel(CostModel):
         self._unfolded_tabs = ({} if t is None else
                                {i: _precision_table(got) for i, got in
                                 t.compute_unfolded.items()})
+        #: the ops ``_fused_eager_seconds`` sums (found once, priced per schedule)
+        self._arithmetic = [i for i, op in enumerate(self.trace.ops) if op.name in _ARITHMETIC]
 
     def _unfolded_seconds(self, i: int, sch: Schedule, comp: np.ndarray,
                           timed: np.ndarray | None) -> np.ndarray:
@@ -441,9 +443,7 @@ class CompiledCostModel(CostModel):
             return None
         t = sch.plans
         total = np.zeros(t)
-        for i, op in enumerate(self.trace.ops):
-            if op.name not in _ARITHMETIC:
-                continue
+        for i in self._arithmetic:
             kern = np.broadcast_to(np.asarray(sch.kernel[i], dtype=bool), (t,))
             if not kern.any():
                 continue
