@@ -17,6 +17,7 @@ import numpy as np
 from autoprec.cost.op_times_record import OpTimes
 from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Kernel
 from autoprec.cost.profiles import DeviceProfile
+from autoprec.cost.unfolded import non_contiguous
 from autoprec.formats.gemm import gemm_format
 from autoprec.plan.compile import CODE, ModuleTree
 from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule
@@ -36,6 +37,18 @@ def _precision_table(got: Mapping[str, float]) -> np.ndarray:
     if "fp32" in got and "tf32" in PRECISIONS:
         tab[PRECISIONS.index("tf32")] = got["fp32"]  # a CPU has no tf32
     return tab
+
+
+def _folds_a_copy(name: str, recipe: dict | None) -> bool:
+    """A ``linear`` over a non-contiguous input of 3 or more dimensions: torch's ``linear``
+    runs it as a ``matmul`` that copies the input into rows first (``should_fold``) and adds
+    the bias as its own kernel (``nn.MultiheadAttention``'s in-projection over its
+    transposed ``batch_first`` input). Its op timing includes both; the roofline adds them."""
+    if name != "linear" or recipe is None or not recipe["a"]:
+        return False
+    x = recipe["a"][0]
+    return (isinstance(x, dict) and "shape" in x and len(x["shape"]) >= 3
+            and non_contiguous(list(x["shape"]), list(x["stride"])))
 
 
 class OpPricer:
@@ -67,6 +80,8 @@ class OpPricer:
         for op in self.trace.ops:
             scaled = any(vals[i].scales for i in op.inputs)
             self._op_flops.append(op.flops * (s if scaled else 1.0))
+        self._fold_copy = {i: len(op.inputs) > 2 for i, op in enumerate(self.trace.ops)
+                           if _folds_a_copy(op.name, op.recipe)}
 
     def _tables(self) -> None:
         prof = self.profile
@@ -177,6 +192,10 @@ class OpPricer:
                 nbytes = self._bytes(op.outputs, sch.writes[i]) * 2
             else:
                 nbytes = self._bytes(ins, reads) + self._bytes(op.outputs, sch.writes[i])
+            if i in self._fold_copy:  # the input's copy, and the bias added on its own
+                nbytes = nbytes + 2 * self._bytes(ins[:1], reads[:1])
+                if self._fold_copy[i]:
+                    nbytes = nbytes + 2 * self._bytes(op.outputs, sch.writes[i])
             comp = sch.compute[i]
             if comp is not None:
                 flops = self._op_flops[i]

@@ -133,7 +133,14 @@ class _Builder:
             t.fill_(True)
         else:
             t.zero_()  # indices in range
-        return t.as_strided(shape, stride) if broadcast else t
+        if broadcast:
+            return t.as_strided(shape, stride)
+        if dt.is_floating_point and self.trace.values[spec["t"]].source == "param":
+            # a parameter requires grad, and kernels choose by it: torch's matmul folds a
+            # non-contiguous 3-D input into one mm only for such a weight (``should_fold``;
+            # nn.MultiheadAttention's in-projection: 0.2 ms folded, 2.7 ms as a bmm in bf16)
+            t.requires_grad_(True)
+        return t
 
     def build(self, obj: Any, dtype: torch.dtype | None) -> Any:
         if isinstance(obj, list):

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 _F = torch.nn.functional
+#: ``torch.nn.functional``'s functions as imported (the recorder points two of its globals
+#: elsewhere while a composite such as ``F.multi_head_attention_forward`` runs).
+_F_FUNCS = {name: f for name, f in vars(_F).items() if callable(f)}
 
 
 class _NoRecipe(Exception):
@@ -49,7 +52,7 @@ def _func_name(func: Any) -> str | None:
     if isinstance(func, torch._ops.OpOverload):
         return str(func)
     name = getattr(func, "__name__", None)
-    if name is not None and getattr(_F, name, None) is func:
+    if name is not None and _F_FUNCS.get(name) is func:
         return f"F.{name}"
     return None
 

@@ -23,8 +23,10 @@ created with the calibration batch as their leading dimension).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +49,9 @@ _GEMM_FUNCS: dict[Callable[..., Any], str] = {
 }
 _SDPA = _F.scaled_dot_product_attention
 _EMBEDDING = _F.embedding
+#: Names in ``torch.nn.functional`` that its own Python functions call as globals and that
+#: are recorded as one op (see ``_inner_calls_recorded``).
+_INNER = ("linear", "scaled_dot_product_attention")
 #: Precision name -> torch dtype (the model's own dtype, for Op.ambient).
 _DTYPE_OF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: Explicit casts: recorded even when they are no-ops at trace time.
@@ -235,6 +240,9 @@ class _Functions(TorchFunctionMode):
         elif func in _CAST_METHODS:
             kind = "cast"
         if kind is None:
+            if _functional_composite(func):
+                with _inner_calls_recorded(self):
+                    return func(*args, **kwargs)
             return func(*args, **kwargs)
         rec.hidden += 1
         try:
@@ -291,6 +299,40 @@ class _Functions(TorchFunctionMode):
         rec.op("to", "cast", (src,), out, fixed=_dtype_name(target))
         if target == rec.ambient:
             rec.mark_ambient(rec.trace.ops[-1], target)
+
+
+def _functional_composite(func: Any) -> bool:
+    """A Python function of ``torch.nn.functional`` that reached the mode through
+    ``handle_torch_function`` (``F.multi_head_attention_forward``)."""
+    return inspect.isfunction(func) and func.__module__ == "torch.nn.functional"
+
+
+@contextlib.contextmanager
+def _inner_calls_recorded(mode: _Functions) -> Iterator[None]:
+    """Record the ``linear`` and SDPA calls inside a ``torch.nn.functional`` composite as one
+    op each, as everywhere else.
+
+    torch pops a function mode while its ``__torch_function__`` runs, so the body of
+    ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` with torch.nn's fast path
+    off, as apply leaves it) would reach only the aten mode: its in-projection as ``mm`` +
+    bias ``add``, its SDPA as the CPU kernel's aten op. Autocast sees ``linear`` and SDPA
+    there (it casts the bias with the weight and runs the attention in 16 bits), so the
+    replay must too. The body calls both through ``torch.nn.functional``'s globals; they
+    are pointed at the mode for the call and restored after it."""
+    saved = {name: getattr(_F, name) for name in _INNER}
+
+    def recorded(func: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return mode.__torch_function__(func, (), args, kwargs)
+        return call
+
+    try:
+        for name, func in saved.items():
+            setattr(_F, name, recorded(func))
+        yield
+    finally:
+        for name, func in saved.items():
+            setattr(_F, name, func)
 
 
 class _Aten(TorchDispatchMode):
