@@ -303,3 +303,31 @@ def test_each_call_through_an_installed_wrapper_costs_the_timed_wrapper(
     assert wrapped.fp32_time - plain.fp32_time == pytest.approx(1e-3, rel=1e-9)
     assert set(timed.wrapper_s) == {"train", "deploy"}
     assert all(0 < s < 1e-3 for s in timed.wrapper_s.values())
+
+
+def test_the_footprint_counts_parameters_and_each_kernels_output_once(graph) -> None:  # noqa: ANN001
+    """Between two reads of a weight a forward moves every parameter and every op's output
+    (a view moves nothing); activations grow with the timed batch."""
+    from autoprec.cost.op_measure import _footprint
+
+    vals = graph.ops.values
+    params = sum(v.numel for v in vals if v.source == "param")
+    outs = [(vals[o].numel, vals[o].scales) for op in graph.ops.ops if op.kind != "view"
+            for o in op.outputs]
+    assert _footprint(graph.ops, 1.0) == 4 * (params + sum(n for n, _ in outs))
+    assert _footprint(graph.ops, 3.0) == 4 * (params + sum(n * (3 if s else 1) for n, s in outs))
+    assert any(s for _, s in outs) and params > 0
+
+
+def test_weight_casts_are_cycled_only_where_the_footprint_overflows_l2(graph, monkeypatch
+                                                                       ) -> None:  # noqa: ANN001
+    from autoprec.cost import op_measure
+
+    with one_torch_thread():
+        monkeypatch.setattr(op_measure, "_cache_bytes", lambda: {2: 1 << 30})
+        hot = op_measure._cast_times(graph.ops, 1.0)
+        monkeypatch.setattr(op_measure, "_cache_bytes", lambda: {2: 1024})
+        cycled = op_measure._cast_times(graph.ops, 1.0)
+    w = next(v.numel for v in graph.ops.values if v.param == "fc1.weight")
+    assert f"{w}:fp32>bf16" in hot and f"{w}:fp32>bf16:w" not in hot
+    assert f"{w}:fp32>bf16:w" in cycled and all(s > 0 for s in cycled.values())
