@@ -79,6 +79,7 @@ def rows_of(name: str, mode: str, res: Any) -> list[dict[str, Any]]:
                                             or r.same_as == win.name),
             "est": r.est_measured_batch, "measured": r.speedup, "p10": r.p10, "p90": r.p90,
             "off": r.est_measured_batch / r.speedup - 1.0, "same_as": r.same_as if same else "",
+            "faults": r.faults,
         })
     return out
 
@@ -172,7 +173,9 @@ def report(table: list[dict[str, Any]], runs: list[dict[str, Any]], argv: list[s
         "# The CPU estimate against tune's own timing (issue 29)", "",
         f"- machine: {cpu_facts()}; torch {torch.__version__}",
         "- timing: tune's last step (one torch thread, thread CPU time, one calibration "
-        "batch, interleaved rounds; median of per-round ratios to fp32, p10-p90 in brackets)",
+        "batch, interleaved rounds; median of per-round ratios to fp32, p10-p90 in brackets; "
+        "minor page faults per forward, median: the first touches of memory the allocator "
+        "got fresh from the OS, which the estimate does not price)",
         "- estimate: the cost model at the timed batch, priced with the calibrated cpu "
         "profile and this model's ops timed here (autoprec/cost/op_times.py)",
         f"- made by `{cmd}`; 1-minute load average {min(load):.1f}-{max(load):.1f} on "
@@ -180,15 +183,17 @@ def report(table: list[dict[str, Any]], runs: list[dict[str, Any]], argv: list[s
         f"**{n_ok} of {len(within)}** written-plan and baseline rows within "
         f"{LIMIT:.0%}; **{pairs - wrong} of {pairs}** pairs with separated measured ranges "
         "in the estimate's order.", "",
-        "| model | mode | row | written | est. | measured (p10-p90) | est. / measured - 1 |",
-        "|---|---|---|---|---|---|---|"]
+        "| model | mode | row | written | est. | measured (p10-p90) | est. / measured - 1 "
+        "| page faults per forward |",
+        "|---|---|---|---|---|---|---|---|"]
     for r in table:
         flag = "" if abs(r["off"]) <= LIMIT else " **over**"
         same = f" (= {r['same_as']})" if r["same_as"] else ""
         out.append(f"| {r['model']} | {r['mode']} | {r['row']}{same} | "
                    f"{'yes' if r['written'] else ''} | {r['est']:.2f}x | "
                    f"{r['measured']:.2f}x ({r['p10']:.2f}-{r['p90']:.2f}) | "
-                   f"{r['off']:+.0%}{flag} |")
+                   f"{r['off']:+.0%}{flag} | "
+                   f"{'-' if r['faults'] is None else format(r['faults'], ',.0f')} |")
     out += ["", "| model | mode | written | rank pairs (out of order) | op timings: first tune |"
             " cached | re-timed | tune wall |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:

@@ -120,8 +120,9 @@ def measure_interleaved(
     inner: int = 1,
     clock: str = "wall",
     seed: int = 0,
-) -> dict[str, list[float]]:
-    """Seconds per run of every entry of ``runs``, one sample per round.
+) -> Samples:
+    """Seconds per run of every entry of ``runs``, one sample per round (on a CPU with the
+    minor page faults per run of each sample: ``Samples.faults``).
 
     Each round runs every entry once, in a fresh random order (slow drift of a shared
     machine then hits all alike, and ratios of one round cancel it): ``around[name]()`` is
@@ -141,7 +142,9 @@ def measure_interleaved(
     around = around or {}
     rng = random.Random(seed)
     names = list(runs)
-    samples: dict[str, list[float]] = {n: [] for n in names}
+    samples = Samples({n: [] for n in names})
+    if cpu:
+        samples.faults = {n: [] for n in names}
     start = time.perf_counter()
     cap = max(rounds, max_rounds or rounds)
     for r in range(cap):
@@ -152,11 +155,39 @@ def measure_interleaved(
         for name in names:
             ctx = around.get(name)
             with ctx() if ctx is not None else nullcontext():
-                samples[name].append(_sample(runs[name], device, warmup, inner, clock))
+                sec, faults = _sample(runs[name], device, warmup, inner, clock)
+            samples[name].append(sec)
+            if faults is not None:
+                samples.faults[name].append(faults)
     return samples
 
 
-def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock: str) -> float:
+class Samples(dict[str, list[float]]):
+    """``measure_interleaved``'s seconds per run by entry, one per round. ``faults``: on a
+    CPU, by entry, the minor page faults per run in each of those samples: the first
+    touches of memory the allocator got fresh from the OS (glibc hands a large freed
+    buffer back and maps a new one for the next, each 4 KiB page faulting on first touch),
+    which the same forward may pay in one process and not in another."""
+
+    faults: dict[str, list[float]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.faults = {}
+
+
+def _minor_faults() -> int:
+    """This thread's minor page faults so far (Linux; the process's elsewhere)."""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_minflt
+
+
+def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock: str
+            ) -> tuple[float, float | None]:
+    """Seconds per run of ``inner`` timed runs after ``warmup`` untimed ones, and on a CPU
+    their minor page faults per run."""
     for _ in range(warmup):
         run()
     if not is_cpu(device):
@@ -169,12 +200,14 @@ def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock:
             run()
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / inner  # elapsed_time is in milliseconds
+        return start.elapsed_time(end) / 1e3 / inner, None  # elapsed_time: milliseconds
     now = time.thread_time if clock == "thread" else time.perf_counter
+    f0 = _minor_faults()
     t0 = now()
     for _ in range(inner):
         run()
-    return (now() - t0) / inner
+    sec = (now() - t0) / inner
+    return sec, (_minor_faults() - f0) / inner
 
 
-__all__ = ["Timing", "measure_interleaved", "measure_latency"]
+__all__ = ["Samples", "Timing", "measure_interleaved", "measure_latency"]

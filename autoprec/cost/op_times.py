@@ -26,10 +26,14 @@ Inputs are rebuilt from the recipe (``uniform_`` values, integer tensors zero, b
 ones true: a mask that attends everywhere). An op timed alone finds its weight in the
 core's L2 cache, where the model's forward, running every layer in turn, finds it only if
 all the weights fit there: a model whose weights exceed L2 reads them from L3 on every
-forward, one that exceeds the last-level cache from memory. So the weight operands (and
-weight casts) of such a model are cycled through copies spanning twice that cache
-(``_span``): on this team's AMD EPYC a 256 x 256 fp32 Linear at 64 rows took 145 us alone
-and 200 us with its weight cycled through 18 copies, as in a model of 18 such layers.
+forward, one that exceeds the last-level cache from memory. So the weight operands of
+such a model are cycled through copies spanning twice that cache (``_span``): on this
+team's AMD EPYC a 256 x 256 fp32 Linear at 64 rows took 145 us alone and 200 us with its
+weight cycled through 18 copies, as in a model of 18 such layers. A master weight's
+per-call cast (the training form) is cycled through copies spanning the forward's whole
+footprint (``op_measure._cast_times``): between two casts of one weight the forward moves
+everything else. A parameter is rebuilt requiring grad, as in the model: torch's matmul
+chooses its kernel by it (``op_runner._Builder.tensor``).
 
 The result (``OpTimes``) is cached per op set, batch size and machine under
 ``<calibration dir>/ops-<digest>.json``: the first tune of a model pays seconds

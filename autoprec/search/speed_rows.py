@@ -28,6 +28,12 @@ RETIME_MARGIN = 0.2
 
 Timer = Callable[[Mapping[str, Policy]], Mapping[str, Sequence[float]]]
 
+#: Minor page faults per forward from which the reason names a timed row: 1,000 fresh
+#: 4 KiB pages (4 MB) cost ~1.7 ms on the team's AMD EPYC, where experiments/wide's
+#: training form faulted ~15,000 times per forward in one process (48 ms) and none in
+#: another (22 ms).
+FAULTS_NOTED = 1000
+
 
 def label(p: str, form: str = "train") -> str:
     """How a baseline row is named: what a user would write."""
@@ -56,6 +62,7 @@ class Row:
     same_as: str | None = None  # timed once with this row (the same plan)
     source: Any = None  # the caller's object behind the row (a study candidate, ...)
     weight_bytes: int | None = None  # the weights the applied plan holds on the device
+    faults: float | None = None  # measured on a CPU: minor page faults per forward (median)
 
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]] | None:
@@ -80,6 +87,8 @@ class Row:
                                "measured_speedup": num(self.speedup),
                                "measured_p10": num(self.p10), "measured_p90": num(self.p90),
                                "weight_bytes": self.weight_bytes}
+        if self.faults is not None:
+            out["page_faults_per_forward"] = round(self.faults, 1)
         if self.policy is not None:
             out["policy"] = {"default": self.policy.default, "layers": dict(self.policy.layers),
                              "form": self.policy.form}
@@ -186,6 +195,24 @@ def fill_measured(rows: Sequence[Row], samples: Mapping[str, Sequence[float]]) -
         ratio = ref[:n] / np.asarray(s, dtype=float)[:n]
         p10, med, p90 = np.percentile(ratio, [10, 50, 90])
         r.speedup, r.p10, r.p90 = float(med), float(p10), float(p90)
+        faults = getattr(samples, "faults", {}).get(r.same_as or r.name)
+        if faults:
+            r.faults = float(np.median(faults))
+
+
+def fault_note(rows: Sequence[Row]) -> str:
+    """What the reason says of timed rows that page-faulted on fresh memory in every
+    forward (``FAULTS_NOTED`` or more per forward, median): their time includes the
+    allocator's state in this process, which another process may not share."""
+    hit = [r for r in rows if r.same_as is None and r.faults is not None
+           and r.faults >= FAULTS_NOTED]
+    if not hit:
+        return ""
+    each = ", ".join(f"{r.name} {r.faults:,.0f}" for r in hit)
+    return (f" [page faults per forward: {each}. These forwards touch memory the allocator "
+            "got fresh from the OS (glibc returns large freed buffers, such as per-call "
+            "weight casts); another process, or another allocator, may run them without "
+            "the faults]")
 
 
 def _overlap(a: Row, b: Row) -> bool:
@@ -282,8 +309,9 @@ def check_speed(rows: list[Row], timer: Timer | None, *, device: str | None = No
         else:
             first[r.key] = r.name
     plans = {r.name: r.policy for r in rows if r.policy is not None and r.same_as is None}
-    samples = dict(timer(plans))
-    fill_measured(rows, samples)
+    timed = timer(plans)  # measure_interleaved's Samples carry page faults per forward
+    samples = dict(timed)
+    fill_measured(rows, timed)
     # a measured order the estimate contradicts beyond both their errors: timed once more
     # (the pair and fp32, interleaved) before anything is decided on it
     bad = contradictions(rows)
@@ -305,7 +333,8 @@ def check_speed(rows: list[Row], timer: Timer | None, *, device: str | None = No
                    else "the second timing no longer contradicts the estimate]"))
     winner, reason = decide(rows)
     n = min((len(v) for v in samples.values()), default=0)
-    return SpeedCheck(rows, winner, reason + note, device, batch_size, how, n, retimed=again)
+    return SpeedCheck(rows, winner, reason + note + fault_note(rows), device, batch_size, how,
+                      n, retimed=again)
 
 
 def speed_metrics(check: SpeedCheck) -> dict[str, Any]:
@@ -323,4 +352,4 @@ def speed_metrics(check: SpeedCheck) -> dict[str, Any]:
     return out
 
 
-__all__ = ["RETIME_MARGIN", "Row", "SpeedCheck", "Timer", "check_speed", "contradictions", "decide", "fill_measured", "format_rows", "label", "speed_metrics"]
+__all__ = ["FAULTS_NOTED", "RETIME_MARGIN", "Row", "SpeedCheck", "Timer", "check_speed", "contradictions", "decide", "fault_note", "fill_measured", "format_rows", "label", "speed_metrics"]

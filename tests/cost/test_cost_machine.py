@@ -139,3 +139,27 @@ def test_a_calibration_file_with_an_unknown_mode_is_refused(tmp_path: Path):
 
     with pytest.raises(InputError, match="mode: expected 'eager' or 'compile', got 'jit'"):
         load_calibration(path)
+
+
+def test_measure_interleaved_counts_the_page_faults_of_fresh_memory_per_run():
+    """A run that maps fresh pages and touches them faults once per page, every run; one
+    that reuses its buffer does not (``Samples.faults``: per run, per sample)."""
+    import mmap
+
+    pages = 256
+
+    def fresh() -> None:
+        m = mmap.mmap(-1, pages * mmap.PAGESIZE)
+        for off in range(0, pages * mmap.PAGESIZE, mmap.PAGESIZE):
+            m[off] = 1
+        m.close()
+
+    buf = bytearray(pages * mmap.PAGESIZE)
+
+    def reuse() -> None:
+        buf[::mmap.PAGESIZE] = b"\x01" * pages
+
+    out = measure_interleaved({"fresh": fresh, "reuse": reuse}, rounds=3, inner=2)
+    assert len(out.faults["fresh"]) == len(out["fresh"]) == 3
+    assert all(f >= pages for f in out.faults["fresh"])
+    assert all(f < pages / 10 for f in out.faults["reuse"])

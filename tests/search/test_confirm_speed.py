@@ -116,6 +116,27 @@ def test_a_near_tie_writes_the_simpler_plan_and_says_so():
     assert check_speed(rs, t, device="cpu", batch_size=16).winner is rs[0]
 
 
+def test_a_timed_row_that_page_faults_in_every_forward_is_named_in_the_reason():
+    """Fresh memory in every forward (glibc returning a large per-call buffer to the OS)
+    makes a row's time depend on the process: the reason names it, the report keeps it."""
+    from autoprec.cost.measure import Samples
+
+    base = timer_of({"tuned": 40, "next candidate (trial 3)": 45, label("fp32"): 34,
+                     label("bf16"): 30})
+
+    def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+        got = Samples(base(plans))
+        got.faults = {n: [15000.0 if n == label("bf16") else 3.0] * 5 for n in plans}
+        return got
+
+    rs = rows()
+    check = check_speed(rs, timer, device="cpu", batch_size=16)
+    assert f"page faults per forward: {label('bf16')} 15,000." in check.reason
+    assert rs[3].faults == 15000 and rs[2].faults == 3
+    assert rs[3].to_dict()["page_faults_per_forward"] == 15000
+    assert "page faults" not in check_speed(rows(), base, device="cpu", batch_size=16).reason
+
+
 def test_the_same_plan_is_timed_once():
     rs = rows()
     rs[3] = Row(label("bf16"), "baseline", Policy(default="fp32", layers={"0": "bf16"}), 0.01,
