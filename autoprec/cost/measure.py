@@ -120,6 +120,7 @@ def measure_interleaved(
     inner: int = 1,
     clock: str = "wall",
     seed: int = 0,
+    before_each: Callable[[], Any] | None = None,
 ) -> Samples:
     """Seconds per run of every entry of ``runs``, one sample per round (on a CPU with the
     minor page faults per run of each sample: ``Samples.faults``).
@@ -127,7 +128,8 @@ def measure_interleaved(
     Each round runs every entry once, in a fresh random order (slow drift of a shared
     machine then hits all alike, and ratios of one round cancel it): ``around[name]()`` is
     entered untimed (e.g. ``apply_policy``), ``warmup`` runs, then ``inner`` timed runs
-    (their mean is the sample). After ``rounds`` rounds, more follow while ``more(samples)``
+    (their mean is the sample; ``before_each()``, if given, runs untimed before each of
+    them, on a CPU only). After ``rounds`` rounds, more follow while ``more(samples)``
     says so, up to ``max_rounds`` and ``time_budget_s`` wall seconds. CPU clocks as in
     ``measure_latency``; on CUDA, events around the inner runs.
     """
@@ -155,7 +157,7 @@ def measure_interleaved(
         for name in names:
             ctx = around.get(name)
             with ctx() if ctx is not None else nullcontext():
-                sec, faults = _sample(runs[name], device, warmup, inner, clock)
+                sec, faults = _sample(runs[name], device, warmup, inner, clock, before_each)
             samples[name].append(sec)
             if faults is not None:
                 samples.faults[name].append(faults)
@@ -176,6 +178,21 @@ class Samples(dict[str, list[float]]):
         self.faults = {}
 
 
+def allocator_trim() -> Callable[[], Any] | None:
+    """glibc's ``malloc_trim(0)`` as a call: it hands every free page of the heap back to
+    the OS, so the next large allocations start on fresh pages that fault on first touch
+    (None where the C library has no such call)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return lambda: trim(0)
+
+
 def _minor_faults() -> int:
     """This thread's minor page faults so far (Linux; the process's elsewhere)."""
     import resource
@@ -184,10 +201,10 @@ def _minor_faults() -> int:
     return resource.getrusage(who).ru_minflt
 
 
-def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock: str
-            ) -> tuple[float, float | None]:
+def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock: str,
+            before_each: Callable[[], Any] | None = None) -> tuple[float, float | None]:
     """Seconds per run of ``inner`` timed runs after ``warmup`` untimed ones, and on a CPU
-    their minor page faults per run."""
+    their minor page faults per run (``before_each`` untimed before each timed run)."""
     for _ in range(warmup):
         run()
     if not is_cpu(device):
@@ -202,6 +219,16 @@ def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 1e3 / inner, None  # elapsed_time: milliseconds
     now = time.thread_time if clock == "thread" else time.perf_counter
+    if before_each is not None:
+        sec, faults = 0.0, 0
+        for _ in range(inner):
+            before_each()
+            f0 = _minor_faults()
+            t0 = now()
+            run()
+            sec += now() - t0
+            faults += _minor_faults() - f0
+        return sec / inner, faults / inner
     f0 = _minor_faults()
     t0 = now()
     for _ in range(inner):
@@ -210,4 +237,4 @@ def _sample(run: Callable[[], Any], device: str, warmup: int, inner: int, clock:
     return sec, (_minor_faults() - f0) / inner
 
 
-__all__ = ["Samples", "Timing", "measure_interleaved", "measure_latency"]
+__all__ = ["Samples", "Timing", "allocator_trim", "measure_interleaved", "measure_latency"]

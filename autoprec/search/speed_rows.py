@@ -11,6 +11,7 @@ simpler plan where two overlap; a ``SpeedCheck`` is the table and the reason.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -294,9 +295,12 @@ def contradictions(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
 
 
 def check_speed(rows: list[Row], timer: Timer | None, *, device: str | None = None,
-                batch_size: int | None = None, how: str = "") -> SpeedCheck:
+                batch_size: int | None = None, how: str = "",
+                cold_timer: Timer | None = None) -> SpeedCheck:
     """Time the runnable rows with ``timer`` (one entry per distinct plan) and decide; with
-    no timer (a remote target) the rows keep their estimates and the tuned row stands."""
+    no timer (a remote target) the rows keep their estimates and the tuned row stands.
+    ``cold_timer``: the same timing with the allocator trimmed before every forward, for
+    a winner that allocates per call (``cold_confirm``)."""
     if timer is None:
         tuned = next((r for r in rows if r.role == "tuned"), None)
         return SpeedCheck(rows, tuned, "estimated only (the target is not this machine)")
@@ -332,9 +336,56 @@ def check_speed(rows: list[Row], timer: Timer | None, *, device: str | None = No
                 + ("still contradicted: the measurement stands]" if contradictions(rows)
                    else "the second timing no longer contradicts the estimate]"))
     winner, reason = decide(rows)
+    cold = cold_confirm(rows, winner, cold_timer)
+    if cold:
+        winner, reason = decide(rows)
     n = min((len(v) for v in samples.values()), default=0)
-    return SpeedCheck(rows, winner, reason + note + fault_note(rows), device, batch_size, how,
-                      n, retimed=again)
+    return SpeedCheck(rows, winner, reason + note + cold + fault_note(rows), device,
+                      batch_size, how, n, retimed=again)
+
+
+def _casts_per_call(policy: Policy) -> bool:
+    """The training form with a 16-bit or narrower rule: it casts weights on every call."""
+    return policy.form == "train" and any(
+        p not in ("fp32", "tf32") for p in (policy.default, *policy.layers.values()))
+
+
+def cold_confirm(rows: Sequence[Row], winner: Row | None, cold_timer: Timer | None) -> str:
+    """Before a plan that casts its weights on every call is written, time it, fp32 and
+    the next two fastest rows again with the allocator trimmed before every forward, and
+    keep each row's slower state; the caller decides again. Returns what the reason says.
+
+    Why: the per-call casts allocate fresh buffers every forward, and whether glibc serves
+    them from fresh, faulting pages depends on what the process allocated before
+    (experiments/page_faults.py: experiments/wide's global bf16 autocast ran 2.44x of fp32
+    with freed memory kept, 1.08x with ~14,500 faults per forward). A plan measured in the
+    lucky state alone must not be written: issue 29's tune wrote an autocast plan it
+    measured at 1.43x where ``eval --measure`` measured 0.79x."""
+    if (cold_timer is None or winner is None or winner.policy is None
+            or not _casts_per_call(winner.policy)):
+        return ""
+    base = next(r for r in rows if r.role == "baseline" and r.policy is not None
+                and r.policy.default == "fp32" and not r.policy.layers)
+    timed = sorted((r for r in rows if r.same_as is None and r.speedup is not None
+                    and r.policy is not None and r.feasible),
+                   key=lambda r: -(r.speedup or 0.0))
+    names = list(dict.fromkeys([base.same_as or base.name, winner.same_as or winner.name,
+                                *(r.name for r in timed[:3])]))
+    plans = {r.name: r.policy for r in rows if r.name in names and r.policy is not None}
+    got = cold_timer(plans)
+    shadow = [copy.copy(r) for r in rows if (r.same_as or r.name) in names]
+    fill_measured(shadow, got)
+    moved = []
+    for r, c in zip((r for r in rows if (r.same_as or r.name) in names), shadow, strict=True):
+        if c.speedup is not None and r.speedup is not None and c.speedup < r.speedup:
+            if r.same_as is None and r is not base:
+                moved.append(f"{r.name} {r.speedup:.2f}x -> {c.speedup:.2f}x"
+                             + (f" ({c.faults:,.0f} faults per forward)" if c.faults else ""))
+            r.speedup, r.p10, r.p90, r.faults = c.speedup, c.p10, c.p90, c.faults
+    return (f" [{winner.name} casts its weights on every call: {', '.join(names)} timed "
+            "again with the allocator trimmed before each forward (fresh pages: "
+            "experiments/page_faults.py); each row keeps its slower state"
+            + (f": {'; '.join(moved)}]" if moved else ": none slower]"))
 
 
 def speed_metrics(check: SpeedCheck) -> dict[str, Any]:
@@ -352,4 +403,4 @@ def speed_metrics(check: SpeedCheck) -> dict[str, Any]:
     return out
 
 
-__all__ = ["FAULTS_NOTED", "RETIME_MARGIN", "Row", "SpeedCheck", "Timer", "check_speed", "contradictions", "decide", "fault_note", "fill_measured", "format_rows", "label", "speed_metrics"]
+__all__ = ["FAULTS_NOTED", "RETIME_MARGIN", "Row", "SpeedCheck", "Timer", "check_speed", "contradictions", "cold_confirm", "decide", "fault_note", "fill_measured", "format_rows", "label", "speed_metrics"]

@@ -42,9 +42,10 @@ SAMPLE_S = 0.02
 
 def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: str, *,
                       inner: int = 1, fp8_backend: str | None = None, seed: int = 0,
-                      force: bool = False) -> Timer:
+                      force: bool = False, cold: bool = False) -> Timer:
     """A Timer for ``check_speed``: each plan applied around ``run()`` (the forward of one
-    batch under ``torch.no_grad``), interleaved rounds on ``device`` (see the module doc)."""
+    batch under ``torch.no_grad``), interleaved rounds on ``device`` (see the module doc).
+    ``cold``: the allocator trimmed before every timed forward (``_rounds``)."""
     from autoprec.apply.apply import apply_policy
 
     def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
@@ -52,7 +53,7 @@ def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: s
                                                       fp8_backend=fp8_backend))
                   for name, pol in plans.items()}
         with _timing(device):
-            return _rounds({n: run for n in plans}, device, inner, seed, around)
+            return _rounds({n: run for n in plans}, device, inner, seed, around, cold=cold)
 
     return timer
 
@@ -68,20 +69,23 @@ def _timing(device: str) -> Iterator[None]:
 
 
 def _rounds(runs: Mapping[str, Callable[[], Any]], device: str, inner: int, seed: int,
-            around: Mapping[str, Callable[[], Any]] | None = None
+            around: Mapping[str, Callable[[], Any]] | None = None, *, cold: bool = False
             ) -> Mapping[str, Sequence[float]]:
-    """The interleaved rounds every timer runs (see the module doc)."""
-    from autoprec.cost.measure import measure_interleaved
+    """The interleaved rounds every timer runs (see the module doc). ``cold``: glibc's
+    ``malloc_trim(0)`` untimed before every timed forward, so each starts from an allocator
+    that has handed its free memory back (``speed_rows.cold_confirm``)."""
+    from autoprec.cost.measure import allocator_trim, measure_interleaved
 
     return measure_interleaved(runs, device, around=around, rounds=MIN_ROUNDS,
                                max_rounds=MAX_ROUNDS, more=_undecided,
                                time_budget_s=TIME_BUDGET_S, inner=inner,
-                               clock="thread" if is_cpu(device) else "wall", seed=seed)
+                               clock="thread" if is_cpu(device) else "wall", seed=seed,
+                               before_each=allocator_trim() if cold else None)
 
 
 def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, device: str,
                    target: str, *, inner: int = 1, fp8_backend: str | None = None,
-                   seed: int = 0, force: bool = False) -> Timer:
+                   seed: int = 0, force: bool = False, cold: bool = False) -> Timer:
     """A Timer for ``check_speed`` that times plans as a ``torch.compile`` deployment runs
     them: per plan, a copy of ``model`` with the plan applied for the whole measurement
     (``apply_policy``, then ``torch.compile``: the README's deployment snippet), compiled
@@ -113,7 +117,7 @@ def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, d
 
                     run()  # compiles (untimed)
                     runs[name] = run
-                return _rounds(runs, device, inner, seed)
+                return _rounds(runs, device, inner, seed, cold=cold)
             finally:
                 for h in handles:
                     h.remove()
@@ -176,11 +180,22 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
     how = ("1 torch thread, thread CPU time" if is_cpu(device) else "CUDA events") + (
         f", {inner} forwards per sample" if inner > 1 else "") + (
         ", torch.compile'd (one model copy per plan)" if target.compile else "")
+    cold_timer = None
     if timer is None:
+        from autoprec.cost.measure import allocator_trim
+
         kw = dict(inner=inner, seed=seed, force=force, fp8_backend=target.fp8_backend)
-        timer = (compiled_timer(net, forward, batch, device, target.name, **kw)
-                 if target.compile else interleaved_timer(net, run, device, target.name, **kw))
-    return check_speed(rows, timer, device=device, batch_size=at_batch.batch_size, how=how)
+
+        def make(cold: bool) -> Timer:
+            return (compiled_timer(net, forward, batch, device, target.name, cold=cold, **kw)
+                    if target.compile else
+                    interleaved_timer(net, run, device, target.name, cold=cold, **kw))
+
+        timer = make(False)
+        if is_cpu(device) and allocator_trim() is not None:
+            cold_timer = make(True)
+    return check_speed(rows, timer, device=device, batch_size=at_batch.batch_size, how=how,
+                       cold_timer=cold_timer)
 
 
 __all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "compiled_timer", "interleaved_timer", "measure_rows"]

@@ -137,6 +137,40 @@ def test_a_timed_row_that_page_faults_in_every_forward_is_named_in_the_reason():
     assert "page faults" not in check_speed(rows(), base, device="cpu", batch_size=16).reason
 
 
+def test_a_plan_casting_per_call_is_written_only_if_it_still_wins_with_a_cold_allocator():
+    """The training form's per-call casts fault on fresh pages in one process and not in
+    another: before such a plan is written it is timed again with the allocator trimmed
+    before every forward, and each row keeps its slower state."""
+    from autoprec.search.speed_rows import cold_confirm
+
+    def rows_ac() -> list[Row]:
+        return [
+            Row("tuned", "tuned", Policy(default="bf16", form="train"), 0.01, True, 2.4),
+            Row(label("fp32"), "baseline", Policy(default="fp32"), 0.0, True, 1.0),
+            Row(label("bf16"), "baseline", Policy(default="bf16", form="deploy"), 0.01, True,
+                2.2),
+        ]
+
+    warm = timer_of({"tuned": 20, label("fp32"): 50, label("bf16"): 25})
+    cold = timer_of({"tuned": 45, label("fp32"): 50, label("bf16"): 25})
+    rs = rows_ac()
+    check = check_speed(rs, warm, device="cpu", batch_size=16, cold_timer=cold)
+    assert check.winner is not None and check.winner.name == label("bf16")
+    assert "tuned casts its weights on every call" in check.reason
+    assert "tuned 2.50x -> 1.11x" in check.reason
+    assert cold.seen == [["tuned", label("fp32"), label("bf16")]]  # the winner and the rest
+    # still the fastest cold: written, and the reason says it was checked
+    rs = rows_ac()
+    check = check_speed(rs, warm, device="cpu", batch_size=16, cold_timer=warm)
+    assert check.winner is rs[0] and "none slower" in check.reason
+    # a deploy-form winner holds its weights once: no second timing
+    quiet = timer_of({"tuned": 60, label("fp32"): 50, label("bf16"): 25})
+    rs = rows_ac()
+    check = check_speed(rs, quiet, device="cpu", batch_size=16, cold_timer=cold)
+    assert check.winner is rs[2] and len(cold.seen) == 1
+    assert cold_confirm(rs, rs[2], cold) == ""
+
+
 def test_the_same_plan_is_timed_once():
     rs = rows()
     rs[3] = Row(label("bf16"), "baseline", Policy(default="fp32", layers={"0": "bf16"}), 0.01,
