@@ -73,13 +73,17 @@ def rows_of(name: str, mode: str, res: Any) -> list[dict[str, Any]]:
         if r.speedup is None or not r.est_measured_batch:
             continue
         same = r.same_as is not None
+        warm = r.warm or (r.speedup, r.p10, r.p90)
         out.append({
             "model": name, "mode": mode, "row": r.name, "role": r.role,
             "written": win is not None and (r is win or r.name == win.same_as
                                             or r.same_as == win.name),
-            "est": r.est_measured_batch, "measured": r.speedup, "p10": r.p10, "p90": r.p90,
-            "off": r.est_measured_batch / r.speedup - 1.0, "same_as": r.same_as if same else "",
-            "faults": r.faults,
+            # the estimate prices the allocator state without fresh pages: a row that
+            # tune's cold confirmation timed again (speed_rows.cold_confirm) is compared at
+            # its first timing, and its cold one is shown beside it
+            "est": r.est_measured_batch, "measured": warm[0], "p10": warm[1], "p90": warm[2],
+            "off": r.est_measured_batch / warm[0] - 1.0, "same_as": r.same_as if same else "",
+            "faults": r.faults, "cold": r.speedup if r.warm is not None else None,
         })
     return out
 
@@ -175,7 +179,10 @@ def report(table: list[dict[str, Any]], runs: list[dict[str, Any]], argv: list[s
         "- timing: tune's last step (one torch thread, thread CPU time, one calibration "
         "batch, interleaved rounds; median of per-round ratios to fp32, p10-p90 in brackets; "
         "minor page faults per forward, median: the first touches of memory the allocator "
-        "got fresh from the OS, which the estimate does not price)",
+        "got fresh from the OS, which the estimate does not price; a row tune timed again "
+        "with the allocator trimmed before each forward (its cold confirmation of a plan "
+        "that casts weights per call) is compared at its first timing, its cold one beside "
+        "the faults)",
         "- estimate: the cost model at the timed batch, priced with the calibrated cpu "
         "profile and this model's ops timed here (autoprec/cost/op_times.py)",
         f"- made by `{cmd}`; 1-minute load average {min(load):.1f}-{max(load):.1f} on "
@@ -189,11 +196,13 @@ def report(table: list[dict[str, Any]], runs: list[dict[str, Any]], argv: list[s
     for r in table:
         flag = "" if abs(r["off"]) <= LIMIT else " **over**"
         same = f" (= {r['same_as']})" if r["same_as"] else ""
+        faults = "-" if r["faults"] is None else format(r["faults"], ",.0f")
+        if r["cold"] is not None:  # timed again by the cold confirmation: its result
+            faults = f"cold: {r['cold']:.2f}x with {faults}"
         out.append(f"| {r['model']} | {r['mode']} | {r['row']}{same} | "
                    f"{'yes' if r['written'] else ''} | {r['est']:.2f}x | "
                    f"{r['measured']:.2f}x ({r['p10']:.2f}-{r['p90']:.2f}) | "
-                   f"{r['off']:+.0%}{flag} | "
-                   f"{'-' if r['faults'] is None else format(r['faults'], ',.0f')} |")
+                   f"{r['off']:+.0%}{flag} | {faults} |")
     out += ["", "| model | mode | written | rank pairs (out of order) | op timings: first tune |"
             " cached | re-timed | tune wall |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:

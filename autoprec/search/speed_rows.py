@@ -64,6 +64,9 @@ class Row:
     source: Any = None  # the caller's object behind the row (a study candidate, ...)
     weight_bytes: int | None = None  # the weights the applied plan holds on the device
     faults: float | None = None  # measured on a CPU: minor page faults per forward (median)
+    #: (speed-up, p10, p90) of the first timing where ``cold_confirm``'s slower one replaced
+    #: it: the allocator state the estimate prices (no fresh pages)
+    warm: tuple[float, float, float] | None = None
 
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]] | None:
@@ -90,6 +93,8 @@ class Row:
                                "weight_bytes": self.weight_bytes}
         if self.faults is not None:
             out["page_faults_per_forward"] = round(self.faults, 1)
+        if self.warm is not None:
+            out["measured_before_cold_confirm"] = num(self.warm[0])
         if self.policy is not None:
             out["policy"] = {"default": self.policy.default, "layers": dict(self.policy.layers),
                              "form": self.policy.form}
@@ -381,6 +386,7 @@ def cold_confirm(rows: Sequence[Row], winner: Row | None, cold_timer: Timer | No
             if r.same_as is None and r is not base:
                 moved.append(f"{r.name} {r.speedup:.2f}x -> {c.speedup:.2f}x"
                              + (f" ({c.faults:,.0f} faults per forward)" if c.faults else ""))
+            r.warm = (r.speedup, r.p10 or r.speedup, r.p90 or r.speedup)
             r.speedup, r.p10, r.p90, r.faults = c.speedup, c.p10, c.p90, c.faults
     return (f" [{winner.name} casts its weights on every call: {', '.join(names)} timed "
             "again with the allocator trimmed before each forward (fresh pages: "

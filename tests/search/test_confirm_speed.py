@@ -159,6 +159,9 @@ def test_a_plan_casting_per_call_is_written_only_if_it_still_wins_with_a_cold_al
     assert "tuned casts its weights on every call" in check.reason
     assert "tuned 2.50x -> 1.11x" in check.reason
     assert cold.seen == [["tuned", label("fp32"), label("bf16")]]  # the winner and the rest
+    assert rs[0].warm is not None and rs[0].warm[0] == pytest.approx(2.5, rel=1e-6)
+    assert rs[0].to_dict()["measured_before_cold_confirm"] == pytest.approx(2.5, rel=1e-3)
+    assert rs[2].warm is None  # the deploy form is as fast cold: its first timing stands
     # still the fastest cold: written, and the reason says it was checked
     rs = rows_ac()
     check = check_speed(rs, warm, device="cpu", batch_size=16, cold_timer=warm)
