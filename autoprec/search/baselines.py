@@ -116,11 +116,16 @@ def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[s
 
     if reference is not None and not reference.is_fp32:
         return reference_rows(cost, ev, budget, precisions, reference)
-    return baseline_rows(
+    rows = baseline_rows(
         cost, lambda pol: _uniform_errors(ev, pol.default, budget, pol.form), budget,
         lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target.name, form),
         precisions=precisions, train_aware=train_aware,
         audit=ev.audit_policy, baselines=baselines)
+    if ev.form == "train":  # asked for fp32 masters: the stored 16-bit form cannot train
+        for r in rows:
+            if r.feasible and r.policy is not None and r.policy.form == "deploy":
+                r.feasible, r.why_not = False, "--form train: it stores no fp32 masters"
+    return rows
 
 
 def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],

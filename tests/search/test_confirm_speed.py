@@ -251,6 +251,30 @@ def test_tune_for_the_local_cpu_writes_the_baseline_when_the_tuned_plan_measures
     assert any("cached in" in n for n in res2.notes)
 
 
+def test_a_train_form_tune_never_writes_the_stored_16_bit_one_liner(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``--form train`` asks for autocast over fp32 masters: ``model.to(bf16)`` is timed and
+    shown beside the plan, but it stores no masters to train, so it is never written, even
+    measured fastest (seen on experiments/wide: written as the answer to --form train)."""
+
+    def deploy_fastest(model, run, device, target, **kw):
+        def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+            return {n: [0.002 if p.form == "deploy" and p.default == "bf16" else
+                        0.010 if p.default == "fp32" and not p.layers else 0.008] * 3
+                    for n, p in plans.items()}
+        return timer
+
+    monkeypatch.setattr(timing, "interleaved_timer", deploy_fastest)
+    out = tmp_path / "p.yaml"
+    res = tune(MLP, max_error=0.05, target="cpu", precisions=["bf16"], trials=3,
+               form="train", out=out, progress=False)
+    assert res.speed is not None and res.speed.winner is not None
+    stored = next(r for r in res.speed.rows if r.name == label("bf16", "deploy"))
+    assert stored.speedup == pytest.approx(5.0) and not stored.feasible
+    assert stored.why_not == "--form train: it stores no fp32 masters"
+    assert load_policy(out).form == "train"
+
+
 def test_tune_for_a_remote_target_says_it_is_estimated(tmp_path: Path):
     res = tune(MLP, max_error=0.05, target="h100", precisions=["bf16"], trials=3,
                out=tmp_path / "p.yaml", progress=False)
