@@ -14,8 +14,9 @@ does (``measure_interleaved``: interleaved rounds, one torch thread, thread CPU 
 with the minor page faults per forward (``Samples.faults``), under three settings:
 
 - ``glibc``: the allocator as a process finds it;
-- ``trimmed``: ``malloc_trim(0)`` before every sample, so every forward starts from an
-  allocator that has handed its free memory back (the faulting state, made certain);
+- ``trimmed``: ``malloc_trim(0)`` (``cost.measure.allocator_trim``) before every sample
+  of 1 + 3 forwards: the sample starts from an allocator that has handed its free memory
+  back (tune's cold confirmation trims before every timed forward instead);
 - ``kept``: ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` at 4 GB, so freed
   buffers stay in the heap (the non-faulting state, made certain; jemalloc or tcmalloc
   keep them too).
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import subprocess
@@ -54,13 +54,13 @@ def child(name: str, setting: str) -> dict[str, Any]:
     import torch
 
     from autoprec.apply.apply import apply_policy
-    from autoprec.cost.measure import measure_interleaved
+    from autoprec.cost.measure import allocator_trim, measure_interleaved
     from autoprec.loading import load_model_file
     from autoprec.policy import Policy
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    libc = ctypes.CDLL("libc.so.6") if setting == "trimmed" else None
+    trim = allocator_trim() if setting == "trimmed" else None
     spec = load_model_file(ROOT / "experiments" / name / "model.py")
     batch = spec.calibration_batches()[0]
     models = {label: spec.model() for label in PLANS}
@@ -75,8 +75,8 @@ def child(name: str, setting: str) -> dict[str, Any]:
     def around(label: str) -> Any:
         default, form = PLANS[label]
         with apply_policy(models[label], Policy(default=default, form=form)):
-            if libc is not None:
-                libc.malloc_trim(0)
+            if trim is not None:
+                trim()
             yield
 
     got = measure_interleaved({label: run_of(label) for label in PLANS}, "cpu",
