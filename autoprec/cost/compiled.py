@@ -33,9 +33,9 @@ every cast) is regrouped into the kernels inductor generates:
   measured here, as in eager, a convolution its channels-last time (inductor's CPU layout),
   a Linear over a transposed 3-D input whose weight the plan casts the time of the ``bmm``
   inductor runs instead of the folded GEMM (``cost.unfolded``); the fused segments cost
-  the larger of the calibrated roofline and the seconds their activations, norms and
-  softmaxes took timed one by one (``_fused_eager_seconds``: on a CPU thread those kernels
-  are bound by their arithmetic).
+  the larger of the calibrated roofline and the seconds their activations, norms,
+  softmaxes and master-weight casts took timed one by one (``_fused_eager_seconds``: on a
+  CPU thread those kernels are bound by their arithmetic, a weight cast by the cold read).
 
 Weights are read every call and their casts run every call (the default
 ``torch.compile``); freezing (``torch._inductor.config.freezing``) would constant-fold them,
@@ -154,9 +154,9 @@ class CompiledCostModel(CostModel):
         rows that cast its weight per call (the training form reading it in another dtype
         than the parameter's; the deploy form stores each weight in its precision), the
         folded GEMM's (``timed``; NaN: not timed) in the others."""
-        w = self.trace.ops[i].inputs[1]
-        cast = (np.asarray(sch.reads[i][1]) != DTYPES.index(self.trace.values[w].dtype)) & (
-            sch.form == "train")
+        cast = self._casts_weight(i, sch)
+        if cast is None:
+            cast = np.zeros(sch.plans, dtype=bool)
         alt = self._unfolded_tabs[i][comp]
         folded = np.full(sch.plans, math.nan) if timed is None else timed
         return np.where(cast & ~np.isnan(alt), alt, folded)
@@ -438,7 +438,14 @@ class CompiledCostModel(CostModel):
         profiled program spent 2.0 ms in its fused kernels and wrapper. Other ops are left to
         the roofline: inductor runs them otherwise than eager (a max-pool without its indices
         took a fraction of eager's 0.66 ms in the digits CNN) or they are memory-bound (adds,
-        casts). An op not timed adds 0."""
+        activation casts). An op not timed adds 0.
+
+        The training form's per-call casts of the fp32 master weights add their timed
+        seconds too: each reads a weight the forward last touched one forward earlier
+        (``op_measure._cast_times``), which the calibrated bandwidth (cache-hot copies)
+        does not see. Compiled experiments/mixed8 (AMD EPYC, AVX512-BF16) under one bf16
+        autocast: its fused kernels, the casts of 8.4 MB of weights among them, took
+        0.54 ms; priced by bytes 0.15 ms."""
         if self.op_times is None:
             return None
         t = sch.plans
@@ -450,6 +457,11 @@ class CompiledCostModel(CostModel):
             sec = self._op_seconds(i, sch, None)
             if sec is not None:
                 total += np.where(kern & ~np.isnan(sec), sec, 0.0)
+        for c in sch.casts if not self.frozen else ():
+            if c.weight:  # a master weight's per-call cast: reads it cold (op_measure)
+                sec = self._cast_seconds(c.value, c.src, c.dst, True)
+                if sec is not None:
+                    total += np.where(c.on & ~np.isnan(sec), sec, 0.0)
         return total
 
     def _unit_module(self, unit: int, unit_of: np.ndarray) -> int:

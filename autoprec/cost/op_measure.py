@@ -18,12 +18,9 @@ import numpy as np
 import torch
 
 from autoprec.cost.op_runner import (
-    L2_DEFAULT,
     PASSES,
-    _cache_bytes,
     _floating_specs,
     _key,
-    _llc_bytes,
     _Runner,
     _span,
     _time,
@@ -38,6 +35,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPUTE_KINDS = ("gemm", "attention")
 #: Variant prefix of a convolution timed in channels-last layout (``OpTimes.compute_cl``).
 CL = "cl:"
+#: Variant prefix of a GEMM / convolution timed with its weight hot (``OpTimes.compute_hot``).
+HOT = "hot:"
 #: Recipe functions that are convolutions (timed in both layouts).
 _CONVS = frozenset({"F.conv1d", "F.conv2d", "F.conv3d", "aten.convolution.default",
                     "aten.conv2d.default", "aten.conv3d.default"})
@@ -78,10 +77,6 @@ def _wrapper_s() -> dict[str, float]:
     return out
 
 
-def _weight_bytes(trace: OpTrace) -> int:
-    return sum(v.numel * v.itemsize for v in trace.values if v.source == "param")
-
-
 def _footprint(trace: OpTrace, scale: float) -> int:
     """Bytes one forward moves between two reads of the same weight: every parameter and
     every op's output once, at fp32's width, at the timed batch (views move nothing)."""
@@ -93,23 +88,43 @@ def _footprint(trace: OpTrace, scale: float) -> int:
     return int(4 * n)
 
 
-def _variants(op: Op, floating: bool, precisions: Iterable[str]) -> list[str]:
+def _variants(op: Op, floating: bool, precisions: Iterable[str], hot: bool) -> list[str]:
+    """What op is timed as: each dtype (``DTYPES``; a GEMM's only in ``precisions``), a
+    convolution also channels-last (``CL``), and with ``hot`` a GEMM's 16-bit ones also
+    with its weight hot (``HOT``)."""
     if not floating:
         return ["-"]
     out = [p for p in DTYPES if op.kind not in COMPUTE_KINDS or p in precisions]
-    return out + [CL + p for p in out] if is_conv(op) else out
+    out = out + [CL + p for p in out] if is_conv(op) else out
+    if hot and op.kind in COMPUTE_KINDS:
+        out += [HOT + v for v in out if v.removeprefix(CL) != "fp32"]
+    return out
+
+
+def _has_weight(op: Op, trace: OpTrace) -> bool:
+    return any(trace.values[v].source == "param" for v in op.inputs)
 
 
 def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYPES,
             machine: str = "", progress: Callable[[int, int], None] | None = None) -> OpTimes:
     """Time every op of ``trace`` with a recipe, its casts and a module call, on this CPU
-    at ``batch_size`` (the caller holds torch at the timing threads)."""
+    at ``batch_size`` (the caller holds torch at the timing threads).
+
+    A weight operand is read cold where it is stored (fp32, or the deploy form's 16-bit
+    copy): the forward moved everything else since its last read, so it is cycled through
+    copies spanning that footprint (``_footprint``, ``op_runner._span``). Where the
+    training form casts it per call, the GEMM reads the cast it just wrote: timed hot
+    (``OpTimes.compute_hot``; the unfolded ``bmm``, which runs only then, too). Measured
+    on an AMD EPYC (AVX512-BF16, 1 MB L2 per core), experiments/mixed8 compiled (8.4 MB of
+    fp32 weights), a 512 x 512 Linear at 64 rows: in the forward 438-494 us fp32 and
+    147-160 us bf16 (``model.to(bf16)``), 129-134 us under autocast; alone, cycled through
+    9 copies 451-474 / 130-162 us, hot 388-404 / 114-138 us."""
     t_start = time.perf_counter()
     precisions = set(precisions) | {"fp32"}
     scale = batch_size / trace.batch_size
-    span = _span(_weight_bytes(trace))
-    runner = _Runner(trace, scale, span)
-    linear = _Runner(trace, 1.0, span)
+    span = _span(_footprint(trace, scale))
+    runners = {False: (_Runner(trace, scale, span), _Runner(trace, 1.0, span)),
+               True: (_Runner(trace, scale, 0), _Runner(trace, 1.0, 0))}
     out = OpTimes(batch_size, machine=machine)
     # every op -> its distinct (recipe key, variant) timings; each distinct one timed once
     uses: list[tuple[int, dict[int, dict[str, float]], str, tuple[str, str]]] = []
@@ -119,22 +134,26 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
             continue
         key = _key(op.recipe, trace)
         table = out.compute if op.kind in COMPUTE_KINDS else out.other
-        for var in _variants(op, bool(_floating_specs(op.recipe)), precisions):
+        hot = span > 0 and _has_weight(op, trace)
+        for var in _variants(op, bool(_floating_specs(op.recipe)), precisions, hot):
             distinct.setdefault((key, var), op.recipe)
+            if var.startswith(HOT):
+                uses.append((i, out.compute_hot, var.removeprefix(HOT), (key, var)))
+                continue
             cl = var.startswith(CL)
             uses.append((i, out.compute_cl if cl else table, var.removeprefix(CL), (key, var)))
     for i, recipe in unfolded_gemms(trace).items():  # the bmm inductor runs instead
         key = _key(recipe, trace)
-        for var in _variants(trace.ops[i], True, precisions):
-            distinct.setdefault((key, var), recipe)
-            uses.append((i, out.compute_unfolded, var, (key, var)))
+        for var in _variants(trace.ops[i], True, precisions, False):
+            distinct.setdefault((key, HOT + var), recipe)  # its weight is a fresh cast
+            uses.append((i, out.compute_unfolded, var, (key, HOT + var)))
     passes: dict[tuple[str, str], list[float] | None] = {k: [] for k in distinct}
     for p in range(PASSES):  # interleaved passes (see SAMPLES, PASSES)
         for n, (k, recipe) in enumerate(distinct.items()):
             got = passes[k]
             if got is not None:
-                var = k[1]
-                one = _try(runner, linear, recipe, DTYPES.get(var.removeprefix(CL)), scale,
+                hot, var = k[1].startswith(HOT), k[1].removeprefix(HOT)
+                one = _try(*runners[hot], recipe, DTYPES.get(var.removeprefix(CL)), scale,
                            channels_last=var.startswith(CL))
                 passes[k] = None if one is None else [*got, one]
             if progress is not None:
@@ -176,9 +195,7 @@ def _cast_times(trace: OpTrace, scale: float) -> dict[str, float]:
     (AVX512-BF16, 1 MB L2 per core): inside the bf16 forwards of experiments/nn_transformer
     and encoder4, a 768 x 192 weight's cast took 29-35 us against 14-22 us back to back;
     cycled through 5 / 18 / 71 MB of copies, 14 / 24 / 30 us."""
-    l2 = _cache_bytes().get(2) or L2_DEFAULT
-    footprint = min(_footprint(trace, scale), 2 * _llc_bytes())
-    span = footprint if footprint > l2 else 0
+    span = _span(_footprint(trace, scale))
     sizes: set[tuple[int, bool]] = set()
     for v in trace.values:
         if v.dtype in DTYPES and v.numel > 0:

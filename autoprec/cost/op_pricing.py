@@ -95,6 +95,8 @@ class OpPricer:
         """Per op, its measured seconds indexed by compute precision code (GEMMs, SDPA) or
         by the dtype code of its first floating input (the rest); NaN: not measured."""
         self._timed: list[np.ndarray | None] = [None] * len(self.trace.ops)
+        #: GEMMs / convolutions timed with their weight hot: where the plan casts it per call
+        self._timed_hot: dict[int, np.ndarray] = {}
         self._first_float: list[int | None] = [None] * len(self.trace.ops)
         self._fixed_s = 0.0  # views and the module calls: the same in every plan
         self._cast_tabs: dict[tuple[int, bool], np.ndarray] = {}
@@ -104,8 +106,13 @@ class OpPricer:
             return
         self._wrapper_s = dict(t.wrapper_s)
         vals = self.trace.values
+        cl = self._convs_channels_last()
         for i, op in enumerate(self.trace.ops):
-            if i in t.compute_cl and self._convs_channels_last():
+            if i in t.compute_hot:
+                got = {k.removeprefix("cl:"): s for k, s in t.compute_hot[i].items()
+                       if k.startswith("cl:") == (cl and i in t.compute_cl)}
+                self._timed_hot[i] = _precision_table(got)
+            if i in t.compute_cl and cl:
                 self._timed[i] = _precision_table(t.compute_cl[i])
             elif i in t.compute:
                 self._timed[i] = _precision_table(t.compute[i])
@@ -138,12 +145,31 @@ class OpPricer:
         if tab is None:
             return None
         if comp is not None:
-            return tab[comp]
+            hot = self._timed_hot.get(i)
+            cast = None if hot is None else self._casts_weight(i, sch)
+            if cast is None:
+                return tab[comp]
+            return np.where(cast & ~np.isnan(hot[comp]), hot[comp], tab[comp])
         k = self._first_float[i]
         if k is None:
             return np.full(sch.plans, tab[DTYPES.index("fp32")])
         codes = sch.reads[i][k]
         return tab[np.where(codes < len(tab), codes, 0)]
+
+    def _casts_weight(self, i: int, sch: Schedule) -> np.ndarray | None:
+        """(T,) whether op ``i`` reads a parameter in another dtype than the one it is
+        stored in: the training form's per-call cast of an fp32 master, whose output the
+        op then reads hot (the deploy form stores each weight in its precision). None: the
+        op reads no parameter, or the deploy form."""
+        if sch.form != "train":
+            return None
+        vals = self.trace.values
+        out = None
+        for k, v in enumerate(self.trace.ops[i].inputs):
+            if vals[v].source == "param" and vals[v].dtype in DTYPES:
+                cast = np.asarray(sch.reads[i][k]) != DTYPES.index(vals[v].dtype)
+                out = cast if out is None else out | cast
+        return None if out is None else np.broadcast_to(out, (sch.plans,))
 
     def _cast_seconds(self, value: int, src: np.ndarray, dst: np.ndarray, weight: bool
                       ) -> np.ndarray | None:

@@ -37,6 +37,8 @@ LLC_DEFAULT, LLC_MAX = 32 << 20, 64 << 20
 
 #: The core's L2 assumed when the OS does not say.
 L2_DEFAULT = 512 << 10
+#: The most copies of one op's weights (a small weight in a large model: 256 x 16 KB).
+COPIES_MAX = 256
 
 
 def _cache_bytes() -> dict[int, int]:
@@ -61,16 +63,12 @@ def _llc_bytes() -> int:
     return min(max(sizes.values(), default=0) or LLC_DEFAULT, LLC_MAX)
 
 
-def _span(weight_bytes: int) -> int:
-    """Bytes the weight operands of a model holding ``weight_bytes`` are cycled through
-    when timed alone: twice the cache they overflow (0: they fit L2, timed hot)."""
+def _span(footprint: int) -> int:
+    """Bytes (at fp32's width) a weight operand is cycled through when timed alone: what
+    one forward moves between two reads of that weight (``footprint``, ``op_measure``), at
+    most twice the last-level cache; 0 (timed hot) when it fits the core's L2."""
     l2 = _cache_bytes().get(2) or L2_DEFAULT
-    llc = _llc_bytes()
-    if weight_bytes > llc:
-        return 2 * llc
-    if weight_bytes > l2:
-        return 2 * l2
-    return 0
+    return 0 if footprint <= l2 else min(footprint, 2 * _llc_bytes())
 
 
 # -- rebuilding an op from its recipe ---------------------------------------------------------
@@ -249,8 +247,8 @@ class _Runner:
                   if self.trace.values[s["t"]].source == "param"]
         if not params:
             return []
-        nbytes = sum(math.prod(s["shape"]) for s in params) * 4
-        n = max(1, min(64, math.ceil(self.span / max(nbytes, 1))))
+        nbytes = sum(math.prod(s["shape"]) for s in params) * 4  # at fp32's width, as span
+        n = max(1, min(COPIES_MAX, math.ceil(self.span / max(nbytes, 1))))
         if n == 1:
             return []
         builder = _Builder(self.trace, self.scale)

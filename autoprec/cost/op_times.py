@@ -24,16 +24,16 @@ Each is timed as tune times a model (``search.timing``): one torch thread, the t
 time, the median of ``SAMPLES`` samples of at least ``SAMPLE_S`` each, after a warm-up.
 Inputs are rebuilt from the recipe (``uniform_`` values, integer tensors zero, boolean
 ones true: a mask that attends everywhere). An op timed alone finds its weight in the
-core's L2 cache, where the model's forward, running every layer in turn, finds it only if
-all the weights fit there: a model whose weights exceed L2 reads them from L3 on every
-forward, one that exceeds the last-level cache from memory. So the weight operands of
-such a model are cycled through copies spanning twice that cache (``_span``): on this
-team's AMD EPYC a 256 x 256 fp32 Linear at 64 rows took 145 us alone and 200 us with its
-weight cycled through 18 copies, as in a model of 18 such layers. A master weight's
-per-call cast (the training form) is cycled through copies spanning the forward's whole
-footprint (``op_measure._cast_times``): between two casts of one weight the forward moves
-everything else. A parameter is rebuilt requiring grad, as in the model: torch's matmul
-chooses its kernel by it (``op_runner._Builder.tensor``).
+core's L2 cache, where the model's forward finds a stored weight only after moving every
+other weight and activation since its last read: where that footprint overflows L2, the
+weight operands are cycled through copies spanning it (``op_runner._span``, at most twice
+the last-level cache): on this team's AMD EPYC a 256 x 256 fp32 Linear at 64 rows took
+145 us alone and 200 us with its weight cycled through 18 copies, as in a model of 18 such
+layers. The training form's 16-bit GEMM reads the per-call cast of its master weight,
+just written: those are timed hot as well (``OpTimes.compute_hot``; ``op_measure.measure``
+has the figures). A master weight's per-call cast is cycled through copies spanning the
+same footprint (``op_measure._cast_times``). A parameter is rebuilt requiring grad, as
+in the model: torch's matmul chooses its kernel by it (``op_runner._Builder.tensor``).
 
 The result (``OpTimes``) is cached per op set, batch size and machine under
 ``<calibration dir>/ops-<digest>.json``: the first tune of a model pays seconds

@@ -186,6 +186,48 @@ def test_convolutions_are_timed_channels_last_too_and_compiled_plans_take_those(
             (len(gemms) - len(convs)) * 1e-3 + len(convs) * 1e-2, rel=1e-9)
 
 
+def test_gemms_are_timed_with_the_weight_hot_too_only_where_it_is_timed_cold(
+        graph, monkeypatch) -> None:  # noqa: ANN001
+    """A stored weight is read cold (the forward moved its footprint since); the training
+    form's per-call cast leaves the 16-bit copy hot: where the footprint overflows L2 the
+    16-bit GEMMs are timed both ways, else hot only (one timing)."""
+    from autoprec.cost import op_runner
+
+    gemms = [i for i, op in enumerate(graph.ops.ops) if op.kind == "gemm"]
+    with one_torch_thread():
+        monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1024, 3: 1 << 20})
+        cold = measure(graph.ops, graph.batch_size, precisions=("bf16",))
+        monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1 << 30})
+        hot = measure(graph.ops, graph.batch_size, precisions=("bf16",))
+    assert sorted(cold.compute_hot) == gemms and hot.compute_hot == {}
+    assert all(set(cold.compute_hot[i]) == {"bf16"} for i in gemms)
+    assert all(0 < s < 0.05 for i in gemms for s in cold.compute_hot[i].values())
+    back = OpTimes.from_json(json.loads(json.dumps(cold.to_json())))
+    assert back.compute_hot == cold.compute_hot
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_the_training_forms_16_bit_gemms_are_priced_hot_the_stored_weights_cold(
+        graph, mode) -> None:  # noqa: ANN001
+    """fp32 and ``model.to(bf16)`` read stored weights (``compute``); one global autocast
+    reads the casts it just made (``compute_hot``): 3 GEMMs at 1 ms cold, 0.1 ms hot."""
+    ops = graph.ops.ops
+    gemms = [i for i, op in enumerate(ops) if op.kind == "gemm"]
+    hand = OpTimes(graph.batch_size,
+                   compute={i: {"fp32": 1e-3, "bf16": 1e-3, "fp16": 1e-3} for i in gemms},
+                   compute_hot={i: {"bf16": 1e-4, "fp16": 1e-4} for i in gemms})
+    cost = make_cost_model(graph, get_profile("cpu"), graph.batch_size, mode, op_times=hand)
+
+    def gemm_s(pol: Policy) -> float:
+        return cost.breakdown(pol).parts["gemm"]
+
+    assert gemm_s(Policy(default="fp32")) == pytest.approx(3e-3, rel=1e-9)
+    assert gemm_s(Policy(default="bf16", form="deploy")) == pytest.approx(3e-3, rel=1e-9)
+    assert gemm_s(Policy(default="bf16")) == pytest.approx(3e-4, rel=1e-9)
+    one = Policy(default="fp32", layers={"fc2": "bf16"})  # one autocast region
+    assert gemm_s(one) == pytest.approx(2e-3 + 1e-4, rel=1e-9)
+
+
 def test_op_times_at_another_batch_rebuild_the_scaled_tensors(graph) -> None:  # noqa: ANN001
     torch.set_num_threads(1)
     at4 = measure(graph.ops, 4 * graph.batch_size)
@@ -321,12 +363,12 @@ def test_the_footprint_counts_parameters_and_each_kernels_output_once(graph) -> 
 
 def test_weight_casts_are_cycled_only_where_the_footprint_overflows_l2(graph, monkeypatch
                                                                        ) -> None:  # noqa: ANN001
-    from autoprec.cost import op_measure
+    from autoprec.cost import op_measure, op_runner
 
     with one_torch_thread():
-        monkeypatch.setattr(op_measure, "_cache_bytes", lambda: {2: 1 << 30})
+        monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1 << 30})
         hot = op_measure._cast_times(graph.ops, 1.0)
-        monkeypatch.setattr(op_measure, "_cache_bytes", lambda: {2: 1024})
+        monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1024})
         cycled = op_measure._cast_times(graph.ops, 1.0)
     w = next(v.numel for v in graph.ops.values if v.param == "fc1.weight")
     assert f"{w}:fp32>bf16" in hot and f"{w}:fp32>bf16:w" not in hot
