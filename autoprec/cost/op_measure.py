@@ -35,7 +35,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPUTE_KINDS = ("gemm", "attention")
 #: Variant prefix of a convolution timed in channels-last layout (``OpTimes.compute_cl``).
 CL = "cl:"
-#: Variant prefix of a GEMM / convolution timed with its weight hot (``OpTimes.compute_hot``).
+#: Variant prefix of the unfolded ``bmm`` timed with its weight hot (``OpTimes.compute_unfolded``).
 HOT = "hot:"
 #: Recipe functions that are convolutions (timed in both layouts).
 _CONVS = frozenset({"F.conv1d", "F.conv2d", "F.conv3d", "aten.convolution.default",
@@ -88,21 +88,13 @@ def _footprint(trace: OpTrace, scale: float) -> int:
     return int(4 * n)
 
 
-def _variants(op: Op, floating: bool, precisions: Iterable[str], hot: bool) -> list[str]:
+def _variants(op: Op, floating: bool, precisions: Iterable[str]) -> list[str]:
     """What op is timed as: each dtype (``DTYPES``; a GEMM's only in ``precisions``), a
-    convolution also channels-last (``CL``), and with ``hot`` a GEMM's 16-bit ones also
-    with its weight hot (``HOT``)."""
+    convolution also channels-last (``CL``)."""
     if not floating:
         return ["-"]
     out = [p for p in DTYPES if op.kind not in COMPUTE_KINDS or p in precisions]
-    out = out + [CL + p for p in out] if is_conv(op) else out
-    if hot and op.kind in COMPUTE_KINDS:
-        out += [HOT + v for v in out if v.removeprefix(CL) != "fp32"]
-    return out
-
-
-def _has_weight(op: Op, trace: OpTrace) -> bool:
-    return any(trace.values[v].source == "param" for v in op.inputs)
+    return out + [CL + p for p in out] if is_conv(op) else out
 
 
 def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYPES,
@@ -110,15 +102,14 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
     """Time every op of ``trace`` with a recipe, its casts and a module call, on this CPU
     at ``batch_size`` (the caller holds torch at the timing threads).
 
-    A weight operand is read cold where it is stored (fp32, or the deploy form's 16-bit
-    copy): the forward moved everything else since its last read, so it is cycled through
-    copies spanning that footprint (``_footprint``, ``op_runner._span``). Where the
-    training form casts it per call, the GEMM reads the cast it just wrote: timed hot
-    (``OpTimes.compute_hot``; the unfolded ``bmm``, which runs only then, too). Measured
-    on an AMD EPYC (AVX512-BF16, 1 MB L2 per core), experiments/mixed8 compiled (8.4 MB of
-    fp32 weights), a 512 x 512 Linear at 64 rows: in the forward 438-494 us fp32 and
-    147-160 us bf16 (``model.to(bf16)``), 129-134 us under autocast; alone, cycled through
-    9 copies 451-474 / 130-162 us, hot 388-404 / 114-138 us."""
+    A weight operand is read cold: the forward moved everything else since its last read,
+    so it is cycled through copies spanning that footprint (``_footprint``,
+    ``op_runner._span``). The training form's 16-bit GEMM reads the cast of its master it
+    has just written, and is priced at the same cold timing: priced hot, one global bf16
+    autocast came out +9..+15 % optimistic eager on five of six models, cold -5..+4 %;
+    compiled, both within 12 % (AMD EPYC, AVX512-BF16; experiments/train_form_gemms.py).
+    Only the unfolded
+    ``bmm`` (which runs only where the weight is cast) is timed hot."""
     t_start = time.perf_counter()
     precisions = set(precisions) | {"fp32"}
     scale = batch_size / trace.batch_size
@@ -134,17 +125,13 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
             continue
         key = _key(op.recipe, trace)
         table = out.compute if op.kind in COMPUTE_KINDS else out.other
-        hot = span > 0 and _has_weight(op, trace)
-        for var in _variants(op, bool(_floating_specs(op.recipe)), precisions, hot):
+        for var in _variants(op, bool(_floating_specs(op.recipe)), precisions):
             distinct.setdefault((key, var), op.recipe)
-            if var.startswith(HOT):
-                uses.append((i, out.compute_hot, var.removeprefix(HOT), (key, var)))
-                continue
             cl = var.startswith(CL)
             uses.append((i, out.compute_cl if cl else table, var.removeprefix(CL), (key, var)))
     for i, recipe in unfolded_gemms(trace).items():  # the bmm inductor runs instead
         key = _key(recipe, trace)
-        for var in _variants(trace.ops[i], True, precisions, False):
+        for var in _variants(trace.ops[i], True, precisions):
             distinct.setdefault((key, HOT + var), recipe)  # its weight is a fresh cast
             uses.append((i, out.compute_unfolded, var, (key, HOT + var)))
     passes: dict[tuple[str, str], list[float] | None] = {k: [] for k in distinct}

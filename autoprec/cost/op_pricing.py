@@ -95,8 +95,6 @@ class OpPricer:
         """Per op, its measured seconds indexed by compute precision code (GEMMs, SDPA) or
         by the dtype code of its first floating input (the rest); NaN: not measured."""
         self._timed: list[np.ndarray | None] = [None] * len(self.trace.ops)
-        #: GEMMs / convolutions timed with their weight hot: where the plan casts it per call
-        self._timed_hot: dict[int, np.ndarray] = {}
         self._first_float: list[int | None] = [None] * len(self.trace.ops)
         self._fixed_s = 0.0  # views and the module calls: the same in every plan
         self._cast_tabs: dict[tuple[int, bool], np.ndarray] = {}
@@ -108,10 +106,6 @@ class OpPricer:
         vals = self.trace.values
         cl = self._convs_channels_last()
         for i, op in enumerate(self.trace.ops):
-            if i in t.compute_hot:
-                got = {k.removeprefix("cl:"): s for k, s in t.compute_hot[i].items()
-                       if k.startswith("cl:") == (cl and i in t.compute_cl)}
-                self._timed_hot[i] = _precision_table(got)
             if i in t.compute_cl and cl:
                 self._timed[i] = _precision_table(t.compute_cl[i])
             elif i in t.compute:
@@ -145,11 +139,7 @@ class OpPricer:
         if tab is None:
             return None
         if comp is not None:
-            hot = self._timed_hot.get(i)
-            cast = None if hot is None else self._casts_weight(i, sch)
-            if cast is None:
-                return tab[comp]
-            return np.where(cast & ~np.isnan(hot[comp]), hot[comp], tab[comp])
+            return tab[comp]
         k = self._first_float[i]
         if k is None:
             return np.full(sch.plans, tab[DTYPES.index("fp32")])
@@ -158,9 +148,9 @@ class OpPricer:
 
     def _casts_weight(self, i: int, sch: Schedule) -> np.ndarray | None:
         """(T,) whether op ``i`` reads a parameter in another dtype than the one it is
-        stored in: the training form's per-call cast of an fp32 master, whose output the
-        op then reads hot (the deploy form stores each weight in its precision). None: the
-        op reads no parameter, or the deploy form."""
+        stored in: the training form's per-call cast of an fp32 master (the deploy form
+        stores each weight in its precision). None: the op reads no parameter, or the
+        deploy form."""
         if sch.form != "train":
             return None
         vals = self.trace.values

@@ -29,9 +29,9 @@ other weight and activation since its last read: where that footprint overflows 
 weight operands are cycled through copies spanning it (``op_runner._span``, at most twice
 the last-level cache): on this team's AMD EPYC a 256 x 256 fp32 Linear at 64 rows took
 145 us alone and 200 us with its weight cycled through 18 copies, as in a model of 18 such
-layers. The training form's 16-bit GEMM reads the per-call cast of its master weight,
-just written: those are timed hot as well (``OpTimes.compute_hot``; ``op_measure.measure``
-has the figures). A master weight's per-call cast is cycled through copies spanning the
+layers. The training form's 16-bit GEMM, which reads the per-call cast of its master
+weight just written, is priced at the same timing: end to end that fits the measured
+forward where a hot timing did not (``op_measure.measure`` has the figures). A master weight's per-call cast is cycled through copies spanning the
 same footprint (``op_measure._cast_times``). A parameter is rebuilt requiring grad, as
 in the model: torch's matmul chooses its kernel by it (``op_runner._Builder.tensor``).
 

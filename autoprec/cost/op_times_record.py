@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bump when what is measured or how changes: older cache files are then ignored.
-VERSION = 8
+VERSION = 9
 
 
 def cast_key(numel: int, src: str, dst: str, weight: bool = False) -> str:
@@ -24,10 +24,7 @@ class OpTimes:
     ``compute[i][p]``: GEMM/SDPA op ``i`` computing in precision ``p``; ``compute_cl[i][p]``:
     the same for a convolution with its input and weight channels-last;
     ``compute_unfolded[i][p]``: the ``bmm`` inductor runs for GEMM ``i`` when its weight is
-    cast (``cost.unfolded``); ``compute_hot[i][v]``: GEMM / convolution ``i`` with its
-    weight hot, as the training form's per-call cast leaves it (``v``: "bf16", "fp16", a
-    convolution also "cl:bf16", "cl:fp16"; only where ``compute`` timed the weight cold,
-    see ``op_measure.measure``); ``other[i][d]``:
+    cast (``cost.unfolded``); ``other[i][d]``:
     any other op (views included) with its floating inputs in dtype ``d`` ("-": it has
     none); ``casts[cast_key(...)]``: one cast; ``module_call_s``: one module call.
     """
@@ -45,7 +42,6 @@ class OpTimes:
     wrapper_s: dict[str, float] = field(default_factory=dict)  # per form, one wrapped call
     compute_cl: dict[int, dict[str, float]] = field(default_factory=dict)
     compute_unfolded: dict[int, dict[str, float]] = field(default_factory=dict)
-    compute_hot: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def cast_s(self, numel: int, src: str, dst: str, weight: bool = False) -> float | None:
         got = self.casts.get(cast_key(numel, src, dst, weight))
@@ -61,7 +57,6 @@ class OpTimes:
                 "wrapper_s": self.wrapper_s,
                 "compute_cl": {str(k): v for k, v in self.compute_cl.items()},
                 "compute_unfolded": {str(k): v for k, v in self.compute_unfolded.items()},
-                "compute_hot": {str(k): v for k, v in self.compute_hot.items()},
                 "seconds": self.seconds, "distinct": self.distinct,
                 "machine": self.machine, "digest": self.digest}
 
@@ -76,8 +71,7 @@ class OpTimes:
                    wrapper_s={str(k): float(v) for k, v in data.get("wrapper_s", {}).items()},
                    compute_cl={int(k): v for k, v in data.get("compute_cl", {}).items()},
                    compute_unfolded={int(k): v for k, v in
-                                     data.get("compute_unfolded", {}).items()},
-                   compute_hot={int(k): v for k, v in data.get("compute_hot", {}).items()})
+                                     data.get("compute_unfolded", {}).items()})
 
     def describe(self) -> str:
         return (f"{len(self.compute) + len(self.other)} ops ({self.distinct} distinct "

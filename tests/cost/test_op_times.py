@@ -186,46 +186,52 @@ def test_convolutions_are_timed_channels_last_too_and_compiled_plans_take_those(
             (len(gemms) - len(convs)) * 1e-3 + len(convs) * 1e-2, rel=1e-9)
 
 
-def test_gemms_are_timed_with_the_weight_hot_too_only_where_it_is_timed_cold(
+def test_weights_are_cycled_through_the_footprint_only_where_it_overflows_l2(
         graph, monkeypatch) -> None:  # noqa: ANN001
-    """A stored weight is read cold (the forward moved its footprint since); the training
-    form's per-call cast leaves the 16-bit copy hot: where the footprint overflows L2 the
-    16-bit GEMMs are timed both ways, else hot only (one timing)."""
+    """A stored weight is read cold where the forward's footprint overflows L2: the runner
+    cycles each GEMM's weight through copies spanning it; where it fits, one hot copy."""
     from autoprec.cost import op_runner
+    from autoprec.cost.op_measure import _footprint
 
-    gemms = [i for i, op in enumerate(graph.ops.ops) if op.kind == "gemm"]
-    with one_torch_thread():
-        monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1024, 3: 1 << 20})
-        cold = measure(graph.ops, graph.batch_size, precisions=("bf16",))
-        monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1 << 30})
-        hot = measure(graph.ops, graph.batch_size, precisions=("bf16",))
-    assert sorted(cold.compute_hot) == gemms and hot.compute_hot == {}
-    assert all(set(cold.compute_hot[i]) == {"bf16"} for i in gemms)
-    assert all(0 < s < 0.05 for i in gemms for s in cold.compute_hot[i].values())
-    back = OpTimes.from_json(json.loads(json.dumps(cold.to_json())))
-    assert back.compute_hot == cold.compute_hot
+    gemm = next(op for op in graph.ops.ops if op.kind == "gemm")
+    foot = _footprint(graph.ops, 1.0)
+    monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1024, 3: 1 << 20})
+    span = op_runner._span(foot)
+    assert span == min(foot, 2 << 20) > 0
+    runner = op_runner._Runner(graph.ops, 1.0, span)
+    builder = op_runner._Builder(graph.ops, 1.0)
+    args = builder.build(gemm.recipe["a"], torch.float32)
+    kwargs = {k: builder.build(v, torch.float32) for k, v in gemm.recipe["k"].items()}
+    copies = runner._weight_copies(gemm.recipe, args, kwargs)
+    w, b = args[1], args[2]  # F.linear(x, weight, bias): both parameters
+    assert len(copies) == min(op_runner.COPIES_MAX, -(-span // (4 * (w.numel() + b.numel()))))
+    assert len({c[0][1].data_ptr() for c in copies}) == len(copies)  # distinct weights
+    assert all(c[0][0] is args[0] for c in copies)  # the activation is not copied
+    monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1 << 30})
+    assert op_runner._span(foot) == 0
+    assert op_runner._Runner(graph.ops, 1.0, 0)._weight_copies(gemm.recipe, args, kwargs) == []
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile"])
-def test_the_training_forms_16_bit_gemms_are_priced_hot_the_stored_weights_cold(
+def test_the_training_forms_16_bit_gemms_are_priced_as_the_stored_ones(
         graph, mode) -> None:  # noqa: ANN001
-    """fp32 and ``model.to(bf16)`` read stored weights (``compute``); one global autocast
-    reads the casts it just made (``compute_hot``): 3 GEMMs at 1 ms cold, 0.1 ms hot."""
+    """One global autocast's GEMMs read the casts it just made, yet are priced at the
+    stored weight's (cold) timing, as ``model.to(bf16)``'s: priced hot, that row came out
+    9-15 % optimistic in eager (experiments/train_form_gemms.py)."""
     ops = graph.ops.ops
     gemms = [i for i, op in enumerate(ops) if op.kind == "gemm"]
     hand = OpTimes(graph.batch_size,
-                   compute={i: {"fp32": 1e-3, "bf16": 1e-3, "fp16": 1e-3} for i in gemms},
-                   compute_hot={i: {"bf16": 1e-4, "fp16": 1e-4} for i in gemms})
+                   compute={i: {"fp32": 1e-3, "bf16": 4e-4, "fp16": 2e-3} for i in gemms})
     cost = make_cost_model(graph, get_profile("cpu"), graph.batch_size, mode, op_times=hand)
 
     def gemm_s(pol: Policy) -> float:
         return cost.breakdown(pol).parts["gemm"]
 
     assert gemm_s(Policy(default="fp32")) == pytest.approx(3e-3, rel=1e-9)
-    assert gemm_s(Policy(default="bf16", form="deploy")) == pytest.approx(3e-3, rel=1e-9)
-    assert gemm_s(Policy(default="bf16")) == pytest.approx(3e-4, rel=1e-9)
+    assert gemm_s(Policy(default="bf16", form="deploy")) == pytest.approx(1.2e-3, rel=1e-9)
+    assert gemm_s(Policy(default="bf16")) == pytest.approx(1.2e-3, rel=1e-9)
     one = Policy(default="fp32", layers={"fc2": "bf16"})  # one autocast region
-    assert gemm_s(one) == pytest.approx(2e-3 + 1e-4, rel=1e-9)
+    assert gemm_s(one) == pytest.approx(2e-3 + 4e-4, rel=1e-9)
 
 
 def test_op_times_at_another_batch_rebuild_the_scaled_tensors(graph) -> None:  # noqa: ANN001
