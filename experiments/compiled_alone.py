@@ -16,10 +16,13 @@ with the cost model tune uses (this machine's calibration and op timings, cached
     python experiments/compiled_alone.py --models nn_transformer
     python experiments/compiled_alone.py --models minilm --profile   # + where the time goes
 
-``--profile`` adds, per model, fp32 and ``model.to(bf16)``'s estimate split into GEMMs,
-SDPA and the rest (``CostModel`` parts and per-op timings) beside a torch.profiler run of
-10 compiled forwards split the same way (a GEMM's ``aten::copy_``, its bias broadcast into
-the output, counted with it, as its op timing does) and the forward timed without the
+``--profile`` adds, per model, fp32 and ``model.to(bf16)``'s estimate split into GEMMs
+(convolutions included), SDPA, the fused kernels and the program's per-call overhead
+(``CostModel`` parts, per-op timings, the calibrated ``call_overhead_s``) beside a
+torch.profiler run of 10 compiled forwards split the same way (a GEMM's ``aten::copy_``,
+its bias broadcast into the output, counted with it, as its op timing does; inductor's
+kernel profiling on, so that each fused C++ kernel is an event; the rest is overhead: the
+compiled wrapper's Python, dynamo's guards, dispatch) and the forward timed without the
 profiler.
 
 Timings are this machine's (its CPU is printed); ratios within one run only.
@@ -88,7 +91,18 @@ def rows_of(name: str, cache: Path) -> list[tuple[str, float | None, float]]:
     return out
 
 
-_GEMM_EVENTS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::copy_")
+_GEMM_EVENTS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::copy_",
+                "aten::mkldnn_convolution", "aten::convolution", "aten::_convolution")
+
+
+def _kind(key: str) -> str:
+    """gemm / sdpa / fused (an inductor C++ kernel, named with kernel profiling on) /
+    overhead (the rest: the compiled wrapper's Python, dynamo's guards, dispatch)."""
+    if key in _GEMM_EVENTS:
+        return "gemm"
+    if "scaled_dot" in key:
+        return "sdpa"
+    return "fused" if "cpp_fused" in key else "overhead"
 
 
 def profile_rows(name: str, cache: Path) -> list[str]:
@@ -121,17 +135,22 @@ def profile_rows(name: str, cache: Path) -> list[str]:
                 return spec.forward(c, batch)
 
         measured = seconds(run)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(10):
-                run()
-        got = {"gemm": 0.0, "sdpa": 0.0, "rest": 0.0}
+        # a second program with inductor's kernel profiling on: each fused kernel an event
+        with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+            torch._dynamo.reset()
+            kp = torch.compile(model)
+            run(kp)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    run(kp)
+        got = {"gemm": 0.0, "sdpa": 0.0, "fused": 0.0, "overhead": 0.0}
         for e in prof.key_averages():
-            kind = ("gemm" if e.key in _GEMM_EVENTS else
-                    "sdpa" if "scaled_dot" in e.key else "rest")
-            got[kind] += e.self_cpu_time_total / 10 / 1e6
+            got[_kind(e.key)] += e.self_cpu_time_total / 10 / 1e6
         bd = cost.breakdown(pol)
+        call = cost.call_overhead_s
         ms = [1e3 * x for x in (est["gemm"], got["gemm"], est["sdpa"], got["sdpa"],
-                                bd.parts["other"], got["rest"], bd.total_s, measured)]
+                                bd.parts["other"] - call, got["fused"], call, got["overhead"],
+                                bd.total_s, measured)]
         out.append(f"| {name} | {label} | " + " | ".join(f"{x:.2f}" for x in ms) + " |")
         handle.remove()
         torch._dynamo.reset()
@@ -163,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             ex = "-" if est is None or est32 is None else f"{est32 / est:.2f}x"
             print(f"| {name} | {label} | {e} | {meas * 1e3:.2f} | {ex} | {meas32 / meas:.2f}x |")
     if args.profile:
-        print("\n| model | plan | GEMMs est. ms | profiled | SDPA est. | profiled | rest est. "
-              "| profiled | total est. | measured |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| model | plan | GEMMs est. ms | profiled | SDPA est. | profiled "
+              "| fused est. | profiled | program overhead est. | profiled | total est. "
+              "| measured |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name in names:
             for row in profile_rows(name, args.cache):
                 print(row)
