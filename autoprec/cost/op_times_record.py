@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bump when what is measured or how changes: older cache files are then ignored.
-VERSION = 9
+VERSION = 10
 
 
 def cast_key(numel: int, src: str, dst: str, weight: bool = False) -> str:

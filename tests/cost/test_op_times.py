@@ -207,9 +207,16 @@ def test_weights_are_cycled_through_the_footprint_only_where_it_overflows_l2(
     assert len(copies) == min(op_runner.COPIES_MAX, -(-span // (4 * (w.numel() + b.numel()))))
     assert len({c[0][1].data_ptr() for c in copies}) == len(copies)  # distinct weights
     assert all(c[0][0] is args[0] for c in copies)  # the activation is not copied
+    # the samples start after one run through the copies (the forward's steady state)
+    cycles: list[int] = []
+    monkeypatch.setattr(op_runner, "_time", lambda call, cycle=1: cycles.append(cycle) or 1.0)
+    runner.seconds(gemm.recipe, torch.float32)
+    assert cycles == [len(copies)]
     monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1 << 30})
     assert op_runner._span(foot) == 0
     assert op_runner._Runner(graph.ops, 1.0, 0)._weight_copies(gemm.recipe, args, kwargs) == []
+    op_runner._Runner(graph.ops, 1.0, 0).seconds(gemm.recipe, torch.float32)
+    assert cycles == [len(copies), 1]
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile"])
