@@ -108,8 +108,7 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
     has just written, and is priced at the same cold timing: priced hot, one global bf16
     autocast came out +9..+15 % optimistic eager on five of six models, cold -5..+4 %;
     compiled, both within 12 % (AMD EPYC, AVX512-BF16; experiments/train_form_gemms.py).
-    Only the unfolded
-    ``bmm`` (which runs only where the weight is cast) is timed hot."""
+    Only the unfolded ``bmm`` (which runs only where the weight is cast) is timed hot."""
     t_start = time.perf_counter()
     precisions = set(precisions) | {"fp32"}
     scale = batch_size / trace.batch_size
