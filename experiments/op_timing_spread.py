@@ -69,13 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=Path(".autoprec_cache") / "op_timing_spread",
                     help="where this machine's calibration is cached (as tune's)")
     args = ap.parse_args(argv)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if not (ROOT / "experiments" / m / "model.py").is_file()]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}: no experiments/{unknown[0]}/model.py")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     print(f"machine: {cpu_facts()}; torch {torch.__version__}; one torch thread\n")
     print("| model | mode | row | estimate per op timing, in order | range | range / median "
           "| one op timing |")
     print("|---|---|---|---|---|---|---|")
-    for name in args.models.split(","):
+    for name in names:
         print("\n".join(spread(name, args.repeats, args.mode, args.cache)))
     return 0
 

@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=MODELS)
     ap.add_argument("--mode", choices=("eager", "compile"), default="eager")
     args = ap.parse_args(argv)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if not (ROOT / "experiments" / m / "model.py").is_file()]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}: no experiments/{unknown[0]}/model.py")
     warnings.filterwarnings("ignore")
     print(f"machine: {cpu_facts()}; torch {torch.__version__}; one torch thread; "
           f"{args.mode}; 1-minute load average {os.getloadavg()[0]:.1f} at the start\n")
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
           "| est., GEMMs cold (priced so) | est., GEMMs hot |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
+        for name in names:
             r = one(name, args.mode, Path(tmp) / "calibration")
             m = r["meas autocast"]
             print(f"| {name} | {r['rounds']:.0f} | {r['est deploy']:.2f}x / "

@@ -85,23 +85,17 @@ def in_forward(layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     w16 = [(w.to(BF16), b.to(BF16)) for _, w, b in layers]
     x16 = [x.to(BF16) for x, _, _ in layers]
 
-    def stored32() -> list[float]:
+    def stored(xs: list[torch.Tensor], wbs: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> list[float]:
         out = []
-        for x, w, b in layers:
+        for x, (w, b) in zip(xs, wbs, strict=True):
             x.mul_(1.0)  # the input hot, as the op that just wrote it leaves it
             t = time.thread_time_ns()
             F.linear(x, w, b)
             out.append(time.thread_time_ns() - t)
         return out
 
-    def stored16() -> list[float]:
-        out = []
-        for x, (w, b) in zip(x16, w16, strict=True):
-            x.mul_(1.0)
-            t = time.thread_time_ns()
-            F.linear(x, w, b)
-            out.append(time.thread_time_ns() - t)
-        return out
+    x32, w32 = [x for x, _, _ in layers], [(w, b) for _, w, b in layers]
 
     def cast16() -> list[float]:
         out = []
@@ -113,7 +107,8 @@ def in_forward(layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
             out.append(time.thread_time_ns() - t)
         return out
 
-    ways = {"stored fp32": stored32, "stored bf16": stored16, "cast, then bf16": cast16}
+    ways = {"stored fp32": lambda: stored(x32, w32), "stored bf16": lambda: stored(x16, w16),
+            "cast, then bf16": cast16}
     got: dict[str, list[list[float]]] = {k: [] for k in ways}
     for r in range(ROUNDS + 3):
         for k, fn in ways.items():
@@ -171,12 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="mixed8")
     args = ap.parse_args(argv)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if not (ROOT / "experiments" / m / "model.py").is_file()]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}: no experiments/{unknown[0]}/model.py")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     print(f"machine: {cpu_facts()}; torch {torch.__version__}; 1 thread, thread CPU time, "
           f"median of {ROUNDS} rounds\n")
     with torch.no_grad():
-        for name in args.models.split(","):
+        for name in names:
             print("\n".join(table(name)) + "\n")
     return 0
 
