@@ -24,6 +24,7 @@ ROOT is a checkout (default: this one); to count an older commit, extract it fir
 from __future__ import annotations
 
 import ast
+import contextlib
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -142,7 +143,7 @@ def why_this_plan(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
 
 def target_deciders(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
     out = []
-    for name, (path, tree) in mods.items():
+    for name, (_path, tree) in mods.items():
         defined = {n.name for n in tree.body
                    if isinstance(n, ast.FunctionDef | ast.ClassDef)}
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
@@ -186,10 +187,8 @@ def public_names(root: Path) -> int:
             ns: dict[str, object] = {}
             for n in tree.body:  # __all__ may be built from _EXPORTS
                 if isinstance(n, ast.Assign | ast.AnnAssign):
-                    try:
+                    with contextlib.suppress(Exception):  # only literal assignments matter
                         exec(compile(ast.Module([n], []), "<init>", "exec"), {}, ns)
-                    except Exception:  # noqa: BLE001 - only literal assignments matter
-                        pass
             return len(ns.get("__all__", exports))  # type: ignore[arg-type]
     return 0
 
