@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 
 from autoprec.apply.apply import apply_policy  # noqa: E402
 from autoprec.capability import cpu_facts  # noqa: E402
+from autoprec.evaluation.speed_source import speed_source  # noqa: E402
 from autoprec.loading import load_model_file  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.search.speed_source import speed_source  # noqa: E402
 from autoprec.trace import trace  # noqa: E402
 
 PLANS = {"fp32": Policy(default="fp32", form="deploy"),

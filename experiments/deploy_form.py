@@ -37,10 +37,10 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import cpu_facts
+from autoprec.evaluation.rows import label
 from autoprec.loading import load_model_file
 from autoprec.lower.stored import cast_tree
 from autoprec.scoring import reference, score
-from autoprec.search.speed_rows import label
 from autoprec.search.tune import tune
 
 HERE = Path(__file__).resolve().parent

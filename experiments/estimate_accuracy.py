@@ -5,7 +5,7 @@ For each model under experiments/ that runs on a CPU, eager and ``--compile``, t
 calibrated here, the model's own ops timed here (``autoprec/cost/op_times.py``, cached),
 the search priced on both, and tune's last step timing the written plan, the next
 candidates and every baseline (fp32, one global bf16 / fp16 autocast, ``model.to(bf16)``
-/ ``model.to(fp16)``) interleaved on one torch thread (``search.timing``). For every timed
+/ ``model.to(fp16)``) interleaved on one torch thread (``evaluation.timing``). For every timed
 row it prints the estimate at the timed batch next to the measurement, and checks:
 
 - ``|est / measured - 1| <= 20 %`` for the written plan and each baseline row;
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from autoprec.capability import cpu_facts, cpu_flags
-from autoprec.search.speed_source import speed_source
+from autoprec.evaluation.speed_source import speed_source
 from autoprec.search.tune import tune
 
 HERE = Path(__file__).resolve().parent

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from autoprec import apply_policy, load_model_file
-from autoprec.check import check
+from autoprec.evaluation.check import check
 from autoprec.fused import fused_paths_off
 from autoprec.policy import Policy
 

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 from autoprec.capability import cpu_facts  # noqa: E402
 from autoprec.cost.compiled import make_cost_model  # noqa: E402
 from autoprec.cost.op_measure import measure  # noqa: E402
+from autoprec.evaluation.speed_source import speed_source  # noqa: E402
 from autoprec.loading import load_model_file  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.search.speed_source import speed_source  # noqa: E402
 from autoprec.trace import trace  # noqa: E402
 
 ROWS = {"bf16 (model.to(bfloat16))": Policy(default="bf16", form="deploy"),

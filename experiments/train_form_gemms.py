@@ -4,7 +4,7 @@ Under one global bf16 autocast every GEMM reads the bf16 cast of its fp32 master
 autocast wrote right before it: replayed alone in model order (experiments/weight_reads.py)
 such a GEMM runs nearly as fast as with its weight hot in cache. The estimate prices it at
 the stored weight's cold timing instead (``autoprec/cost/op_measure.py``). This checks the
-choice end to end: per model, tune's interleaved timing (``search.timing``: one torch
+choice end to end: per model, tune's interleaved timing (``evaluation.timing``: one torch
 thread, thread CPU time, median of per-round ratios to fp32) of fp32, one global bf16
 autocast and ``model.to(bf16)``, beside the estimate as priced, and the autocast row priced
 the other way: its 16-bit GEMMs at timings with every operand hot (the op timings measured
@@ -37,11 +37,11 @@ from autoprec.capability import cpu_facts  # noqa: E402
 from autoprec.cost import op_measure  # noqa: E402
 from autoprec.cost.compiled import make_cost_model  # noqa: E402
 from autoprec.cost.machine import timing_threads  # noqa: E402
+from autoprec.evaluation.speed_source import speed_source  # noqa: E402
+from autoprec.evaluation.timing import compiled_timer, interleaved_timer  # noqa: E402
 from autoprec.fused import fused_paths_off  # noqa: E402
 from autoprec.loading import load_model_file  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.search.speed_source import speed_source  # noqa: E402
-from autoprec.search.timing import compiled_timer, interleaved_timer  # noqa: E402
 from autoprec.trace import trace  # noqa: E402
 
 MODELS = "minilm,mixed8,encoder4,nn_transformer,trap,compile_mix"

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from autoprec.cli import target_names
-from autoprec.report_json import batch_size_words
+from autoprec.evaluation.json_fields import batch_size_words
 
 
 def check_cmd(
@@ -26,7 +26,7 @@ def check_cmd(
 ) -> None:
     """Re-evaluate POLICY on MODEL's eval data; exit 1 when over budget, when the model
     changed since tuning, or when the target cannot run a precision in the policy."""
-    from autoprec.check import check
+    from autoprec.evaluation.check import check
 
     result = check(model, policy, max_error=max_error, max_drop=max_drop, force=force,
                    target=target, batch_size=batch_size, compile=compile_mode,

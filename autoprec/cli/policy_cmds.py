@@ -139,7 +139,7 @@ def eval_cmd(
 ) -> None:
     """Apply POLICY to MODEL: error vs fp32 on the eval data, per-layer precisions
     (rule vs computed), and the estimated speed-up on the target."""
-    from autoprec.eval_report import eval_report
+    from autoprec.evaluation.eval_report import eval_report
 
     with _warnings_to_stderr():
         summary = eval_report(model, policy, target=target, batch_size=batch_size,
@@ -156,8 +156,8 @@ def eval_cmd(
 
 def _print_summary(s: dict[str, Any]) -> None:
     from autoprec.cost.model import PARTS
-    from autoprec.report_json import batch_size_words
-    from autoprec.search.speed_rows import format_rows
+    from autoprec.evaluation.json_fields import batch_size_words
+    from autoprec.evaluation.rows import format_rows
 
     rows = [(r["layer"], r["rule"], r["precision"], r["computed"],
              "" if r["ok"] else "MISMATCH",

@@ -13,11 +13,11 @@ import typer
 
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
-from autoprec.report_json import batch_size_from, batch_size_words
+from autoprec.evaluation.json_fields import batch_size_from, batch_size_words
 from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
-    from autoprec.search.speed_rows import SpeedCheck
+    from autoprec.evaluation.rows import SpeedCheck
     from autoprec.search.tune import TuneResult
 
 
@@ -74,8 +74,8 @@ def tune_cmd(
     target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile
-            from autoprec.search.speed_source import calibration_dir
-            from autoprec.search.target import resolve_target
+            from autoprec.evaluation.speed_source import calibration_dir
+            from autoprec.evaluation.target import resolve_target
 
             resolve_target(cfg.target, compile=cfg.compile, form=cfg.form, measure=True,
                            cache_dir=calibration_dir(cfg.out, cfg.cache_dir))
@@ -105,7 +105,7 @@ def tune_cmd(
 
 def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, Any]:
     """The result as ``--json`` prints it."""
-    from autoprec.search.target import mode_of
+    from autoprec.evaluation.target import mode_of
 
     return {
         "policy": str(result.path), "feasible": result.feasible,

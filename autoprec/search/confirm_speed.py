@@ -5,7 +5,7 @@ baselines (``baselines.py``: fp32, one global autocast per precision, uniform tf
 ``model.to(bf16)`` / ``model.to(fp16)`` one-liners; a 16-bit model's own rows), each with
 its error and its speed-up priced the same way as the tuned plan.
 
-The rows are judged by the one evaluation pipeline eval and check use (``search.assess``):
+The rows are judged by the one evaluation pipeline eval and check use (``evaluation.assess``):
 the search scored and audited every row through the tune's ``Target`` (the same
 ``Target.apply`` / ``Target.audit``), and where the target is the device at hand the rows
 are timed by ``assess.time_rows`` (interleaved rounds, eager or compiled as the
@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from autoprec.search.assess import time_rows
-from autoprec.search.baselines import tune_baseline_rows
-from autoprec.search.speed_rows import Row, SpeedCheck, Timer
+from autoprec.evaluation.assess import time_rows
+from autoprec.evaluation.baselines import BASELINES, baseline_rows
+from autoprec.evaluation.rows import Row, SpeedCheck, Timer
 
 #: Candidates from the study timed after the chosen one (the next fastest feasible ones).
 NEXT_CANDIDATES = 2
@@ -36,8 +36,8 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     (``prep.target``) is local (compiled, for a ``--compile`` tune); returns the check, the
     candidate to write and its (default, rules)."""
     from autoprec.cost import make_cost_model
+    from autoprec.policy.build import policy_for
     from autoprec.search import select
-    from autoprec.search.decode import policy_for
 
     ev, target = search.scorer, prep.target
 
@@ -154,4 +154,90 @@ def _baseline_candidate(prep: Any, space: Any, win: Row) -> tuple[Any, tuple[str
     return pseudo, (p, layers)
 
 
-__all__ = ["NEXT_CANDIDATES", "confirm_tune"]
+def _uniform_errors(ev: Any, p: str, budget: float, form: str
+                    ) -> tuple[float, float | None]:
+    """Errors (calibration; eval data, or None) of ``default: p`` with no rules: the
+    search's own score when it measured that very plan, else runs of the model. The eval
+    data is run only when the calibration error is within budget (as the search does)."""
+    from autoprec.policy.build import policy_for
+    from autoprec.scoring import score
+
+    if p == "fp32":
+        return 0.0, None
+    key = ev.space.uniform(p)
+    default, layers = ev.decoder.explicit(key)
+    # rules equal to their region's precision install nothing: the same plan as default p
+    hit = (ev.cache.get(key) if default == p and set(layers.values()) <= {p}
+           and form == ev.form else None)
+    calib, evl = (None, None) if hit is None else (hit.error, hit.eval_error)
+    pol = policy_for(p, {}, ev.fingerprint, ev.target.name, form)
+    with ev.scoring.apply(ev.model, pol):  # as the search scored its plans
+        if calib is None:
+            calib = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
+        if evl is None and ev.eval_batches is not None and calib <= budget:
+            evl = score(ev.spec, ev.model, ev.eval_batches, ev.eval_ref, "of eval_data").value
+    return calib, evl
+
+
+def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
+                       train_aware: bool = False, reference: Any = None,
+                       baselines: Sequence[tuple[str, str]] = BASELINES) -> list[Row]:
+    """``baseline_rows`` as tune's last step scores them: the search's own errors where it
+    measured that very plan, the eval data only within budget, the audit as the search's.
+    A 16-bit model (``reference`` not fp32) has its own rows (``reference_rows``)."""
+    from autoprec.policy.build import policy_for
+
+    if reference is not None and not reference.is_fp32:
+        return reference_rows(cost, ev, budget, precisions, reference)
+    rows = baseline_rows(
+        cost, lambda pol: _uniform_errors(ev, pol.default, budget, pol.form), budget,
+        lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target.name, form),
+        precisions=precisions, train_aware=train_aware,
+        audit=ev.audit_policy, baselines=baselines)
+    if ev.form == "train":  # asked for fp32 masters: the stored 16-bit form cannot train
+        for r in rows:
+            if r.feasible and r.policy is not None and r.policy.form == "deploy":
+                r.feasible, r.why_not = False, "--form train: it stores no fp32 masters"
+    return rows
+
+
+def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
+                   reference: Any) -> list[Row]:
+    """The baselines of a 16-bit model (``reference.ModelReference``): fp32 as the speed
+    reference only (an upcast of the model, not a choice: it is not the reference and holds
+    twice its weights), the model as given (error 0: it is the reference), and the deploy
+    one-liners at or below the model's precision (``model.to(torch.float16)`` for a bf16
+    model) other than the model itself. The training form's rows (autocast over fp32
+    masters) have no fp32 masters to run over."""
+    from autoprec.policy.build import policy_for
+    from autoprec.reference import offered
+    from autoprec.search.plan_scorer import given_policy
+
+    name = reference.label()
+    up = policy_for("fp32", {}, ev.fingerprint, ev.target.name, "deploy")
+    rows = [Row("fp32 (model.float())", "baseline", up, None, False, cost.speedup(up),
+                why_not=f"an upcast of the {name} model: the speed reference only",
+                weight_bytes=cost.weight_bytes(up))]
+    given = given_policy(reference, ev.fingerprint, ev.target.name)
+    why = cost.cannot_run(given)
+    err = 0.0  # exact for a uniform 16-bit model; a mixed one's fp32 rules are measured
+    if reference.islands:
+        from autoprec.scoring import score
+
+        with ev.scoring.apply(ev.model, given):
+            err = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
+        if not why and not err <= budget:
+            why = [f"over budget ({err:.3g} > {budget:g})"]
+    rows.append(Row(f"the model as given ({name})", "baseline", given, err, not why,
+                    cost.speedup(given), why_not=why[0] if why else "",
+                    weight_bytes=cost.weight_bytes(given)))
+    rows[-1].source = (err, None)
+    for p in offered(reference.default, ("bf16", "fp16")):
+        if p == "fp32" or (p == reference.default and not reference.islands):
+            continue
+        rows.extend(tune_baseline_rows(cost, ev, budget, precisions,
+                                       baselines=[(p, "deploy")]))
+    return rows
+
+
+__all__ = ["NEXT_CANDIDATES", "confirm_tune", "reference_rows", "tune_baseline_rows"]

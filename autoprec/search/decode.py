@@ -15,7 +15,7 @@ Every stage that turns a trial or a key into rules or a policy asks a ``TrialDec
 
 The same plan — two notions with two jobs, defined here; every other use derives from one:
 
-1. **The same name: what apply installs.** ``plan_id(default, layers, form)``: the form,
+1. **The same name: what apply installs.** ``policy.build.plan_id(default, layers, form)``: the form,
    the default and the sorted rules (a plan with no 16-bit tensor anywhere — fp32 or tf32,
    no rules — runs alike in both forms). The trial key is this name inside one search
    space: ``explicit(key)`` gives every GEMM layer and locked path a rule, so a key names
@@ -46,28 +46,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from autoprec.policy import Policy
+from autoprec.policy.build import policy_for
 from autoprec.search import compact as _compact
 from autoprec.search.space import Key, SearchSpace
 
 #: (default, {module path: precision})
 Rules = tuple[str, dict[str, str]]
-
-
-def plan_id(default: str, layers: Mapping[str, str], form: str
-            ) -> tuple[str, str, tuple[tuple[str, str], ...]]:
-    """What identifies a plan written as rules: its form, default and rules. A plan with
-    no 16-bit tensor anywhere (fp32 or tf32, no rules) runs the same in both forms."""
-    if default in ("fp32", "tf32") and not layers:
-        form = "any"
-    return form, default, tuple(sorted(layers.items()))
-
-
-def policy_for(default: str, layers: Mapping[str, str], fingerprint: str | None = None,
-               target: str | None = None, form: str = "train") -> Policy:
-    """A minimal policy (no metadata besides the fingerprint, target and form)."""
-    model = {"fingerprint": fingerprint} if fingerprint else {}
-    return Policy(default=default, layers=dict(layers), model=model, form=form,
-                  target={"device": target} if target else {})
 
 
 class TrialDecoder:
@@ -122,4 +106,4 @@ class TrialDecoder:
         return policy_for(*self.explicit(key), fingerprint, target, form)
 
 
-__all__ = ["Rules", "TrialDecoder", "plan_id", "policy_for"]
+__all__ = ["Rules", "TrialDecoder"]

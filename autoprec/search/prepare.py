@@ -17,6 +17,8 @@ import torch
 from autoprec.cost import CostModel
 from autoprec.cost.compiled import make_cost_model
 from autoprec.errors import InputError
+from autoprec.evaluation.speed_source import calibration_dir
+from autoprec.evaluation.target import Target, resolve_target
 from autoprec.formats.gemm import is_forward_only
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.memory import StagePeaks, check_fits, reset_peak
@@ -28,8 +30,6 @@ from autoprec.reference import ModelReference, model_reference, offered, own_pre
 from autoprec.scoring import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.search.config import TuneConfig
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
-from autoprec.search.speed_source import calibration_dir
-from autoprec.search.target import Target, resolve_target
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.validate import check_out_not_input

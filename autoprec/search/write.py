@@ -19,6 +19,7 @@ import optuna
 import torch
 
 import autoprec
+from autoprec.evaluation.rows import SpeedCheck, speed_metrics
 from autoprec.paths import remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.reference import ModelReference
@@ -31,7 +32,6 @@ from autoprec.search.plan_scorer import given_policy
 from autoprec.search.prepare import Prepared, reference_key
 from autoprec.search.run import Search
 from autoprec.search.space import SearchSpace
-from autoprec.search.speed_rows import SpeedCheck, speed_metrics
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import PlotPlans, Tracker, log_tune_artifacts
 

@@ -23,10 +23,11 @@ from tests.helpers import ROOT
 PACKAGE = ROOT / "autoprec"
 
 #: The stages in the order the data flows through them.
-STAGES = ("trace", "probe", "plan", "cost", "search", "apply", "track")
-#: Later stages an earlier one may import: the search scores plans by applying them
-#: (``apply_policy``) and logs its trials (``track``).
-LATER_ALLOWED = {("search", "apply"), ("search", "track")}
+STAGES = ("trace", "probe", "plan", "cost", "evaluation", "search", "apply", "track")
+#: Later stages an earlier one may import: the evaluation scores and times plans by
+#: applying them (``Target.apply``, the audit), the search too, and it logs its trials
+#: (``track``).
+LATER_ALLOWED = {("evaluation", "apply"), ("search", "apply"), ("search", "track")}
 #: Parts below every stage: they import no stage (and no policy).
 FOUNDATIONS = ("formats", "lower", "precisions", "capability", "errors")
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import autoprec.search.speed_rows as rows_mod
-import autoprec.search.timing as timing
+import autoprec.evaluation.rows as rows_mod
+import autoprec.evaluation.timing as timing
+from autoprec.evaluation.rows import Row, check_speed, decide, label
 from autoprec.policy import Policy, load_policy
-from autoprec.search.speed_rows import Row, check_speed, decide, label
 from autoprec.search.tune import tune
 from tests.helpers import MODELS
 
@@ -141,7 +141,7 @@ def test_a_plan_casting_per_call_is_written_only_if_it_still_wins_with_a_cold_al
     """The training form's per-call casts fault on fresh pages in one process and not in
     another: before such a plan is written it is timed again with the allocator trimmed
     before every forward, and each row keeps its slower state."""
-    from autoprec.search.speed_rows import cold_confirm
+    from autoprec.evaluation.rows import cold_confirm
 
     def rows_ac() -> list[Row]:
         return [

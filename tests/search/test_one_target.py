@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from autoprec.evaluation.assess import time_rows
+from autoprec.evaluation.rows import Row
+from autoprec.evaluation.target import resolve_target
 from autoprec.policy import Policy
-from autoprec.search.assess import time_rows
-from autoprec.search.speed_rows import Row
-from autoprec.search.target import resolve_target
 
 
 def test_the_target_carries_name_mode_form_and_backend(tmp_path: Path) -> None:

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from autoprec.evaluation.rows import Row, SpeedCheck, Timer, check_speed
+from autoprec.evaluation.target import Target
 from autoprec.policy import Policy, PolicyWarning
-from autoprec.search.speed_rows import Row, SpeedCheck, Timer, check_speed
-from autoprec.search.target import Target
 from autoprec.targets import is_cpu
 
 #: Rounds of the interleaved timing: at least, at most (more while the best two overlap).

@@ -1,7 +1,7 @@
 """The one evaluation pipeline of a policy on a target: score, audit, price, baselines, time.
 
 tune's confirmation, ``check`` (the gate) and ``eval`` (the report) judge plans the same
-way, through these steps on one resolved ``Target`` (``search.target``: it applies and
+way, through these steps on one resolved ``Target`` (``evaluation.target``: it applies and
 audits every policy, ``Target.apply`` / ``Target.audit``, and prices it,
 ``Target.cost_model``), and differ only in what they conclude:
 
@@ -13,7 +13,7 @@ audits every policy, ``Target.apply`` / ``Target.audit``, and prices it,
 3. **price** — the whole forward traced on a calibration batch and priced under the
    policy's plan on the target at the deployment batch size (eager or compiled);
 4. **beside the baselines, timed** (``time_rows``) — the plan next to what a user writes
-   instead (``search.baselines.baseline_rows``, the one table), each priced on the same
+   instead (``evaluation.baselines.baseline_rows``, the one table), each priced on the same
    cost model, and timed where the target is this machine (``timing.measure_rows``).
 
 ``assess`` runs steps 1-3 for one policy (``check``, ``eval``); ``beside_baselines`` is
@@ -34,6 +34,9 @@ import torch
 
 from autoprec.apply.audit import AuditReport
 from autoprec.cost import Breakdown
+from autoprec.evaluation.rows import Row, SpeedCheck, Timer, check_speed
+from autoprec.evaluation.target import Target
+from autoprec.evaluation.timing import measure_rows
 from autoprec.fused import fused_paths_off
 from autoprec.loading import ModelSpec
 from autoprec.metrics import batch_size_of
@@ -41,9 +44,6 @@ from autoprec.policy import Policy
 from autoprec.policy.modules import Resolved, gemm_leaf_paths
 from autoprec.probe.headroom import Headroom, measure_headroom
 from autoprec.scoring import Reference, Score, first_nonfinite_module, reference, score
-from autoprec.search.speed_rows import Row, SpeedCheck, Timer, check_speed
-from autoprec.search.target import Target
-from autoprec.search.timing import measure_rows
 from autoprec.trace import LayerGraph, trace
 
 
@@ -96,7 +96,7 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Tar
            capture_warnings: bool = False) -> Assessment:
     """Score, audit and price ``policy`` on ``net`` (built from ``spec``) for ``target``.
 
-    ``target``: the run's one resolved target (``search.target.resolve_target``): the
+    ``target``: the run's one resolved target (``evaluation.target.resolve_target``): the
     policy applied as it runs there (its fp8 backend), and its cost model prices the plan
     as tune does (on a local CPU, with the model's ops timed here), in its mode.
     ``batch_size``: the deployment batch (None: the policy's, else the calibration
@@ -167,7 +167,7 @@ def beside_baselines(a: Assessment, spec: ModelSpec, net: torch.nn.Module, polic
     and, with ``measure`` on a local target, timed (``time_rows``) at the calibration
     batch. Eval writes nothing, so no row is marked unless timed (then: fastest within
     budget)."""
-    from autoprec.search.baselines import baseline_rows
+    from autoprec.evaluation.baselines import baseline_rows
     from autoprec.trace.graph import fingerprint
 
     budget = policy.metrics.get("budget")

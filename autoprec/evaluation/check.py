@@ -33,12 +33,8 @@ import torch
 
 from autoprec.cost import DeviceProfile
 from autoprec.errors import CheckFailed, InputError, PolicyError
-from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.metrics import batch_size_of, iter_floats
-from autoprec.policy import Policy, gemm_leaf_paths, load_policy
-from autoprec.precisions import FORMATS, PRECISIONS
-from autoprec.report_json import (
+from autoprec.evaluation.assess import Assessment, assess
+from autoprec.evaluation.json_fields import (
     Reason,
     audit_reasons,
     batch_size_from,
@@ -47,8 +43,12 @@ from autoprec.report_json import (
     reasons_json,
     speedup,
 )
-from autoprec.search.assess import Assessment, assess
-from autoprec.search.target import resolve_target
+from autoprec.evaluation.target import resolve_target
+from autoprec.fused import fused_paths_off
+from autoprec.loading import ModelSpec, load_model_file
+from autoprec.metrics import batch_size_of, iter_floats
+from autoprec.policy import Policy, gemm_leaf_paths, load_policy
+from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.targets import DEFAULT_TARGET
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
@@ -103,7 +103,7 @@ class CheckResult:
         """The ``check --json`` object: the summary at the top level, then the layers.
 
         ``reasons``, ``feasible`` and ``est_speedup`` mean what they mean in ``eval --json``
-        (autoprec.report_json): reasons are ``{"layer", "reason"}`` objects.
+        (autoprec.evaluation.json_fields): reasons are ``{"layer", "reason"}`` objects.
         """
         out: dict[str, Any] = {}
         if self.budget_kind == "max_drop":
@@ -307,7 +307,7 @@ def check(
                 return result
             raise
 
-    # -- score, audit and price: the pipeline eval shares (search/assess.py) ---
+    # -- score, audit and price: the pipeline eval shares (evaluation/assess.py) ---
     a = assess(spec, net, policy, target=resolved, batch_size=bs, force=True,
                capture_warnings=True)
     if speed.local:

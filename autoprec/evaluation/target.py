@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoprec.search.speed_source import SpeedSource, calibration_dir, speed_source
+from autoprec.evaluation.speed_source import SpeedSource, calibration_dir, speed_source
 from autoprec.targets import DEFAULT_TARGET, device_type, named_target
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from autoprec.policy import Policy
+from autoprec.policy.build import plan_id
 
 #: How far the estimate may be off (issue 29 holds it to 20 %): a measured order that
 #: contradicts the estimated one by more than that on both rows, and by more than the
@@ -75,8 +76,6 @@ class Row:
         ``search.decode``)."""
         if self.policy is None:
             return None
-        from autoprec.search.decode import plan_id
-
         return plan_id(self.policy.default, self.policy.layers, self.policy.form)
 
     def to_dict(self) -> dict[str, Any]:

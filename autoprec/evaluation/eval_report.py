@@ -1,11 +1,11 @@
 """``autoprec eval``: what a policy does to model.py, as one report (``eval --json``).
 
 The policy applied to the model of model.py and judged by the one evaluation pipeline
-(``search.assess``: scored on the eval data, audited on a real forward, priced on the
+(``evaluation.assess``: scored on the eval data, audited on a real forward, priced on the
 target), then set beside its baselines (``assess.beside_baselines``: fp32, one global
 autocast, the one-line casts), timed where the target is this machine and ``measure``
-asks. ``check`` gates on the same pipeline (``autoprec.check``); the CLI only parses and
-prints (``cli/policy_cmds.py``). The fields mean what ``autoprec.report_json`` says.
+asks. ``check`` gates on the same pipeline (``autoprec.evaluation.check``); the CLI only parses and
+prints (``cli/policy_cmds.py``). The fields mean what ``autoprec.evaluation.json_fields`` says.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autoprec.loading import load_model_file
-from autoprec.policy import load_policy
-from autoprec.report_json import (
+from autoprec.evaluation.assess import assess, beside_baselines
+from autoprec.evaluation.json_fields import (
     batch_size_from,
     feasible,
     number,
@@ -23,8 +22,9 @@ from autoprec.report_json import (
     speedup,
     verdict_reasons,
 )
-from autoprec.search.assess import assess, beside_baselines
-from autoprec.search.target import resolve_target
+from autoprec.evaluation.target import resolve_target
+from autoprec.loading import load_model_file
+from autoprec.policy import load_policy
 from autoprec.validate import check_batch_size
 
 
