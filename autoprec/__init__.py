@@ -32,8 +32,8 @@ _EXPORTS = {
     "SensitivityTable": "autoprec.probe",
     "CostModel": "autoprec.cost",
     "get_profile": "autoprec.cost",
-    "tune": "autoprec.search.tune",
-    "TuneResult": "autoprec.search.tune",
+    "tune": "autoprec.tuning.tune",
+    "TuneResult": "autoprec.tuning.tune",
     "Policy": "autoprec.policy",
     "load_policy": "autoprec.policy",
     "compile_plan": "autoprec.plan",
@@ -59,9 +59,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.policy import Policy, load_policy
     from autoprec.probe import SensitivityTable
     from autoprec.probe import probe as probe_model
-    from autoprec.search.tune import TuneResult, tune
     from autoprec.trace import trace as trace_model
     from autoprec.trace.graph import LayerGraph, LayerNode
+    from autoprec.tuning.tune import TuneResult, tune
 
 
 def __getattr__(name: str) -> Any:

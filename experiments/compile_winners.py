@@ -42,8 +42,8 @@ from autoprec.evaluation.speed_source import calibrate_here
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, PolicyWarning
 from autoprec.scoring import reference, score
-from autoprec.search.tune import tune
 from autoprec.trace import trace
+from autoprec.tuning.tune import tune
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -1,6 +1,6 @@
 """Tuned for the CPU at hand, measured on it: tuned vs fp32 vs one CPU autocast (issue 21).
 
-For each model, ``autoprec.search.tune.tune(..., target="cpu")`` as a user runs it: the
+For each model, ``autoprec.tuning.tune.tune(..., target="cpu")`` as a user runs it: the
 ``cpu`` profile is calibrated on this machine first (micro-benchmarks, cached per machine:
 ``autoprec/evaluation/speed_source.py``), the search prices plans on it, and the last step
 times the chosen plan, the next candidates, fp32 and one global bf16 / fp16 autocast,
@@ -31,7 +31,7 @@ import torch
 
 from autoprec.capability import cpu_facts
 from autoprec.evaluation.rows import label
-from autoprec.search.tune import tune
+from autoprec.tuning.tune import tune
 
 HERE = Path(__file__).resolve().parent
 #: model -> (budget kind, budget): issue 21's MiniLM at 3 % and wide MLP at 5 %, mixed8 at

@@ -41,7 +41,7 @@ from autoprec.evaluation.rows import label
 from autoprec.loading import load_model_file
 from autoprec.lower.stored import cast_tree
 from autoprec.scoring import reference, score
-from autoprec.search.tune import tune
+from autoprec.tuning.tune import tune
 
 HERE = Path(__file__).resolve().parent
 #: (model folder, deployment batch size or None, budget) for the h100 part

@@ -1,7 +1,7 @@
 """Is the CPU estimate right? Every timed row of a tune, estimated vs measured (issue 29).
 
 For each model under experiments/ that runs on a CPU, eager and ``--compile``, this runs
-``autoprec.search.tune.tune(..., target="cpu")`` as a user runs it: the ``cpu`` profile
+``autoprec.tuning.tune.tune(..., target="cpu")`` as a user runs it: the ``cpu`` profile
 calibrated here, the model's own ops timed here (``autoprec/cost/op_times.py``, cached),
 the search priced on both, and tune's last step timing the written plan, the next
 candidates and every baseline (fp32, one global bf16 / fp16 autocast, ``model.to(bf16)``
@@ -38,7 +38,7 @@ import torch
 
 from autoprec.capability import cpu_facts, cpu_flags
 from autoprec.evaluation.speed_source import speed_source
-from autoprec.search.tune import tune
+from autoprec.tuning.tune import tune
 
 HERE = Path(__file__).resolve().parent
 #: one file per set of modes and CPU class: estimate_accuracy-eager-avx2.md, ...

@@ -63,8 +63,13 @@ NOISY_TEXT = [
 ]
 
 
+#: A checkout's path (the baseline may come from another one).
+REPO_PATH = re.compile(r"/[\w./-]*?/(?=experiments/)")
+
+
 def _norm_text(text: str) -> str:
     text = text.replace(str(SCRATCH), "<scratch>")
+    text = REPO_PATH.sub("<repo>/", text)
     for pattern, repl in NOISY_TEXT:
         text = pattern.sub(repl, text)
     return text

@@ -1,4 +1,4 @@
-"""``autoprec tune`` and ``autoprec export``: thin wrappers over autoprec.search.tune."""
+"""``autoprec tune`` and ``autoprec export``: thin wrappers over autoprec.tuning.tune."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
     from autoprec.evaluation.rows import SpeedCheck
-    from autoprec.search.tune import TuneResult
+    from autoprec.tuning.tune import TuneResult
 
 
 def tune_cmd(
@@ -55,10 +55,10 @@ def tune_cmd(
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
     from autoprec.cli import current_argv
-    from autoprec.search.config import TuneConfig
-    from autoprec.search.tune import tune
-    from autoprec.search.workers import WORKER_INDEX_ENV, run_workers, worker_seed
+    from autoprec.study.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
+    from autoprec.tuning.config import TuneConfig
+    from autoprec.tuning.tune import tune
 
     # The one config of this tune, checked once before anything runs: workers, tracking,
     # model.py, probes. tune() and the writer read it as it is.
@@ -236,7 +236,7 @@ def export_cmd(
     out: Annotated[Path, typer.Option(help="Policy file to write.")],
 ) -> None:
     """Write the policy of a (shared) study: its fastest trial within budget."""
-    from autoprec.search.export import export_policy
+    from autoprec.study.export import export_policy
 
     policy, feasible = export_policy(storage, study_name, out)
     print(f"policy: {out}  ({len(policy.layers)} layer rules, est. speed-up "

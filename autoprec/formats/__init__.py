@@ -45,7 +45,7 @@ its dispatch in ``lower/backends.py`` and its backend check in ``autoprec/capabi
 Before this layout (issue 30) the same addition touched 19 files (18 modules and
 devices.yaml): formats/{mx,__init__,gemm}.py, precisions.py, capability.py,
 lower/{blockscale,stored}.py, probe/{ranges,grads,headroom}.py, plan/schedule.py,
-cost/{model,fusion,calibrate}.py, cli/graph_cmd.py, track/plots.py, search/tune.py,
+cost/{model,fusion,calibrate}.py, cli/graph_cmd.py, track/plots.py, tuning/tune.py,
 train.py, cost/devices.yaml.
 """
 

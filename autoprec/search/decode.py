@@ -4,7 +4,7 @@
       ↕ key        a tuple of precision codes, the default region first (search/space.py)
       ↓ explicit   (default, a rule on every GEMM layer and locked path): what the search
                    applies, measures and prices — one plan per key, no inheritance
-      ↓ compact    (default, the fewest rules that run the same plan; search/compact.py):
+      ↓ compact    (default, the fewest rules that run the same plan; search/compaction.py):
                    what the policy file says; recorded on a feasible trial
                    (``user_attrs["policy"]``) so that a study can be exported without the
                    model
@@ -47,7 +47,7 @@ from typing import Any
 
 from autoprec.policy import Policy
 from autoprec.policy.build import policy_for
-from autoprec.search import compact as _compact
+from autoprec.search import compaction
 from autoprec.search.space import Key, SearchSpace
 
 #: (default, {module path: precision})
@@ -86,7 +86,7 @@ class TrialDecoder:
             if self.cost is None:
                 raise ValueError("TrialDecoder.compact needs the cost model (cost=...)")
             default, layers = self.explicit(key)
-            hit = _compact.compact(self.cost, default, layers,
+            hit = compaction.compact(self.cost, default, layers,
                                   defaults=self.space.region.choices)
             self._compact[key] = hit
         return hit[0], dict(hit[1])

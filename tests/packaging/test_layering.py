@@ -23,11 +23,14 @@ from tests.helpers import ROOT
 PACKAGE = ROOT / "autoprec"
 
 #: The stages in the order the data flows through them.
-STAGES = ("trace", "probe", "plan", "cost", "evaluation", "search", "apply", "track")
+#: Above the cost: ``evaluation`` (what tune, check and eval share: the target, scoring,
+#: baselines, timing, the decision), ``search`` (the algorithm alone: no Optuna, no files),
+#: ``study`` (the Optuna adapter) and ``tuning`` (tune's orchestration on top).
+STAGES = ("trace", "probe", "plan", "cost", "evaluation", "search", "study", "tuning",
+          "apply", "track")
 #: Later stages an earlier one may import: the evaluation scores and times plans by
-#: applying them (``Target.apply``, the audit), the search too, and it logs its trials
-#: (``track``).
-LATER_ALLOWED = {("evaluation", "apply"), ("search", "apply"), ("search", "track")}
+#: applying them (``Target.apply``, the audit), and tune logs its trials (``track``).
+LATER_ALLOWED = {("evaluation", "apply"), ("tuning", "apply"), ("tuning", "track")}
 #: Parts below every stage: they import no stage (and no policy).
 FOUNDATIONS = ("formats", "lower", "precisions", "capability", "errors")
 

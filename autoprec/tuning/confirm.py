@@ -211,7 +211,7 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     masters) have no fp32 masters to run over."""
     from autoprec.policy.build import policy_for
     from autoprec.reference import offered
-    from autoprec.search.plan_scorer import given_policy
+    from autoprec.study.objective import given_policy
 
     name = reference.label()
     up = policy_for("fp32", {}, ev.fingerprint, ev.target.name, "deploy")

@@ -8,7 +8,7 @@ from pathlib import Path
 import optuna
 
 from autoprec.search.planner import Planner
-from autoprec.search.sampler import PlanSampler, measured_state
+from autoprec.study.sampler import PlanSampler, measured_state
 from tests.search.test_planner import _setup
 
 

@@ -11,7 +11,7 @@ from autoprec.cost import CostModel, get_profile
 from autoprec.loading import load_model_file
 from autoprec.plan.schedule import signature
 from autoprec.policy import Policy, gemm_leaf_paths
-from autoprec.search.compact import compact
+from autoprec.search.compaction import compact
 from autoprec.trace import trace
 from tests import zoo
 from tests.helpers import ROOT
@@ -93,7 +93,7 @@ def test_tf32_on_every_layer_but_the_head_reads_as_the_tf32_default() -> None:
 
 
 def test_differences_names_the_outermost_module_in_another_precision() -> None:
-    from autoprec.search.compact import differences
+    from autoprec.search.compaction import differences
 
     spec = load_model_file(ROOT / "experiments" / "wide" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]

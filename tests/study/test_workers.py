@@ -23,8 +23,8 @@ import pytest
 from optuna.trial import TrialState
 
 from autoprec.errors import InputError
-from autoprec.search.storage import join_study, open_storage
-from autoprec.search.workers import (
+from autoprec.study.storage import join_study, open_storage
+from autoprec.study.workers import (
     WORKER_INDEX_ENV,
     option_value,
     run_workers,
@@ -295,7 +295,7 @@ def test_run_workers_starts_n_children_and_returns_worst_code(tmp_path: Path) ->
 def test_run_workers_forwards_ctrl_c(tmp_path: Path) -> None:
     exe, log = fake_python(tmp_path)
     code = (
-        "import sys; from autoprec.search.workers import run_workers; "
+        "import sys; from autoprec.study.workers import run_workers; "
         f"sys.exit(run_workers(['tune', '--sleep', '--storage', 'journal:{tmp_path / 'j'}'], 2, "
         f"python={str(exe)!r}))"
     )

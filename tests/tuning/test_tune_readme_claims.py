@@ -143,7 +143,7 @@ def test_experiment_names_the_mlflow_experiment_the_run_is_logged_in(
 def test_no_measure_neither_calibrates_nor_times_on_the_local_target(
         model_py: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Target cpu is this machine: by default tune calibrates its profile here and times the
-    winner (tests/search/test_confirm_speed.py); ``--no-measure`` prices on the stored
+    winner (tests/tuning/test_confirm_speed.py); ``--no-measure`` prices on the stored
     profile and times nothing."""
     out = tmp_path / "p.yaml"
     code, summary = _tune([str(model_py), "--target", "cpu", "--precisions", "bf16",

@@ -22,7 +22,7 @@ from autoprec.errors import InputError
 from autoprec.fileio import brief
 from autoprec.paths import check_dir, check_out_path
 from autoprec.precisions import FORMS, PRECISIONS, check_precision, parse_precisions
-from autoprec.search.storage import check_storage_url
+from autoprec.study.storage import check_storage_url
 from autoprec.targets import DEFAULT_TARGET, canonical_target
 from autoprec.validate import (
     check_batch_size,

@@ -8,7 +8,7 @@ import pytest
 
 from autoprec.errors import InputError
 from autoprec.policy import load_policy
-from autoprec.search.tune import tune
+from autoprec.tuning.tune import tune
 from tests.helpers import TRAP, run_cli
 
 TRAINABLE = '''

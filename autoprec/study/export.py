@@ -26,7 +26,8 @@ from autoprec.precisions import LEGACY_FORM
 from autoprec.search import select
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.space import REGION, SearchSpace, Variable
-from autoprec.search.storage import describe_storage, open_storage
+from autoprec.study.driver import completed
+from autoprec.study.storage import describe_storage, open_storage
 
 META_KEY = "autoprec"
 
@@ -114,7 +115,7 @@ def export_policy(storage: str, study_name: str, out: str | Path) -> tuple[Polic
         raise InputError(f"study {study_name!r} was not made by autoprec tune "
                          "(no 'autoprec' study attribute)")
     space = space_from_meta(meta)
-    cands = select.completed(study)
+    cands = completed(study)
     if not cands:
         raise InputError(f"study {study_name!r} has no completed trials yet")
     chosen, feasible = select.choose(cands, budget=float(meta["budget"]),

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from autoprec.loading import load_model_file
 from autoprec.policy import load_policy
-from autoprec.search.tune import tune
+from autoprec.tuning.tune import tune
 from tests.helpers import TRAP, run_cli
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -8,7 +8,7 @@
     select   the fastest plan within budget on eval data (or the closest, infeasible)
     write    the compact policy (+ Pareto front), MLflow artifacts
 
-This module orchestrates: search/prepare.py (prepare, space), run.py (search) and
+This module orchestrates: tuning/prepare.py (prepare, space), run.py (search) and
 write.py (select, write) are its stages; the numerics live in the modules they call.
 Tracking is a callback of the search and a last step of write.
 """
@@ -21,18 +21,18 @@ from typing import Any
 
 from autoprec.loading import ModelSpec
 from autoprec.memory import StagePeaks, peak_bytes, release_freed
-from autoprec.search.config import TuneConfig
-from autoprec.search.prepare import make_space, prepare
-from autoprec.search.run import run_search
-from autoprec.search.write import TuneResult, per_layer, write
 from autoprec.track import NullTracker, Tracker
+from autoprec.tuning.config import TuneConfig
+from autoprec.tuning.prepare import make_space, prepare
+from autoprec.tuning.run import run_search
+from autoprec.tuning.write import TuneResult, per_layer, write
 
 
 def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
          tracker: Tracker | None = None, profile: Any = None, **options: Any) -> TuneResult:
     """Find the fastest plan within the budget and write it as a policy.
 
-    ``config``: a ``TuneConfig`` (search/config.py: every option, validated once; the CLI
+    ``config``: a ``TuneConfig`` (tuning/config.py: every option, validated once; the CLI
     builds one), or its fields as keywords (``tune(model, max_error=0.01, trials=20)``).
     ``trials`` is the number of trials this process runs at most (the search stops sooner
     once nothing faster is predicted within budget, or after ``patience`` trials without a
@@ -41,7 +41,7 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     ``autoprec.track.make_tracker``). ``measure`` (a target that is this machine: ``cpu``,
     or the GPU here): price on a profile calibrated here and time the winner beside fp32
     and one global autocast, never writing a plan measured slower
-    (``search/confirm_speed.py``). ``report``: a folder to write the tables and plots into
+    (``tuning/confirm.py``). ``report``: a folder to write the tables and plots into
     (trials, Pareto front, per-layer precisions, and the tuned plan beside one global
     autocast per precision), MLflow or not. ``compile=True`` prices every plan as
     ``torch.compile`` runs it (cost/compiled.py) and records ``target.mode: compile`` (the
@@ -69,7 +69,7 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
         result = write(prep, space, search, cfg, tracker, started)
     release_freed()
     if cfg.report is not None:
-        from autoprec.search.report import write_report
+        from autoprec.tuning.report import write_report
 
         result.report = write_report(Path(cfg.report), result, list(space.region.choices),
                                      per_layer(prep, space, result.policy))
@@ -80,4 +80,4 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     return result
 
 
-__all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: search/config.py
+__all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: tuning/config.py

@@ -1,7 +1,7 @@
 """tune's stage 3: the search — the planner as an Optuna sampler over a (shared) study.
 
 The planner (search/planner.py) proposes the plans worth measuring, the driver runs the
-trials (search/driver.py), each scored by the PlanScorer (search/plan_scorer.py) and logged by
+trials (study/driver.py), each scored by the PlanScorer (study/objective.py) and logged by
 the tracker; progress, Ctrl-C (finish the trial, then write) and the study's settings
 (what a shared study must agree on) are here.
 """
@@ -25,16 +25,14 @@ from autoprec.errors import InputError
 from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
-from autoprec.search.config import TuneConfig
 from autoprec.search.decode import TrialDecoder
-from autoprec.search.driver import Driver, TrialResult
-from autoprec.search.export import META_KEY, study_meta
-from autoprec.search.plan_scorer import PlanScorer
 from autoprec.search.planner import Planner
-from autoprec.search.prepare import Prepared, reference_key
-from autoprec.search.sampler import PlanSampler
 from autoprec.search.space import SearchSpace
-from autoprec.search.storage import (
+from autoprec.study.driver import Driver, TrialResult
+from autoprec.study.export import META_KEY, study_meta
+from autoprec.study.objective import PlanScorer
+from autoprec.study.sampler import PlanSampler
+from autoprec.study.storage import (
     count_finished,
     describe_storage,
     join_study,
@@ -42,6 +40,8 @@ from autoprec.search.storage import (
     storage_errors,
 )
 from autoprec.track import Tracker
+from autoprec.tuning.config import TuneConfig
+from autoprec.tuning.prepare import Prepared, reference_key
 
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
 MARGIN = 1.25
@@ -55,7 +55,7 @@ class Search:
     study_name: str
     storage_desc: str
     meta: dict[str, Any]
-    scorer: PlanScorer  # scores each plan the search runs (search/plan_scorer.py)
+    scorer: PlanScorer  # scores each plan the search runs (study/objective.py)
     decoder: TrialDecoder  # trial params <-> key <-> rules (search/decode.py)
     planner: Planner
     driver: Driver

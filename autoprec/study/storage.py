@@ -135,7 +135,7 @@ def check_storage_url(url: str) -> None:
     """What can be told about ``--storage URL`` without connecting: the scheme, and for a
     file (SQLite, journal) that its folder exists and that an existing file is of the
     right kind. InputError (exit 2) naming the URL otherwise. ``open_storage`` runs it
-    first; ``search.config.TuneConfig.validated`` runs it before any work."""
+    first; ``tuning.config.TuneConfig.validated`` runs it before any work."""
     if not isinstance(url, str) or not url.strip():
         raise InputError(f"--storage: must be a storage URL; {_RULE}")
     shown = describe_storage(url)

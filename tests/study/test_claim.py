@@ -13,8 +13,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autoprec.search.driver import claim
 from autoprec.search.space import SearchSpace, Variable
+from autoprec.study.driver import claim
 
 SPACE = SearchSpace([Variable("fc1", ["fc1"], ["fp32", "bf16"]),
                      Variable("fc2", ["fc2"], ["fp32", "bf16"])])

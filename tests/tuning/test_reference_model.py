@@ -21,10 +21,10 @@ from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy
 from autoprec.reference import model_reference, offered, own_precision
 from autoprec.scoring import reference, score
-from autoprec.search import prepare as prepare_mod
-from autoprec.search import tune as tune_mod
-from autoprec.search.config import TuneConfig
-from autoprec.search.plan_scorer import given_policy
+from autoprec.study.objective import given_policy
+from autoprec.tuning import prepare as prepare_mod
+from autoprec.tuning import tune as tune_mod
+from autoprec.tuning.config import TuneConfig
 from tests.helpers import MODELS, run_cli
 
 BF16 = MODELS / "bf16_llama.py"

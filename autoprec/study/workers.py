@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 
 from autoprec.errors import InputError
-from autoprec.search.storage import describe_storage, is_parallel_safe, open_storage
+from autoprec.study.storage import describe_storage, is_parallel_safe, open_storage
 
 WORKER_INDEX_ENV = "AUTOPREC_WORKER_INDEX"
 WORKERS_ENV = "AUTOPREC_WORKERS"

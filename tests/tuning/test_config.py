@@ -1,4 +1,4 @@
-"""One TuneConfig from the command line to the writer, validated once (search/config.py).
+"""One TuneConfig from the command line to the writer, validated once (tuning/config.py).
 
 A bad value through the CLI is one line and exit 2 before anything runs (no model load,
 no study, no policy); a good tune checks its options exactly once although the CLI,
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import autoprec.search.config as config_mod
-import autoprec.search.tune as tune_mod
+import autoprec.tuning.config as config_mod
+import autoprec.tuning.tune as tune_mod
 from autoprec.errors import InputError
 from autoprec.policy import load_policy
-from autoprec.search.config import OPTIONS, TuneConfig
+from autoprec.tuning.config import OPTIONS, TuneConfig
 from tests.helpers import TRAP, run_cli
 
 QUICK = ["--target", "h100", "--batch-size", "65536", "--precisions", "bf16,fp16",

@@ -20,9 +20,10 @@ import optuna
 
 from autoprec.errors import InputError
 from autoprec.search.plan_score import PlanScore
-from autoprec.search.plan_scorer import PlanScorer
-from autoprec.search.sampler import PlanSampler
+from autoprec.search.select import Candidate
 from autoprec.search.space import Key, SearchSpace
+from autoprec.study.objective import PlanScorer
+from autoprec.study.sampler import PlanSampler
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -231,6 +232,17 @@ def _quiet_failed_trials() -> Iterator[None]:
             h.removeFilter(f)
 
 
+def completed(study: optuna.Study) -> list[Candidate]:
+    """Every measured trial (COMPLETE with a score), earliest first."""
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        ev = PlanScore.from_attrs(t.user_attrs)
+        if ev is not None:
+            out.append(Candidate(t.number, dict(t.params), ev,
+                                 dict(t.user_attrs.get("policy") or {})))
+    return out
+
+
 def trial_rows(study: optuna.Study) -> list[dict[str, object]]:
     """One row per trial for tables and MLflow: number, state, errors, times, params.
 
@@ -252,4 +264,4 @@ def trial_rows(study: optuna.Study) -> list[dict[str, object]]:
     return rows
 
 
-__all__ = ["Driver", "TrialResult", "claim", "trial_rows"]
+__all__ = ["Driver", "TrialResult", "claim", "completed", "trial_rows"]

@@ -28,10 +28,10 @@ from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.reference import ModelReference, model_reference, offered, own_precision
 from autoprec.scoring import Reference, batch_tensors, reference, same_tensors, score
-from autoprec.search.config import TuneConfig
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
+from autoprec.tuning.config import TuneConfig
 from autoprec.validate import check_out_not_input
 
 # -- stage 1: prepare ---------------------------------------------------------------------

@@ -23,17 +23,17 @@ from autoprec.evaluation.rows import SpeedCheck, speed_metrics
 from autoprec.paths import remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.reference import ModelReference
-from autoprec.search import compact, select
-from autoprec.search.config import TuneConfig
-from autoprec.search.confirm_speed import confirm_tune
-from autoprec.search.driver import trial_rows
-from autoprec.search.export import policy_from_candidate
-from autoprec.search.plan_scorer import given_policy
-from autoprec.search.prepare import Prepared, reference_key
-from autoprec.search.run import Search
+from autoprec.search import compaction, select
 from autoprec.search.space import SearchSpace
+from autoprec.study.driver import completed, trial_rows
+from autoprec.study.export import policy_from_candidate
+from autoprec.study.objective import given_policy
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import PlotPlans, Tracker, log_tune_artifacts
+from autoprec.tuning.config import TuneConfig
+from autoprec.tuning.confirm import confirm_tune
+from autoprec.tuning.prepare import Prepared, reference_key
+from autoprec.tuning.run import Search
 
 #: Below this estimated gain of the best uniform precision, the batch is launch-bound.
 LAUNCH_BOUND = 1.10
@@ -90,7 +90,7 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
 
 def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
           tracker: Tracker, started: float) -> TuneResult:
-    cands = select.completed(search.study)
+    cands = completed(search.study)
     given = _given_candidate(prep, space)
     if given is not None and not any(c.calib.feasible for c in cands):
         # a 16-bit model: the model as given is within budget by definition (error 0), so
@@ -275,7 +275,7 @@ def _one_liner_note(prep: Prepared, policy: Policy, speed: Any) -> list[str]:
                 or abs(row.est_speedup - est) > SAME_SPEED * est):
             continue
         base = row.policy.default
-        diff = compact.differences(prep.cost, (policy.default, policy.layers), (base, {}))
+        diff = compaction.differences(prep.cost, (policy.default, policy.layers), (base, {}))
         if not diff:
             continue
         where = ", ".join(f"{_module_words(prep, p)} ({a} here)" for p, a, _b in diff[:4])

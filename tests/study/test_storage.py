@@ -12,8 +12,8 @@ from optuna.storages.journal import JournalStorage
 from optuna.trial import TrialState
 
 from autoprec.errors import InputError
-from autoprec.search import storage as storage_mod
-from autoprec.search.storage import (
+from autoprec.study import storage as storage_mod
+from autoprec.study.storage import (
     CONNECT_TIMEOUT,
     FINGERPRINT_ATTR,
     count_finished,

@@ -16,7 +16,7 @@ import autoprec.evaluation.rows as rows_mod
 import autoprec.evaluation.timing as timing
 from autoprec.evaluation.rows import Row, check_speed, decide, label
 from autoprec.policy import Policy, load_policy
-from autoprec.search.tune import tune
+from autoprec.tuning.tune import tune
 from tests.helpers import MODELS
 
 MLP = MODELS / "mlp.py"
@@ -388,7 +388,7 @@ def test_with_no_trial_within_budget_the_fastest_baseline_within_budget_is_writt
     """A tuned plan over budget (or whose rule did not run) is not what is written when a
     one-liner meets the budget: the fastest such baseline is (by estimate, for a remote
     target); a baseline below ``--min-speedup`` is not a choice."""
-    from autoprec.search.confirm_speed import _best_baseline_if_infeasible
+    from autoprec.tuning.confirm import _best_baseline_if_infeasible
 
     rs = rows(tuned_ok=False)
     got = _best_baseline_if_infeasible(rs)

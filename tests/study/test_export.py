@@ -10,7 +10,7 @@ import torch
 
 from autoprec.evaluation.check import check
 from autoprec.policy import Policy, load_policy
-from autoprec.search.export import EXPORT_NOTE
+from autoprec.study.export import EXPORT_NOTE
 from tests.helpers import TRAP, run_cli
 
 
