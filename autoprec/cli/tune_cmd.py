@@ -17,7 +17,7 @@ from autoprec.evaluation.json_fields import batch_size_from, batch_size_words
 from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
-    from autoprec.evaluation.rows import SpeedCheck
+    from autoprec.evaluation.speed_check import SpeedCheck
     from autoprec.tuning.tune import TuneResult
 
 

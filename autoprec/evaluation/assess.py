@@ -17,8 +17,8 @@ audits every policy, ``Target.apply`` / ``Target.audit``, and prices it,
    cost model, and timed where the target is this machine (``timing.measure_rows``).
 
 ``assess`` runs steps 1-3 for one policy (``check``, ``eval``); ``beside_baselines`` is
-eval's step 4 (the baselines scored on the eval data). tune's confirmation
-(``confirm_speed``) runs step 4 on the search's own scores and audits
+eval's step 4 (the baselines scored on the eval data), decided by ``decision.decide``.
+tune's confirmation (``tuning.confirm``) runs step 4 on the search's own scores and audits
 (``baselines.tune_baseline_rows``), which the search made through the same ``Target``.
 """
 
@@ -34,7 +34,9 @@ import torch
 
 from autoprec.apply.audit import AuditReport
 from autoprec.cost import Breakdown
-from autoprec.evaluation.rows import Row, SpeedCheck, Timer, check_speed
+from autoprec.evaluation.decision import Timing, decide
+from autoprec.evaluation.rows import Row, Timer
+from autoprec.evaluation.speed_check import SpeedCheck
 from autoprec.evaluation.target import Target
 from autoprec.evaluation.timing import measure_rows
 from autoprec.fused import fused_paths_off
@@ -141,17 +143,15 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Tar
 def time_rows(rows: list[Row], target: Target, forward: Callable[[Any, Any], Any],
               net: torch.nn.Module, batch: Any, graph: LayerGraph, *, measure: bool,
               not_measured: str, at_batch: Any = None, timer: Timer | None = None,
-              seed: int = 0, force: bool = False) -> SpeedCheck:
-    """Step 4's decision: ``rows`` (a plan, its candidates, its baselines) timed on
+              seed: int = 0, force: bool = False) -> Timing:
+    """Step 4's timing: ``rows`` (a plan, its candidates, its baselines) timed on
     ``batch`` where the target is this machine and ``measure`` says so (interleaved rounds
-    in the target's mode, ``timing.measure_rows``), else their estimates, with why not
-    timed (``not_measured`` for a local target, the speed source's note for a remote one).
+    in the target's mode, ``timing.measure_rows``), else a ``Timing`` saying why not
+    (``not_measured`` for a local target, the speed source's note for a remote one).
     ``at_batch``: the cost model at ``batch``'s size (default: the target's, of ``graph``):
     each timed row's estimate beside its measurement."""
     if not (measure and target.local):
-        check = check_speed(rows, None)
-        check.reason = target.speed.note if not target.local else not_measured
-        return check
+        return Timing(note=target.speed.note if not target.local else not_measured)
     if at_batch is None:
         at_batch = target.cost_model(graph, batch_size_of(batch) or 1)
     return measure_rows(rows, forward, net, batch, target, at_batch, timer=timer, seed=seed,
@@ -190,14 +190,12 @@ def beside_baselines(a: Assessment, spec: ModelSpec, net: torch.nn.Module, polic
 
     rows += baseline_rows(a.cost, eval_error, None if budget is None else float(budget),
                           lambda p, form: Policy(default=p, form=form, model=model_id))
-    check = time_rows(rows, target, spec.forward, net, spec.calibration_batches()[0], a.graph,
-                      measure=measure, not_measured="not measured (no --measure)",
-                      force=force)
-    if check.measured:
-        check.mark = "fastest within budget"
-    else:
-        check.winner = None  # eval writes nothing: no row is marked
-    return check
+    timing = time_rows(rows, target, spec.forward, net, spec.calibration_batches()[0], a.graph,
+                       measure=measure, not_measured="not measured (no --measure)",
+                       force=force)
+    # eval writes nothing: no row is marked unless timed (then the fastest within budget)
+    return SpeedCheck(rows, decide(rows, timing, writes=False), timing,
+                      mark="fastest within budget" if timing.measured else "written")
 
 
 __all__ = ["Assessment", "assess", "beside_baselines", "first_nonfinite", "time_rows"]

@@ -16,6 +16,7 @@ the same rounds. ``eval --measure`` and tune's last step both time through
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,7 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from autoprec.evaluation.rows import Row, SpeedCheck, Timer, check_speed
+from autoprec.evaluation.decision import (
+    ColdConfirmed,
+    ColdMove,
+    Retimed,
+    Timing,
+    contradictions,
+    fastest_measured,
+)
+from autoprec.evaluation.rows import Row, Timer, fill_measured
 from autoprec.evaluation.target import Target
 from autoprec.policy import Policy, PolicyWarning
 from autoprec.targets import is_cpu
@@ -43,7 +52,7 @@ SAMPLE_S = 0.02
 def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: str, *,
                       inner: int = 1, fp8_backend: str | None = None, seed: int = 0,
                       force: bool = False, cold: bool = False) -> Timer:
-    """A Timer for ``check_speed``: each plan applied around ``run()`` (the forward of one
+    """A Timer for ``time_plans``: each plan applied around ``run()`` (the forward of one
     batch under ``torch.no_grad``), interleaved rounds on ``device`` (see the module doc).
     ``cold``: the allocator trimmed before every timed forward (``_rounds``)."""
     from autoprec.apply.apply import apply_policy
@@ -73,7 +82,7 @@ def _rounds(runs: Mapping[str, Callable[[], Any]], device: str, inner: int, seed
             ) -> Mapping[str, Sequence[float]]:
     """The interleaved rounds every timer runs (see the module doc). ``cold``: glibc's
     ``malloc_trim(0)`` untimed before every timed forward, so each starts from an allocator
-    that has handed its free memory back (``speed_rows.cold_confirm``)."""
+    that has handed its free memory back (``cold_confirm``)."""
     from autoprec.cost.measure import allocator_trim, measure_interleaved
 
     return measure_interleaved(runs, device, around=around, rounds=MIN_ROUNDS,
@@ -86,7 +95,7 @@ def _rounds(runs: Mapping[str, Callable[[], Any]], device: str, inner: int, seed
 def compiled_timer(model: Any, forward: Callable[[Any, Any], Any], batch: Any, device: str,
                    target: str, *, inner: int = 1, fp8_backend: str | None = None,
                    seed: int = 0, force: bool = False, cold: bool = False) -> Timer:
-    """A Timer for ``check_speed`` that times plans as a ``torch.compile`` deployment runs
+    """A Timer for ``time_plans`` that times plans as a ``torch.compile`` deployment runs
     them: per plan, a copy of ``model`` with the plan applied for the whole measurement
     (``apply_policy``, then ``torch.compile``: the README's deployment snippet), compiled
     by one untimed forward; then interleaved rounds as ``interleaved_timer``'s. One copy per
@@ -151,10 +160,10 @@ def _to_device(obj: Any, device: str) -> Any:
 
 def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, batch: Any,
                  target: Target, at_batch: Any, *, timer: Timer | None = None,
-                 seed: int = 0, force: bool = False) -> SpeedCheck:
+                 seed: int = 0, force: bool = False) -> Timing:
     """Time ``rows`` on the local ``target``'s device with ``forward(net, batch)`` (a copy
-    of the model on a GPU), each plan applied as the target runs it (its fp8 backend), and
-    decide; ``at_batch``: the cost model at the timed batch size (the estimate beside each
+    of the model on a GPU), each plan applied as the target runs it (its fp8 backend)
+    (``time_plans``); ``at_batch``: the cost model at the timed batch size (the estimate beside each
     measurement, and how many forwards make one sample). A compiled target (``--compile``)
     times each plan ``torch.compile``'d (``compiled_timer``)."""
     import copy
@@ -194,8 +203,94 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
         timer = make(False)
         if is_cpu(device) and allocator_trim() is not None:
             cold_timer = make(True)
-    return check_speed(rows, timer, device=device, batch_size=at_batch.batch_size, how=how,
-                       cold_timer=cold_timer)
+    return time_plans(rows, timer, device=device, batch_size=at_batch.batch_size, how=how,
+                      cold_timer=cold_timer)
 
 
-__all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "compiled_timer", "interleaved_timer", "measure_rows"]
+def time_plans(rows: list[Row], timer: Timer, *, device: str, batch_size: int | None = None,
+               how: str = "", cold_timer: Timer | None = None) -> Timing:
+    """Time the runnable rows with ``timer`` (one entry per distinct plan; rows of one
+    plan share its figures, ``Row.same_as``) and fill their speed-ups; a measured order
+    the estimate contradicts beyond both their errors (``decision.contradictions``) is timed
+    once more (the pair and fp32, interleaved) before anything is decided on it; and the
+    winner so far, where it casts its weights per call, is confirmed cold
+    (``cold_confirm``). ``decision.decide`` decides on the rows as left here."""
+    first: dict[Any, str] = {}
+    for r in rows:
+        if r.policy is None:
+            continue
+        if r.key in first:
+            r.same_as = first[r.key]
+        else:
+            first[r.key] = r.name
+    plans = {r.name: r.policy for r in rows if r.policy is not None and r.same_as is None}
+    timed = timer(plans)  # measure_interleaved's Samples carry page faults per forward
+    samples = dict(timed)
+    fill_measured(rows, timed)
+    bad = contradictions(rows)
+    again = None
+    if bad:
+        base = _fp32_row(rows)
+        names = dict.fromkeys([base.same_as or base.name, *(x.name for ab in bad for x in ab)])
+        before = {r.name: r.speedup for r in rows}
+        second = timer({n: plans[n] for n in names})
+        fill_measured([r for r in rows if (r.same_as or r.name) in names], second)
+        a, b = bad[0]
+        again = Retimed(tuple(n for n in names if n != (base.same_as or base.name)),
+                        a.name, before[a.name], a.est_measured_batch, b.name, before[b.name],
+                        b.est_measured_batch, still=bool(contradictions(rows)))
+    winner, _why, _runner = fastest_measured(rows)
+    cold = cold_confirm(rows, winner, cold_timer)
+    n = min((len(v) for v in samples.values()), default=0)
+    return Timing(device, batch_size, how, n, retimed=again, cold=cold)
+
+
+def _fp32_row(rows: Sequence[Row]) -> Row:
+    return next(r for r in rows if r.role == "baseline" and r.policy is not None
+                and r.policy.default == "fp32" and not r.policy.layers)
+
+
+def _casts_per_call(policy: Policy) -> bool:
+    """The training form with a 16-bit or narrower rule: it casts weights on every call."""
+    return policy.form == "train" and any(
+        p not in ("fp32", "tf32") for p in (policy.default, *policy.layers.values()))
+
+
+def cold_confirm(rows: Sequence[Row], winner: Row | None, cold_timer: Timer | None
+                 ) -> ColdConfirmed | None:
+    """Before a plan that casts its weights on every call is written, time it, fp32 and
+    the next two fastest rows again with the allocator trimmed before every forward, and
+    keep each row's slower state; the decision is made on the rows after. Returns what was
+    done (None: nothing to confirm).
+
+    Why: the per-call casts allocate fresh buffers every forward, and whether glibc serves
+    them from fresh, faulting pages depends on what the process allocated before
+    (experiments/page_faults.py: experiments/wide's global bf16 autocast ran 2.44x of fp32
+    with freed memory kept, 1.08x with ~14,500 faults per forward). A plan measured in the
+    lucky state alone must not be written: issue 29's tune wrote an autocast plan it
+    measured at 1.43x where ``eval --measure`` measured 0.79x."""
+    if (cold_timer is None or winner is None or winner.policy is None
+            or not _casts_per_call(winner.policy)):
+        return None
+    base = _fp32_row(rows)
+    timed = sorted((r for r in rows if r.same_as is None and r.speedup is not None
+                    and r.policy is not None and r.feasible),
+                   key=lambda r: -(r.speedup or 0.0))
+    names = list(dict.fromkeys([base.same_as or base.name, winner.same_as or winner.name,
+                                *(r.name for r in timed[:3])]))
+    plans = {r.name: r.policy for r in rows if r.name in names and r.policy is not None}
+    got = cold_timer(plans)
+    shadow = [copy.copy(r) for r in rows if (r.same_as or r.name) in names]
+    fill_measured(shadow, got)
+    moved = []
+    for r, c in zip((r for r in rows if (r.same_as or r.name) in names), shadow, strict=True):
+        if c.speedup is not None and r.speedup is not None and c.speedup < r.speedup:
+            if r.same_as is None and r is not base:
+                moved.append(ColdMove(r.name, r.speedup, c.speedup, c.faults))
+            r.warm = (r.speedup, r.p10 or r.speedup, r.p90 or r.speedup)
+            r.speedup, r.p10, r.p90, r.faults = c.speedup, c.p10, c.p90, c.faults
+    return ColdConfirmed(winner.name, tuple(names), tuple(moved))
+
+
+__all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "cold_confirm", "compiled_timer",
+           "interleaved_timer", "measure_rows", "time_plans"]

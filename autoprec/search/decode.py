@@ -22,7 +22,7 @@ The same plan — two notions with two jobs, defined here; every other use deriv
    its explicit rules one to one; a trial's params are the key in Optuna's spelling
    (``space.key``). Used for identity: a trial is not run twice (the driver's claim and
    cache, ``select.dedupe``), and rows beside the baselines are timed once per plan_id
-   (``speed_rows.Row.key``).
+   (``evaluation.rows.Row.key``).
 2. **The same run: what the kernels do.** ``plan.schedule.signature`` (vectorised:
    ``plan.schedule.same_as``): the same kernels on the same dtypes, the same casts and
    quantisation passes in the recorded forward. Coarser than 1: many names, one run (two

@@ -35,7 +35,7 @@ SCREEN_FACTOR = 3.0
 
 #: The search scores and audits its plans with fp8 emulated, as the probes run it: a
 #: plan's error is then the one its probes predicted, on any machine. The deployment's
-#: own backend (``Target.fp8_backend``) times the rows (confirm_speed) and runs eval/check.
+#: own backend (``Target.fp8_backend``) times the rows (tuning.confirm) and runs eval/check.
 SCORING_FP8_BACKEND = "emulated"
 
 

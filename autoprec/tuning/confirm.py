@@ -9,11 +9,13 @@ The rows are judged by the one evaluation pipeline eval and check use (``evaluat
 the search scored and audited every row through the tune's ``Target`` (the same
 ``Target.apply`` / ``Target.audit``), and where the target is the device at hand the rows
 are timed by ``assess.time_rows`` (interleaved rounds, eager or compiled as the
-deployment runs), the step eval's ``--measure`` takes too. The written plan is the fastest *measured* one within budget (``speed_rows.decide``):
-a tuned plan measured slower than fp32 or a one-liner within budget is never written —
-the next candidate or the baseline is, and the reason says why. Where the target is not
-here, the estimates stand, and a 16-bit model's own layout is written when it is
-estimated faster than the tuned plan (``_given_if_faster``).
+deployment runs), the step eval's ``--measure`` takes too. Which row is written is
+``evaluation.decision.decide``'s (the one decision; its reasons are data): the fastest
+*measured* one within budget — a tuned plan measured slower than fp32 or a one-liner
+within budget is never written, the next candidate or the baseline is. Where the target is
+not here, the estimates stand, and a 16-bit model's own layout (or, with no trial within
+budget, the fastest baseline within it) is written when the decision says so. This module
+builds the rows and maps the winning row back to what ``write`` writes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 
 from autoprec.evaluation.assess import time_rows
 from autoprec.evaluation.baselines import BASELINES, baseline_rows
-from autoprec.evaluation.rows import Row, SpeedCheck, Timer
+from autoprec.evaluation.decision import ByEstimate, decide
+from autoprec.evaluation.rows import Row, Timer
+from autoprec.evaluation.speed_check import SpeedCheck
 
 #: Candidates from the study timed after the chosen one (the next fastest feasible ones).
 NEXT_CANDIDATES = 2
@@ -79,53 +83,19 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     # itself too; else the target's cost model at the calibration batch (time_rows)
     at_batch = (None if not timed or prep.cost.op_times is not None else
                 make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode))
-    check = time_rows(rows, target, prep.spec.forward, prep.net, prep.calib[0], prep.graph,
-                      measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,
-                      not_measured="not measured (--no-measure)" if not cfg.measure else
-                      "not measured: no plan within budget")
-    if not check.measured:
-        instead = _given_if_faster(rows) or _best_baseline_if_infeasible(rows)
-        if instead is None:
-            return check, chosen, rules_of(chosen)
-        check.winner = instead
-        check.reason += (f"; {instead.name} is estimated faster than the tuned plan (or is "
-                         "the fastest plan within budget): wrote it")
-        return check, *_baseline_candidate(prep, space, instead)
-    win = check.winner
-    if win is not None and win.role != "tuned":
-        check.reason += f": wrote {win.name} instead"
+    timing = time_rows(rows, target, prep.spec.forward, prep.net, prep.calib[0], prep.graph,
+                       measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,
+                       not_measured="not measured (--no-measure)" if not cfg.measure else
+                       "not measured: no plan within budget")
+    decision = decide(rows, timing, estimate=ByEstimate(chosen.number, chosen.calib.est_speedup,
+                                                        feasible))
+    check = SpeedCheck(rows, decision, timing)
+    win = decision.winner
     if win is None or win.role == "tuned":
         return check, chosen, rules_of(chosen)
     if win.role == "candidate":
         return check, win.source, rules_of(win.source)
     return check, *_baseline_candidate(prep, space, win)
-
-
-def _given_if_faster(rows: Sequence[Row]) -> Row | None:
-    """A 16-bit model's own row (``reference_rows``) when the tuned plan is over budget or
-    estimated slower: the written plan is never priced below the model as given."""
-    tuned = rows[0]
-    given = next((r for r in rows if r.role == "baseline" and r.feasible
-                  and r.name.startswith("the model as given")), None)
-    if given is None:
-        return None
-    if tuned.feasible and (tuned.est_speedup or 0.0) >= (given.est_speedup or 0.0):
-        return None
-    return given
-
-
-def _best_baseline_if_infeasible(rows: Sequence[Row]) -> Row | None:
-    """The fastest baseline within budget (by estimate; the simpler among equals) when the
-    tuned plan is not within budget: a one-liner that meets the budget is written rather
-    than the closest over-budget plan."""
-    if rows[0].feasible:
-        return None
-    ok = [r for r in rows if r.role == "baseline" and r.feasible and r.policy is not None
-          and r.est_speedup is not None]
-    if not ok:
-        return None
-    return max(ok, key=lambda r: (r.est_speedup or 0.0, -len(r.policy.layers),
-                                  -(r.weight_bytes or 0)))
 
 
 def _why_not(ev: Any, budget: float) -> str:

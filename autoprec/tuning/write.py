@@ -1,7 +1,8 @@
 """tune's stages 4 and 5: select the plan and write it.
 
     select   the fastest plan within budget on eval data (or the closest, infeasible),
-             timed beside its baselines where the target is here (confirm_speed.py)
+             timed beside its baselines where the target is here (confirm.py; the one
+             decision, evaluation/decision.py)
     write    the compact policy (+ Pareto front), the notes the user is told, MLflow
              artifacts; a ``TuneResult``
 """
@@ -19,7 +20,7 @@ import optuna
 import torch
 
 import autoprec
-from autoprec.evaluation.rows import SpeedCheck, speed_metrics
+from autoprec.evaluation.speed_check import SpeedCheck, speed_metrics
 from autoprec.paths import remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.reference import ModelReference

@@ -14,10 +14,11 @@ import pytest
 
 import autoprec.evaluation.rows as rows_mod
 import autoprec.evaluation.timing as timing
-from autoprec.evaluation.rows import Row, check_speed, decide, label
+from autoprec.evaluation.decision import fastest_measured
+from autoprec.evaluation.rows import Row, label
 from autoprec.policy import Policy, load_policy
 from autoprec.tuning.tune import tune
-from tests.helpers import MODELS
+from tests.helpers import MODELS, check_speed
 
 MLP = MODELS / "mlp.py"
 
@@ -69,9 +70,9 @@ def test_the_next_candidate_is_written_when_it_beats_the_tuned_one_and_every_bas
     rs = rows()
     t = timer_of({"tuned": 40, "next candidate (trial 3)": 25, label("fp32"): 34,
                   label("bf16"): 30})
-    winner, reason = decide(_filled(rs, t))
+    winner, why, _runner = fastest_measured(_filled(rs, t))
     assert winner is rs[1]
-    assert "next candidate (trial 3)" in reason
+    assert why.winner.name == "next candidate (trial 3)"  # type: ignore[attr-defined]
 
 
 def test_a_faster_one_liner_within_budget_wins_over_the_tuned_plan():
@@ -141,7 +142,7 @@ def test_a_plan_casting_per_call_is_written_only_if_it_still_wins_with_a_cold_al
     """The training form's per-call casts fault on fresh pages in one process and not in
     another: before such a plan is written it is timed again with the allocator trimmed
     before every forward, and each row keeps its slower state."""
-    from autoprec.evaluation.rows import cold_confirm
+    from autoprec.evaluation.timing import cold_confirm
 
     def rows_ac() -> list[Row]:
         return [
@@ -171,7 +172,7 @@ def test_a_plan_casting_per_call_is_written_only_if_it_still_wins_with_a_cold_al
     rs = rows_ac()
     check = check_speed(rs, quiet, device="cpu", batch_size=16, cold_timer=cold)
     assert check.winner is rs[2] and len(cold.seen) == 1
-    assert cold_confirm(rs, rs[2], cold) == ""
+    assert cold_confirm(rs, rs[2], cold) is None
 
 
 def test_the_same_plan_is_timed_once():
@@ -388,13 +389,21 @@ def test_with_no_trial_within_budget_the_fastest_baseline_within_budget_is_writt
     """A tuned plan over budget (or whose rule did not run) is not what is written when a
     one-liner meets the budget: the fastest such baseline is (by estimate, for a remote
     target); a baseline below ``--min-speedup`` is not a choice."""
-    from autoprec.tuning.confirm import _best_baseline_if_infeasible
+    from autoprec.evaluation.decision import Fallback, Rule, Timing, decide
+
+    def written(rs: list[Row]) -> Row | None:
+        d = decide(rs, Timing(note="not measured"))
+        instead = d.reason(Rule.ESTIMATED_INSTEAD)
+        assert (instead is None) == (d.winner is rs[0])
+        if instead is not None:
+            assert instead.fallback is Fallback.BASELINE_WITHIN_BUDGET  # type: ignore[attr-defined]
+        return None if d.winner is rs[0] else d.winner
 
     rs = rows(tuned_ok=False)
-    got = _best_baseline_if_infeasible(rs)
+    got = written(rs)
     assert got is not None and got.name == label("bf16")  # 1.9x beats fp32's 1.0x
-    assert _best_baseline_if_infeasible(rows(tuned_ok=True)) is None
+    assert written(rows(tuned_ok=True)) is None
     rs[3].feasible = False  # bf16 over budget: fp32 is the one within budget
-    assert _best_baseline_if_infeasible(rs).name == label("fp32")
+    assert written(rs).name == label("fp32")
     rs[2].feasible = False  # nothing within budget: the closest plan stands
-    assert _best_baseline_if_infeasible(rs) is None
+    assert written(rs) is None
