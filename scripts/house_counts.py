@@ -5,10 +5,12 @@
 ROOT is a checkout (default: this one); to count an older commit, extract it first:
 ``git archive ce1b2e0 | tar -x -C /tmp/ce1b2e0``. The rows:
 
-- **files in the largest package**: ``.py`` files directly in one folder of ``autoprec/``;
-- **files to answer "why this plan"**: the modules on the static call paths from tune's
-  ``write`` to the function that makes the decision (``decide`` returning the decision),
-  following calls through imported names and ``module.function`` attributes;
+- **files in the largest package**: ``.py`` files directly in one subpackage of
+  ``autoprec/``; **loose top-level modules**: those directly in ``autoprec/`` but
+  ``__init__.py``;
+- **files to answer "why this plan"**: the modules on the static call paths from ``tune``
+  (the function a reader opens first) to the function that makes the decision (a
+  ``decide``), following calls through imported names and ``module.function`` attributes;
 - **target-deciding modules**: modules of ``autoprec/`` that resolve a run's target or
   decide what it runs as: use ``named_target``, ``canonical_target``, ``resolve_target``,
   ``speed_source``, ``mode_of``, ``best_fp8_backend`` or ``DEFAULT_TARGET`` (the modules
@@ -65,12 +67,20 @@ def _imports(name: str, path: Path, tree: ast.Module) -> dict[str, str]:
     return got
 
 
-def largest_package(mods: dict[str, tuple[Path, ast.Module]]) -> tuple[str, int]:
+def package_sizes(mods: dict[str, tuple[Path, ast.Module]]) -> dict[str, int]:
+    """folder of ``autoprec/`` ("" for the top level) -> its ``.py`` files (not below)."""
     count: dict[str, int] = defaultdict(int)
-    for _name, (path, _t) in mods.items():
-        count[str(path.parent.name)] += 1
-    name = max(count, key=lambda k: count[k])
-    return name, count[name]
+    for name, (path, _t) in mods.items():
+        parts = name.split(".")
+        folder = "/".join(parts[1:-1]) if path.name != "__init__.py" else "/".join(parts[1:])
+        count[folder] += 1
+    return dict(count)
+
+
+def largest_package(mods: dict[str, tuple[Path, ast.Module]]) -> tuple[str, int]:
+    sizes = {k: v for k, v in package_sizes(mods).items() if k}
+    name = max(sizes, key=lambda k: sizes[k])
+    return name + "/", sizes[name]
 
 
 def _functions(mods: dict[str, tuple[Path, ast.Module]]) -> dict[str, tuple[str, ast.AST]]:
@@ -112,10 +122,10 @@ def call_graph(mods: dict[str, tuple[Path, ast.Module]]) -> dict[str, set[str]]:
 
 
 def why_this_plan(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
-    """Modules on call paths from tune's ``write`` to the decision's ``decide``."""
+    """Modules on call paths from ``tune`` (the function) to the one that decides."""
     graph = call_graph(mods)
     funcs = _functions(mods)
-    start = [q for q in funcs if q.endswith("write.write")]
+    start = [q for q in funcs if q.endswith(".tune.tune")]
     goal = {q for q in funcs if q.endswith(".decide")}
     reach: set[str] = set()
     stack = list(start)
@@ -198,7 +208,8 @@ def counts(root: Path) -> dict[str, str]:
     pkg, n = largest_package(mods)
     why = why_this_plan(mods)
     return {
-        "files in the largest package": f"{n} ({pkg}/)",
+        "files in the largest package": f"{n} ({pkg})",
+        "loose top-level modules": str(package_sizes(mods).get("", 1) - 1),
         'files to answer "why this plan"': str(len(why)),
         "target-deciding modules": str(len(target_deciders(mods))),
         "private names imported across packages (package, experiments, scripts)":

@@ -21,6 +21,7 @@ builds the rows and maps the winning row back to what ``write`` writes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from autoprec.evaluation.assess import time_rows
@@ -28,6 +29,62 @@ from autoprec.evaluation.baselines import BASELINES, baseline_rows
 from autoprec.evaluation.decision import ByEstimate, decide
 from autoprec.evaluation.rows import Row, Timer
 from autoprec.evaluation.speed_check import SpeedCheck
+from autoprec.search import select
+from autoprec.study.objective import given_policy
+from autoprec.tuning.prepare import reference_key
+
+
+@dataclass
+class Chosen:
+    """What tune writes: the candidate (a trial, or a baseline / the model as given as a
+    pseudo-candidate, number -1), its (default, rules), the rows and the decision beside
+    it, and every candidate of the study (the Pareto front is written from them)."""
+
+    candidate: Any
+    rules: tuple[str, dict[str, str]]
+    speed: SpeedCheck
+    candidates: list[Any]
+
+
+def choose_plan(prep: Any, space: Any, search: Any, cfg: Any) -> Chosen:
+    """tune's decision: the study's completed trials (and, for a 16-bit model none of whose
+    trials is within budget, the model as given), the fastest within budget by estimate
+    (``search.select.choose``), confirmed beside its baselines (``confirm_tune``: timed
+    where the target is here, decided by ``evaluation.decision.decide``)."""
+    from autoprec.study.driver import completed
+
+    cands = completed(search.study)
+    given = _given_candidate(prep, space)
+    if given is not None and not any(c.calib.feasible for c in cands):
+        # a 16-bit model: the model as given is within budget by definition (error 0), so
+        # a search whose trials all failed or went over budget still writes it
+        search.notes.append("no trial found a plan within budget; wrote the model as given "
+                            f"({prep.reference.label()})")
+        cands = [*cands, given]
+    if not cands:
+        raise search.driver.nothing_measured(search.study_name)
+    chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
+    speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible)
+    return Chosen(chosen, rules, speed, cands)
+
+
+def _given_candidate(prep: Any, space: Any) -> Any:
+    """The model as given (a 16-bit model's own layout) as a candidate (no trial of the
+    study): error 0, priced like every plan. None for an fp32 model."""
+    from autoprec.search.plan_score import PlanScore
+
+    refm = prep.reference
+    if refm.is_fp32 or refm.islands:  # a mixed model's own layout is measured (reference_key)
+        return None
+    pol = given_policy(refm)
+    t = prep.cost.estimate(pol)
+    key = reference_key(space, refm) or space.uniform(refm.default)
+    return select.Candidate(number=-1, params=space.params(key),
+                            calib=PlanScore(0.0, t, prep.cost.fp32_time / t if t > 0 else 0.0,
+                                             True, eval_error=0.0),
+                            policy={"default": refm.default, "layers": refm.rules(),
+                                    "form": "deploy"})
+
 
 #: Candidates from the study timed after the chosen one (the next fastest feasible ones).
 NEXT_CANDIDATES = 2
@@ -41,7 +98,6 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     candidate to write and its (default, rules)."""
     from autoprec.cost import make_cost_model
     from autoprec.policy.build import policy_for
-    from autoprec.search import select
 
     ev, target = search.scorer, prep.target
 
@@ -110,7 +166,6 @@ def _why_not(ev: Any, budget: float) -> str:
 
 def _baseline_candidate(prep: Any, space: Any, win: Row) -> tuple[Any, tuple[str, dict[str, str]]]:
     """A baseline row as the candidate to write (no trial of the study) and its rules."""
-    from autoprec.search import select
     from autoprec.search.plan_score import PlanScore
 
     assert win.policy is not None
@@ -210,4 +265,4 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     return rows
 
 
-__all__ = ["NEXT_CANDIDATES", "confirm_tune", "reference_rows", "tune_baseline_rows"]
+__all__ = ["NEXT_CANDIDATES", "Chosen", "choose_plan", "confirm_tune", "reference_rows", "tune_baseline_rows"]

@@ -23,6 +23,7 @@ from autoprec.loading import ModelSpec
 from autoprec.memory import StagePeaks, peak_bytes, release_freed
 from autoprec.track import NullTracker, Tracker
 from autoprec.tuning.config import TuneConfig
+from autoprec.tuning.confirm import choose_plan
 from autoprec.tuning.prepare import make_space, prepare
 from autoprec.tuning.run import run_search
 from autoprec.tuning.write import TuneResult, per_layer, write
@@ -65,8 +66,9 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
         space = make_space(prep, cfg)
         interrupted: list[bool] = []
         search = run_search(prep, space, cfg, tracker, interrupted)
-    with peaks.stage("confirm"):  # select, confirm on the eval data, write
-        result = write(prep, space, search, cfg, tracker, started)
+    with peaks.stage("confirm"):  # select, confirm on the eval data, decide; write
+        plan = choose_plan(prep, space, search, cfg)
+        result = write(prep, space, search, cfg, tracker, started, plan)
     release_freed()
     if cfg.report is not None:
         from autoprec.tuning.report import write_report

@@ -1,10 +1,8 @@
-"""tune's stages 4 and 5: select the plan and write it.
+"""tune's last stage: write the plan ``confirm.choose_plan`` decided.
 
-    select   the fastest plan within budget on eval data (or the closest, infeasible),
-             timed beside its baselines where the target is here (confirm.py; the one
-             decision, evaluation/decision.py)
-    write    the compact policy (+ Pareto front), the notes the user is told, MLflow
-             artifacts; a ``TuneResult``
+The compact policy (+ Pareto front), the notes the user is told, MLflow artifacts; a
+``TuneResult``. Which plan it is, and why, was decided before (``confirm.choose_plan``,
+``evaluation.decision.decide``): this module only writes.
 """
 
 from __future__ import annotations
@@ -26,14 +24,14 @@ from autoprec.policy import Policy
 from autoprec.reference import ModelReference
 from autoprec.search import compaction, select
 from autoprec.search.space import SearchSpace
-from autoprec.study.driver import completed, trial_rows
+from autoprec.study.driver import trial_rows
 from autoprec.study.export import policy_from_candidate
 from autoprec.study.objective import given_policy
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import PlotPlans, Tracker, log_tune_artifacts
 from autoprec.tuning.config import TuneConfig
-from autoprec.tuning.confirm import confirm_tune
-from autoprec.tuning.prepare import Prepared, reference_key
+from autoprec.tuning.confirm import Chosen
+from autoprec.tuning.prepare import Prepared
 from autoprec.tuning.run import Search
 
 #: Below this estimated gain of the best uniform precision, the batch is launch-bound.
@@ -76,7 +74,7 @@ class TuneResult:
     memory_stages: dict[str, int] = field(default_factory=dict)  # stage -> its own peak bytes
 
 
-# -- stages 4 and 5: select and write -----------------------------------------------------
+# -- the last stage: write -------------------------------------------------------------------
 
 def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
     return {
@@ -90,21 +88,11 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
 
 
 def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
-          tracker: Tracker, started: float) -> TuneResult:
-    cands = completed(search.study)
-    given = _given_candidate(prep, space)
-    if given is not None and not any(c.calib.feasible for c in cands):
-        # a 16-bit model: the model as given is within budget by definition (error 0), so
-        # a search whose trials all failed or went over budget still writes it
-        search.notes.append("no trial found a plan within budget; wrote the model as given "
-                            f"({prep.reference.label()})")
-        cands = [*cands, given]
-    if not cands:
-        raise search.driver.nothing_measured(search.study_name)
-    chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
+          tracker: Tracker, started: float, plan: Chosen) -> TuneResult:
+    """Write ``plan`` (``confirm.choose_plan``: the decided candidate and its rules) as the
+    policy, with its front and the tracker's artifacts; a ``TuneResult``."""
+    cands, chosen, rules, speed = plan.candidates, plan.candidate, plan.rules, plan.speed
     provenance = _provenance(search, cfg)
-    # the last step: the chosen plan beside its baselines, timed when the target is here
-    speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible)
     feasible = chosen.calib.feasible  # a baseline within budget may replace the closest plan
     provenance.update(prep.target.speed.provenance())
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
@@ -171,24 +159,6 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       speed=speed, priced=search.planner.priced,
                       measured=len(search.driver.by_key), plot_plans=plans,
                       reference=prep.reference, weight_bytes=prep.reference.weight_bytes)
-
-
-def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | None:
-    """The model as given (a 16-bit model's own layout) as a candidate (no trial of the
-    study): error 0, priced like every plan. None for an fp32 model."""
-    from autoprec.search.plan_score import PlanScore
-
-    refm = prep.reference
-    if refm.is_fp32 or refm.islands:  # a mixed model's own layout is measured (reference_key)
-        return None
-    pol = given_policy(refm)
-    t = prep.cost.estimate(pol)
-    key = reference_key(space, refm) or space.uniform(refm.default)
-    return select.Candidate(number=-1, params=space.params(key),
-                            calib=PlanScore(0.0, t, prep.cost.fp32_time / t if t > 0 else 0.0,
-                                             True, eval_error=0.0),
-                            policy={"default": refm.default, "layers": refm.rules(),
-                                    "form": "deploy"})
 
 
 def _plot_plans(prep: Prepared, search: Search, speed: Any, chosen: Any) -> PlotPlans:
