@@ -94,15 +94,14 @@ def first_nonfinite(spec: ModelSpec, model: torch.nn.Module,
 
 
 def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Target,
-           batch_size: int | None, force: bool = False,
-           capture_warnings: bool = False) -> Assessment:
+           force: bool = False, capture_warnings: bool = False) -> Assessment:
     """Score, audit and price ``policy`` on ``net`` (built from ``spec``) for ``target``.
 
     ``target``: the run's one resolved target (``evaluation.target.resolve_target``): the
     policy applied as it runs there (its fp8 backend), and its cost model prices the plan
     as tune does (on a local CPU, with the model's ops timed here), in its mode.
-    ``batch_size``: the deployment batch (None: the policy's, else the calibration
-    batch's). ``capture_warnings``: policy warnings raised while applying are collected in
+    The deployment batch is the target's (``Target.deploy_batch``: given, the policy's,
+    else the calibration batch's). ``capture_warnings``: policy warnings raised while applying are collected in
     ``notes`` instead of being emitted (check reports them in its result).
     """
     batches = spec.eval_batches()
@@ -131,7 +130,7 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Tar
     # The whole forward priced under the policy's plan at the deployment batch size (DESIGN:
     # "price at the deployment shape"): GEMMs, casts, norms, activations, GEMM-format scaling.
     graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
-    bs = batch_size or policy.batch_size or batch_size_of(calib0) or graph.batch_size
+    bs = target.deploy_batch(calib0, graph.batch_size)
     cost = target.cost_model(graph, bs)
     return Assessment(
         reference=ref, score=sc, audit=report, layers=layers, fp8_backend=backend,

@@ -40,9 +40,9 @@ def eval_report(model: Path, policy_path: Path, target: str | None = None,
     # the target resolved once, as check and tune resolve it: a local target priced on this
     # machine's calibration and op timings (a profile fitted on another CPU promised 1.82x
     # for a policy that ran 0.56x here)
-    tgt = resolve_target(target, pol, compile=compile, measure=measure,
+    tgt = resolve_target(target, pol, compile=compile, batch_size=batch_size, measure=measure,
                          policy_path=policy_path)
-    a = assess(spec, net, pol, target=tgt, batch_size=batch_size, force=force)
+    a = assess(spec, net, pol, target=tgt, force=force)
     sc, report, cost, bd = a.score, a.audit, a.cost, a.breakdown
     warns = list(report.warnings)
     if (note := a.casts_note()) is not None:  # dtype-dependent model code, another batch

@@ -1,5 +1,12 @@
 """The target a policy is priced, scored and timed for: resolved once, carried as one value.
 
+``Target`` is the one thing every stage above the cost model is handed (tune's search and
+confirmation, ``check``, ``eval``): what it runs as is decided here, by ``resolve_target``,
+and read from it; no stage re-derives the device, the mode, the batch or the fp8 backend
+from a string. Below it, ``autoprec.targets`` parses names, ``autoprec.capability``
+answers what this machine runs and ``cost.profiles`` what a device has; they are the
+facts this module decides from.
+
 A target used to travel as a string (``"cpu"``, ``"h100"``) beside loose ``mode``,
 ``form``, ``fp8_backend`` and ``measure`` arguments, and every stage re-derived what it
 needed: the fallback ``target or policy.target_device or DEFAULT_TARGET`` in ``check`` and
@@ -14,7 +21,11 @@ against 3.01x for one policy (issue 30). ``resolve_target`` decides all of it on
 - the **form**: how plans run, "deploy" (weights stored in their precision) or "train"
   (autocast over fp32 masters): given (tune's ``--form``), else the policy's;
 - the **GEMM backend** of fp8 layers (``apply_policy``'s ``fp8_backend``; None: the best
-  this device runs);
+  this device runs, ``capability.best_fp8_backend``, chosen where it is applied);
+- the **batch size** plans are priced at (given, else the policy's; ``deploy_batch``:
+  else the calibration batch's);
+- the **capability**: what the target runs (``supports``: its profile's answer, the
+  datasheet's; ``runs_here``: this machine's, for a local target);
 - the **speed source** (``speed_source.SpeedSource``): the profile the cost model prices
   with and where it comes from, measured here for a local target, with the model's own
   ops timed on a local CPU; ``Target.cost_model`` is the one way a price is made.
@@ -32,7 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.evaluation.speed_source import SpeedSource, calibration_dir, speed_source
+from autoprec.metrics import batch_size_of
 from autoprec.targets import DEFAULT_TARGET, device_type, named_target
+
+
+def target_name(given: str | None, recorded: str | None = None) -> str:
+    """The target a run is for, in its one spelling: ``given`` (``--target``), else
+    ``recorded`` (a policy's ``target.device``), else ``DEFAULT_TARGET``."""
+    return named_target(given, recorded) or DEFAULT_TARGET
 
 
 def mode_of(compile: bool | None, default: str = "eager") -> str:
@@ -45,7 +63,8 @@ def mode_of(compile: bool | None, default: str = "eager") -> str:
 
 @dataclass
 class Target:
-    """One target, resolved: its name, deployment mode and form, fp8 backend, speed source."""
+    """One target, resolved (``resolve_target``): its name, deployment mode and form, fp8
+    backend, deployment batch size, speed source, and what it can run."""
 
     name: str  # canonical profile name: "h100", "cpu", ...
     mode: str  # "eager" | "compile"
@@ -53,6 +72,26 @@ class Target:
     named: bool = True  # False: nothing named it (the default was taken)
     form: str = "deploy"  # how the run's plans run (precisions.FORMS)
     fp8_backend: str | None = None  # fp8 layers' GEMM backend (None: the best here)
+    batch_size: int | None = None  # the deployment batch (None: the calibration batch's)
+
+    def deploy_batch(self, batch: Any, default: int = 1) -> int:
+        """The batch size plans are priced at: the target's, else ``batch``'s (a
+        calibration batch), else ``default``."""
+        return self.batch_size or batch_size_of(batch) or default
+
+    def supports(self, precision: str) -> tuple[bool, str]:
+        """Whether the target device has ``precision`` (its profile, the datasheet's
+        answer, wherever it runs): (ok, why not)."""
+        return self.profile.supports(precision)
+
+    def runs_here(self, precision: str) -> tuple[bool, str] | None:
+        """This machine's answer for a local target (``autoprec.capability``: the device,
+        torch and the backends here); None for a remote one."""
+        if not self.local:
+            return None
+        from autoprec.capability import capability
+
+        return capability(precision, self.fp8_backend, self.device)
 
     @property
     def profile(self) -> Any:
@@ -102,13 +141,14 @@ class Target:
 
 def resolve_target(given: str | None, policy: Any = None, *, compile: bool | None = None,
                    form: str | None = None, fp8_backend: str | None = None,
-                   measure: bool = False, cache_dir: Path | None = None,
-                   policy_path: Path | None = None) -> Target:
+                   batch_size: int | None = None, measure: bool = False,
+                   cache_dir: Path | None = None, policy_path: Path | None = None) -> Target:
     """The target of a run: ``given`` (``--target``), else ``policy``'s, else the default;
     the mode from ``compile``, else the policy's; the form from ``form``, else the
-    policy's, else "deploy"; the speed source cached in ``cache_dir`` (default: beside
-    ``policy_path``, as tune caches it beside the policy it writes). ``measure``: a local
-    target's calibration may be measured now (else cached only)."""
+    policy's, else "deploy"; the batch size from ``batch_size``, else the policy's; the
+    speed source cached in ``cache_dir`` (default: beside ``policy_path``, as tune caches
+    it beside the policy it writes). ``measure``: a local target's calibration may be
+    measured now (else cached only)."""
     named = named_target(given, policy.target_device if policy is not None else None)
     name = named or DEFAULT_TARGET
     # speed_source looks the profile up once: an unknown device is exit 2 there
@@ -117,7 +157,8 @@ def resolve_target(given: str | None, policy: Any = None, *, compile: bool | Non
     return Target(name, mode, speed_source(name, measure=measure, cache_dir=cache, mode=mode),
                   named=named is not None,
                   form=form or (policy.form if policy is not None else "deploy"),
-                  fp8_backend=fp8_backend)
+                  fp8_backend=fp8_backend,
+                  batch_size=batch_size or (policy.batch_size if policy is not None else None))
 
 
-__all__ = ["Target", "mode_of", "resolve_target"]
+__all__ = ["Target", "mode_of", "resolve_target", "target_name"]

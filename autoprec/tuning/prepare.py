@@ -108,10 +108,10 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
                       metric=spec.metric if cfg.use_metric else None, graph=graph,
                       budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1
-    deploy_bs = cfg.batch_size or calib_bs
     target = resolve_target(cfg.target, compile=cfg.compile, form=cfg.form,
-                            measure=cfg.measure,
+                            batch_size=cfg.batch_size, measure=cfg.measure,
                             cache_dir=calibration_dir(out_path, cfg.cache_dir))
+    deploy_bs = target.deploy_batch(calib[0])
     # the one price source of a target (Target.cost_model): on a local CPU the model's
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
     cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form)

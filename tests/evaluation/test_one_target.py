@@ -41,7 +41,25 @@ def test_a_remote_target_is_not_timed_and_says_why(tmp_path: Path) -> None:
     if target.local:
         pytest.skip("an H100 is this machine")
     rows = [Row("tuned", "tuned", Policy(default="bf16"), 0.0, True, 2.0)]
-    check = time_rows(rows, target, lambda m, b: m(b), None, None, None, measure=True,
-                      not_measured="unused")
-    assert not check.measured and check.reason == target.speed.note
-    assert "no h100 here" in check.reason
+    timing = time_rows(rows, target, lambda m, b: m(b), None, None, None, measure=True,
+                       not_measured="unused")
+    assert not timing.measured and timing.note == target.speed.note
+    assert "no h100 here" in timing.note
+
+
+def test_the_target_decides_the_batch_and_what_it_runs(tmp_path: Path) -> None:
+    """One place decides: the batch size (given, else the policy's, else the calibration
+    batch's), and what the target runs (its profile; this machine's capability only for a
+    local target)."""
+    policy = Policy(default="bf16", target={"device": "h100", "batch_size": 256})
+    assert resolve_target(None, policy, cache_dir=tmp_path).batch_size == 256
+    t = resolve_target("h100", policy, batch_size=8, cache_dir=tmp_path)
+    assert t.name == "h100" and t.batch_size == 8 and t.deploy_batch(torch.zeros(4, 2)) == 8
+    bare = resolve_target("h100", cache_dir=tmp_path)
+    assert bare.batch_size is None and bare.deploy_batch(torch.zeros(4, 2)) == 4
+    assert t.supports("fp8") == t.profile.supports("fp8")
+    assert t.supports("fp8")[0] and not resolve_target("t4", cache_dir=tmp_path).supports("fp8")[0]
+    cpu = resolve_target("cpu", cache_dir=tmp_path)
+    assert cpu.local and cpu.runs_here("fp32") == (True, cpu.runs_here("fp32")[1])
+    if not t.local:
+        assert t.runs_here("fp32") is None
