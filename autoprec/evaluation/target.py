@@ -149,8 +149,8 @@ def resolve_target(given: str | None, policy: Any = None, *, compile: bool | Non
     speed source cached in ``cache_dir`` (default: beside ``policy_path``, as tune caches
     it beside the policy it writes). ``measure``: a local target's calibration may be
     measured now (else cached only)."""
-    named = named_target(given, policy.target_device if policy is not None else None)
-    name = named or DEFAULT_TARGET
+    recorded = policy.target_device if policy is not None else None
+    name, named = target_name(given, recorded), named_target(given, recorded)
     # speed_source looks the profile up once: an unknown device is exit 2 there
     mode = mode_of(compile, policy.mode if policy is not None else "eager")
     cache = cache_dir if cache_dir is not None else calibration_dir(policy_path)
