@@ -11,10 +11,11 @@ ROOT is a checkout (default: this one); to count an older commit, extract it fir
 - **files to answer "why this plan"**: the modules on the static call paths from ``tune``
   (the function a reader opens first) to the function that makes the decision (a
   ``decide``), following calls through imported names and ``module.function`` attributes;
-- **target-deciding modules**: modules of ``autoprec/`` that resolve a run's target or
-  decide what it runs as: use ``named_target``, ``canonical_target``, ``resolve_target``,
-  ``speed_source``, ``mode_of``, ``best_fp8_backend`` or ``DEFAULT_TARGET`` (the modules
-  defining them included);
+- **target-deciding modules**: modules of ``autoprec/`` that decide themselves which
+  target a run is for or what it runs as — they use the primitives ``named_target``,
+  ``canonical_target``, ``DEFAULT_TARGET``, ``mode_of``, ``speed_source`` or
+  ``best_fp8_backend`` (the modules defining them included) rather than being handed a
+  resolved ``Target`` (calling ``resolve_target`` is asking the one place, not deciding);
 - **private names imported across packages**: ``from autoprec.x import _name`` where the
   importing file is not in ``autoprec.x``'s own folder (in ``autoprec/``, ``experiments/``,
   ``benchmarks/``, ``scripts/``; tests counted apart);
@@ -32,8 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET_NAMES = {"named_target", "canonical_target", "resolve_target", "speed_source",
-                "mode_of", "DEFAULT_TARGET", "best_fp8_backend"}
+TARGET_NAMES = {"named_target", "canonical_target", "speed_source", "mode_of",
+                "DEFAULT_TARGET", "best_fp8_backend"}
 
 
 def _modname(path: Path, root: Path) -> str:

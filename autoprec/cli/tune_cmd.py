@@ -105,13 +105,11 @@ def tune_cmd(
 
 def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, Any]:
     """The result as ``--json`` prints it."""
-    from autoprec.evaluation.target import mode_of
-
     return {
         "policy": str(result.path), "feasible": result.feasible,
         "error": _num(result.eval_error), "calibration_error": _num(result.error),
         "budget": result.budget, "est_speedup": round(result.est_speedup, 4),
-        "target": target, "mode": mode_of(compile_mode),
+        "target": target, "mode": result.policy.mode,
         "batch_size": result.policy.target.get("batch_size")
         if isinstance(result.policy.target, dict) else None,
         "trials": result.trials, "evaluations": round(result.evaluations, 2),

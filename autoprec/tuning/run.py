@@ -74,7 +74,7 @@ def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
         "locked": sorted(cfg.locked), "min_speedup": cfg.min_speedup,
         "data": data_hash(prep.calib), "weights": weights_hash(prep.net),
         "code": code_hash(prep.spec, prep.net), "search": 2,
-        **({"mode": cfg.mode} if cfg.compile else {}),  # eager studies keep their names
+        **({"mode": prep.target.mode} if cfg.compile else {}),  # eager studies keep their names
         **({"form": cfg.form} if cfg.form != "train" else {}),  # and train-form ones
         **({"max_weight_mb": cfg.max_weight_mb} if cfg.max_weight_mb is not None else {}),
         # a 16-bit model's errors are against itself (fp32 models keep their study names)
