@@ -79,7 +79,7 @@ def rows_of(name: str, mode: str, res: Any) -> list[dict[str, Any]]:
             "written": win is not None and (r is win or r.name == win.same_as
                                             or r.same_as == win.name),
             # the estimate prices the allocator state without fresh pages: a row that
-            # tune's cold confirmation timed again (speed_rows.cold_confirm) is compared at
+            # tune's cold confirmation timed again (evaluation.timing.cold_confirm) is compared at
             # its first timing, and its cold one is shown beside it
             "est": r.est_measured_batch, "measured": warm[0], "p10": warm[1], "p90": warm[2],
             "off": r.est_measured_batch / warm[0] - 1.0, "same_as": r.same_as if same else "",

@@ -2,7 +2,7 @@
 
 The candidates are a study's completed trials (``study.driver.completed``). The search
 scores on the calibration data; the budget binds on the eval data: a trial is
-feasible only once it was also within budget there (plan_scorer.py confirms at once). The
+feasible only once it was also within budget there (study/objective.py confirms at once). The
 chosen plan is the fastest feasible one. When none is, the run is infeasible and the
 closest plan is reported (optuna#4180: pick by a stated rule, say when nothing is
 feasible, exit non-zero).
