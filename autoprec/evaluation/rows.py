@@ -63,7 +63,7 @@ class Row:
 
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]] | None:
-        """The plan's name (``decode.plan_id``: form, default and rules): rows of one key
+        """The plan's name (``policy.build.plan_id``: form, default and rules): rows of one key
         install the same and are timed once (why by name, not by what runs:
         ``search.decode``)."""
         if self.policy is None:

@@ -151,3 +151,13 @@ def test_the_reader_sees_lazy_imports(tmp_path: Path) -> None:
                    "from . import sibling\nimport autoprec.trace.graph\n")
     assert set(_imported(mod, tmp_path / "autoprec")) == {
         "autoprec.apply.x.y", "autoprec.demo.sibling", "autoprec.trace.graph"}
+
+
+def test_check_and_eval_run_without_the_search() -> None:
+    """What tune, check and eval share (``autoprec.evaluation``: the target, assess, the
+    baselines, the timing, the decision, check and eval themselves) imports nothing of
+    the search, its Optuna adapter or tune's orchestration."""
+    graph = import_graph()
+    assert graph["evaluation"] & {"search", "study", "tuning"} == set(), _show(graph)
+    assert "optuna" not in {m.split(".")[0] for p in (PACKAGE / "search").glob("*.py")
+                            for m in _imported(p)}, "the search algorithm imports Optuna"
