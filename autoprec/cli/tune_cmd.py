@@ -189,12 +189,15 @@ def _not_feasible(result: TuneResult, min_speedup: float | None, error: Any) -> 
 
 
 def _print_speed(speed: SpeedCheck) -> None:
-    """The written plan beside its baselines, and why it was written."""
+    """The written plan beside its baselines, and why it was written (the decision's
+    reasons in words: ``evaluation.explain.render``)."""
+    from autoprec.evaluation.explain import render
+
     print("")
     print(speed.table())
     where = (f"measured on {speed.device} at batch size {speed.batch_size} ({speed.how}, "
              f"{speed.rounds} interleaved rounds)" if speed.measured else "estimated")
-    print(f"speed: {where}; {speed.reason}")
+    print(f"speed: {where}; {render(speed.decision)}")
     print(f"pick: {speed.recommendation()}")
 
 
