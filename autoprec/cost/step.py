@@ -126,8 +126,11 @@ class StepCostModel(CostModel):
     # -- pricing ----------------------------------------------------------------------------------
     def price(self, rules: RuleSet, codes: np.ndarray, form: str | None = None) -> Priced:
         fwd = super().price(rules, codes, form)
-        if (form or self.form) != "train":
-            return fwd
+        if (form or self.form) != "train":  # stored 16-bit weights: the step's updates are lost
+            why = ("the deploy form stores each layer's weights in its precision: a training "
+                   "step's updates would be lost (train it in the training form)")
+            return Priced(np.full_like(fwd.time, math.inf), fwd.parts, fwd.schedule,
+                          {**{r: why for r in range(len(fwd.time))}, **fwd.reasons})
         sch = fwd.schedule
         bwd = backward(sch, self.fp8_backward)
         step = self._step_parts(sch, fwd.parts, bwd)
@@ -252,6 +255,33 @@ class StepCostModel(CostModel):
             step_parts=parts)
 
 
+def step_metrics(bd: Breakdown) -> dict[str, float]:
+    """The policy's metrics of a training step's breakdown (flat, for the YAML file and
+    MLflow): the step's estimated microseconds per part and its memory; {} for a forward's."""
+    if not isinstance(bd, StepBreakdown) or not math.isfinite(bd.total_s):
+        return {}
+    out = {"est_step_us": round(bd.total_s * 1e6, 3)}
+    out.update({f"est_{k}_us": round(v * 1e6, 3) for k, v in bd.parts.items()})
+    if bd.memory is not None:
+        out.update({f"est_train_{k}": v for k, v in bd.memory.to_dict().items()})
+    return out
+
+
+def train_bytes(cost: CostModel, policy: Policy) -> int | None:
+    """The estimated training-memory peak of ``policy`` (None: not priced as a step)."""
+    if not isinstance(cost, StepCostModel) or policy.form != "train":
+        return None
+    return int(cost.train_memory(policy).peak_bytes)
+
+
+def fp8_backward_of(backend: str | None) -> str:
+    """How an fp8 backend runs the backward: "fp32" for autoprec's own ``torch`` and
+    ``emulated`` backends (dequantised fp32 GEMMs), "fp8" for Transformer Engine and torchao's
+    Float8Linear — and for a target priced from its profile alone (None), where a trainer
+    runs one of those libraries."""
+    return "fp32" if backend in ("torch", "emulated") else "fp8"
+
+
 def step_cost_model(cost: CostModel, **kwargs: Any) -> StepCostModel:
     """The step cost model of the same graph, profile, batch and op timings as ``cost``."""
     return StepCostModel(cost.graph, cost.profile, cost.batch_size,
@@ -259,4 +289,5 @@ def step_cost_model(cost: CostModel, **kwargs: Any) -> StepCostModel:
 
 
 __all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
-           "StepBreakdown", "StepCostModel", "step_cost_model"]
+           "StepBreakdown", "StepCostModel", "fp8_backward_of", "step_cost_model",
+           "step_metrics", "train_bytes"]

@@ -78,7 +78,8 @@ class Target:
     def cost_model(self, graph: Any, batch_size: int | None = None) -> Any:
         """The cost model of ``graph`` on this target, in its mode and form
         (``SpeedSource.cost_model``)."""
-        return self.speed.cost_model(graph, batch_size, self.mode, form=self.form)
+        return self.speed.cost_model(graph, batch_size, self.mode, form=self.form,
+                                     fp8_backend=self.fp8_backend)
 
     def apply(self, model: Any, policy: Any, *, force: bool = False) -> Any:
         """``policy`` applied to ``model`` as this target runs it (its autocast op lists,
