@@ -226,9 +226,15 @@ def _step_timer(net: Any, forward: Callable[[Any, Any], Any], loss: Callable[[An
             steps[key] = training_step(mine, forward, loss, batch, fp16=uses_fp16(pol))
         return steps[key]
 
-    return interleaved_timer(mine, lambda: None, target.device or "cpu", target.name,
-                             inner=inner, seed=seed, force=force,
-                             fp8_backend=target.fp8_backend, run_for=run_for)
+    steps_of = interleaved_timer(mine, lambda: None, target.device or "cpu", target.name,
+                                 inner=inner, seed=seed, force=force,
+                                 fp8_backend=target.fp8_backend, run_for=run_for)
+
+    def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+        # a deploy-form row (16-bit stored weights) does not train: not timed as a step
+        return steps_of({n: p for n, p in plans.items() if p.form == "train"})
+
+    return timer
 
 
 __all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "compiled_timer", "interleaved_timer", "measure_rows"]
