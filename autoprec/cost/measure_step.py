@@ -9,9 +9,10 @@ model the tune goes on to write) and applies each plan around it, as the deploy 
 forwards are.
 
 ``step_peak_bytes(step)`` measures the allocator's peak during one step on a CPU: torch's
-profiler with ``profile_memory`` sees every allocation and free of the CPU allocator; the
-peak of their running sum, plus what was alive before (weights, optimizer state after the
-first step), is the step's peak.
+profiler with ``profile_memory`` sees every allocation and free of the CPU allocator (each
+op's own, net of its own frees, at the op's start: an op's transient allocations inside
+one op are not seen apart); the peak of their running sum, plus what was alive before
+(weights, optimizer state after the first step), is the step's peak.
 """
 
 from __future__ import annotations
@@ -65,10 +66,12 @@ def step_peak_bytes(step: Callable[[], Any], alive_before: int) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     run = peak = 0
-    events = sorted((e for e in prof.events() if e.name == "[memory]"),
+    # each op's own allocations net of its own frees (children apart), and the frees the
+    # profiler records on their own ("[memory]"), in the order they happened
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
                     key=lambda e: e.time_range.start)
     for e in events:
-        run += e.cpu_memory_usage
+        run += e.self_cpu_memory_usage
         peak = max(peak, run)
     return alive_before + peak
 
