@@ -9,8 +9,9 @@ training-form policy): a plan's time is
   backward of norms, activations and adds, gradient accumulation, and a GEMM format's
   gradient quantisation (``fp8_backward``: "fp8" as Transformer Engine and torchao's
   ``Float8Linear`` run it, "fp32" as autoprec's ``torch`` / ``emulated`` backends do);
-- the optimizer step over the fp32 masters (``Optimizer``; fused AdamW by default: one
-  pass reading parameter, gradient, exp_avg, exp_avg_sq and writing three of them);
+- the optimizer step over the fp32 masters (``Optimizer``; on a GPU fused AdamW: one pass
+  reading parameter, gradient, exp_avg, exp_avg_sq and writing three of them; on a CPU
+  torch's default loop over the parameters, eight passes each);
 - where a plan has an fp16 region, the GradScaler: the loss scaling, the unscale and
   inf check of every gradient (a pass over the fp32 gradients unless the optimizer is
   fused, which takes the scale itself) and the scale update.
@@ -35,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from autoprec.cost.model import CostModel
+from autoprec.cost.model import CostModel, device_type_of
 from autoprec.cost.op_pricing import _FORMAT_OF_CODE
 from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Breakdown, Priced
 from autoprec.cost.train_memory import (
@@ -65,6 +66,8 @@ class Optimizer:
     passes: int  # multi-tensor kernels per step (each launched once per tensor chunk)
     fused: bool  # takes GradScaler's scale itself (no separate unscale pass)
     state_bytes: float = ADAMW_STATE_BYTES  # optimizer state per parameter
+    #: tensors one kernel launch of a pass handles (1: a Python loop over the parameters)
+    tensors_per_launch: int = 110
 
 
 #: torch.optim.AdamW(fused=True): one kernel reading p, g, m, v and writing p, m, v (fp32).
@@ -73,10 +76,10 @@ ADAMW_FUSED = Optimizer("adamw_fused", 7 * 4.0, 1, True)
 #: passes — decay p (r/w), lerp m (r m, g; w m), scale v (r/w), addcmul v (r v, g; w v),
 #: sqrt v (r v; w s), div s, add eps (r/w s each), addcdiv p (r p, m, s; w p): 20 x 4 bytes.
 ADAMW_FOREACH = Optimizer("adamw_foreach", 20 * 4.0, 8, False)
-OPTIMIZERS = {o.name: o for o in (ADAMW_FUSED, ADAMW_FOREACH)}
-#: Tensors one multi-tensor-apply launch handles (CUDA's ``depth_to_max_tensors``, 110 for
-#: two lists; the chunking by elements is folded in).
-_TENSORS_PER_LAUNCH = 110
+#: torch.optim.AdamW on a CPU (no foreach, no fused by default): the same passes as the
+#: foreach path, one op per parameter tensor each.
+ADAMW_LOOP = Optimizer("adamw_loop", 20 * 4.0, 8, False, tensors_per_launch=1)
+OPTIMIZERS = {o.name: o for o in (ADAMW_FUSED, ADAMW_FOREACH, ADAMW_LOOP)}
 
 
 @dataclass
@@ -109,12 +112,15 @@ class StepCostModel(CostModel):
     grad_mode = True  # the forward of a step: autocast's weight-cast cache off
 
     def __init__(self, graph: Any, profile: Any, batch_size: int | None = None, *,
-                 fp8_backward: str = "fp8", optimizer: Optimizer = ADAMW_FUSED,
+                 fp8_backward: str = "fp8", optimizer: Optimizer | None = None,
                  **kwargs: Any) -> None:
         if fp8_backward not in FP8_BACKWARDS:
             raise ValueError(f"fp8_backward must be one of {FP8_BACKWARDS}, got {fp8_backward!r}")
         self.fp8_backward = fp8_backward
-        self.optimizer = optimizer
+        # what torch.optim.AdamW runs by default: fused / foreach on a GPU (a trainer's
+        # choice: fused), a loop over the parameters on a CPU
+        dev = kwargs.get("device_type") or device_type_of(profile)
+        self.optimizer = optimizer or (ADAMW_LOOP if dev == "cpu" else ADAMW_FUSED)
         #: a plan whose training step holds more bytes cannot run (``--memory-limit``)
         self.max_train_bytes: float | None = None
         self._n_params = trainable_numel(graph.ops) if graph.ops is not None else 0.0
@@ -200,7 +206,7 @@ class StepCostModel(CostModel):
 
     def _optimizer_s(self) -> float:
         o = self.optimizer
-        launches = o.passes * max(1, math.ceil(self._n_tensors / _TENSORS_PER_LAUNCH))
+        launches = o.passes * max(1, math.ceil(self._n_tensors / o.tensors_per_launch))
         return o.bytes_per_param * self._n_params / self._bw + launches * self._launch
 
     def _scaler_s(self) -> float:
@@ -208,7 +214,7 @@ class StepCostModel(CostModel):
         fp32 gradient, unless the fused optimizer takes the scale), the scale update."""
         unscale = 0.0 if self.optimizer.fused else 8.0 * self._n_params / self._bw
         launches = 2 + (0 if self.optimizer.fused else
-                        max(1, math.ceil(self._n_tensors / _TENSORS_PER_LAUNCH)))
+                        max(1, math.ceil(self._n_tensors / self.optimizer.tensors_per_launch)))
         return unscale + launches * self._launch
 
     # -- memory -----------------------------------------------------------------------------------
@@ -287,6 +293,6 @@ def step_cost_model(cost: CostModel, **kwargs: Any) -> StepCostModel:
                          device_type=cost.device_type, op_times=cost.op_times, **kwargs)
 
 
-__all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
+__all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "ADAMW_LOOP", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
            "StepBreakdown", "StepCostModel", "fp8_backward_of", "step_cost_model",
            "step_metrics", "train_bytes"]

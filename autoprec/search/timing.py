@@ -189,7 +189,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
         ", torch.compile'd (one model copy per plan)" if target.compile else "")
     cold_timer = None
     if timer is None and loss is not None and target.form == "train" and not target.compile:
-        timer, how = _step_timer(net, forward, loss, batch, target, inner, seed, force), (
+        timer, how = step_timer(net, forward, loss, batch, target, inner, seed, force), (
             how.replace("forwards", "steps") + ", training steps (forward, loss, backward, "
             "AdamW; GradScaler with fp16)")
     if timer is None:
@@ -209,7 +209,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
                        cold_timer=cold_timer)
 
 
-def _step_timer(net: Any, forward: Callable[[Any, Any], Any], loss: Callable[[Any, Any], Any],
+def step_timer(net: Any, forward: Callable[[Any, Any], Any], loss: Callable[[Any, Any], Any],
                 batch: Any, target: Target, inner: int, seed: int, force: bool) -> Timer:
     """``interleaved_timer`` over training steps of one copy of ``net`` (its own AdamW per
     plan, a GradScaler for a plan with fp16)."""
@@ -237,4 +237,5 @@ def _step_timer(net: Any, forward: Callable[[Any, Any], Any], loss: Callable[[An
     return timer
 
 
-__all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "compiled_timer", "interleaved_timer", "measure_rows"]
+__all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "compiled_timer",
+           "interleaved_timer", "measure_rows", "step_timer"]
