@@ -60,6 +60,9 @@ def test_eval_json_has_the_step_breakdown_and_memory(tmp_path: Path, model_py: P
     assert b["dgrad_us"] > 0 and b["wgrad_us"] > 0 and b["scaler_us"] > 0  # fp16: GradScaler
     assert b["total_us"] == pytest.approx(sum(b[f"{p}_us"] for p in STEP_PARTS), rel=1e-3)
     assert b["backward_us"] > b["forward_us"]  # dgrad + wgrad: twice the forward's GEMMs
+    assert {r["layer"]: r["computed"] for r in out["backward_audit"]} == {"0": "fp16",
+                                                                          "3": "fp16"}
+    assert out["audit_errors"] == []  # forward and backward: every rule ran
     mem = b["memory"]
     assert mem["optimizer_mb"] == pytest.approx(2 * mem["weights_mb"])
     rows = {r["name"]: r for r in out["baselines"]["rows"]}
@@ -85,3 +88,23 @@ def test_eval_measure_times_training_steps_on_this_cpu(tmp_path: Path, model_py:
     assert rows["fp32 (no autocast)"]["measured_speedup"] == 1.0
     assert rows["fp16 (one global autocast)"]["measured_speedup"] is not None  # + GradScaler
     assert rows["bf16 (model.to(bfloat16))"]["measured_speedup"] is None  # does not train
+
+
+def test_tune_memory_limit_binds_the_training_step(tmp_path: Path, model_py: Path,
+                                                   capsys: pytest.CaptureFixture[str]):
+    """--memory-limit 3 MB: above twice the weights (the up-front check passes), below fp32's
+    training step at 4096 rows (3.8 MB, mostly saved activations) and above a 16-bit one's
+    (2.4 MB): fp32 cannot train there, with the reason; the plan written fits."""
+    out = tmp_path / "p.yaml"
+    code, printed, err = run_cli(["tune", model_py, "--form", "train", "--target", "h100",
+                                  "--batch-size", "4096", "--memory-limit", "0.003",
+                                  "--max-error", "0.05", "--trials", "4", "--out", out,
+                                  "--no-track", "--quiet", "--json"], capsys)
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(printed)["baselines"]["rows"]}
+    assert "training memory 0.00 GB > --memory-limit 0.003 GB" in (
+        rows["fp32 (no autocast)"]["why_not"])
+    assert rows["fp32 (no autocast)"]["train_memory_bytes"] > 3e6
+    from autoprec.policy import load_policy
+
+    assert load_policy(out).metrics["est_train_peak_mb"] < 3.0
