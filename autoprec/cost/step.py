@@ -19,7 +19,10 @@ training-form policy): a plan's time is
 Each backward kernel is priced like a forward one: ``max(FLOPs / peak, bytes / bandwidth)
 + launch (+ GEMM set-up)``; on a CPU target with this machine's op timings, a gradient
 GEMM of an op timed here takes the forward GEMM's measured time at its precision (dgrad
-and wgrad have the forward's FLOPs over the same three dimensions). ``--batch-size`` is
+and wgrad have the forward's FLOPs over the same three dimensions; timed alone on this
+team's CPU they take what the forward takes), fused attention's backward 2.5x its
+forward's, and a pointwise op's backward at least its forward's (it reads dY and what the
+op saved, and writes dX). ``--batch-size`` is
 the training micro-batch.
 
 ``breakdown`` splits the step into ``STEP_PARTS`` (fprop / dgrad / wgrad / casts /
@@ -45,7 +48,7 @@ from autoprec.cost.train_memory import (
     saved_activation_bytes,
     trainable_numel,
 )
-from autoprec.plan.backward import FP8_BACKWARDS, Backward, backward
+from autoprec.plan.backward import ATTENTION_BACKWARD, FP8_BACKWARDS, Backward, backward
 from autoprec.plan.compile import CODE, RuleSet
 from autoprec.plan.dtype_codes import FP16
 from autoprec.plan.schedule import Schedule
@@ -189,7 +192,12 @@ class StepCostModel(CostModel):
                 yield k, sec
                 continue
             if k.compute is None:
-                yield k, nbytes / bw + launch
+                sec = nbytes / bw + launch
+                if k.what == "pointwise" and k.op >= 0 and self._timed[k.op] is not None:
+                    # reading dY and what it saved, writing dX: at least its forward's time
+                    fwd_s = self._op_seconds(k.op, sch, None)
+                    sec = np.where(np.isnan(fwd_s), sec, np.maximum(sec, fwd_s))
+                yield k, sec
                 continue
             fwd_flops = self.trace.ops[k.op].flops
             scale = self._op_flops[k.op] / fwd_flops if fwd_flops else 1.0
@@ -198,9 +206,9 @@ class StepCostModel(CostModel):
                 ct = np.where(peak > 0, k.flops * scale / np.where(peak > 0, peak, 1.0),
                               math.inf)
             sec = np.maximum(ct, nbytes / bw) + launch + self._setup[k.compute]
-            timed = self._timed[k.op] if k.what == "gemm" else None
-            if timed is not None:  # this machine's time of the forward GEMM, per precision
-                got = timed[k.compute]
+            timed = self._timed[k.op]
+            if timed is not None:  # this machine's time of the forward op, per precision
+                got = timed[k.compute] * (ATTENTION_BACKWARD if k.what == "attention" else 1.0)
                 sec = np.where(np.isnan(got), sec, got)
             yield k, sec
 

@@ -96,15 +96,24 @@ def test_tune_memory_limit_binds_the_training_step(tmp_path: Path, model_py: Pat
     training step at 4096 rows (3.8 MB, mostly saved activations) and above a 16-bit one's
     (2.4 MB): fp32 cannot train there, with the reason; the plan written fits."""
     out = tmp_path / "p.yaml"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     code, printed, err = run_cli(["tune", model_py, "--form", "train", "--target", "h100",
                                   "--batch-size", "4096", "--memory-limit", "0.003",
                                   "--max-error", "0.05", "--trials", "4", "--out", out,
-                                  "--no-track", "--quiet", "--json"], capsys)
+                                  "--mlflow-uri", uri, "--quiet", "--json"], capsys)
     assert code == 0, err
     rows = {r["name"]: r for r in json.loads(printed)["baselines"]["rows"]}
     assert "training memory 0.00 GB > --memory-limit 0.003 GB" in (
         rows["fp32 (no autocast)"]["why_not"])
     assert rows["fp32 (no autocast)"]["train_memory_bytes"] > 3e6
+    from mlflow import MlflowClient
+
     from autoprec.policy import load_policy
 
-    assert load_policy(out).metrics["est_train_peak_mb"] < 3.0
+    pol = load_policy(out)
+    assert pol.metrics["est_train_peak_mb"] < 3.0
+    assert pol.metrics["est_step_us"] == pytest.approx(sum(
+        pol.metrics[f"est_{p}_us"] for p in STEP_PARTS), rel=1e-3)
+    run = MlflowClient(uri).get_run(pol.provenance["mlflow_run"])  # the parent run
+    assert run.data.metrics["est_train_peak_mb"] == pol.metrics["est_train_peak_mb"]
+    assert run.data.metrics["est_step_us"] == pol.metrics["est_step_us"]
