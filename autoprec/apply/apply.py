@@ -323,8 +323,10 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
                  on_event: Callable[[GuardEvent], None] | None = None) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
 
-    ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te; default: the best
-    this device runs (``best_fp8_backend``). The other GEMM formats (mxfp8, nvfp4) take no
+    ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te / torchao /
+    torchao-rowwise (torchao's float8 training: train form only); default: the best this
+    device runs (``best_fp8_backend``; the train form prefers torchao's fp8 kernels to
+    torch's, whose backward is dequantised). The other GEMM formats (mxfp8, nvfp4) take no
     choice: torch's block-scaled kernels where ``blockscale_capability`` says they run, else
     emulation. ``device``: where the model runs (default: its parameters').
     ``target``: the device the plan is for (a profile name like "h100", or "cuda"/"cpu";
@@ -385,7 +387,8 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
                  "computes in a small-range format; guard.layers: all checks every one)")
 
     used = {w.precision for _, w in chosen}
-    format_backend, backend, fp8_reason = format_backends(used, fp8_backend, dev)
+    format_backend, backend, fp8_reason = format_backends(used, fp8_backend, dev,
+                                                         training=form == "train")
     for prec in sorted(used):
         ok, why = capability(prec, format_backend.get(prec), dev)
         if not ok:

@@ -12,7 +12,13 @@ from collections.abc import Collection
 
 import torch
 
-from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
+from autoprec.capability import (
+    FP8_BACKENDS,
+    TORCHAO_FP8_RECIPES,
+    best_fp8_backend,
+    blockscale_capability,
+    capability,
+)
 from autoprec.errors import InputError
 from autoprec.formats.gemm import BLOCK_SCALED, gemm_format
 from autoprec.lower import blockscale, fp8
@@ -26,14 +32,16 @@ def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
     return fp8.fp8_linear(module, x, backend)  # per-tensor current scaling
 
 
-def format_backends(used: Collection[str], fp8_backend: str | None, device: torch.device
-                    ) -> tuple[dict[str, str], str | None, str]:
+def format_backends(used: Collection[str], fp8_backend: str | None, device: torch.device,
+                    training: bool = False) -> tuple[dict[str, str], str | None, str]:
     """The backend each GEMM format runs on for a plan using precisions ``used``.
 
-    fp8: ``fp8_backend`` when given (emulated / torch / te), else the best this device
-    runs (``best_fp8_backend``: te, torch, else emulated); mxfp8 / nvfp4: the real
-    block-scaled kernels where they run, else emulation. Returns (backend by format, the
-    fp8 backend or None when no layer computes in fp8, why that fp8 backend).
+    fp8: ``fp8_backend`` when given (emulated / torch / te / torchao / torchao-rowwise),
+    else the best this device runs (``best_fp8_backend``: te, torch, else emulated; with
+    ``training`` (the train form) torchao before torch where its fp8 kernels run);
+    mxfp8 / nvfp4: the real block-scaled kernels where they run, else emulation. Returns
+    (backend by format, the fp8 backend or None when no layer computes in fp8, why that
+    fp8 backend). The torchao backends are training backends: refused for the deploy form.
     """
     backend: str | None = None
     why = ""
@@ -41,10 +49,14 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
         if fp8_backend is not None and fp8_backend not in FP8_BACKENDS:
             raise InputError(f"unknown fp8 backend {fp8_backend!r}; expected one of "
                              f"{', '.join(FP8_BACKENDS)}")
+        if fp8_backend in TORCHAO_FP8_RECIPES and not training:
+            raise InputError(f"fp8 backend {fp8_backend!r} is torchao's float8 training: it "
+                             "runs the train form; the deploy form's fp8 runs on emulated, "
+                             "torch or te")
         if fp8_backend is not None:
             backend, why = fp8_backend, capability("fp8", fp8_backend, device)[1]
         else:
-            backend, why = best_fp8_backend(device)
+            backend, why = best_fp8_backend(device, training=training)
     out = {"fp8": backend or "emulated"}
     for fmt in BLOCK_SCALED:
         if fmt in used:

@@ -7,6 +7,8 @@ Three backends compute the same thing:
   multiples of 16 and the second operand column-major, so it sits in an autograd.Function
   whose backward runs the same e5m2 x e4m3 arithmetic.
 - ``te``: Transformer Engine's ``te.Linear`` sharing the module's weights (lazy import).
+- ``torchao`` / ``torchao-rowwise``: torchao's float8 training (``lower.torchao_fp8``):
+  fprop, dgrad and wgrad in fp8 through the library (the train form's backend).
 
 The quantisation (per-tensor current scaling: scale = fmax / amax) is the format's own:
 ``autoprec.formats.fp8``.
@@ -20,6 +22,7 @@ import torch
 
 from autoprec.formats.fp8 import E4M3, E5M2, dequantize_fp8, fake_quant_fp8, quantize_fp8
 from autoprec.formats.gemm import linear_dims, linear_weight, stores_in_out
+from autoprec.lower import torchao_fp8
 from autoprec.lower.autocast import compute_dtype
 
 
@@ -83,6 +86,8 @@ def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulate
     """Run a Linear-like ``module`` on ``x`` in fp8 with the given backend."""
     if backend == "te":
         return _te_linear(module, x)
+    if backend in torchao_fp8.RECIPES:
+        return torchao_fp8.torchao_linear(module, x, torchao_fp8.RECIPES[backend])
     weight = linear_weight(module)
     bias = getattr(module, "bias", None)
     out_dtype = compute_dtype(x)
@@ -93,8 +98,9 @@ def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulate
 
 
 #: The attributes ``_weight_fp8`` and ``blockscale._weight_cache`` keep a module's
-#: quantised weight in (one more copy of the weight, in 8 or 4 bits, with its scales).
-WEIGHT_CACHES = ("_autoprec_fp8_weight", "_autoprec_block_weight")
+#: quantised weight in (one more copy of the weight, in 8 or 4 bits, with its scales), and
+#: the one the torchao backend keeps its library module in.
+WEIGHT_CACHES = ("_autoprec_fp8_weight", "_autoprec_block_weight", torchao_fp8.CACHE_ATTR)
 
 
 def drop_weight_caches(model: torch.nn.Module) -> int:
