@@ -60,12 +60,13 @@ class PolicyTrainer(Trainer):
     """``transformers.Trainer`` that trains under an autoprec policy (see module docs).
 
     Extra keyword arguments: ``policy`` (a Policy or a policy file), ``fp8_backend`` (the
-    fp8 layers' backend, as ``apply_policy``'s),
-    ``force`` (apply a policy whose fingerprint does not match, with a warning).
+    fp8 layers' backend, as ``apply_policy``'s; the train form prefers torchao's float8
+    training where its fp8 kernels run), ``force`` (apply a policy whose fingerprint does
+    not match, with a warning), ``init_scale`` (the GradScaler's first scale, 2**16).
     """
 
     def __init__(self, *args: Any, policy: Policy | str | Path, fp8_backend: str | None = None,
-                 force: bool = False, **kwargs: Any) -> None:
+                 force: bool = False, init_scale: float = 2.0**16, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
         if model is None:
             raise InputError("PolicyTrainer: pass model=...; model_init would build a model "
@@ -81,6 +82,7 @@ class PolicyTrainer(Trainer):
         # Decided before Trainer.__init__, which builds the accelerator.
         self.policy = policy
         self._needs_scaler = needs_grad_scaler(policy, model)
+        self._init_scale = init_scale
         self.policy_handle: PolicyHandle | None = None
         super().__init__(*args, **kwargs)
         # After Trainer placed the model: the capability checks see its real device.
@@ -104,7 +106,8 @@ class PolicyTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         acc = self.accelerator
-        attach_scaler(acc, CountingGradScaler(acc.device.type) if self._needs_scaler else None)
+        attach_scaler(acc, CountingGradScaler(acc.device.type, init_scale=self._init_scale)
+                      if self._needs_scaler else None)
 
     # -- reporting -------------------------------------------------------------------------
     @property
