@@ -108,6 +108,12 @@ def blockscale_capability(fmt: str, backend: str = "emulated",
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     spec = gemm_format(fmt)
+    if backend == "torchao" and fmt == "mxfp8":
+        if importlib.util.find_spec("torchao") is None:
+            return False, f"torchao mxfp8: torchao is not installed ({TORCHAO_HINT})"
+        ok, why = blockscale_capability(fmt, "torch", dev)
+        return True, ("torchao mxfp8: its MXFP8 training GEMMs" + (
+            f" ({why})" if ok else f", emulated (KernelPreference.EMULATED; {why})"))
     if backend == "emulated":
         missing = [d for d in spec.emulation_dtypes if not hasattr(torch, d)]
         if missing:

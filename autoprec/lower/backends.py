@@ -22,6 +22,7 @@ from autoprec.capability import (
 from autoprec.errors import InputError
 from autoprec.formats.gemm import BLOCK_SCALED, gemm_format
 from autoprec.lower import blockscale, fp8
+from autoprec.lower.torchao_fp8 import torchao_installed
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
@@ -41,7 +42,9 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
     ``training`` (the train form) torchao before torch where its fp8 kernels run);
     mxfp8 / nvfp4: the real block-scaled kernels where they run, else emulation. Returns
     (backend by format, the fp8 backend or None when no layer computes in fp8, why that
-    fp8 backend). The torchao backends are training backends: refused for the deploy form.
+    fp8 backend). The torchao backends are training backends: refused for the deploy form;
+    a training plan's mxfp8 runs on torchao's MXFP8 training GEMMs where the block-scaled
+    kernels run (the ``torch`` backend's backward is emulated).
     """
     backend: str | None = None
     why = ""
@@ -60,7 +63,10 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
     out = {"fp8": backend or "emulated"}
     for fmt in BLOCK_SCALED:
         if fmt in used:
-            out[fmt] = "torch" if blockscale_capability(fmt, "torch", device)[0] else "emulated"
+            real = blockscale_capability(fmt, "torch", device)[0]
+            # training: torchao's MXFP8 GEMMs run the backward in mxfp8 too
+            ao = training and fmt == "mxfp8" and real and torchao_installed()
+            out[fmt] = "torchao" if ao else "torch" if real else "emulated"
     return out, backend, why
 
 

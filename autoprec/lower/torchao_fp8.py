@@ -19,6 +19,12 @@ are ``torch._scaled_mm`` (``emulate=False``; ``pad_inner_dim`` pads the token co
 inner dim, to a multiple of 16); elsewhere torchao's own emulation (``emulate=True``:
 quantise through float8 dtypes, dequantise, fp32 ``mm``) runs the same arithmetic.
 
+MXFP8 (policy precision ``mxfp8``, training form, where the block-scaled kernels run:
+Blackwell): torchao's MXFP8 training GEMM (``prototype.moe_training``'s
+``_to_mxfp8_then_scaled_mm``, what its ``MXFP8TrainingOpConfig`` runs for a Linear): e4m3
+blocks of 32 with RCEIL E8M0 scales for every operand, each GEMM quantising along its own
+reduction dim: the recipe ``lower.blockscale`` emulates (``torchao_mxfp8_linear``).
+
 Delayed scaling: torchao 0.18 offers ``ScalingType.DYNAMIC`` (current scaling) and
 ``DISABLED`` only (delayed scaling was removed from ``torchao.float8``); here only
 Transformer Engine's recipes have it (the ``te`` backend).
@@ -145,6 +151,41 @@ def torchao_linear(module: torch.nn.Module, x: torch.Tensor, recipe: str = "tens
     return y
 
 
+def torchao_mxfp8_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run the Linear-like ``module`` on ``x`` (..., K) through torchao's MXFP8 training
+    GEMM: its kernels where ``blockscale_capability("mxfp8", "torch")`` says they run,
+    else its emulation (``KernelPreference.EMULATED``). Output in the compute dtype."""
+    try:
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    except ImportError as err:
+        raise ImportError(f"the torchao mxfp8 backend needs torchao: {INSTALL_HINT}") from err
+    from autoprec.capability import blockscale_capability
+    from autoprec.formats.gemm import linear_weight
+
+    out_dtype = compute_dtype(x)
+    real = blockscale_capability("mxfp8", "torch", x.device)[0]
+    pref = KernelPreference.AUTO if real else KernelPreference.EMULATED
+    # emulated: fp32 operands (a bf16 input is exact in fp32; the fp32 masters quantised
+    # from fp32), as the home-made emulation reads them; the kernels take bf16 operands
+    # (torchao's MXFP8 training casts from a bf16 model)
+    hp = torch.bfloat16 if real else torch.float32
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).to(hp)  # (M, K)
+    m = x2.shape[0]
+    pad = (-m) % 32  # wgrad quantises along the tokens: M in whole blocks of 32 (zero rows
+    if pad:  # leave each block's amax, hence every value, as the home-made padding does)
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    with torch.autocast(x.device.type, enabled=False):
+        y = _to_mxfp8_then_scaled_mm(x2, linear_weight(module).to(hp), pref,
+                                     ScaleCalculationMode.RCEIL)[:m]
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            y = y.float() + bias.float()
+    return y.to(out_dtype).reshape(*shape[:-1], y.shape[-1])
+
+
 # -- the recorder: which GEMMs ran in fp8 through the library, for which leaf -------------
 
 #: GEMM name by the roles of its two fp8 operands (torchao's GemmInputRole values).
@@ -251,4 +292,4 @@ def _mark_backward(module: torch.nn.Module, y: torch.Tensor) -> None:
 
 __all__ = ["CACHE_ATTR", "Float8GemmRecorder", "INSTALL_HINT", "LibraryGemm", "RECIPES",
            "float8_config", "import_float8", "real_kernels", "torchao_installed",
-           "torchao_linear"]
+           "torchao_linear", "torchao_mxfp8_linear"]

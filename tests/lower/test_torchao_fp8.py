@@ -22,6 +22,7 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 from autoprec.capability import (  # noqa: E402
     best_fp8_backend,
+    blockscale_capability,
     capability,
     fp8_backend_capability,
     torchao_fp8_kernels,
@@ -39,6 +40,10 @@ TOLS: dict[tuple[str, torch.dtype], dict[str, float]] = {
     # emulation adds in fp32 and rounds once: two bf16 roundings (2 * 2**-8) of the
     # tensor's scale apart where the bias cancels the product
     ("tensorwise", torch.bfloat16): {"rtol": 1.6e-2, "amax": 2 * 2.0**-8},
+    # MXFP8 (RCEIL E8M0 scales, e4m3 blocks of 32 along each GEMM's reduction dim): the
+    # emulated torchao path reads fp32 operands as the home-made one does: bit for bit
+    ("mxfp8", torch.float32): {"rtol": 0.0, "amax": 0.0},
+    ("mxfp8", torch.bfloat16): {"rtol": 0.0, "amax": 0.0},
 }
 
 
@@ -64,7 +69,19 @@ def _run(fn, lin: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
             "grad_b": lin.bias.grad}
 
 
-@pytest.mark.parametrize(("recipe", "dtype"), sorted(TOLS, key=str))
+def _check(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], fmt: str,
+           dtype: torch.dtype) -> None:
+    tol = TOLS[fmt, dtype]
+    for name, want in theirs.items():
+        got = ours[name]
+        assert got.dtype == want.dtype or name in ("grad_w", "grad_b"), name
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol["rtol"],
+                                   atol=tol["amax"] * float(want.float().abs().max()),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(("recipe", "dtype"),
+                         [k for k in sorted(TOLS, key=str) if k[0] != "mxfp8"])
 def test_emulated_backend_is_torchaos_recipe(recipe: str, dtype: torch.dtype) -> None:
     lin, x, dy = _data(dtype)
     ours = _run(lambda m, v: fp8_linear(m, v, "emulated"), copy.deepcopy(lin), x, dy)
@@ -73,14 +90,29 @@ def test_emulated_backend_is_torchaos_recipe(recipe: str, dtype: torch.dtype) ->
     lib = convert_to_float8_training(copy.deepcopy(lin), config=cfg)
     assert isinstance(lib, Float8Linear)
     theirs = _run(lambda m, v: m(v), lib, x, dy)
-    for name, want in theirs.items():
-        got = ours[name]
-        assert got.dtype == want.dtype or name in ("grad_w", "grad_b"), name
-        tol = TOLS[recipe, dtype]
-        torch.testing.assert_close(got.float(), want.float(), rtol=tol["rtol"],
-                                   atol=tol["amax"] * float(want.float().abs().max()),
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    _check(ours, theirs, recipe, dtype)
     # the gradients are not fp32's: e5m2 really rounded dY (else the test proves nothing)
+    ref = _run(lambda m, v: m(v.float()), copy.deepcopy(lin), x, dy.float())
+    assert not torch.allclose(ours["grad_w"], ref["grad_w"], rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_emulated_mxfp8_is_torchaos_mxfp8_training_recipe(dtype: torch.dtype) -> None:
+    """The home-made MXFP8 (lower.blockscale) against torchao's MXFP8 training GEMMs
+    (emulated here): forward and the three gradients; 40 tokens (padded to 64 for wgrad's
+    blocks along M), N a multiple of 32 as mxfp8 training requires."""
+    pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
+    from autoprec.lower.blockscale import blockscaled_linear
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(64, 96)
+    x = (torch.randn(2, 20, 64, generator=g) * torch.logspace(-2, 2, 64)).to(dtype)
+    dy = (torch.randn(2, 20, 96, generator=g) * torch.logspace(-3, 1, 96)).to(dtype)
+    ours = _run(lambda m, v: blockscaled_linear(m, v, "mxfp8", "emulated"),
+                copy.deepcopy(lin), x, dy)
+    theirs = _run(lambda m, v: blockscaled_linear(m, v, "mxfp8", "torchao"),
+                  copy.deepcopy(lin), x, dy)
+    _check(ours, theirs, "mxfp8", dtype)
     ref = _run(lambda m, v: m(v.float()), copy.deepcopy(lin), x, dy.float())
     assert not torch.allclose(ours["grad_w"], ref["grad_w"], rtol=1e-3, atol=0)
 
@@ -142,6 +174,11 @@ def test_capability_on_this_cpu() -> None:
     # emulation is not fp8 compute: the default stays the home-made emulation here
     assert best_fp8_backend("cpu", training=True)[0] == "emulated"
     assert not capability("fp8", None, "cpu")[0]
+    ok, why = blockscale_capability("mxfp8", "torchao", "cpu")
+    assert ok and "emulated (KernelPreference.EMULATED" in why
+    # a training plan's mxfp8 runs torchao only where the block-scaled kernels run
+    assert format_backends({"mxfp8"}, None, torch.device("cpu"), training=True)[0] == \
+        {"fp8": "emulated", "mxfp8": "emulated"}
 
 
 def test_torchao_is_a_training_backend() -> None:
