@@ -15,7 +15,7 @@ import torch
 from autoprec.formats.gemm import BLOCK_SCALED, format_of, gemm_format
 from autoprec.precisions import PRECISIONS, check_precision, is_gemm_format
 
-FP8_BACKENDS = ("emulated", "torch", "te", "torchao", "torchao-rowwise")
+FP8_BACKENDS = ("emulated", "torch", "te", "te-delayed", "torchao", "torchao-rowwise")
 #: The torchao fp8 backends -> torchao float8 training recipe (``lower.torchao_fp8``).
 TORCHAO_FP8_RECIPES: dict[str, str] = {"torchao": "tensorwise", "torchao-rowwise": "rowwise"}
 #: Lowest CUDA compute capability whose fp8 tensor cores run each torchao recipe's GEMMs
@@ -58,8 +58,9 @@ def fp8_backend_capability(
     sm = _cuda_sm(dev)
     if sm is None or sm < (8, 9):
         return False, f"{backend} fp8: needs CUDA SM >= 8.9 (Ada/Hopper), this is SM {sm}"
-    if backend == "te" and importlib.util.find_spec("transformer_engine") is None:
-        return False, "te fp8: transformer_engine is not installed (pip install autoprec[fp8])"
+    if backend in ("te", "te-delayed") and importlib.util.find_spec("transformer_engine") is None:
+        return False, (f"{backend} fp8: transformer_engine is not installed "
+                       "(pip install autoprec[fp8])")
     if backend == "torch" and not hasattr(torch, "_scaled_mm"):
         return False, f"torch fp8: torch {torch.__version__} has no _scaled_mm"
     return True, f"{backend} fp8: available on SM {sm[0]}.{sm[1]}"

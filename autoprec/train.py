@@ -120,9 +120,11 @@ class TrainingSetup:
         return None if self.scaler is None else float(self.scaler.get_scale())
 
     def report(self) -> dict[str, Any]:
-        """What ran: steps, skipped steps, loss scale, the fp8 backend and why."""
+        """What ran: steps, skipped steps, loss scale, each GEMM format's backend, the fp8
+        backend and why."""
         return {"steps": self.steps, "skipped_steps": self.skipped_steps,
-                "loss_scale": self.scale, "fp8_backend": self.handle.fp8_backend,
+                "loss_scale": self.scale, "format_backends": dict(self.handle.format_backends),
+                "fp8_backend": self.handle.fp8_backend,
                 "fp8_reason": self.handle.fp8_reason if self.handle.fp8_backend else None}
 
     def remove(self) -> None:

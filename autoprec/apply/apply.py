@@ -159,6 +159,8 @@ class PolicyHandle:
         self.wrapped = wrapped
         self.fp8_backend = fp8_backend  # None when no layer computes in fp8
         self.fp8_reason = fp8_reason
+        #: the backend each GEMM format of the plan runs on (fp8, mxfp8, nvfp4)
+        self.format_backends: dict[str, str] = {}
         self.device = device
         self._saved: list[tuple[weakref.ref[torch.nn.Module], Any]] = []
         self._fastpath_held = False  # this handle holds torch.nn's fused paths off
@@ -432,6 +434,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     handle = PolicyHandle(model, policy, plan, res, [w for _, w in chosen], backend,
                           fp8_reason, dev, target_type)
     handle.form = form
+    handle.format_backends = {f: b for f, b in format_backend.items() if f in used}
     handle.stored = stored
     if guarded:
         handle.guard = Guard(spec, guarded, form,

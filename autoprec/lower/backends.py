@@ -42,7 +42,8 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
     ``training`` (the train form) torchao before torch where its fp8 kernels run);
     mxfp8 / nvfp4: the real block-scaled kernels where they run, else emulation. Returns
     (backend by format, the fp8 backend or None when no layer computes in fp8, why that
-    fp8 backend). The torchao backends are training backends: refused for the deploy form;
+    fp8 backend). The torchao backends and te-delayed are training recipes: refused for the
+    deploy form;
     a training plan's mxfp8 runs on torchao's MXFP8 training GEMMs where the block-scaled
     kernels run (the ``torch`` backend's backward is emulated).
     """
@@ -52,10 +53,11 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
         if fp8_backend is not None and fp8_backend not in FP8_BACKENDS:
             raise InputError(f"unknown fp8 backend {fp8_backend!r}; expected one of "
                              f"{', '.join(FP8_BACKENDS)}")
-        if fp8_backend in TORCHAO_FP8_RECIPES and not training:
-            raise InputError(f"fp8 backend {fp8_backend!r} is torchao's float8 training: it "
-                             "runs the train form; the deploy form's fp8 runs on emulated, "
-                             "torch or te")
+        if (fp8_backend in TORCHAO_FP8_RECIPES or fp8_backend == "te-delayed") \
+                and not training:
+            raise InputError(f"fp8 backend {fp8_backend!r} is a training recipe: it runs "
+                             "the train form; the deploy form's fp8 runs on emulated, torch "
+                             "or te")
         if fp8_backend is not None:
             backend, why = fp8_backend, capability("fp8", fp8_backend, device)[1]
         else:

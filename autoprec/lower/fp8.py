@@ -6,7 +6,10 @@ Three backends compute the same thing:
 - ``torch``: ``torch._scaled_mm`` (CUDA SM >= 8.9). It has no backward, wants K and N
   multiples of 16 and the second operand column-major, so it sits in an autograd.Function
   whose backward runs the same e5m2 x e4m3 arithmetic.
-- ``te``: Transformer Engine's ``te.Linear`` sharing the module's weights (lazy import).
+- ``te``: Transformer Engine's ``te.Linear`` sharing the module's weights (lazy import),
+  current scaling (``Float8CurrentScaling``); ``te-delayed``: the same with TE's delayed
+  scaling (``DelayedScaling``: scales from an amax history of past steps; torchao 0.18 has
+  no delayed scaling). fprop, dgrad and wgrad in fp8 either way.
 - ``torchao`` / ``torchao-rowwise``: torchao's float8 training (``lower.torchao_fp8``):
   fprop, dgrad and wgrad in fp8 through the library (the train form's backend).
 
@@ -84,8 +87,8 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulated") -> torch.Tensor:
     """Run a Linear-like ``module`` on ``x`` in fp8 with the given backend."""
-    if backend == "te":
-        return _te_linear(module, x)
+    if backend in ("te", "te-delayed"):
+        return _te_linear(module, x, delayed=backend == "te-delayed")
     if backend in torchao_fp8.RECIPES:
         return torchao_fp8.torchao_linear(module, x, torchao_fp8.RECIPES[backend])
     weight = linear_weight(module)
@@ -133,8 +136,9 @@ def _weight_fp8(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.Te
     return wq_sw
 
 
-def _te_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Transformer Engine path: a te.Linear sharing this module's weight and bias."""
+def _te_linear(module: torch.nn.Module, x: torch.Tensor, delayed: bool = False) -> torch.Tensor:
+    """Transformer Engine path: a te.Linear sharing this module's weight and bias; current
+    scaling, or ``delayed`` scaling (TE's ``DelayedScaling`` recipe)."""
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe
@@ -159,7 +163,8 @@ def _te_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     pad = (-x2.shape[0]) % 16
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
-    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling()):
+    fp8_recipe = recipe.DelayedScaling() if delayed else recipe.Float8CurrentScaling()
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
         y = te_mod(x2)
     if pad:
         y = y[: x2.shape[0] - pad]

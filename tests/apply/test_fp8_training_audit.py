@@ -104,6 +104,7 @@ def test_training_through_torchao_is_the_emulations_training() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         with prepare_training(model, policy, fp8_backend=backend) as setup:
             assert setup.handle.fp8_backend == backend
+            assert setup.report()["format_backends"] == {"fp8": backend}
             losses[name] = [train_step(setup, opt, {"input_ids": IDS, "labels": IDS},
                                        lambda out, batch: out.loss).loss for _ in range(5)]
     assert losses["ao"] == losses["emu"] and losses["ao"][-1] < losses["ao"][0]

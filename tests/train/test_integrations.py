@@ -109,6 +109,28 @@ def test_skipped_fp16_steps_are_counted_logged_and_in_the_metrics(tmp_path) -> N
     trainer.remove_policy()
 
 
+def test_policy_trainer_trains_fp8_layers_through_torchao(tmp_path) -> None:
+    """fp8 blocks under a bf16 default, fp8_backend="torchao": Trainer's steps run the
+    library's Float8Linear GEMMs (emulated on this CPU) and update the fp8 layers."""
+    pytest.importorskip("torchao.float8")
+    from autoprec.lower.torchao_fp8 import CACHE_ATTR
+
+    model = _gpt2()
+    before = copy.deepcopy(model.state_dict())
+    policy = Policy.from_dict({"autoprec_policy": 1, "default": "bf16",
+                               "layers": {"transformer.h": "fp8"}})
+    trainer = PolicyTrainer(model=model, policy=policy, train_dataset=_data(),
+                            args=_args(tmp_path, max_steps=2), fp8_backend="torchao")
+    assert trainer.policy_handle.format_backends == {"fp8": "torchao"}
+    assert trainer.scaler is None  # no fp16 layer: no loss scaling
+    trainer.train()
+    c_fc = model.transformer.h[0].mlp.c_fc
+    assert CACHE_ATTR in c_fc.__dict__  # the library path ran for this leaf
+    assert not torch.equal(c_fc.weight.detach(), before["transformer.h.0.mlp.c_fc.weight"])
+    trainer.remove_policy()
+    assert CACHE_ATTR not in c_fc.__dict__
+
+
 @pytest.mark.slow
 def test_torch_compile_trains_the_policy(tmp_path) -> None:
     """torch_compile=True compiles the policy-applied model: the same losses as the eager
