@@ -22,7 +22,8 @@ whose gradients overflowed. Skipped steps are counted by the scaler itself
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            if accelerator.sync_gradients:  # as accelerate documents: once per step
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
     print(setup.report())   # steps, skipped_steps, loss_scale, fp8_backend
