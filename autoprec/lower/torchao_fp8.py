@@ -67,12 +67,20 @@ def torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
+_FLOAT8: ModuleType | None = None
+
+
 def import_float8() -> ModuleType:
-    """``torchao.float8``, or ImportError with the install hint."""
-    try:
-        return importlib.import_module("torchao.float8")
-    except ImportError as err:
-        raise ImportError(f"the torchao fp8 backend needs torchao: {INSTALL_HINT}") from err
+    """``torchao.float8``, or ImportError with the install hint (imported once: a compiled
+    forward then reads a module global instead of graph-breaking on the import)."""
+    global _FLOAT8
+    if _FLOAT8 is None:
+        try:
+            importlib.import_module("torchao.float8.float8_linear")
+            _FLOAT8 = importlib.import_module("torchao.float8")
+        except ImportError as err:
+            raise ImportError(f"the torchao fp8 backend needs torchao: {INSTALL_HINT}") from err
+    return _FLOAT8
 
 
 def real_kernels(device: torch.device, recipe: str = "tensorwise") -> bool:
@@ -126,6 +134,14 @@ def _runner(leaf: torch.nn.Module, recipe: str, emulate: bool) -> _Runner:
         raise ValueError(f"torchao fp8: {type(leaf).__name__} is not a Linear-like GEMM")
     leaf.__dict__[CACHE_ATTR] = out
     return out
+
+
+def prepare(module: torch.nn.Module, recipe: str = "tensorwise") -> None:
+    """Build ``module``'s library module now (on its weight's device), so that the first
+    forward, compiled or not, finds it: torch.compile cannot trace its construction."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        _runner(module, recipe, emulate=not real_kernels(weight.device, recipe))
 
 
 def torchao_linear(module: torch.nn.Module, x: torch.Tensor, recipe: str = "tensorwise"
@@ -291,5 +307,5 @@ def _mark_backward(module: torch.nn.Module, y: torch.Tensor) -> None:
 
 
 __all__ = ["CACHE_ATTR", "Float8GemmRecorder", "INSTALL_HINT", "LibraryGemm", "RECIPES",
-           "float8_config", "import_float8", "real_kernels", "torchao_installed",
+           "float8_config", "import_float8", "prepare", "real_kernels", "torchao_installed",
            "torchao_linear", "torchao_mxfp8_linear"]

@@ -110,3 +110,28 @@ def test_training_through_torchao_is_the_emulations_training() -> None:
     assert losses["ao"] == losses["emu"] and losses["ao"][-1] < losses["ao"][0]
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_torch_compile_traces_the_torchao_backend_without_graph_breaks() -> None:
+    """The library modules are built at apply time: a compiled forward + backward (dynamo,
+    aot_eager: the graph torch.compile would hand inductor) equals the eager one."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 32))
+    compiled = copy.deepcopy(eager)
+    policy = Policy.from_dict({"autoprec_policy": 1, "default": "bf16", "layers": {"": "fp8"}})
+    x = torch.randn(8, 64)
+    with apply_policy(eager, policy, fp8_backend="torchao", form="train"):
+        y0 = eager(x)
+        y0.float().sum().backward()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with apply_policy(compiled, policy, fp8_backend="torchao", form="train"):
+        y = torch.compile(compiled, backend="aot_eager")(x)
+        y.float().sum().backward()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch.equal(y, y0)
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
