@@ -109,7 +109,7 @@ def blockscale_capability(fmt: str, backend: str = "emulated",
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     spec = gemm_format(fmt)
-    if backend == "torchao" and fmt == "mxfp8":
+    if backend == "torchao" and not spec.forward_only:  # MXFP8: torchao trains it
         if importlib.util.find_spec("torchao") is None:
             return False, f"torchao mxfp8: torchao is not installed ({TORCHAO_HINT})"
         ok, why = blockscale_capability(fmt, "torch", dev)

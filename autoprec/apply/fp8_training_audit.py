@@ -22,6 +22,7 @@ from autoprec.apply.apply import PolicyHandle
 from autoprec.apply.audit import AuditError
 from autoprec.capability import TORCHAO_FP8_RECIPES
 from autoprec.errors import InputError
+from autoprec.formats.gemm import format_of
 from autoprec.paths import unwrap_model
 from autoprec.policy.modules import gemm_leaf_paths
 
@@ -102,7 +103,9 @@ def audit_fp8_training(handle: PolicyHandle, step: Callable[[], torch.Tensor],
     recipe = TORCHAO_FP8_RECIPES[backend]
     root = unwrap_model(handle.model)
     modules = dict(root.named_modules())
-    leaves = [p for p in gemm_leaf_paths(root) if handle.layers[p].precision == "fp8"]
+    # the per-tensor-scaled GEMM format's leaves (fp8): the ones the fp8 backend runs
+    leaves = [p for p in gemm_leaf_paths(root)
+              if (f := format_of(handle.layers[p].precision)) is not None and not f.block_scaled]
     report = Fp8TrainingAudit(backend, recipe, leaves)
     with Float8GemmRecorder({modules[p]: p for p in leaves}) as rec:
         loss = step()

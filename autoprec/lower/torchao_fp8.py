@@ -50,6 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoprec.capability import TORCHAO_FP8_RECIPES, TORCHAO_HINT, TORCHAO_MIN_SM
+from autoprec.extras import require
 from autoprec.formats.gemm import stores_in_out
 from autoprec.lower.autocast import compute_dtype
 
@@ -71,15 +72,14 @@ _FLOAT8: ModuleType | None = None
 
 
 def import_float8() -> ModuleType:
-    """``torchao.float8``, or ImportError with the install hint (imported once: a compiled
-    forward then reads a module global instead of graph-breaking on the import)."""
+    """``torchao.float8`` (imported once: a compiled forward then reads a module global
+    instead of graph-breaking on the import); MissingExtra (exit 2) naming the extra when
+    torchao is not installed."""
     global _FLOAT8
     if _FLOAT8 is None:
-        try:
-            importlib.import_module("torchao.float8.float8_linear")
-            _FLOAT8 = importlib.import_module("torchao.float8")
-        except ImportError as err:
-            raise ImportError(f"the torchao fp8 backend needs torchao: {INSTALL_HINT}") from err
+        require("torchao", "the torchao fp8 backend")  # MissingExtra naming train-fp8
+        importlib.import_module("torchao.float8.float8_linear")
+        _FLOAT8 = importlib.import_module("torchao.float8")
     return _FLOAT8
 
 
@@ -171,12 +171,14 @@ def torchao_mxfp8_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tens
     """Run the Linear-like ``module`` on ``x`` (..., K) through torchao's MXFP8 training
     GEMM: its kernels where ``blockscale_capability("mxfp8", "torch")`` says they run,
     else its emulation (``KernelPreference.EMULATED``). Output in the compute dtype."""
+    require("torchao", "the torchao mxfp8 backend")
     try:
         from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-    except ImportError as err:
-        raise ImportError(f"the torchao mxfp8 backend needs torchao: {INSTALL_HINT}") from err
+    except ImportError as err:  # installed, but a release without MXFP8 training
+        raise ImportError(f"the torchao mxfp8 backend needs torchao's MXFP8 training "
+                          f"(prototype.moe_training): {INSTALL_HINT}") from err
     from autoprec.capability import blockscale_capability
     from autoprec.formats.gemm import linear_weight
 

@@ -11,6 +11,7 @@ arrives in bf16 (the home-made backend adds the bias before rounding, torchao af
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -211,3 +212,13 @@ def test_fp8_kernels_on_the_gpu_match_the_emulation() -> None:  # pragma: no cov
                x[:, :16].cuda(), dy[:, :16].cuda())
     for name in ours:  # fp8 kernels accumulate in another order: bf16-close
         torch.testing.assert_close(ours[name].float(), emu[name].float(), rtol=3e-2, atol=1e-3)
+
+
+def test_missing_torchao_at_run_time_is_one_line_naming_the_extra(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoprec.extras import MissingExtra
+
+    monkeypatch.setattr(torchao_fp8, "_FLOAT8", None)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed
+    with pytest.raises(MissingExtra, match=r"pip install 'autoprec\[train-fp8\]'"):
+        fp8_linear(torch.nn.Linear(32, 32), torch.randn(4, 32), "torchao")
