@@ -22,6 +22,10 @@ model is a pre-LN GPT stack of ``nn.Linear`` layers (default d_model 2048, 16 he
 - ``--policy FILE`` (repeatable): a written plan (e.g. from ``tune --form train`` on this
   model) applied the same way.
 
+The file is also a model.py (``build_model``, ``calibration_data``, ``forward``, ``loss`` at
+the default sizes): ``autoprec tune benchmarks/gpu_train_step.py --form train --target
+h200`` writes a training plan for this very model, which ``--policy`` then times.
+
 Each row starts from the same initial weights on a fresh copy; it runs ``--warmup`` steps,
 then ``--steps`` timed ones (CUDA events, or wall clock on a CPU); the median is reported,
 with the peak device memory of the row (``torch.cuda.max_memory_allocated``; a CPU has no
@@ -94,6 +98,35 @@ class GPT(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))
+
+
+#: The default sizes (the command line's defaults and the model.py below).
+DEFAULTS = {"d_model": 2048, "heads": 16, "layers": 4, "seq": 1024, "batch": 8, "vocab": 8192}
+MODEL_NAME = "gpu_train_step"
+
+
+def build_model() -> nn.Module:
+    """model.py: the default-size stack, seed 0 (the initialisation every row starts from)."""
+    torch.manual_seed(0)
+    d = DEFAULTS
+    return GPT(d["vocab"], d["d_model"], d["heads"], d["layers"], d["seq"])
+
+
+def calibration_data() -> list[torch.Tensor]:
+    """model.py: two (batch, seq) batches of random token ids."""
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, DEFAULTS["vocab"], (DEFAULTS["batch"], DEFAULTS["seq"]),
+                          generator=g) for _ in range(2)]
+
+
+def forward(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch)  # (B, T, V)
+
+
+def loss(outputs: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """model.py: next-token cross-entropy (position t predicts token t+1)."""
+    logits = outputs[:, :-1].float()  # (B, T-1, V)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 def block_linears(model: nn.Module) -> list[str]:
@@ -329,12 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="toy sizes (d 64, 2 blocks, seq 16, batch 2, vocab 256): checks "
                          "the script")
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
+    for name, value in DEFAULTS.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--policy", type=Path, action="append", default=[],

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from autoprec.apply.apply import apply_policy  # noqa: E402
 from autoprec.apply.audit import AuditError  # noqa: E402
 from autoprec.apply.fp8_training_audit import audit_fp8_training  # noqa: E402
+from autoprec.capability import torchao_fp8_kernels  # noqa: E402
 from autoprec.errors import InputError  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
 from autoprec.train import prepare_training, train_step  # noqa: E402
@@ -135,3 +136,16 @@ def test_torch_compile_traces_the_torchao_backend_without_graph_breaks() -> None
     assert torch.equal(y, y0)
     for p, q in zip(compiled.parameters(), eager.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.skipif(not torchao_fp8_kernels("torchao")[0],
+                    reason=torchao_fp8_kernels("torchao")[1])
+def test_on_an_fp8_gpu_the_train_form_runs_torchaos_kernels() -> None:  # pragma: no cover
+    model = _gpt2().cuda()
+    policy = Policy.from_dict({"autoprec_policy": 1, "default": "bf16",
+                               "layers": {"transformer.h": "fp8"}})
+    ids = IDS.cuda()
+    with apply_policy(model, policy, form="train") as h:  # no backend named: the default
+        assert h.fp8_backend == "torchao"
+        report = audit_fp8_training(h, lambda: model(ids, labels=ids).loss)
+    assert report.ok and report.emulated is False

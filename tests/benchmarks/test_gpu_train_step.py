@@ -97,3 +97,17 @@ def test_time_limit_and_bad_input(tmp_path, capsys) -> None:
     assert all("--time-limit" in r["note"] for r in rows.values())
     assert mod.main(["--tiny", "--policy", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml: no such file" in capsys.readouterr().err
+
+
+def test_the_script_is_a_model_py_for_tune() -> None:
+    """`autoprec tune benchmarks/gpu_train_step.py --form train` loads it as a model.py."""
+    from autoprec.loading import load_model_file
+
+    spec = load_model_file(ROOT / "benchmarks" / "gpu_train_step.py")
+    mod = _script()
+    batches = spec.calibration_batches()
+    assert [tuple(b.shape) for b in batches] == [(mod.DEFAULTS["batch"], mod.DEFAULTS["seq"])] * 2
+    assert spec.loss is not None and spec.name == "gpu_train_step"
+    tiny = mod.GPT(256, 64, 2, 2, 16)
+    ids = batches[0][:2, :16] % 256
+    assert spec.loss(spec.forward(tiny, ids), ids).ndim == 0

@@ -210,8 +210,11 @@ def test_fp8_kernels_on_the_gpu_match_the_emulation() -> None:  # pragma: no cov
     assert not lin.__dict__[torchao_fp8.CACHE_ATTR].module.config.emulate
     emu = _run(lambda m, v: fp8_linear(m, v, "emulated"), copy.deepcopy(lin),
                x[:, :16].cuda(), dy[:, :16].cuda())
-    for name in ours:  # fp8 kernels accumulate in another order: bf16-close
-        torch.testing.assert_close(ours[name].float(), emu[name].float(), rtol=3e-2, atol=1e-3)
+    for name in ours:  # fp8 kernels accumulate in another order (fast accumulation
+        # forward): a few bf16 roundings of each tensor's scale apart
+        want = emu[name].float()
+        torch.testing.assert_close(ours[name].float(), want, rtol=3e-2,
+                                   atol=4 * 2.0**-8 * float(want.abs().max()))
 
 
 def test_missing_torchao_at_run_time_is_one_line_naming_the_extra(
