@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from autoprec.apply.apply import PolicyHandle, apply_policy
-from autoprec.errors import CapabilityError, InputError, warn
+from autoprec.errors import CapabilityError, InputError
 from autoprec.formats.gemm import is_forward_only
 from autoprec.loading import ModelSpec, default_forward
 from autoprec.loss_scaler import CountingGradScaler
@@ -76,16 +76,6 @@ def needs_grad_scaler(handle_or_policy: PolicyHandle | Policy,
     if model is None:
         return "fp16" in handle_or_policy.precisions
     return "fp16" in compile_plan(handle_or_policy, model).used()
-
-
-def warn_dequantised_backward(handle: PolicyHandle) -> None:
-    """Warn when the fp8 layers train on the ``torch`` backend: its backward runs the
-    dgrad and wgrad GEMMs dequantised in fp32 (slower than bf16); torchao's float8
-    training (``autoprec[train-fp8]``) or Transformer Engine run them in fp8."""
-    if handle.fp8_backend == "torch":
-        warn(f"{handle.policy.source}: the fp8 layers train on the torch backend, whose "
-             "backward runs dgrad and wgrad as dequantised fp32 GEMMs (slower than bf16); "
-             "pip install 'autoprec[train-fp8]' runs them in fp8 through torchao")
 
 
 @dataclass
@@ -190,7 +180,6 @@ def prepare_training(
     # deploy-form policy names the same precisions, stored once for inference.
     handle = apply_policy(model, policy, fp8_backend=fp8_backend, device=device, force=force,
                           form="train")
-    warn_dequantised_backward(handle)
     want = needs_grad_scaler(handle) if scaler is None else scaler
     gs = CountingGradScaler(handle.device.type, init_scale=init_scale) if want else None
     return TrainingSetup(model=model, policy=policy, handle=handle, scaler=gs)
@@ -441,4 +430,4 @@ def fidelity_check_spec(spec: ModelSpec, policy: Policy | str | Path, steps: int
 
 __all__ = ["FidelityReport", "StepResult", "TrainingSetup", "check_fp32_masters",
            "fidelity_check", "fidelity_check_spec", "needs_grad_scaler", "prepare_training",
-           "train_step", "warn_dequantised_backward"]
+           "train_step"]

@@ -47,7 +47,7 @@ from autoprec.errors import InputError
 from autoprec.integrations.accel import attach_scaler
 from autoprec.loss_scaler import CountingGradScaler
 from autoprec.policy import Policy, load_policy
-from autoprec.train import check_fp32_masters, needs_grad_scaler, warn_dequantised_backward
+from autoprec.train import check_fp32_masters, needs_grad_scaler
 
 try:
     from transformers import Trainer
@@ -90,7 +90,6 @@ class PolicyTrainer(Trainer):
         # training: the train form (fp32 masters) whatever the policy's form
         self.policy_handle = apply_policy(self.model, policy, fp8_backend=fp8_backend,
                                           device=device, force=force, form="train")
-        warn_dequantised_backward(self.policy_handle)
 
     # -- accelerate: no global autocast, our scaler ---------------------------------------
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:

@@ -153,15 +153,3 @@ def test_on_an_fp8_gpu_the_train_form_runs_torchaos_kernels() -> None:  # pragma
         assert h.fp8_backend == "torchao"
         report = audit_fp8_training(h, lambda: model(ids, labels=ids).loss)
     assert report.ok and report.emulated is False
-
-
-@pytest.mark.skipif(not torchao_fp8_kernels("torchao")[0],
-                    reason=torchao_fp8_kernels("torchao")[1])
-def test_training_on_the_torch_backend_warns_of_its_fp32_backward() -> None:  # pragma: no cover
-    from autoprec.policy import PolicyWarning
-
-    model = _gpt2().cuda()
-    policy = Policy.from_dict({"autoprec_policy": 1, "default": "bf16",
-                               "layers": {"transformer.h": "fp8"}})
-    with pytest.warns(PolicyWarning, match="dequantised fp32 GEMMs"):
-        prepare_training(model, policy, fp8_backend="torch").remove()
