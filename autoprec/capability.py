@@ -200,8 +200,8 @@ def best_fp8_backend(device: str | torch.device | None = None,
                      training: bool = False) -> tuple[str, str]:
     """The fp8 backend apply uses by default: te, then torch, else emulated; with why.
 
-    ``training`` (the train form): te, then torchao where its fp8 kernels run (fprop,
-    dgrad and wgrad in fp8; torch's backward is dequantised fp32 GEMMs), then torch."""
+    ``training`` (the train form): te, then torchao where its fp8 kernels run (the
+    library's float8 training), then torch."""
     for b in ("te", "torchao", "torch") if training else ("te", "torch"):
         ok, why = (torchao_fp8_kernels(b, device) if b in TORCHAO_FP8_RECIPES
                    else fp8_backend_capability(b, device))

@@ -327,8 +327,8 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
 
     ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te / torchao /
     torchao-rowwise (torchao's float8 training: train form only); default: the best this
-    device runs (``best_fp8_backend``; the train form prefers torchao's fp8 kernels to
-    torch's, whose backward is dequantised). The other GEMM formats (mxfp8, nvfp4) take no
+    device runs (``best_fp8_backend``; the train form prefers torchao's float8 training
+    to the home-made torch backend where its kernels run). The other GEMM formats (mxfp8, nvfp4) take no
     choice: torch's block-scaled kernels where ``blockscale_capability`` says they run, else
     emulation. ``device``: where the model runs (default: its parameters').
     ``target``: the device the plan is for (a profile name like "h100", or "cuda"/"cpu";

@@ -45,7 +45,7 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
     fp8 backend). The torchao backends and te-delayed are training recipes: refused for the
     deploy form;
     a training plan's mxfp8 runs on torchao's MXFP8 training GEMMs where the block-scaled
-    kernels run (the ``torch`` backend's backward is emulated).
+    kernels run (the ``torch`` backend's mxfp8 backward is emulated).
     """
     backend: str | None = None
     why = ""

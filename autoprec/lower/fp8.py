@@ -5,7 +5,7 @@ Three backends compute the same thing:
   (fp8 GEMMs accumulate in fp32 too). Runs anywhere; for accuracy, not speed.
 - ``torch``: ``torch._scaled_mm`` (CUDA SM >= 8.9). It has no backward, wants K and N
   multiples of 16 and the second operand column-major, so it sits in an autograd.Function
-  whose backward runs the same e5m2 x e4m3 arithmetic.
+  whose backward runs dgrad and wgrad as ``_scaled_mm`` too (e5m2 x e4m3).
 - ``te``: Transformer Engine's ``te.Linear`` sharing the module's weights (lazy import),
   current scaling (``Float8CurrentScaling``); ``te-delayed``: the same with TE's delayed
   scaling (``DelayedScaling``: scales from an amax history of past steps; torchao 0.18 has
@@ -44,6 +44,30 @@ def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.T
     return y[:m] if pad else y
 
 
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+
+def _scaled_backward(gq: torch.Tensor, sg: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor,
+                     wq: torch.Tensor, sw: torch.Tensor, in_dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dgrad and wgrad as fp8 GEMMs (torch._scaled_mm, fp32 accumulate): dX (M, K) =
+    e5m2 dY (M, N) x e4m3 W (N, K); dW (N, K) = e5m2 dY^T (N, M) x e4m3 X (M, K), fp32.
+
+    _scaled_mm wants the first operand row-major, the second column-major, and the inner
+    dim a multiple of 16: wgrad's inner dim is the token count M, padded with zero rows
+    (they add nothing to the sums)."""
+    m = gq.shape[0]
+    pad = (-m) % 16
+    gp, xp = _pad_rows(gq, pad), _pad_rows(xq, pad)  # (M', N), (M', K)
+    inv_g, inv_w, inv_x = ((1.0 / s).reshape(()) for s in (sg, sw, sx))
+    grad_x = torch._scaled_mm(gp, wq.t().contiguous().t(), scale_a=inv_g, scale_b=inv_w,
+                              out_dtype=in_dtype)[:m]
+    grad_w = torch._scaled_mm(gp.t().contiguous(), xp.t().contiguous().t(), scale_a=inv_g,
+                              scale_b=inv_x, out_dtype=torch.float32)
+    return grad_x, grad_w
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x W^T (+ b) with e4m3 operands; backward quantises dY to e5m2."""
 
@@ -68,6 +92,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             if bias is not None:
                 y = y + bias.float()
         ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.backend = backend
         ctx.has_bias = bias is not None
         ctx.in_dtype = x.dtype
         ctx.w_dtype = weight.dtype
@@ -78,9 +103,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         xq, sx, wq, sw = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         gq, sg = quantize_fp8(g2, E5M2)
-        g = dequantize_fp8(gq, sg)
-        grad_x = (g @ dequantize_fp8(wq, sw)).to(ctx.in_dtype)  # (M, K)
-        grad_w = (g.t() @ dequantize_fp8(xq, sx)).to(ctx.w_dtype)  # (N, K)
+        if ctx.backend == "torch":  # fp8 tensor cores for dgrad and wgrad too
+            grad_x, grad_w = _scaled_backward(gq, sg, xq, sx, wq, sw, ctx.in_dtype)
+            grad_w = grad_w.to(ctx.w_dtype)
+        else:
+            g = dequantize_fp8(gq, sg)
+            grad_x = (g @ dequantize_fp8(wq, sw)).to(ctx.in_dtype)  # (M, K)
+            grad_w = (g.t() @ dequantize_fp8(xq, sx)).to(ctx.w_dtype)  # (N, K)
         grad_b = g2.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         return grad_x.reshape(*grad_out.shape[:-1], -1), grad_w, grad_b, None, None, None
 
