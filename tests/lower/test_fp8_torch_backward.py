@@ -77,3 +77,24 @@ def test_backward_is_two_fp8_gemms_with_the_emulated_recipes_numbers(dtype) -> N
         tol = 2.0**-8 if (name == "y" and dtype == torch.bfloat16) else 1e-6
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol * amax,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _fp8_gpu() -> tuple[bool, str]:
+    from autoprec.capability import fp8_backend_capability
+
+    return fp8_backend_capability("torch")
+
+
+@pytest.mark.skipif(not _fp8_gpu()[0], reason=_fp8_gpu()[1])
+def test_on_an_fp8_gpu_the_backward_runs_on_the_tensor_cores() -> None:  # pragma: no cover
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(64, 48).cuda()
+    x = torch.randn(2, 21, 64, generator=g).cuda()
+    dy = (torch.randn(2, 21, 48, generator=g) * torch.logspace(-3, 1, 48)).cuda()
+    rec = _ScaledMMs()
+    real = _run("torch", copy.deepcopy(lin), x, dy, rec)
+    assert rec.calls == [(torch.float8_e5m2, torch.float8_e4m3fn)] * 2
+    emu = _run("emulated", copy.deepcopy(lin), x, dy)
+    for name, want in emu.items():
+        torch.testing.assert_close(real[name], want, rtol=1e-3,
+                                   atol=1e-3 * float(want.abs().max()))
