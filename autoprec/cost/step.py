@@ -7,8 +7,9 @@ training-form policy): a plan's time is
 - the backward derived from that replay (``plan.backward``): each GEMM's dgrad and wgrad at
   the precision it really runs in, fused attention's backward, every cast's cast back, the
   backward of norms, activations and adds, gradient accumulation, and a GEMM format's
-  gradient quantisation (``fp8_backward``: "fp8" as Transformer Engine and torchao's
-  ``Float8Linear`` run it, "fp32" as autoprec's ``torch`` / ``emulated`` backends do);
+  gradient quantisation (``fp8_backward``: "fp8" as Transformer Engine, torchao's
+  ``Float8Linear`` and autoprec's ``torch`` backend run it, "fp32" as the ``emulated``
+  backend does: dequantised fp32 GEMMs);
 - the optimizer step over the fp32 masters (``Optimizer``; on a GPU fused AdamW: one pass
   reading parameter, gradient, exp_avg, exp_avg_sq and writing three of them; on a CPU
   torch's default loop over the parameters, eight passes each);
@@ -288,11 +289,12 @@ def train_bytes(cost: CostModel, policy: Policy) -> int | None:
 
 
 def fp8_backward_of(backend: str | None) -> str:
-    """How an fp8 backend runs the backward: "fp32" for autoprec's own ``torch`` and
-    ``emulated`` backends (dequantised fp32 GEMMs), "fp8" for Transformer Engine and torchao's
-    Float8Linear — and for a target priced from its profile alone (None), where a trainer
-    runs one of those libraries."""
-    return "fp32" if backend in ("torch", "emulated") else "fp8"
+    """How an fp8 backend runs the backward: "fp32" for the ``emulated`` backend
+    (dequantised fp32 GEMMs, ``lower.fp8._Fp8LinearFn``), "fp8" for the others — Transformer
+    Engine (``te``, ``te-delayed``), torchao's Float8Linear (``torchao``, ``torchao-rowwise``),
+    autoprec's ``torch`` backend (dgrad and wgrad as ``_scaled_mm``) — and for a target
+    priced from its profile alone (None)."""
+    return "fp32" if backend == "emulated" else "fp8"
 
 
 def step_cost_model(cost: CostModel, **kwargs: Any) -> StepCostModel:

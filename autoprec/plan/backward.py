@@ -10,12 +10,12 @@ as autograd runs them:
   (a 16-bit autocast GEMM's gradient arrives 16-bit; a tf32 region's backward runs fp32:
   apply enables tf32 inside the forward's ``with`` block only); a bias's gradient is a
   reduction over ``dY`` (wgrad);
-- a GEMM-format leaf (fp8 / mxfp8 / nvfp4): ``fp8_backward="fp8"`` is Transformer Engine's
-  and torchao's ``Float8Linear``'s recipe — dY quantised to the gradient format (e5m2 for
-  fp8: amax, scale, cast), dgrad e5m2 x e4m3 and wgrad e5m2 x e4m3 at the format's peak, and
-  a transposed 1-byte copy of the saved input for wgrad; ``fp8_backward="fp32"`` is
-  autoprec's own ``torch`` / ``emulated`` backends (``lower.fp8._Fp8LinearFn``): dY
-  quantised to e5m2, then dY, the weight and the input dequantised to fp32 and both
+- a GEMM-format leaf (fp8 / mxfp8 / nvfp4): ``fp8_backward="fp8"`` is Transformer Engine's,
+  torchao's ``Float8Linear``'s and autoprec's ``torch`` backend's recipe — dY quantised to
+  the gradient format (e5m2 for fp8: amax, scale, cast), dgrad e5m2 x e4m3 and wgrad
+  e5m2 x e4m3 at the format's peak, and a transposed 1-byte copy of the saved input for
+  wgrad; ``fp8_backward="fp32"`` is the ``emulated`` backend (``lower.fp8._Fp8LinearFn``):
+  dY quantised to e5m2, then dY, the weight and the input dequantised to fp32 and both
   gradient GEMMs run in fp32, the input's gradient cast back to its dtype;
 - fused attention (SDPA): one kernel, 2.5x the forward's FLOPs (flash attention's backward
   recomputes QK^T and runs four more matmuls: five against the forward's two);
@@ -48,8 +48,9 @@ from autoprec.plan.dtype_codes import FP32, IS_FMT, OTHER, WIDTH, fixed_code
 from autoprec.plan.schedule_types import Schedule
 from autoprec.trace.ops import Op, OpTrace
 
-#: How a GEMM-format leaf runs its backward: "fp8" (TE, torchao Float8Linear: the gradient
-#: GEMMs in the format) or "fp32" (autoprec's torch / emulated backends: dequantised fp32).
+#: How a GEMM-format leaf runs its backward: "fp8" (TE, torchao Float8Linear, autoprec's
+#: torch backend: the gradient GEMMs in the format) or "fp32" (the emulated backend:
+#: dequantised fp32 GEMMs).
 FP8_BACKWARDS = ("fp8", "fp32")
 #: Flash attention's backward FLOPs over its forward's (five matmuls against two).
 ATTENTION_BACKWARD = 2.5

@@ -82,7 +82,7 @@ class Target:
         if backend is None and self.local and self.device is not None:
             from autoprec.capability import best_fp8_backend  # what apply will run here
 
-            backend = best_fp8_backend(self.device)[0]
+            backend = best_fp8_backend(self.device, training=self.form == "train")[0]
         return self.speed.cost_model(graph, batch_size, self.mode, form=self.form,
                                      fp8_backend=backend)
 

@@ -43,7 +43,8 @@ def test_priced_table_has_every_plan_on_both_devices() -> None:
     lines = bench.table("tiny", graph, 8)
     rows = [ln for ln in lines if ln.startswith("| fp32 |")]
     assert len(rows) == len(bench.DEVICES) and all("| 1.00x |" in r for r in rows)
-    assert sum(ln.startswith("| fp8, fp32 backward") for ln in lines) == len(bench.DEVICES)
+    assert sum(ln.startswith("| fp8, dequantised fp32 backward") for ln in lines) == len(
+        bench.DEVICES)
 
 
 def test_cpu_script_offers_the_one_liners_and_a_plan(tmp_path: Path) -> None:
