@@ -67,7 +67,7 @@ def test_eval_json_has_the_step_breakdown_and_memory(tmp_path: Path, model_py: P
     assert mem["optimizer_mb"] == pytest.approx(2 * mem["weights_mb"])
     rows = {r["name"]: r for r in out["baselines"]["rows"]}
     assert rows["policy"]["train_memory_bytes"] > 0
-    assert rows["bf16 (model.to(bfloat16))"]["why_not"].endswith("does not train")
+    assert rows["bf16 (model.to(bfloat16))"]["why_not"] == "--form train: it stores no fp32 masters"
     code, printed, err = run_cli(["eval", model_py, "--policy", pol, "--target", "h100",
                                   "--batch-size", "4096"], capsys)
     assert code == 0, err
