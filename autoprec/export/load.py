@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -72,19 +73,21 @@ def _device(mod: torch.nn.Module) -> torch.device:
 
 def _wrap(mod: torch.nn.Module) -> None:
     inner = mod.forward
-    if getattr(inner, "_autoprec_island", False):
+    if getattr(getattr(inner, "__func__", inner), "_autoprec_island", False):
         return
 
+    # a bound method, as loaders that wrap forwards expect (compressed-tensors reads
+    # ``module.forward.__func__``)
     @functools.wraps(inner)
-    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        w = getattr(mod, "weight", None)
+    def forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        w = getattr(self, "weight", None)
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and w is not None):
             return inner(x, *args, **kwargs)
         out = inner(x.to(w.dtype), *args, **kwargs)
         return out.to(x.dtype) if isinstance(out, torch.Tensor) else out
 
     forward._autoprec_island = True  # type: ignore[attr-defined]
-    mod.forward = forward
+    mod.forward = types.MethodType(forward, mod)
 
 
 __all__ = ["islands_of", "keep_islands"]
