@@ -45,12 +45,14 @@ def save_cmd(
     transformers' from_pretrained and vLLM load."""
     from autoprec.export.checkpoint import save_pretrained
     from autoprec.loading import load_model_file
+    from autoprec.policy import load_policy
 
     spec = load_model_file(model)
     built = spec.model()
+    pol = load_policy(policy, model=built, force=force)  # its warnings shown, not hidden
     batches = spec.calibration_batches()
     with _quiet_libraries():
-        rep = save_pretrained(built, policy, out, calibration=batches, forward=spec.forward,
+        rep = save_pretrained(built, pol, out, calibration=batches, forward=spec.forward,
                               force=force)
     for fmt, layers in sorted(rep.groups.items()):
         typer.echo(f"{fmt}: {len(layers)} layers")

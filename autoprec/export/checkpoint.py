@@ -194,8 +194,7 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
     ``model(*batch)`` / ``model(**batch)``) to find fused groups from the graph and, for
     nvfp4 layers, the static activation tensor scale compressed-tensors' NVFP4 scheme
     needs. Raises ExportRefused / InputError / MissingExtra (exit 2)."""
-    require("compressed_tensors", "autoprec save (a compressed-tensors checkpoint)",
-            otherwise="pip install compressed-tensors")
+    require("compressed_tensors", "autoprec save (a compressed-tensors checkpoint)")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
