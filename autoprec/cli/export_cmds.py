@@ -60,6 +60,8 @@ def save_cmd(
     if rep.fused:
         typer.echo(f"fused groups, one scheme each: {len(rep.fused)}")
     typer.echo(f"weights: plan {_mb(rep.plan_bytes)}, checkpoint on disk {_mb(rep.disk_bytes)}")
+    for g in rep.dtype_mixed:
+        typer.echo(f"fused group in two dtypes (a fused runtime runs it in one): {g}")
     if rep.islands_note:
         typer.echo(f"islands: {rep.islands_note}")
     typer.echo(f"wrote {rep.out}")

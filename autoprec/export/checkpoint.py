@@ -21,8 +21,10 @@ report names them in one line (``CheckpointReport.islands_note``); ``keep_island
 
 What vLLM would reject is refused here (``ExportRefused``, exit 2): a fused group (q/k/v,
 gate/up, an MoE layer's experts; ``trace.fused_groups``) whose members have different
-schemes, and a GEMM format on a layer compressed-tensors does not compress (not an
-``nn.Linear``).
+schemes (a quantised format beside another, or beside an unquantised dtype), and a GEMM
+format on a layer compressed-tensors does not compress (not an ``nn.Linear``). A group
+whose members are unquantised in different dtypes (bf16 beside fp32) loads, but a fused
+runtime runs it in one dtype: the report names it (``dtype_mixed``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class CheckpointReport:
     plan_bytes: int  # the applied plan's weights (autoprec's stored tensors)
     disk_bytes: int  # the *.safetensors files written
     fused: list[FusedGroup] = field(default_factory=list)
+    #: fused groups whose members are unquantised in different dtypes: a fused runtime
+    #: (vLLM) runs them as one GEMM in one dtype; transformers keeps them apart
+    dtype_mixed: list[str] = field(default_factory=list)
 
     @property
     def islands_note(self) -> str | None:
@@ -220,6 +225,11 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
     precision_of = plan.assignment(leaves)
     groups = fused_groups(work, (lambda: fwd(work, batches[0])) if batches else None)
     check_exportable(work, precision_of, groups)
+    dtype_mixed = [f"{g.describe()}: " + ", ".join(f"{m.rpartition('.')[2]} "
+                                                   f"{precision_of.get(m, 'fp32')}"
+                                                   for m in g.members)
+                   for g in groups
+                   if len({precision_of.get(m, "fp32") for m in g.members}) > 1]
     formats = {p: f for p, f in precision_of.items() if is_gemm_format(f)}
     nvfp4 = [p for p, f in formats.items() if f == "nvfp4"]
     if nvfp4 and not batches:
@@ -276,7 +286,7 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
     disk = sum(os.path.getsize(f) for f in outdir.glob("*.safetensors"))
     return CheckpointReport(out=outdir, groups=by_format, ignore=ignore, islands=islands,
                             dtype=str(dtype).replace("torch.", ""), plan_bytes=plan_bytes,
-                            disk_bytes=disk, fused=groups)
+                            disk_bytes=disk, fused=groups, dtype_mixed=dtype_mixed)
 
 
 __all__ = ["AUTOPREC_KEY", "CT_FORMAT", "CheckpointReport", "ExportRefused",
