@@ -82,6 +82,7 @@ def test_fuse_groups_auto_and_off(tmp_path: Path, capsys: pytest.CaptureFixture[
 
     off = _tune(tmp_path, "off", capsys)
     assert any("model.layers.0.mlp.gate_proj" in t.params for t in _trials(off))
+    assert load_policy(auto).provenance["fuse_groups"] == "auto"
     prec_off = compile_plan(load_policy(off, model=model), model).assignment(GU)
     assert prec_off[GU[0]] == "fp16" and prec_off[GU[1]] == "fp32"  # they differ
     code, out, err = run_cli(["save", MODEL, "--policy", off, "--out", tmp_path / "ckpt2"],
