@@ -116,6 +116,8 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
     cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form)
             if profile is not None else target.cost_model(graph, deploy_bs))
+    if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
+        cost.shared_quant_inputs = True
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
         cost.max_weight_bytes = cfg.max_weight_mb * 1e6
     if not cfg.use_metric and spec.metric is not None:
