@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from autoprec.errors import InputError
-from autoprec.export.schemes import CT_FORMAT, ct_scales, scheme_for
+from autoprec.export.schemes import CT_FORMAT, STATIC_ACTIVATION_SCALE, ct_scales, scheme_for
 from autoprec.extras import require
 from autoprec.formats.gemm import is_gemm_module
 from autoprec.policy import Policy, load_policy
@@ -129,10 +129,11 @@ def _as_policy(policy: Policy | str | Path, model: torch.nn.Module, force: bool)
 
 def _deployed(work: torch.nn.Module, policy: Policy, force: bool,
               run_batches: Callable[[torch.nn.Module], None] | None,
-              nvfp4_paths: list[str]
+              static_paths: list[str]
               ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float], int]:
     """The deploy form's tensors of every module (path -> {name: tensor}), the input amax
-    of each nvfp4 layer over the calibration batches, and the plan's weight bytes."""
+    over the calibration batches of each layer whose scheme has a static activation scale,
+    and the plan's weight bytes."""
     from autoprec.apply.apply import apply_policy
 
     handle = apply_policy(work, policy, fp8_backend="emulated", form="deploy", force=force,
@@ -143,7 +144,7 @@ def _deployed(work: torch.nn.Module, policy: Policy, force: bool,
         tensors = {path: {**{n: t for n, t in mod._parameters.items() if t is not None},
                           **{n: t for n, t in mod._buffers.items() if t is not None}}
                    for path, mod in work.named_modules()}
-        if nvfp4_paths and run_batches is not None:
+        if static_paths and run_batches is not None:
             mods = dict(work.named_modules())
             hooks = []
 
@@ -153,7 +154,7 @@ def _deployed(work: torch.nn.Module, policy: Policy, force: bool,
                     amax[path] = max(amax.get(path, 0.0), a)
                 return hook
 
-            for p in nvfp4_paths:
+            for p in static_paths:
                 hooks.append(mods[p].register_forward_pre_hook(record(p)))
             try:
                 with torch.no_grad():
@@ -231,17 +232,17 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
                    for g in groups
                    if len({precision_of.get(m, "fp32") for m in g.members}) > 1]
     formats = {p: f for p, f in precision_of.items() if is_gemm_format(f)}
-    nvfp4 = [p for p, f in formats.items() if f == "nvfp4"]
-    if nvfp4 and not batches:
-        raise InputError(f"{nvfp4[0]}: nvfp4 layers need calibration batches: "
-                         "compressed-tensors' NVFP4 scheme has a static activation tensor "
-                         "scale (input_global_scale), measured on them")
+    static = [p for p, f in formats.items() if STATIC_ACTIVATION_SCALE[f]]
+    if static and not batches:
+        raise InputError(f"{static[0]}: {formats[static[0]]} layers need calibration "
+                         "batches: compressed-tensors' scheme has a static activation scale "
+                         "(input_global_scale), measured on them")
 
     def run_all(m: torch.nn.Module) -> None:
         for b in batches:
             fwd(m, b)
 
-    tensors, amax, plan_bytes = _deployed(work, pol, force, run_all, nvfp4)
+    tensors, amax, plan_bytes = _deployed(work, pol, force, run_all, static)
     resolution = plan.resolution()
     dtype = STORAGE_DTYPES[resolution[""].precision]
     _install(work, tensors, formats)

@@ -44,6 +44,10 @@ from autoprec.precisions import is_gemm_format
 TE_FACTORIES = {"fp8": "current_scaling_factory", "mxfp8": "mxfp8_factory",
                 "nvfp4": "nvfp4_factory"}
 TE_HIGH_PRECISION = "high_precision_factory"
+#: autoprec format -> torchao's training module for it (float8 only: its MX/NVFP4 training
+#: is a prototype for MoE grouped GEMMs).
+TORCHAO_MODULES = {"fp8": "torchao.float8.Float8Linear"}
+_TORCHAO_FP8 = next(iter(TORCHAO_MODULES))
 
 
 def layer_precisions(policy: Policy | str | Path, model: torch.nn.Module,
@@ -131,14 +135,14 @@ def torchao_fp8_layers(policy: Policy | str | Path, model: torch.nn.Module,
                        force: bool = False) -> tuple[Policy, list[str]]:
     """The plan's fp8 layers; InputError when it has a format torchao cannot train."""
     pol, prec = layer_precisions(policy, model, force)
-    other = {p: f for p, f in prec.items() if is_gemm_format(f) and f != "fp8"}
+    other = {p: f for p, f in prec.items() if is_gemm_format(f) and f not in TORCHAO_MODULES}
     if other:
         path, fmt = next(iter(other.items()))
         raise InputError(f"{path}: {fmt}: torchao's float8 training takes fp8 layers only "
                          f"(its MX/NVFP4 training is a prototype for MoE GEMMs); export "
                          f"this plan with --to te")
     mods = dict(model.named_modules())
-    fp8 = [p for p, f in prec.items() if f == "fp8"]
+    fp8 = [p for p, f in prec.items() if f == _TORCHAO_FP8]
     for p in fp8:
         if type(mods[p]) is not torch.nn.Linear:
             raise InputError(f"{p}: fp8 on a {type(mods[p]).__name__}: torchao's "
@@ -165,7 +169,7 @@ def torchao_filter_source(policy: Policy | str | Path, model: torch.nn.Module,
     (``convert_to_float8_training`` with that filter)."""
     pol, fp8 = torchao_fp8_layers(policy, model, force)
     _, prec = layer_precisions(pol, model, force)
-    regions = {p: f for p, f in prec.items() if f != "fp8"}
+    regions = {p: f for p, f in prec.items() if p not in set(fp8)}
     lines = [
         f'"""torchao float8 training for {pol.model.get("name") or "the model"}: written by '
         f'autoprec from {pol.source}.',
@@ -199,5 +203,5 @@ def torchao_filter_source(policy: Policy | str | Path, model: torch.nn.Module,
     return "\n".join(lines)
 
 
-__all__ = ["TE_FACTORIES", "layer_precisions", "te_recipe_source", "torchao_filter_source",
+__all__ = ["TE_FACTORIES", "TORCHAO_MODULES", "layer_precisions", "te_recipe_source", "torchao_filter_source",
            "torchao_fp8_layers", "torchao_module_filter"]

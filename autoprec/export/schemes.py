@@ -32,39 +32,91 @@ CT_FORMAT = {"fp8": "float-quantized", "mxfp8": "mxfp8-quantized",
 _NVFP4_MAX = 448.0 * 6.0
 
 
-def scheme_for(fmt: str, targets: list[str]) -> Any:
-    """The compressed-tensors ``QuantizationScheme`` of ``fmt`` for layer names ``targets``."""
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationScheme,
-        QuantizationStrategy,
-        QuantizationType,
-    )
+def _args(**kw: Any) -> Any:
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(symmetric=True, type="float", **kw)
+
+
+def _fp8_args() -> tuple[Any, Any]:
+    # per-tensor weight scale; per-tensor activation scale from each call's amax
+    return (_args(num_bits=8, strategy="tensor", dynamic=False),
+            _args(num_bits=8, strategy="tensor", dynamic=True))
+
+
+def _mxfp8_args() -> tuple[Any, Any]:
+    u8 = torch.uint8  # E8M0 exponents
+    return (_args(num_bits=8, strategy="group", group_size=32, dynamic=False,
+                  scale_dtype=u8, zp_dtype=u8),
+            _args(num_bits=8, strategy="group", group_size=32, dynamic=True,
+                  scale_dtype=u8, zp_dtype=u8))
+
+
+def _nvfp4_args() -> tuple[Any, Any]:
     from compressed_tensors.quantization.quant_args import DynamicType
 
-    fl = QuantizationType.FLOAT
-    if fmt == "fp8":
-        w = QuantizationArgs(num_bits=8, type=fl, strategy=QuantizationStrategy.TENSOR,
-                             symmetric=True, dynamic=False)
-        a = QuantizationArgs(num_bits=8, type=fl, strategy=QuantizationStrategy.TENSOR,
-                             symmetric=True, dynamic=True)
-    elif fmt == "mxfp8":
-        w = QuantizationArgs(num_bits=8, type=fl, strategy=QuantizationStrategy.GROUP,
-                             symmetric=True, dynamic=False, group_size=32,
-                             scale_dtype=torch.uint8, zp_dtype=torch.uint8)
-        a = QuantizationArgs(num_bits=8, type=fl, strategy=QuantizationStrategy.GROUP,
-                             symmetric=True, dynamic=True, group_size=32,
-                             scale_dtype=torch.uint8, zp_dtype=torch.uint8)
-    elif fmt == "nvfp4":
-        e4m3 = torch.float8_e4m3fn
-        w = QuantizationArgs(num_bits=4, type=fl, strategy=QuantizationStrategy.TENSOR_GROUP,
-                             symmetric=True, dynamic=False, group_size=16,
-                             scale_dtype=e4m3, zp_dtype=e4m3)
-        a = QuantizationArgs(num_bits=4, type=fl, strategy=QuantizationStrategy.TENSOR_GROUP,
-                             symmetric=True, dynamic=DynamicType.LOCAL, group_size=16,
-                             observer="static_minmax", scale_dtype=e4m3, zp_dtype=e4m3)
-    else:
+    e4m3 = torch.float8_e4m3fn
+    return (_args(num_bits=4, strategy="tensor_group", group_size=16, dynamic=False,
+                  scale_dtype=e4m3, zp_dtype=e4m3),
+            _args(num_bits=4, strategy="tensor_group", group_size=16,
+                  dynamic=DynamicType.LOCAL, observer="static_minmax", scale_dtype=e4m3,
+                  zp_dtype=e4m3))
+
+
+def _fp8_scales(own: dict[str, torch.Tensor], _amax: float | None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from autoprec.lower.stored import SCALE
+
+    q, s = own["weight"], own[SCALE]
+    ct = (1.0 / s.float()).reshape(1)  # autoprec x = q / s; compressed-tensors x = q * ct
+    return q.float() * ct, {"weight_scale": ct}
+
+
+def _mxfp8_scales(own: dict[str, torch.Tensor], _amax: float | None
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from autoprec.formats.elements import e8m0_to_float
+    from autoprec.lower.stored import SCALE
+
+    q = own["weight"]
+    scale = e8m0_to_float(own[SCALE])  # (N, K // 32), exact powers of two
+    n, k = q.shape
+    values = (q.float().reshape(n, k // 32, 32) * scale.unsqueeze(-1)).reshape(n, k)
+    return values, {"weight_scale": scale}
+
+
+def _nvfp4_scales(own: dict[str, torch.Tensor], input_amax: float | None
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from autoprec.formats.elements import e2m1_values
+    from autoprec.lower.stored import SCALE, SCALE_2
+
+    q, s = own["weight"], own[SCALE]
+    g = own[SCALE_2].float().reshape(())  # decode scale amax / (448 * 6)
+    glob = (1.0 / g).reshape(1)
+    n, k = q.shape
+    values = (e2m1_values(q).reshape(n, k // 16, 16)
+              * (s.float() / glob).unsqueeze(-1)).reshape(n, k)
+    scales = {"weight_scale": s, "weight_global_scale": glob}
+    if input_amax is not None and input_amax > 0:
+        scales["input_global_scale"] = torch.tensor([_NVFP4_MAX / input_amax])
+    return values, scales
+
+
+#: format -> (weight args, input-activation args) of its compressed-tensors scheme.
+_ARGS = {"fp8": _fp8_args, "mxfp8": _mxfp8_args, "nvfp4": _nvfp4_args}
+#: format -> its scales in compressed-tensors' convention.
+_SCALES = {"fp8": _fp8_scales, "mxfp8": _mxfp8_scales, "nvfp4": _nvfp4_scales}
+#: format -> whether its scheme has a static activation scale to measure on calibration
+#: batches (NVFP4's input_global_scale; compressed-tensors has no dynamic one for it).
+STATIC_ACTIVATION_SCALE = {"fp8": False, "mxfp8": False, "nvfp4": True}
+
+
+def scheme_for(fmt: str, targets: list[str]) -> Any:
+    """The compressed-tensors ``QuantizationScheme`` of ``fmt`` for layer names ``targets``."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    if fmt not in _ARGS:
         raise ValueError(f"no compressed-tensors scheme for {fmt!r}")
+    w, a = _ARGS[fmt]()
     return QuantizationScheme(targets=list(targets), weights=w, input_activations=a,
                               format=CT_FORMAT[fmt])
 
@@ -75,28 +127,7 @@ def ct_scales(own: dict[str, torch.Tensor], fmt: str, input_amax: float | None
     ``weight_scale`` [, ``weight_scale_2``]): its fp32 weight values exactly as
     compressed-tensors dequantises them, and the scale parameters in its convention —
     so its compression gives back autoprec's very elements."""
-    from autoprec.formats.elements import e2m1_values, e8m0_to_float
-    from autoprec.lower.stored import SCALE, SCALE_2
-
-    q, s = own["weight"], own[SCALE]
-    if fmt == "fp8":
-        ct = (1.0 / s.float()).reshape(1)  # autoprec x = q / s; compressed-tensors x = q * ct
-        return q.float() * ct, {"weight_scale": ct}
-    if fmt == "mxfp8":
-        scale = e8m0_to_float(s)  # (N, K // 32), exact powers of two
-        n, k = q.shape
-        values = (q.float().reshape(n, k // 32, 32) * scale.unsqueeze(-1)).reshape(n, k)
-        return values, {"weight_scale": scale}
-    g = own[SCALE_2].float().reshape(())  # decode scale amax / (448 * 6)
-    glob = (1.0 / g).reshape(1)
-    n, k = q.shape
-    blocks = s.float()  # (N, K // 16), E4M3 values
-    values = (e2m1_values(q).reshape(n, k // 16, 16)
-              * (blocks / glob).unsqueeze(-1)).reshape(n, k)
-    scales = {"weight_scale": s, "weight_global_scale": glob}
-    if input_amax is not None and input_amax > 0:
-        scales["input_global_scale"] = torch.tensor([_NVFP4_MAX / input_amax])
-    return values, scales
+    return _SCALES[fmt](own, input_amax)
 
 
-__all__ = ["CT_FORMAT", "ct_scales", "scheme_for"]
+__all__ = ["CT_FORMAT", "STATIC_ACTIVATION_SCALE", "ct_scales", "scheme_for"]
