@@ -25,8 +25,9 @@ without a word. The guard (``policy.guard_spec``: the ``guard`` key, or
 Modes: ``detect`` counts and warns once per layer (GuardWarning); ``fallback`` re-runs the
 forward with the offending layers raised (each to its fallback precision: their weights
 rebuilt from the fp32 masters the handle keeps, in a shadow copy of the leaf run by the
-deploy form's own forward) and returns that result — exactly what the plan with those
-layers' rules raised computes; a layer still non-finite once raised goes to fp32, and a
+deploy form's own forward; a uniform plan's consumer casts, which a raised layer's other
+dtype needs, on the model for the re-run only: ``apply.consumers``) and returns that
+result — exactly what the plan with those layers' rules raised computes; a layer still non-finite once raised goes to fp32, and a
 forward nothing recovers raises GuardError. ``raise``: GuardError naming the first layer
 (in execution order), its precision, and the value its output reaches in the fallback
 precision. Every overflow is counted (``guard_stats()``) and reported to ``on_event``.
@@ -50,13 +51,7 @@ import torch
 from autoprec.apply.consumers import RerunCasts
 from autoprec.capability import capability
 from autoprec.errors import GuardError, GuardWarning, PolicyError
-from autoprec.lower.stored import (
-    SCALE,
-    SCALE_2,
-    cast_tree,
-    deploy_forward,
-    dequantized_weight,
-)
+from autoprec.lower.stored import SCALE, SCALE_2, cast_tree, deploy_forward, dequantized_weight
 from autoprec.policy.guard_spec import ALL, GuardSpec
 from autoprec.precisions import FORMATS, STORAGE_DTYPES, carrier_of, is_gemm_format, rank
 
