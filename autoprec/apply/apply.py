@@ -160,6 +160,8 @@ class PolicyHandle:
         self.wrapped = wrapped
         self.fp8_backend = fp8_backend  # None when no layer computes in fp8
         self.fp8_reason = fp8_reason
+        #: the backend each GEMM format of the plan runs on (fp8, mxfp8, nvfp4)
+        self.format_backends: dict[str, str] = {}
         self.device = device
         self._saved: list[tuple[weakref.ref[torch.nn.Module], Any]] = []
         self._fastpath_held = False  # this handle holds torch.nn's fused paths off
@@ -327,8 +329,10 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
                  on_event: Callable[[GuardEvent], None] | None = None) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
 
-    ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te; default: the best
-    this device runs (``best_fp8_backend``). The other GEMM formats (mxfp8, nvfp4) take no
+    ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te / torchao /
+    torchao-rowwise (torchao's float8 training: train form only); default: the best this
+    device runs (``best_fp8_backend``; the train form prefers torchao's float8 training
+    to the home-made torch backend where its kernels run). The other GEMM formats (mxfp8, nvfp4) take no
     choice: torch's block-scaled kernels where ``blockscale_capability`` says they run, else
     emulation. ``device``: where the model runs (default: its parameters').
     ``target``: the device the plan is for (a profile name like "h100", or "cuda"/"cpu";
@@ -389,7 +393,8 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
                  "computes in a small-range format; guard.layers: all checks every one)")
 
     used = {w.precision for _, w in chosen}
-    format_backend, backend, fp8_reason = format_backends(used, fp8_backend, dev)
+    format_backend, backend, fp8_reason = format_backends(used, fp8_backend, dev,
+                                                         training=form == "train")
     for prec in sorted(used):
         ok, why = capability(prec, format_backend.get(prec), dev)
         if not ok:
@@ -429,6 +434,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     handle = PolicyHandle(model, policy, plan, res, [w for _, w in chosen], backend,
                           fp8_reason, dev, target_type)
     handle.form = form
+    handle.format_backends = {f: b for f, b in format_backend.items() if f in used}
     handle.stored = stored
     if guarded:
         handle.guard = Guard(spec, guarded, form,
