@@ -20,6 +20,7 @@ EXTRAS: dict[str, str] = {
     "requests": "mlflow",
     "psycopg2": "postgres",
     "transformer_engine": "fp8",
+    "compressed_tensors": "export",
     "torchao": "train-fp8",
 }
 
