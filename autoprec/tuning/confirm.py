@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoprec.evaluation.assess import time_rows
+from autoprec.evaluation.assess import fill_train_bytes, time_rows
 from autoprec.evaluation.baselines import BASELINES, baseline_rows
 from autoprec.evaluation.decision import ByEstimate, decide
 from autoprec.evaluation.rows import Row, Timer
@@ -135,12 +135,16 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                 seen.add(r.key)
                 rows.append(r)
     rows += rows_after
+    fill_train_bytes(rows, prep.cost)
     # an explicit profile (tune(profile=...): tests, experiments) prices the timed batch by
     # itself too; else the target's cost model at the calibration batch (time_rows)
     at_batch = (None if not timed or prep.cost.op_times is not None else
-                make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode))
+                make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode,
+                                form=target.form, step=target.form == "train",
+                                fp8_backend=target.fp8_backend))
     timing = time_rows(rows, target, prep.spec.forward, prep.net, prep.calib[0], prep.graph,
                        measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,
+                       loss=prep.spec.loss,
                        not_measured="not measured (--no-measure)" if not cfg.measure else
                        "not measured: no plan within budget")
     decision = decide(rows, timing, estimate=ByEstimate(chosen.number, chosen.calib.est_speedup,
