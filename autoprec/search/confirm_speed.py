@@ -24,6 +24,7 @@ from typing import Any
 from autoprec.search.assess import time_rows
 from autoprec.search.baselines import tune_baseline_rows
 from autoprec.search.speed_rows import Row, SpeedCheck, Timer
+from autoprec.search.train_choice import baseline_check, one_liner_instead, tuned_that_trains
 
 #: Candidates from the study timed after the chosen one (the next fastest feasible ones).
 NEXT_CANDIDATES = 2
@@ -52,9 +53,17 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         r.weight_bytes = prep.cost.weight_bytes(r.policy)
         return r
 
-    rows = [row(chosen, "tuned", "tuned")]
+    trainer = getattr(search, "train_check", None)  # --train-aware: train_choice.py
+    if trainer is not None and feasible:
+        chosen, first = tuned_that_trains(trainer, chosen, cands, row)
+        rows = [first]
+        feasible = first.feasible
+    else:
+        rows = [row(chosen, "tuned", "tuned")]
     rows_after = tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
-                                    prep.reference)
+                                    prep.reference,
+                                    train_check=None if trainer is None
+                                    else baseline_check(trainer))
     for r in rows_after:  # the speed target binds on a baseline as on a trial
         if (r.feasible and cfg.min_speedup is not None
                 and (r.est_speedup or 0.0) < cfg.min_speedup):
@@ -71,6 +80,10 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
             if sum(x.role == "candidate" for x in rows) >= NEXT_CANDIDATES:
                 break
             r = row(c, f"next candidate (trial {c.number})", "candidate")
+            if r.key not in seen and trainer is not None:  # only what trains is a choice
+                v = trainer.known(r.policy)
+                if v is None or not v.passed:
+                    continue
             if r.key not in seen:
                 seen.add(r.key)
                 rows.append(r)
@@ -84,7 +97,8 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                       not_measured="not measured (--no-measure)" if not cfg.measure else
                       "not measured: no plan within budget")
     if not check.measured:
-        instead = _given_if_faster(rows) or _best_baseline_if_infeasible(rows)
+        instead = (_given_if_faster(rows) or _best_baseline_if_infeasible(rows)
+                   or (one_liner_instead(rows) if trainer is not None else None))
         if instead is None:
             return check, chosen, rules_of(chosen)
         check.winner = instead

@@ -22,7 +22,7 @@ import autoprec
 from autoprec.paths import remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.reference import ModelReference
-from autoprec.search import compact, select
+from autoprec.search import compact, select, train_choice
 from autoprec.search.config import TuneConfig
 from autoprec.search.confirm_speed import confirm_tune
 from autoprec.search.driver import trial_rows
@@ -73,6 +73,11 @@ class TuneResult:
     peak_memory: int = 0  # bytes at the peak of the tune (autoprec.memory.peak_bytes)
     peak_memory_how: str = ""  # what was measured (peak RSS on CPU, allocated on CUDA)
     memory_stages: dict[str, int] = field(default_factory=dict)  # stage -> its own peak bytes
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # stage -> its wall time
+    #: --train-aware: every short run (train_check.ShortRunVerdict.to_dict), and as a table
+    train_checks: list[dict[str, Any]] = field(default_factory=list)
+    train_table: list[str] = field(default_factory=list)
+    train_seconds: float = 0.0  # of the confirm stage, spent in the short runs
 
 
 # -- stages 4 and 5: select and write -----------------------------------------------------
@@ -128,6 +133,15 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
         policy.provenance["trial"] = None
     if chosen.calib.train_fidelity is not None:
         policy.metrics["train_fidelity"] = chosen.calib.train_fidelity
+    if cfg.form == "train":
+        train_choice.scaler_reasons(prep.table, policy)
+    verdict = train_choice.verdict_of(search.train_check, policy)
+    if verdict is not None:  # the written plan's short run (--train-aware)
+        policy.metrics.update({
+            "train_check_passed": verdict.passed, "train_steps": verdict.steps,
+            "train_eval_loss": _round(verdict.run.eval_loss),
+            "train_fp32_eval_loss": _round(verdict.fp32.eval_loss),
+            "train_loss_gap": _round(verdict.gap), "max_loss_gap": verdict.max_loss_gap})
     _note_headroom(prep, policy)
     policy.save(prep.out_path)
     remove_stale_fronts(prep.out_path)  # an earlier --pareto run's front files are not this run's
@@ -169,7 +183,16 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
                       measured=len(search.driver.by_key), plot_plans=plans,
-                      reference=prep.reference, weight_bytes=prep.reference.weight_bytes)
+                      reference=prep.reference, weight_bytes=prep.reference.weight_bytes,
+                      train_checks=[] if search.train_check is None else
+                      [v.to_dict() for v in search.train_check.verdicts()],
+                      train_table=train_choice.table_lines(search.train_check),
+                      train_seconds=0.0 if search.train_check is None
+                      else search.train_check.seconds)
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}") if math.isfinite(x) else float(x)
 
 
 def _given_candidate(prep: Prepared, space: SearchSpace) -> select.Candidate | None:
