@@ -88,20 +88,21 @@ def docstrings(modules: tuple[str, ...]) -> list[str]:
     return texts
 
 
-@functools.lru_cache(maxsize=2)
-def _batches(modules: tuple[str, ...], n_batches: int, seed: int) -> tuple[dict[str, Any], ...]:
+@functools.lru_cache(maxsize=4)
+def _batches(modules: tuple[str, ...], n_batches: int, seed: int, rows_per_batch: int = BATCH_ROWS,
+             seq_len: int = SEQ_LEN) -> tuple[dict[str, Any], ...]:
     tok = _tokenizer()
-    body = SEQ_LEN - 2  # [CLS] ... [SEP]
+    body = seq_len - 2  # [CLS] ... [SEP]
+    need = n_batches * rows_per_batch * body
     ids: list[int] = []
     for text in docstrings(modules):
-        ids.extend(tok(text, add_special_tokens=False)["input_ids"])
+        ids.extend(tok(text, add_special_tokens=False, verbose=False)["input_ids"])
         ids.append(tok.sep_token_id)
-        if len(ids) >= n_batches * BATCH_ROWS * body:
+        if len(ids) >= need:
             break
-    need = n_batches * BATCH_ROWS * body
     if len(ids) < need:
         raise RuntimeError(f"only {len(ids)} tokens of docstrings in {modules}, need {need}")
-    rows = torch.tensor(ids[:need]).view(n_batches * BATCH_ROWS, body)
+    rows = torch.tensor(ids[:need]).view(n_batches * rows_per_batch, body)
     cls = torch.full((rows.shape[0], 1), tok.cls_token_id)
     sep = torch.full((rows.shape[0], 1), tok.sep_token_id)
     full = torch.cat([cls, rows, sep], 1)  # (N, T)
@@ -116,7 +117,7 @@ def _batches(modules: tuple[str, ...], n_batches: int, seed: int) -> tuple[dict[
     inputs[swap] = rand_tok[swap]
     out = []
     for b in range(n_batches):
-        s = slice(b * BATCH_ROWS, (b + 1) * BATCH_ROWS)
+        s = slice(b * rows_per_batch, (b + 1) * rows_per_batch)
         out.append({"input_ids": inputs[s], "attention_mask": torch.ones_like(inputs[s]),
                     "chosen": chosen[s], "labels": full[s][chosen[s]]})
     return tuple(out)
@@ -133,9 +134,11 @@ def eval_data() -> list[dict[str, Any]]:
     return list(_batches(EVAL_MODULES, EVAL_BATCHES, 1))
 
 
-def train_batches(n: int, seed: int = 2) -> list[dict[str, Any]]:
-    """``n`` training batches from the calibration modules (for the loss-parity benchmark)."""
-    return list(_batches(CALIBRATION_MODULES, n, seed))
+def train_batches(n: int, rows: int = BATCH_ROWS, seq_len: int = SEQ_LEN,
+                  seed: int = 2) -> list[dict[str, Any]]:
+    """``n`` training batches of (rows, seq_len) tokens from the calibration modules' text
+    (the loss-parity benchmark's; the eval batches stay ``eval_data()``)."""
+    return list(_batches(CALIBRATION_MODULES, n, seed, rows, seq_len))
 
 
 def forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
