@@ -37,7 +37,9 @@ MASK_FRAC = 0.15
 CALIBRATION_BATCHES = 4
 EVAL_BATCHES = 4
 CALIBRATION_MODULES = ("argparse", "collections", "functools", "json", "logging", "pathlib",
-                       "re", "shutil", "subprocess", "textwrap", "threading", "typing")
+                       "re", "shutil", "subprocess", "textwrap", "threading", "typing",
+                       "configparser", "dataclasses", "enum", "tempfile", "unittest",
+                       "urllib.request")
 EVAL_MODULES = ("csv", "datetime", "heapq", "inspect", "random", "string", "tarfile",
                 "zipfile")
 
@@ -48,8 +50,25 @@ def _model_dir() -> Any:
     return get_model_path()
 
 
+class ChosenPositionsMLM(nn.Module):
+    """BERT's masked-LM model evaluated at the chosen positions only: the encoder on every
+    token, the MLM head on the ``(M, C)`` hidden states of the chosen ones. One module whose
+    own forward runs everything, so a policy's default region covers the whole model."""
+
+    def __init__(self, mlm: nn.Module) -> None:
+        super().__init__()
+        self.bert = mlm.bert
+        self.cls = mlm.cls  # its decoder's weight is the word embeddings' (tied)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                chosen: torch.Tensor) -> torch.Tensor:
+        hidden = self.bert(input_ids=input_ids,
+                           attention_mask=attention_mask).last_hidden_state  # (B, T, C)
+        return self.cls(hidden[chosen])  # (M, V): logits at the chosen positions
+
+
 def build_model() -> nn.Module:
-    """``BertForMaskedLM`` with MiniLM's pretrained encoder (module paths as in HF:
+    """MiniLM's encoder with a masked-LM head (module paths as in HF's ``BertForMaskedLM``:
     ``bert.encoder.layer.0.attention.self.query``, ``cls.predictions.transform.dense``)."""
     from transformers import BertForMaskedLM
     from transformers.utils import logging as hf_logging
@@ -58,10 +77,10 @@ def build_model() -> nn.Module:
     hf_logging.set_verbosity_error()  # the head's new weights are expected: no load report
     try:
         torch.manual_seed(0)  # the new head's initial weights, the same on every build
-        model = BertForMaskedLM.from_pretrained(_model_dir(), local_files_only=True)
+        mlm = BertForMaskedLM.from_pretrained(_model_dir(), local_files_only=True)
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model.float().eval()
+    return ChosenPositionsMLM(mlm).float().eval()
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,9 +161,7 @@ def train_batches(n: int, rows: int = BATCH_ROWS, seq_len: int = SEQ_LEN,
 
 
 def forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-    hidden = model.bert(input_ids=batch["input_ids"],
-                        attention_mask=batch["attention_mask"]).last_hidden_state  # (B, T, C)
-    return model.cls(hidden[batch["chosen"]])  # (M, V): logits at the chosen positions
+    return model(batch["input_ids"], batch["attention_mask"], batch["chosen"])  # (M, V)
 
 
 def loss(outputs: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:

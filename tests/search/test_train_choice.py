@@ -21,20 +21,20 @@ import torch.nn.functional as F
 from torch import nn
 
 torch.manual_seed(0)
-TEACHER = torch.randn(64, 256)
+TEACHER = torch.randn(256, 1024)
 
 def build_model():
     # started next to its exact solution: fp32 drives the loss to ~0, bf16's rounding
     # leaves ~1e-4 in every output
     torch.manual_seed(1)
-    m = nn.Sequential(nn.Linear(256, 64, bias=False))
+    m = nn.Sequential(nn.Linear(1024, 256, bias=False))
     with torch.no_grad():
-        m[0].weight.copy_(TEACHER + 1e-3 * torch.randn(64, 256))
+        m[0].weight.copy_(TEACHER + 1e-3 * torch.randn(256, 1024))
     return m.eval()
 
 def _data(seed, n):
     g = torch.Generator().manual_seed(seed)
-    return [(x, x @ TEACHER.T) for x in (torch.randn(64, 256, generator=g) for _ in range(n))]
+    return [(x, x @ TEACHER.T) for x in (torch.randn(64, 1024, generator=g) for _ in range(n))]
 
 def calibration_data():
     return _data(2, 3)
@@ -110,3 +110,12 @@ def _model(path: Path):
 @pytest.fixture(autouse=True)
 def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)  # the study database beside the policy, not in the repo
+
+
+@pytest.mark.parametrize("flag, value", [("--max-loss-gap", "-1"), ("--train-steps", "0"),
+                                         ("--train-lr", "nan")])
+def test_bad_training_check_settings_are_one_line(flag, value, capsys):
+    from tests.helpers import TRAP, run_cli
+
+    code, _, err = run_cli(["tune", TRAP, "--train-aware", flag, value, "--no-track"], capsys)
+    assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
