@@ -235,8 +235,9 @@ class ShortRunCheck:
     def known(self, policy: Policy) -> ShortRunVerdict | None:
         """``policy``'s verdict when it was checked (nothing runs)."""
         if policy.default == "fp32" and set(policy.layers.values()) <= {"fp32"}:
-            return self._cache.get(None) or next(
-                (v for v in self._cache.values() if v.run is v.fp32), None)
+            if None not in self._cache and self._fp32 is not None:  # fp32's own run
+                self._cache[None] = self._judge(self._fp32, self._fp32)
+            return self._cache.get(None)
         return self._cache.get((policy.default, tuple(sorted(policy.layers.items()))))
 
     def verdicts(self) -> list[ShortRunVerdict]:
