@@ -150,7 +150,7 @@ def probe(
         "underflow_limit": underflow_limit, "split": split, "forward": cache.code_hash(forward),
         "loss": cache.code_hash(loss), "metric": cache.code_hash(metric),
         # the rows are cached judged: a change of the gradient rule is a new key
-        "grad_rule": [GRAD_FLUSH_LIMIT, GRAD_ERROR_LIMIT, GRAD_NOTE_FROM],
+        "grad_rule": [2, GRAD_FLUSH_LIMIT, GRAD_ERROR_LIMIT, GRAD_NOTE_FROM],
     }
     settings = ProbeSettings(
         precisions=precs, forward=fwd, loss=loss, metric=metric, e2e=e2e, layers=layers,

@@ -15,8 +15,10 @@ The rule (``GRAD_FLUSH_LIMIT``, ``GRAD_ERROR_LIMIT``; docs/training.md states it
 
 - **fp16**: training in fp16 always runs with a GradScaler (``autoprec.train`` creates one
   iff a layer computes in fp16). A layer whose ∂L/∂y flush at the scaler's initial scale
-  (``grad_underflow_scaled >= GRAD_FLUSH_LIMIT``), or whose scaled backward is non-finite
-  or off by ``GRAD_ERROR_LIMIT`` or more, is **excluded** from fp16. A layer whose
+  (``grad_underflow_scaled >= GRAD_FLUSH_LIMIT``), whose backward is non-finite even
+  unscaled, or whose scaled backward is off by ``GRAD_ERROR_LIMIT`` or more, is
+  **excluded** from fp16. A backward finite unscaled but overflowing at the initial scale
+  is a note: the scaler backs off (MiniLM's MLM head transform does this at 2**16). A layer whose
   gradients flush only *without* scaling stays eligible: its reason records that it needs
   the GradScaler (a loop that drops the scaler would lose that layer's gradients).
 - **bf16, fp8 (e5m2), mxfp8**: no loss scaling applies (bf16 has fp32's exponent range;
@@ -92,6 +94,11 @@ def grad_verdict(r: ProbeRow, loss_scale: float = DEFAULT_LOSS_SCALE,
         what = f"in {fmt}" if p != "bf16" else ""
     if hard:  # flushed: the error says the same thing again
         pass
+    elif p == "fp16" and err == math.inf and r.grad_error != math.inf:
+        # finite unscaled, inf at the initial scale: the GradScaler halves the scale on an
+        # overflowing step (and skips it) until the gradients fit — a cost, not a hazard
+        soft.append(f"fp16: gradients overflow at loss scale {loss_scale:g} (finite "
+                    "unscaled): the GradScaler backs off, skipping a step each time")
     elif err == math.inf:
         hard.append(f"{p}: non-finite gradients {what}".rstrip())
     elif err >= error_limit:

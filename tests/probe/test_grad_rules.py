@@ -71,6 +71,10 @@ def _row(p: str, **kw) -> ProbeRow:
                   grad_error_scaled=0.001), False, "needs the GradScaler"),
     ("fp16", dict(grad_underflow=0.0, grad_underflow_scaled=0.0, grad_error=0.001,
                   grad_error_scaled=0.9), True, "with loss scale 65536"),
+    ("fp16", dict(grad_underflow=0.0, grad_underflow_scaled=0.0, grad_error=0.001,
+                  grad_error_scaled=math.inf), False, "the GradScaler backs off"),
+    ("fp16", dict(grad_underflow=0.0, grad_underflow_scaled=0.0, grad_error=math.inf,
+                  grad_error_scaled=math.inf), True, "non-finite gradients"),
 ])
 def test_the_rule(p, kw, hard, text):
     v = grad_verdict(_row(p, **kw))
