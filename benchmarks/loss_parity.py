@@ -202,7 +202,10 @@ def write(args: Any, plan: Policy, evals: list[Any], runs: list[dict[str, Any]])
         curve.append(f"| {step} | " + " | ".join(f"{r['curve'][j][1]:.4f}" for r in runs) + " |")
     text = "\n".join(head + rows + curve + ["", f"![eval loss]({png.name})",
                                             "", f"Training time of the three runs: {wall:.0f} s "
-                                                f"(wall, under the load above)."])
+                                                f"(wall, under the load above). The s/step column is wall time of "
+                                                f"runs that may have run at different times "
+                                                f"(--only) under a shared machine's load: it "
+                                                f"compares nothing; speed is tune's and eval's."])
     md.write_text(text + "\n", encoding="utf-8")
     plot(runs, png, f"MiniLM MLM fine-tune, {args.steps} steps: eval loss")
     print("\n".join(rows))
