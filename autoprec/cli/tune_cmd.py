@@ -26,7 +26,7 @@ def tune_cmd(
     max_error: Annotated[float | None, typer.Option(help="Budget: relative L2 error of the outputs vs fp32 (default 0.01).")] = None,
     max_drop: Annotated[float | None, typer.Option(help="Budget: drop of model.py's metric vs fp32.")] = None,
     target: Annotated[str, typer.Option(help=f"Target device profile: {target_names()}.")] = DEFAULT_TARGET,
-    batch_size: Annotated[int | None, typer.Option(help="Deployment batch size the speed is priced at (default: the calibration batch's).")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Batch size the speed is priced at (default: the calibration batch's): the serving batch, or with --form train the training micro-batch (one forward + backward + optimizer step).")] = None,
     precisions: Annotated[str | None, typer.Option(help="Comma list, e.g. fp16,bf16,fp8 (default: all the target supports).")] = None,
     trials: Annotated[int, typer.Option(help="Trials this process runs.")] = 40,
     timeout: Annotated[float | None, typer.Option(help="Stop after this many seconds.")] = None,
@@ -43,10 +43,11 @@ def tune_cmd(
     train_steps: Annotated[int, typer.Option(help="--train-aware: optimizer steps of the short run (from one init, on the calibration batches).")] = 16,
     train_lr: Annotated[float, typer.Option(help="--train-aware: AdamW learning rate of the short run.")] = 1e-4,
     max_loss_gap: Annotated[float, typer.Option(help="--train-aware: largest eval-loss gap to fp32 after the short run, relative (0.01 = 1 %).")] = 0.01,
-    form: Annotated[str | None, typer.Option(help="How the plan runs: deploy (weights stored in each layer's precision, like model.to(bf16); the default) or train (autocast over fp32 masters; the default with --train-aware).")] = None,
+    form: Annotated[str | None, typer.Option(help="How the plan runs: deploy (weights stored in each layer's precision, like model.to(bf16); the default) or train (autocast over fp32 masters, priced and timed as a whole training step: forward, backward, AdamW, GradScaler with fp16; the default with --train-aware).")] = None,
     max_weight_mb: Annotated[float | None, typer.Option(help="Weight-memory budget: a plan whose weights take more megabytes on the device is not a choice (the model must fit the card).")] = None,
-    memory_limit: Annotated[float | None, typer.Option(help="Gigabytes the device offers the tune (default: available host memory, or the GPU's): a model it cannot hold twice is refused up front.")] = None,
+    memory_limit: Annotated[float | None, typer.Option(help="Gigabytes the device offers (default: available host memory, or the GPU's): a model it cannot hold twice is refused up front; with --form train a plan whose training step (weights, grads, AdamW state, saved activations) needs more is not a choice.")] = None,
     compile_mode: Annotated[bool, typer.Option("--compile", help="Price plans as torch.compile (inductor) runs them: casts and pointwise ops fused between GEMMs; the policy records target.mode: compile.")] = False,
+    fuse_groups: Annotated[str, typer.Option(help="auto: layers a fused runtime runs as one GEMM (q/k/v, gate/up, an MoE layer's experts; by names and by a shared input) take one precision, as vLLM needs to load the plan (autoprec save); off: every layer its own.")] = "off",
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="When the target is this machine (cpu, or the GPU here): calibrate its profile here first and time the winner against fp32 and one global autocast, never writing a plan measured slower.")] = True,
     mlflow_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: ./mlflow.db).")] = None,
@@ -73,7 +74,7 @@ def tune_cmd(
         train_steps=train_steps, train_lr=train_lr, max_loss_gap=max_loss_gap,
         progress=not quiet and not json_out, measure=measure, report=report,
         compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
-        memory_limit_gb=memory_limit,
+        memory_limit_gb=memory_limit, fuse_groups=fuse_groups,
     ).validated(workers=workers, model=model, mlflow_uri=None if no_track else mlflow_uri)
     target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
