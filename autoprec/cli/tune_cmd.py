@@ -39,7 +39,10 @@ def tune_cmd(
     resume: Annotated[bool, typer.Option(help="Run until the study holds --trials finished trials.")] = False,
     pareto: Annotated[bool, typer.Option(help="Keep the whole error/speed front; write one policy per point.")] = False,
     lock: Annotated[list[str] | None, typer.Option(help="Module path the search may not change (repeatable).")] = None,
-    train_aware: Annotated[bool, typer.Option(help="--form train plus the training checks: probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
+    train_aware: Annotated[bool, typer.Option(help="Tune for training (implies --form train): gradient probes exclude layers whose gradients flush, and the written plan, like the one-liners (bf16=True / fp16=True autocast), must pass a short training run against fp32 (needs loss() in model.py; docs/training.md).")] = False,
+    train_steps: Annotated[int, typer.Option(help="--train-aware: optimizer steps of the short run (from one init, on the calibration batches).")] = 16,
+    train_lr: Annotated[float, typer.Option(help="--train-aware: AdamW learning rate of the short run.")] = 1e-4,
+    max_loss_gap: Annotated[float, typer.Option(help="--train-aware: largest eval-loss gap to fp32 after the short run, relative (0.01 = 1 %).")] = 0.01,
     form: Annotated[str | None, typer.Option(help="How the plan runs: deploy (weights stored in each layer's precision, like model.to(bf16); the default) or train (autocast over fp32 masters, priced and timed as a whole training step: forward, backward, AdamW, GradScaler with fp16; the default with --train-aware).")] = None,
     max_weight_mb: Annotated[float | None, typer.Option(help="Weight-memory budget: a plan whose weights take more megabytes on the device is not a choice (the model must fit the card).")] = None,
     memory_limit: Annotated[float | None, typer.Option(help="Gigabytes the device offers (default: available host memory, or the GPU's): a model it cannot hold twice is refused up front; with --form train a plan whose training step (weights, grads, AdamW state, saved activations) needs more is not a choice.")] = None,
@@ -68,6 +71,7 @@ def tune_cmd(
         precisions=precisions, trials=trials, timeout=timeout, seed=seed, patience=patience,
         min_speedup=min_speedup, storage=storage, study_name=study_name, resume=resume,
         pareto=pareto, out=out, locked=tuple(lock or ()), train_aware=train_aware,
+        train_steps=train_steps, train_lr=train_lr, max_loss_gap=max_loss_gap,
         progress=not quiet and not json_out, measure=measure, report=report,
         compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
         memory_limit_gb=memory_limit, fuse_groups=fuse_groups,
@@ -134,6 +138,9 @@ def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, A
         "memory_stages": dict(result.memory_stages),
         "peak_memory_stage": (max(result.memory_stages, key=result.memory_stages.__getitem__)
                               if result.memory_stages else None),
+        "stage_seconds": dict(result.stage_seconds),
+        "train_check_seconds": round(result.train_seconds, 2),
+        "train_checks": list(result.train_checks),
     }
 
 
@@ -170,6 +177,13 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
         if result.memory_stages:
             print("  per stage: " + ", ".join(f"{k} {v / 1e9:.2f} GB"
                                               for k, v in result.memory_stages.items()))
+    if result.stage_seconds:
+        train = (f" (of which short training runs {result.train_seconds:.1f} s)"
+                 if result.train_checks else "")
+        print("time per stage: " + ", ".join(f"{k} {v:.1f} s"
+                                              for k, v in result.stage_seconds.items()) + train)
+    if result.train_table:
+        print("\n".join(result.train_table))
     if result.speed is not None:
         _print_speed(result.speed)
 

@@ -32,7 +32,8 @@ def baseline_rows(cost: Any, errors: Callable[[Policy], tuple[float, float | Non
                   budget: float | None, make_policy: Callable[[str, str], Policy], *,
                   precisions: Sequence[str] | None = None, train_aware: bool = False,
                   audit: Callable[[Policy], list[str]] | None = None,
-                  baselines: Sequence[tuple[str, str]] = BASELINES) -> list[Row]:
+                  baselines: Sequence[tuple[str, str]] = BASELINES,
+                  train_check: Callable[[Policy, str], str] | None = None) -> list[Row]:
     """The one table of what a user writes instead of a tuned policy (``BASELINES``: fp32,
     one global autocast per precision, uniform tf32, ``model.to(bf16)`` / ``(fp16)``),
     used by tune's last step and by ``eval``: each row's error, estimated speed-up and
@@ -43,7 +44,10 @@ def baseline_rows(cost: Any, errors: Callable[[Policy], tuple[float, float | Non
     saying so). ``make_policy(precision, form)`` builds each baseline's policy;
     ``budget`` None: no budget known (only fp32 is then a choice); ``audit(policy)``:
     the audit's errors on a real forward; ``precisions``: what the user asked for;
-    ``baselines``: the (precision, form) rows (default: ``BASELINES``).
+    ``baselines``: the (precision, form) rows (default: ``BASELINES``); ``train_check``
+    (``--train-aware``): (policy, row name) -> '' when it trains like fp32 by the short-run
+    contract (``autoprec.train_check``), else why not — not run on a row estimated slower
+    than fp32 (fp32 passes by definition and is faster).
     """
     rows = []
     for p, form in baselines:
@@ -70,10 +74,15 @@ def baseline_rows(cost: Any, errors: Callable[[Policy], tuple[float, float | Non
             why = f"audit: {found[0]}" if found else ""
         if not why and precisions is not None and p not in precisions:
             why = "not in --precisions"
-        if not why and train_aware and p != "fp32":
-            why = "not training-checked (--train-aware)"
         if not why and cost.cannot_run(pol):  # e.g. over the weight budget
             why = cost.cannot_run(pol)[0]
+        if not why and train_aware and p != "fp32":
+            if train_check is None:
+                why = "not training-checked (--train-aware)"
+            elif cost.speedup(pol) < 1.0:
+                why = "not training-checked: estimated slower than fp32"
+            else:
+                why = train_check(pol, label(p, form))
         row = Row(label(p, form), "baseline", pol, err, not why, cost.speedup(pol),
                   why_not=why, weight_bytes=cost.weight_bytes(pol))
         row.source = (calib, evl)

@@ -15,7 +15,9 @@ The rules, in the order they apply:
    not asked for, the estimates stand. A tune then writes, instead of the tuned plan
    (``EstimatedInstead``), the model as given when it is a 16-bit model estimated faster
    than the plan (``Fallback.GIVEN_FASTER``), or the fastest baseline within budget when
-   the tuned plan is not within budget (``Fallback.BASELINE_WITHIN_BUDGET``).
+   the tuned plan is not within budget (``Fallback.BASELINE_WITHIN_BUDGET``), or, for a
+   training tune, a one-liner that passed the short run and is estimated as fast
+   (``Fallback.CHECKED_ONE_LINER``).
 3. **timed** (``fastest_measured``): the fastest *measured* row within budget
    (``MeasuredFastest``), unless a simpler one (fewer rules, then fewer weight bytes) is
    as fast within the noise — their p10-p90 ranges overlap (``SimplerTie``); a tuned plan
@@ -41,6 +43,9 @@ from autoprec.evaluation.rows import FAULTS_NOTED, Row
 #: noise, is timed again before anything is written (``contradictions``).
 RETIME_MARGIN = 0.2
 
+#: Estimates this close (relative) read as "as fast" (``one_liner_instead``).
+SAME_SPEED = 0.005
+
 
 class Rule(enum.Enum):
     """The rule a reason records."""
@@ -63,6 +68,7 @@ class Fallback(enum.Enum):
 
     GIVEN_FASTER = "the model as given is estimated faster than the tuned plan"
     BASELINE_WITHIN_BUDGET = "the tuned plan is over budget; a baseline is within it"
+    CHECKED_ONE_LINER = "a one-liner that trains like fp32 is estimated as fast (--train-aware)"
 
 
 @dataclass(frozen=True)
@@ -319,6 +325,23 @@ def _best_baseline_if_infeasible(rows: Sequence[Row]) -> Row | None:
                                   -(r.weight_bytes or 0)))
 
 
+def one_liner_instead(rows: Sequence[Row]) -> Row | None:
+    """Unmeasured rows of a training tune (``--train-aware``): the fastest checked one-liner
+    (a baseline row within budget, which passed the short run) whose estimate is at least
+    the tuned row's (within ``SAME_SPEED``); None when the tuned row is faster or there is
+    none. A plan is never written over a faster checked one-liner."""
+    tuned = rows[0]
+    ok = [r for r in rows if r.role == "baseline" and r.feasible and r.policy is not None
+          and r.est_speedup is not None]
+    if not ok:
+        return None
+    best = max(ok, key=lambda r: (r.est_speedup or 0.0, -len(r.policy.layers)))
+    if tuned.feasible and (tuned.est_speedup or 0.0) > (best.est_speedup or 0.0) * (
+            1 + SAME_SPEED):
+        return None
+    return best
+
+
 def _runner_up_by_estimate(rows: Sequence[Row], winner: Row | None) -> Row | None:
     """The fastest other plan within budget by estimate."""
     key = None if winner is None else winner.key
@@ -328,12 +351,14 @@ def _runner_up_by_estimate(rows: Sequence[Row], winner: Row | None) -> Row | Non
 
 
 def decide(rows: Sequence[Row], timing: Timing, *, estimate: ByEstimate | None = None,
-           writes: bool = True) -> Decision:
+           writes: bool = True, trains: bool = False) -> Decision:
     """The one decision on ``rows`` (the tuned row first) as ``timing`` left them.
 
     ``estimate``: the search's pick (rule 1), recorded first. Not timed (rule 2): the tuned
     row stands, or, for a run that ``writes`` (tune), the model as given or a baseline
-    within budget by estimate; a run that writes nothing (eval) has no winner then. Timed
+    within budget by estimate, or (``trains``: ``--train-aware``, the baselines' short runs
+    checked) a checked one-liner estimated as fast; a run that writes nothing (eval) has
+    no winner then. Timed
     (rule 3): ``fastest_measured``, with the timing step's second looks and the page
     faults as further reasons, and, for a run that writes, ``WroteInstead`` when the
     winner is not the tuned row.
@@ -344,13 +369,16 @@ def decide(rows: Sequence[Row], timing: Timing, *, estimate: ByEstimate | None =
         if not writes:
             return Decision(None, None, tuple(reasons))
         winner = next((r for r in rows if r.role == "tuned"), None)
-        given = _given_if_faster(rows) if rows else None
-        instead = given or (_best_baseline_if_infeasible(rows) if rows else None)
-        if instead is not None:
+        fallback, instead = None, None
+        for kind, rule in ((Fallback.GIVEN_FASTER, _given_if_faster),
+                           (Fallback.BASELINE_WITHIN_BUDGET, _best_baseline_if_infeasible),
+                           (Fallback.CHECKED_ONE_LINER, one_liner_instead if trains else None)):
+            if rule is not None and rows and (instead := rule(rows)) is not None:
+                fallback = kind
+                break
+        if instead is not None and fallback is not None:
             winner = instead
-            reasons.append(EstimatedInstead(instead.name, Fallback.GIVEN_FASTER
-                                            if given is not None
-                                            else Fallback.BASELINE_WITHIN_BUDGET))
+            reasons.append(EstimatedInstead(instead.name, fallback))
         return Decision(winner, _runner_up_by_estimate(rows, winner), tuple(reasons))
     winner, why, runner = fastest_measured(rows)
     reasons.append(why)
@@ -360,8 +388,8 @@ def decide(rows: Sequence[Row], timing: Timing, *, estimate: ByEstimate | None =
     return Decision(winner, runner, tuple(reasons))
 
 
-__all__ = ["RETIME_MARGIN", "ByEstimate", "ColdConfirmed", "ColdMove", "Decision",
+__all__ = ["RETIME_MARGIN", "SAME_SPEED", "ByEstimate", "ColdConfirmed", "ColdMove", "Decision",
            "EstimatedInstead", "Fallback", "MeasuredFastest", "NotMeasured", "NothingMeasured",
            "PageFaults", "Reason", "Retimed", "Rule", "SimplerTie", "Timed", "Timing",
            "TunedSlower", "WroteInstead", "contradictions", "decide", "fastest_measured",
-           "page_faults"]
+           "one_liner_instead", "page_faults"]

@@ -71,7 +71,9 @@ class SpeedCheck:
         ok = [r for r in self.rows if r.feasible and r.policy is not None]
         if not ok:
             return "nothing within budget: keep fp32"
-        fast = max(ok, key=lambda r: _speed(r, self.measured))
+        # the row that was written where one was (an estimate tie goes to what was written)
+        fast = (self.winner if self.winner is not None and self.winner in ok
+                else max(ok, key=lambda r: _speed(r, self.measured)))
         what = "measured" if self.measured else "estimated"
         if fast.role == "baseline":
             return (f"{fast.name}: the fastest within budget ({what} "

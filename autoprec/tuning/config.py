@@ -24,6 +24,7 @@ from autoprec.paths import check_dir, check_out_path
 from autoprec.precisions import FORMS, PRECISIONS, check_precision, parse_precisions
 from autoprec.study.storage import check_storage_url
 from autoprec.targets import DEFAULT_TARGET, canonical_target
+from autoprec.train_check import DEFAULT_LR, DEFAULT_MAX_LOSS_GAP, DEFAULT_STEPS
 from autoprec.validate import (
     check_batch_size,
     check_budget,
@@ -68,6 +69,11 @@ class TuneConfig:
     progress: bool = True
     cache_dir: str | Path | None = None
     train_aware: bool = False
+    #: --train-aware's short-run contract (autoprec.train_check): steps from one init on
+    #: the calibration batches, AdamW's rate, the largest relative eval-loss gap to fp32
+    train_steps: int = DEFAULT_STEPS
+    train_lr: float = DEFAULT_LR
+    max_loss_gap: float = DEFAULT_MAX_LOSS_GAP
     # a local target: calibrate here, time the winner (a profile fitted on another CPU
     # promised 1.82x for a policy that ran 0.56x of fp32's speed here)
     measure: bool = True
@@ -129,6 +135,14 @@ class TuneConfig:
             "train" if self.train_aware else "deploy")
         if form not in FORMS:
             raise InputError(f"--form must be one of {', '.join(FORMS)}, got {form!r}")
+        check_count(self.train_steps, "--train-steps")
+        lr = self.train_lr
+        if not (is_number(lr) and math.isfinite(lr) and lr > 0):
+            raise InputError(f"--train-lr: must be a finite number > 0, got {brief(lr)}")
+        mlg = self.max_loss_gap
+        if not (is_number(mlg) and math.isfinite(mlg) and mlg >= 0):
+            raise InputError(f"--max-loss-gap: must be a finite number >= 0 (relative: 0.01 "
+                             f"is 1 %), got {brief(mlg)}")
         _check_positive(self.max_weight_mb, "--max-weight-mb", "megabytes")
         _check_positive(self.memory_limit_gb, "--memory-limit", "gigabytes")
         if self.fuse_groups not in FUSE_GROUPS:

@@ -20,7 +20,7 @@ builds the rows and maps the winning row back to what ``write`` writes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +29,11 @@ from autoprec.evaluation.baselines import BASELINES, baseline_rows
 from autoprec.evaluation.decision import ByEstimate, decide
 from autoprec.evaluation.rows import Row, Timer
 from autoprec.evaluation.speed_check import SpeedCheck
+from autoprec.policy import Policy
 from autoprec.search import select
 from autoprec.study.objective import given_policy
 from autoprec.tuning.prepare import reference_key
+from autoprec.tuning.train_choice import baseline_check, tuned_that_trains
 
 
 @dataclass
@@ -112,9 +114,17 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         r.weight_bytes = prep.cost.weight_bytes(r.policy)
         return r
 
-    rows = [row(chosen, "tuned", "tuned")]
+    trainer = getattr(search, "train_check", None)  # --train-aware: train_choice.py
+    if trainer is not None and feasible:
+        chosen, first = tuned_that_trains(trainer, chosen, cands, row)
+        rows = [first]
+        feasible = first.feasible
+    else:
+        rows = [row(chosen, "tuned", "tuned")]
     rows_after = tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
-                                    prep.reference)
+                                    prep.reference,
+                                    train_check=None if trainer is None
+                                    else baseline_check(trainer))
     for r in rows_after:  # the speed target binds on a baseline as on a trial
         if (r.feasible and cfg.min_speedup is not None
                 and (r.est_speedup or 0.0) < cfg.min_speedup):
@@ -131,6 +141,10 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
             if sum(x.role == "candidate" for x in rows) >= NEXT_CANDIDATES:
                 break
             r = row(c, f"next candidate (trial {c.number})", "candidate")
+            if r.key not in seen and trainer is not None:  # only what trains is a choice
+                v = trainer.known(r.policy)
+                if v is None or not v.passed:
+                    continue
             if r.key not in seen:
                 seen.add(r.key)
                 rows.append(r)
@@ -148,7 +162,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                        not_measured="not measured (--no-measure)" if not cfg.measure else
                        "not measured: no plan within budget")
     decision = decide(rows, timing, estimate=ByEstimate(chosen.number, chosen.calib.est_speedup,
-                                                        feasible))
+                                                        feasible), trains=trainer is not None)
     check = SpeedCheck(rows, decision, timing)
     win = decision.winner
     if win is None or win.role == "tuned":
@@ -210,7 +224,8 @@ def _uniform_errors(ev: Any, p: str, budget: float, form: str
 
 def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
                        train_aware: bool = False, reference: Any = None,
-                       baselines: Sequence[tuple[str, str]] = BASELINES) -> list[Row]:
+                       baselines: Sequence[tuple[str, str]] = BASELINES,
+                       train_check: Callable[[Policy, str], str] | None = None) -> list[Row]:
     """``baseline_rows`` as tune's last step scores them: the search's own errors where it
     measured that very plan, the eval data only within budget, the audit as the search's.
     A 16-bit model (``reference`` not fp32) has its own rows (``reference_rows``)."""
@@ -222,7 +237,7 @@ def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[s
         cost, lambda pol: _uniform_errors(ev, pol.default, budget, pol.form), budget,
         lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target.name, form),
         precisions=precisions, train_aware=train_aware,
-        audit=ev.audit_policy, baselines=baselines)
+        audit=ev.audit_policy, baselines=baselines, train_check=train_check)
     if ev.form == "train":  # asked for fp32 masters: the stored 16-bit form cannot train
         for r in rows:
             if r.feasible and r.policy is not None and r.policy.form == "deploy":

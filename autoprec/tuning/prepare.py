@@ -101,10 +101,12 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     if unknown:
         raise InputError(f"--lock {unknown[0]!r}: {spec.path} has no such module")
     cache = cfg.cache_dir or out_path.parent / ".autoprec" / "probe-cache"
-    # Gradient probes (model.py's loss) cost ~20 forward-equivalents; only training needs them.
+    # Gradient probes (model.py's loss) cost ~20 forward-equivalents; only training needs
+    # them: a train-form tune with a loss excludes the pairs whose gradients flush
+    # (probe/grad_rules.py) before anything trains.
     with peaks.stage("probe"):
         table = probe(net, calib, precisions=[p for p in cfg.precisions if p != "fp32"],
-                      forward=spec.forward, loss=spec.loss if cfg.train_aware else None,
+                      forward=spec.forward, loss=spec.loss if cfg.form == "train" else None,
                       metric=spec.metric if cfg.use_metric else None, graph=graph,
                       budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
     calib_bs = batch_size_of(calib[0]) or 1

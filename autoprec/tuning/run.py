@@ -23,8 +23,6 @@ from tqdm.auto import tqdm
 
 from autoprec.errors import InputError
 from autoprec.hashing import code_hash, data_hash, weights_hash
-from autoprec.loading import ModelSpec
-from autoprec.policy import Policy
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.planner import Planner
 from autoprec.search.space import SearchSpace
@@ -40,8 +38,10 @@ from autoprec.study.storage import (
     storage_errors,
 )
 from autoprec.track import Tracker
+from autoprec.train_check import ShortRunCheck
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.prepare import Prepared, reference_key
+from autoprec.tuning.train_choice import make_check
 
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
 MARGIN = 1.25
@@ -61,6 +61,8 @@ class Search:
     driver: Driver
     n_before: int
     notes: list[str]
+    #: --train-aware: the short-run contract the written plan must pass (train_choice.py)
+    train_check: ShortRunCheck | None = None
 
 
 def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
@@ -136,8 +138,6 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
                         eval_batches=None if prep.same_data else prep.eval_batches,
                         eval_ref=None if prep.same_data else prep.eval_ref,
                         exact=reference_key(space, prep.reference))
-    if cfg.train_aware:
-        scorer.extra_check = _train_check(prep.spec)
     to_run = max(cfg.trials - count_finished(study), 0) if cfg.resume else cfg.trials
     parent = tracker.start(
         name=f"{name} #{n_before}" if n_before else name,
@@ -176,8 +176,9 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
             tracker.finish(status)
     if interrupted:  # finished trials are in the study; --resume goes on from them
         raise KeyboardInterrupt
+    # the trials train nothing: the written plan and its one-liners are checked at the end
     return Search(study, name, shown, meta, scorer, decoder, planner, driver, n_before,
-                  notes)
+                  notes, make_check(prep, cfg))
 
 
 def _progress(bar: Any, tracker: Tracker, study_name: str) -> Any:
@@ -234,17 +235,6 @@ def _graceful_interrupt(driver: Driver, hit: list[bool]) -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-def _train_check(spec: ModelSpec) -> Any:
-    """--train-aware: a plan within budget must also train like fp32 (autoprec.train)."""
-    from autoprec.train import fidelity_check_spec
-
-    def check(policy: Policy) -> tuple[bool, dict[str, Any]]:
-        report = fidelity_check_spec(spec, policy)
-        return not report.diverged, {"reasons": list(report.reasons)}
-
-    return check
 
 
 __all__ = ["MARGIN", "Search", "open_study", "run_search"]

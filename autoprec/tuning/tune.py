@@ -79,6 +79,7 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     # the per-stage resets reset ru_maxrss too (Linux): the peak is the highest stage's
     result.peak_memory = max(result.peak_memory, peaks.overall)
     result.memory_stages = dict(peaks.peaks)
+    result.stage_seconds = {k: round(v, 2) for k, v in peaks.seconds.items()}
     return result
 
 

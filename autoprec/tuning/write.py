@@ -30,6 +30,7 @@ from autoprec.study.export import policy_from_candidate
 from autoprec.study.objective import given_policy
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import PlotPlans, Tracker, log_tune_artifacts
+from autoprec.tuning import train_choice
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.confirm import Chosen
 from autoprec.tuning.prepare import Prepared
@@ -73,6 +74,11 @@ class TuneResult:
     peak_memory: int = 0  # bytes at the peak of the tune (autoprec.memory.peak_bytes)
     peak_memory_how: str = ""  # what was measured (peak RSS on CPU, allocated on CUDA)
     memory_stages: dict[str, int] = field(default_factory=dict)  # stage -> its own peak bytes
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # stage -> its wall time
+    #: --train-aware: every short run (train_check.ShortRunVerdict.to_dict), and as a table
+    train_checks: list[dict[str, Any]] = field(default_factory=list)
+    train_table: list[str] = field(default_factory=list)
+    train_seconds: float = 0.0  # of the confirm stage, spent in the short runs
 
 
 # -- the last stage: write -------------------------------------------------------------------
@@ -119,6 +125,15 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
         policy.provenance["trial"] = None
     if chosen.calib.train_fidelity is not None:
         policy.metrics["train_fidelity"] = chosen.calib.train_fidelity
+    if cfg.form == "train":
+        train_choice.scaler_reasons(prep.table, policy)
+    verdict = train_choice.verdict_of(search.train_check, policy)
+    if verdict is not None:  # the written plan's short run (--train-aware)
+        policy.metrics.update({
+            "train_check_passed": verdict.passed, "train_steps": verdict.steps,
+            "train_eval_loss": _round(verdict.run.eval_loss),
+            "train_fp32_eval_loss": _round(verdict.fp32.eval_loss),
+            "train_loss_gap": _round(verdict.gap), "max_loss_gap": verdict.max_loss_gap})
     _note_headroom(prep, policy)
     policy.save(prep.out_path)
     remove_stale_fronts(prep.out_path)  # an earlier --pareto run's front files are not this run's
@@ -161,7 +176,16 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       complete=search.driver.complete, method=search.planner.method,
                       speed=speed, priced=search.planner.priced,
                       measured=len(search.driver.by_key), plot_plans=plans,
-                      reference=prep.reference, weight_bytes=prep.reference.weight_bytes)
+                      reference=prep.reference, weight_bytes=prep.reference.weight_bytes,
+                      train_checks=[] if search.train_check is None else
+                      [v.to_dict() for v in search.train_check.verdicts()],
+                      train_table=train_choice.table_lines(search.train_check),
+                      train_seconds=0.0 if search.train_check is None
+                      else search.train_check.seconds)
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}") if math.isfinite(x) else float(x)
 
 
 def _plot_plans(prep: Prepared, search: Search, speed: Any, chosen: Any) -> PlotPlans:

@@ -69,6 +69,7 @@ class Case:
     rules: tuple[Rule, ...]  # after BY_ESTIMATE
     runner_up: str | None = None
     writes: bool = True
+    trains: bool = False  # --train-aware: the baselines' short runs were checked
     check: dict[str, object] = field(default_factory=dict)  # reason field -> value
 
 
@@ -85,6 +86,13 @@ CASES = [
          (Rule.NOT_MEASURED, Rule.ESTIMATED_INSTEAD), check={"fallback": Fallback.GIVEN_FASTER}),
     Case("not timed, nothing within budget: the closest plan stands",
          [tuned(ok=False, est=2.5), fp32(ok=False)], NOT_HERE, "tuned", (Rule.NOT_MEASURED,)),
+    Case("not timed, training tune: a checked one-liner estimated as fast is written",
+         [tuned(est=1.5), fp32(), bf16(est=1.5)], NOT_HERE, BF16_TO,
+         (Rule.NOT_MEASURED, Rule.ESTIMATED_INSTEAD), trains=True,
+         check={"fallback": Fallback.CHECKED_ONE_LINER}),
+    Case("not timed, training tune: a faster tuned plan stays",
+         [tuned(est=2.0), fp32(), bf16(est=1.5)], NOT_HERE, "tuned", (Rule.NOT_MEASURED,),
+         trains=True),
     Case("eval, not timed: nothing is marked", [tuned(est=2.0), fp32()], NOT_HERE, None,
          (Rule.NOT_MEASURED,), writes=False),
     Case("timed: the tuned plan is the fastest within budget",
@@ -124,7 +132,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_the_decision(case: Case) -> None:
     estimate = ByEstimate(trial=3, est_speedup=case.rows[0].est_speedup or 0.0, feasible=True)
-    d = decide(case.rows, case.timing, estimate=estimate, writes=case.writes)
+    d = decide(case.rows, case.timing, estimate=estimate, writes=case.writes,
+               trains=case.trains)
     assert (None if d.winner is None else d.winner.name) == case.winner
     if case.writes:
         assert d.rules == (Rule.BY_ESTIMATE, *case.rules)
