@@ -84,7 +84,7 @@ def eval_report(model: Path, policy_path: Path, target: str | None = None,
         "warnings": warns,
         "layers": layers,
     })
-    if tgt.form == "train" and pol.form == "train" and spec.loss is not None:
+    if tgt.step and pol.form == "train" and spec.loss is not None:
         # the training form: a real step's backward audited too (apply.audit_step)
         bwd = _backward_audit(spec, net, pol, tgt, force)
         out["backward_audit"] = [r.to_dict() for r in bwd.rows]

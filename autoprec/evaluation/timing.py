@@ -197,7 +197,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
         f", {inner} forwards per sample" if inner > 1 else "") + (
         ", torch.compile'd (one model copy per plan)" if target.compile else "")
     cold_timer = None
-    if timer is None and loss is not None and target.form == "train" and not target.compile:
+    if timer is None and loss is not None and target.step and not target.compile:
         timer, how = step_timer(net, forward, loss, batch, target, inner, seed, force), (
             how.replace("forwards", "steps") + ", training steps (forward, loss, backward, "
             "AdamW; GradScaler with fp16)")

@@ -117,7 +117,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     # the one price source of a target (Target.cost_model): on a local CPU the model's
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
     cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form,
-                            step=target.form == "train", fp8_backend=target.fp8_backend)
+                            step=target.step, fp8_backend=target.fp8_backend)
             if profile is not None else target.cost_model(graph, deploy_bs))
     if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
         cost.shared_quant_inputs = True
