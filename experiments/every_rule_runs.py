@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from autoprec import apply_policy, load_model_file
-from autoprec.check import check
+from autoprec import apply_policy
 from autoprec.fused import fused_paths_off
+from autoprec.gate import check
+from autoprec.loading import load_model_file
 from autoprec.policy import Policy
 
 MODEL = Path(__file__).resolve().parent / "nn_transformer" / "model.py"

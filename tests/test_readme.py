@@ -163,8 +163,8 @@ def test_the_model_py_contract_names_what_loading_reads() -> None:
                               README.index("\n## Command line\n")].split())
     assert "policies/<MODEL_NAME>-<target>.yaml" in section
     assert "must be a plain name" in section and "at most 100 characters" in section
-    assert loading._PLAIN_NAME.fullmatch("a" * 100) and not loading._PLAIN_NAME.fullmatch("a" * 101)
-    assert not loading._PLAIN_NAME.fullmatch(".hidden") and not loading._PLAIN_NAME.fullmatch("a/b")
+    assert loading.PLAIN_NAME.fullmatch("a" * 100) and not loading.PLAIN_NAME.fullmatch("a" * 101)
+    assert not loading.PLAIN_NAME.fullmatch(".hidden") and not loading.PLAIN_NAME.fullmatch("a/b")
 
 
 def test_the_ci_example_runs_the_check_the_readme_names() -> None:

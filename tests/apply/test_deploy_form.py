@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.apply.apply import apply_policy
+from autoprec.apply.apply import ApplyOptions, apply_policy
 from autoprec.apply.stored import model_bytes
 from autoprec.cost import CostModel, get_profile
 from autoprec.errors import InputError, PolicyError, PolicyWarning
@@ -141,7 +141,8 @@ def test_a_deployed_state_dict_loads_into_a_model_with_the_same_policy(tmp_path:
 def test_without_masters_remove_restores_the_deployed_values_with_a_warning() -> None:
     model = _net()
     w = model.fc1.weight.detach().clone()
-    handle = apply_policy(model, Policy(default="bf16", form="deploy"), keep_masters=False)
+    handle = apply_policy(model, Policy(default="bf16", form="deploy"),
+                          options=ApplyOptions(keep_masters=False))
     with pytest.warns(PolicyWarning, match="masters were dropped"):
         handle.remove()
     assert isinstance(model.fc1.weight, nn.Parameter)
@@ -302,7 +303,8 @@ def test_a_compiled_deployed_nn_encoder_keeps_every_rule() -> None:
 def test_without_masters_a_tied_weight_is_restored_tied() -> None:
     case = zoo.gpt2()
     model = case.model
-    handle = apply_policy(model, Policy(default="bf16", form="deploy"), keep_masters=False)
+    handle = apply_policy(model, Policy(default="bf16", form="deploy"),
+                          options=ApplyOptions(keep_masters=False))
     with pytest.warns(PolicyWarning, match="masters were dropped"):
         handle.remove()
     assert model.lm_head.weight is model.transformer.wte.weight

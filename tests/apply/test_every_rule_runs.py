@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from autoprec import apply_policy
-from autoprec.check import check
 from autoprec.errors import PolicyError
 from autoprec.fused import fused_paths_off
+from autoprec.gate import check
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests import zoo
@@ -242,8 +242,9 @@ def test_inductor_compiled_error_equals_eager() -> None:
 def test_tune_eval_check_and_the_applied_model_measure_the_same_error(tmp_path: Path) -> None:
     """The issue's `tune --precisions fp8` case: tune's recorded error (held-out), eval's,
     check's and the applied model's own error under no_grad agree (before: 0 vs 0.0067)."""
-    from autoprec import load_model_file, load_policy, tune
+    from autoprec import load_policy, tune
     from autoprec.eval_report import eval_report
+    from autoprec.loading import load_model_file
     from autoprec.scoring import reference, score
 
     res = tune(NN_MODEL, max_error=0.005, precisions=["fp8"], batch_size=4096, trials=6,

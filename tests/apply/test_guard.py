@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from autoprec.apply.apply import apply_policy
+from autoprec.apply.apply import ApplyOptions, apply_policy
 from autoprec.errors import GuardError, GuardWarning, InputError, PolicyError
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy, loads_policy
@@ -54,7 +54,8 @@ def test_unguarded_output_is_not_finite_and_calibration_inputs_are(net: torch.nn
 def test_detect_counts_the_layer_and_warns_once(net: torch.nn.Module) -> None:
     pol = load_policy(POLICY, model=net)
     events = []
-    with torch.no_grad(), apply_policy(net, pol, guard="detect", on_event=events.append) as h:
+    with torch.no_grad(), apply_policy(net, pol, guard="detect",
+                                             options=ApplyOptions(on_event=events.append)) as h:
         assert [g.path for g in h.guard.layers] == ["wide1", "wide2", "tail1", "tail2"]
         net(_x())
         with pytest.warns(GuardWarning, match="layer 'wide1' \\(fp16\\)"):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.check import check
 from autoprec.errors import InputError, PolicyError
+from autoprec.gate import check
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy
 from autoprec.trace.graph import fingerprint

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from autoprec.check import check
 from autoprec.errors import InputError
+from autoprec.gate import check
 from tests.helpers import ROOT, run_cli
 
 MODEL = ROOT / "experiments" / "mixed8" / "model.py"
