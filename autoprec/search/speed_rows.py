@@ -30,7 +30,7 @@ RETIME_MARGIN = 0.2
 Timer = Callable[[Mapping[str, Policy]], Mapping[str, Sequence[float]]]
 
 #: Minor page faults per forward from which the reason names a timed row: 1,000 fresh
-#: 4 KiB pages (4 MB) cost ~1.7 ms on the team's AMD EPYC, where experiments/wide's
+#: 4 KiB pages (4 MB) cost ~1.7 ms on the team's AMD EPYC, where examples/wide's
 #: training form faulted ~15,000 times per forward in one process (48 ms) and none in
 #: another (22 ms).
 FAULTS_NOTED = 1000
@@ -362,7 +362,7 @@ def cold_confirm(rows: Sequence[Row], winner: Row | None, cold_timer: Timer | No
 
     Why: the per-call casts allocate fresh buffers every forward, and whether glibc serves
     them from fresh, faulting pages depends on what the process allocated before
-    (experiments/page_faults.py: experiments/wide's global bf16 autocast ran 2.44x of fp32
+    (benchmarks/results/page_faults.md: examples/wide's global bf16 autocast ran 2.44x of fp32
     with freed memory kept, 1.08x with ~14,500 faults per forward). A plan measured in the
     lucky state alone must not be written: issue 29's tune wrote an autocast plan it
     measured at 1.43x where ``eval --measure`` measured 0.79x."""
@@ -390,7 +390,7 @@ def cold_confirm(rows: Sequence[Row], winner: Row | None, cold_timer: Timer | No
             r.speedup, r.p10, r.p90, r.faults = c.speedup, c.p10, c.p90, c.faults
     return (f" [{winner.name} casts its weights on every call: {', '.join(names)} timed "
             "again with the allocator trimmed before each forward (fresh pages: "
-            "experiments/page_faults.py); each row keeps its slower state"
+            "benchmarks/results/page_faults.md); each row keeps its slower state"
             + (f": {'; '.join(moved)}]" if moved else ": none slower]"))
 
 

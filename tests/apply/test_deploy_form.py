@@ -155,7 +155,7 @@ def test_a_fp32_island_keeps_its_precision_past_its_output() -> None:
     """mixed8's ``offset`` writes a signal on a +256 offset that the next LayerNorm
     removes: in bf16 it drowns (3.4 %); a tf32 rule on ``offset`` alone keeps it, since its
     fp32 output is not cast down for the bf16 norm (which normalises it in fp32)."""
-    spec = load_model_file(ROOT / "experiments" / "mixed8" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "mixed8" / "model.py")
     model, batches = spec.model(), spec.eval_batches()
     with torch.no_grad():
         ref = [model(b) for b in batches]

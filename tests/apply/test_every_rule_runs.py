@@ -33,7 +33,7 @@ from tests import zoo
 from tests.apply.test_audit import _rotating_policy
 from tests.helpers import ROOT
 
-NN_MODEL = ROOT / "experiments" / "nn_transformer" / "model.py"
+NN_MODEL = ROOT / "examples" / "nn_transformer" / "model.py"
 
 
 def _fwd(case: zoo.Case):
@@ -68,7 +68,7 @@ def _mixed_policy(model: torch.nn.Module) -> Policy:
 def _nn_model():
     sys.path.insert(0, str(NN_MODEL.parent))
     try:
-        import model as nn_model  # experiments/nn_transformer/model.py
+        import model as nn_model  # examples/nn_transformer/model.py
     finally:
         sys.path.pop(0)
     return nn_model

@@ -1,5 +1,5 @@
-"""A deployed plan guards itself (apply.guard): experiments/mixed8 under its guarded plan
-(experiments/mixed8/guarded.yaml: the h100 plan with wide1 / wide2 in fp16), fed inputs
+"""A deployed plan guards itself (apply.guard): examples/mixed8 under its guarded plan
+(examples/mixed8/guarded.yaml: the h100 plan with wide1 / wide2 in fp16), fed inputs
 scaled 3e4x so that wide1's fp16 overflows.
 
 Unguarded the output is not finite; ``detect`` counts it by layer and warns once;
@@ -22,8 +22,8 @@ from autoprec.policy import Policy, load_policy, loads_policy
 from autoprec.policy.guard_spec import GuardSpec
 from tests.helpers import ROOT
 
-SPEC = load_model_file(ROOT / "experiments" / "mixed8" / "model.py")
-POLICY = ROOT / "experiments" / "mixed8" / "guarded.yaml"
+SPEC = load_model_file(ROOT / "examples" / "mixed8" / "model.py")
+POLICY = ROOT / "examples" / "mixed8" / "guarded.yaml"
 SCALE = 3e4  # wide1's input reaches ~7.7e4 > 65504 (fp16's max)
 
 

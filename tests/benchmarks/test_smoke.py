@@ -1,0 +1,71 @@
+"""Every benchmark runs end to end at a toy size, as a user runs it (``python -m
+benchmarks.NAME``), prints its table, and writes nothing into the checkout.
+
+The benchmarks tested elsewhere at toy size: gpu_latency, cost_model_cpu and apply_overhead
+(tests/cost/test_cost_experiments.py), gpu_policies, tune_baselines and tune_depth's fit
+(tests/benchmarks/), train_digits (tests/train/test_train_digits.py). Not here:
+b200_formats (it writes its policies into policies/ by design) and guard_cost (being
+changed on another branch, issue 47)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, cli_env
+
+#: benchmark -> its toy-size arguments ({tmp}: a temporary folder) and a line it prints
+SMOKE: dict[str, tuple[list[str], str]] = {
+    "blockscale_error": (["--models", "trap", "--out", "{tmp}/blockscale_error.md"], "| "),
+    "every_rule_runs": (["--out", "{tmp}"], "| "),
+    "probe_correlation": (["--models", "mlp"], "| "),
+    "compile_cost": (["--smoke", "--models", "mixed8"], "| "),
+    "estimate_accuracy": (["--models", "trap", "--modes", "eager", "--trials", "2"], "| "),
+    "cpu_measured": (["--models", "trap", "--trials", "2", "--out", "{tmp}"], "| "),
+    "run_all": (["--quick", "--models", "trap", "--trials", "2", "--out-dir", "{tmp}/out",
+                 "--policies", "{tmp}/policies", "--cache-dir", "{tmp}/cache"], "| "),
+    "tune_depth": (["--blocks", "1", "--budgets", "0.01"], "| "),
+    "vision_zoo": (["--only", "torchvision ResNet-18", "--trials", "2"], "| "),
+    "deploy_form": (["--part", "h100", "--trials", "2", "--out", "{tmp}"], "| "),
+    "compile_winners": (["--models", "mixed8", "--trials", "2", "--rounds", "1", "--inner",
+                         "1"], "| "),
+    "tune_size": (["--llama", "2", "--no-gpt2"], "| "),
+}
+
+
+def _status() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_the_benchmark_runs_at_toy_size(name: str, tmp_path: Path) -> None:
+    args, printed = SMOKE[name]
+    before = _status()
+    run = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}",
+         *(a.replace("{tmp}", str(tmp_path)) for a in args)],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert printed in run.stdout
+    assert _status() == before, f"{name} wrote into the checkout"
+
+
+def test_an_unknown_example_is_refused_in_one_line() -> None:
+    run = subprocess.run([sys.executable, "-m", "benchmarks.blockscale_error", "--models",
+                          "nope"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "blockscale_error: unknown model 'nope'; known: ")
+
+
+def test_the_shared_loader_lists_the_examples() -> None:
+    from benchmarks.common import example, example_names
+
+    assert {"trap", "mixed8", "minilm", "wide"} <= set(example_names())
+    assert example("trap") == ROOT / "examples" / "trap" / "model.py"
