@@ -26,8 +26,9 @@ from autoprec.fused import fused_paths_off
 from autoprec.gate import check
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy
+from benchmarks.common import example
 
-MODEL = Path(__file__).resolve().parent / "nn_transformer" / "model.py"
+MODEL = example("nn_transformer")
 POLICIES = {
     "A: fp32 + fp8 FFN": Policy(default="fp32", layers={
         f"encoder.layers.{i}.linear{j}": "fp8" for i in range(3) for j in (1, 2)}),
