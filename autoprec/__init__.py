@@ -32,9 +32,9 @@ _EXPORTS = {
     # TODO(issue 48): the one public Target of branch i48a replaces this one when it lands
     "Target": "autoprec.search.target",
     "check": "autoprec.api",
-    "CheckResult": "autoprec.gate",
+    "CheckResult": "autoprec.evaluation.check",
     "evaluate": "autoprec.api",
-    "Evaluation": "autoprec.eval_report",
+    "Evaluation": "autoprec.evaluation.eval_report",
     "Policy": "autoprec.policy",
     "load_policy": "autoprec.policy",
     "apply_policy": "autoprec.apply.apply",
@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.api import check, evaluate, tune
     from autoprec.apply.apply import ApplyOptions, PolicyHandle, apply_policy
     from autoprec.errors import AutoprecError
-    from autoprec.eval_report import Evaluation
-    from autoprec.gate import CheckResult
+    from autoprec.evaluation.check import CheckResult
+    from autoprec.evaluation.eval_report import Evaluation
     from autoprec.policy import Policy, load_policy
     from autoprec.probe import SensitivityTable
     from autoprec.probe import probe as probe_model

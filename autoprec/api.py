@@ -9,7 +9,7 @@ name) — exactly what a model.py provides; or the path of a model.py, as the CL
 reference; it is run in eval mode and handed back as it came (``inputs.kept_as_given``:
 its train/eval flags and ``requires_grad``; the stages put back every weight, hook and
 forward they touch). This module orchestrates; the work is in ``search.tune``,
-``autoprec.gate`` and ``autoprec.eval_report``.
+``autoprec.evaluation.check`` and ``autoprec.evaluation.eval_report``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from autoprec.inputs import ModelLike, kept_as_given, spec_of
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from autoprec.eval_report import Evaluation
-    from autoprec.gate import CheckResult
+    from autoprec.evaluation.check import CheckResult
+    from autoprec.evaluation.eval_report import Evaluation
     from autoprec.policy import Policy
     from autoprec.search.config import TuneConfig
     from autoprec.search.write import TuneResult
@@ -90,8 +90,8 @@ def check(model: ModelLike, policy: Policy | str | Path, *,
     ``max_error`` / ``max_drop``), audited on a real forward, priced on ``target`` (default:
     the policy's). Returns the ``CheckResult`` (``passed``, ``reasons``, ``error``,
     ``est_speedup``, ``layers``, …) rather than raising; ``raise_if_failed()`` raises
-    ``CheckFailed``. Arguments as ``autoprec.gate.check``'s; the model as ``tune``'s."""
-    from autoprec.gate import check as gate
+    ``CheckFailed``. Arguments as ``evaluation.check.check``'s; the model as ``tune``'s."""
+    from autoprec.evaluation.check import check as gate
 
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,
                    name=name, caller="check")
@@ -114,7 +114,7 @@ def evaluate(model: ModelLike, policy: Policy | str | Path, *,
     the one-liners (timed here with ``measure`` when the target is this machine). Returns an
     ``Evaluation`` (``error``, ``est_speedup``, ``feasible``, ``layers``; ``to_dict()`` is
     ``eval --json``'s object). The model as ``tune``'s."""
-    from autoprec.eval_report import Evaluation, eval_report
+    from autoprec.evaluation.eval_report import Evaluation, eval_report
 
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,
                    name=name, caller="evaluate")

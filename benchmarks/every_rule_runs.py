@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from autoprec import apply_policy
+from autoprec.evaluation.check import check
 from autoprec.fused import fused_paths_off
-from autoprec.gate import check
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy
 from benchmarks.common import example

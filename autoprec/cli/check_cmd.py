@@ -26,7 +26,7 @@ def check_cmd(
 ) -> None:
     """Re-evaluate POLICY on MODEL's eval data; exit 1 when over budget, when the model
     changed since tuning, or when the target cannot run a precision in the policy."""
-    from autoprec.gate import check
+    from autoprec.evaluation.check import check
 
     result = check(model, policy, max_error=max_error, max_drop=max_drop, force=force,
                    target=target, batch_size=batch_size, compile=compile_mode,

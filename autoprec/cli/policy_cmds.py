@@ -139,7 +139,7 @@ def eval_cmd(
 ) -> None:
     """Apply POLICY to MODEL: error vs fp32 on the eval data, per-layer precisions
     (rule vs computed), and the estimated speed-up on the target."""
-    from autoprec.eval_report import eval_report
+    from autoprec.evaluation.eval_report import eval_report
 
     with _warnings_to_stderr():
         summary = eval_report(model, policy, target=target, batch_size=batch_size,

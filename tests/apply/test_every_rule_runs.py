@@ -25,8 +25,8 @@ import torch
 
 from autoprec import apply_policy
 from autoprec.errors import PolicyError
+from autoprec.evaluation.check import check
 from autoprec.fused import fused_paths_off
-from autoprec.gate import check
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests import zoo
@@ -243,7 +243,7 @@ def test_tune_eval_check_and_the_applied_model_measure_the_same_error(tmp_path: 
     """The issue's `tune --precisions fp8` case: tune's recorded error (held-out), eval's,
     check's and the applied model's own error under no_grad agree (before: 0 vs 0.0067)."""
     from autoprec import load_policy, tune
-    from autoprec.eval_report import eval_report
+    from autoprec.evaluation.eval_report import eval_report
     from autoprec.loading import load_model_file
     from autoprec.scoring import reference, score
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autoprec.errors import InputError, PolicyError
-from autoprec.gate import check
+from autoprec.evaluation.check import check
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy
 from autoprec.trace.graph import fingerprint

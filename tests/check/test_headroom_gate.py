@@ -9,7 +9,7 @@ import json
 import pytest
 
 from autoprec.errors import InputError
-from autoprec.gate import check
+from autoprec.evaluation.check import check
 from tests.helpers import ROOT, run_cli
 
 MODEL = ROOT / "examples" / "mixed8" / "model.py"

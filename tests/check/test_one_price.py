@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.gate import check
+from autoprec.evaluation.check import check
 from autoprec.policy import load_policy
 from autoprec.search.tune import tune
 from tests.helpers import MODELS, run_cli

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.gate import check
+from autoprec.evaluation.check import check
 from autoprec.loading import ModelSpec, load_model_file
 from autoprec.policy import load_policy
 from tests.helpers import ROOT

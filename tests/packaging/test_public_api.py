@@ -4,7 +4,7 @@
 ``autoprec.capability`` a module (importing ``autoprec.trace.graph`` binds the package
 there); the functions they hold are exported as ``trace_model`` and ``probe_model``. The
 list is the few names a user needs (issue 48), each one thing: ``autoprec.check`` is the
-gate's function (its module is ``autoprec.gate``), never a module."""
+gate's function (its module is ``autoprec.evaluation.check``), never a module."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_the_stage_entry_points_do_not_collide_with_their_packages() -> None:
 
 
 def test_the_public_names_are_the_few_a_user_needs() -> None:
-    import autoprec.gate  # noqa: F401  (the gate's module: it must not shadow the function)
+    import autoprec.evaluation.check  # noqa: F401  (the gate's module: it must not shadow the function)
 
     assert set(autoprec.__all__) == {
         "__version__", "tune", "TuneConfig", "TuneResult", "Target", "check", "CheckResult",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprec.gate import check
+from autoprec.evaluation.check import check
 from autoprec.policy import Policy, load_policy
 from autoprec.search.export import EXPORT_NOTE
 from tests.helpers import TRAP, run_cli

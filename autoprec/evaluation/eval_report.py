@@ -4,7 +4,7 @@ The policy applied to the model of model.py and judged by the one evaluation pip
 (``search.assess``: scored on the eval data, audited on a real forward, priced on the
 target), then set beside its baselines (``assess.beside_baselines``: fp32, one global
 autocast, the one-line casts), timed where the target is this machine and ``measure``
-asks. ``check`` gates on the same pipeline (``autoprec.gate``); the CLI only parses and
+asks. ``check`` gates on the same pipeline (``autoprec.evaluation.check``); the CLI only parses and
 prints (``cli/policy_cmds.py``). The fields mean what ``autoprec.report_json`` says.
 """
 
