@@ -90,6 +90,7 @@ def test_an_hf_model_and_a_dataloader_are_tuned_applied_checked_and_evaluated(
 
     # no file but the outputs: the policy, the study, the probe cache
     assert not list(tmp_path.rglob("*.py"))
+    assert isinstance(result, autoprec.TuneResult)
     assert result.path == tmp_path / "bert.yaml" and result.feasible
     # the model as given: weights, parameter objects and its train mode are untouched
     assert model.training and all(m.training for m in model.modules())
@@ -165,6 +166,18 @@ def test_bad_data_for_a_model_in_hand_is_one_line_naming_the_argument(
     assert not list(tmp_path.iterdir())  # refused before any work
 
 
+def test_a_tune_config_built_beforehand_is_checked_once_before_any_work(
+        tmp_path: Path) -> None:
+    config = autoprec.TuneConfig(max_drop=0.01, target="H100", out=tmp_path / "p.yaml")
+    with pytest.raises(autoprec.AutoprecError, match="tune: max_drop is a drop of the metric"):
+        autoprec.tune(_Net(), config, calibration=_batches())
+    with pytest.raises(InputError, match="unknown target device .h1000.; known devices: "):
+        autoprec.tune(_Net(), autoprec.TuneConfig(target="h1000"), calibration=_batches())
+    with pytest.raises(TypeError, match="give a TuneConfig or its options, not both"):
+        autoprec.tune(_Net(), config, calibration=_batches(), trials=3)
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_model_and_its_data_come_from_one_place(tmp_path: Path) -> None:
     from tests.helpers import TRAP
 
@@ -229,7 +242,7 @@ def test_apply_policy_groups_its_rarely_needed_settings() -> None:
     with autoprec.apply_policy(model, policy, guard="detect",
                                options=autoprec.ApplyOptions(device="cpu",
                                                              on_event=events.append)) as h:
-        assert h.form == "deploy" and model(x).dtype == torch.float16
+        assert isinstance(h, autoprec.PolicyHandle) and h.form == "deploy" and model(x).dtype == torch.float16
         model(x * 1e6)  # overflows fp16
     assert events and {e.layer for e in events} <= {"a", "b"}
     with pytest.raises(TypeError):
