@@ -174,7 +174,7 @@ def test_a_tune_config_built_beforehand_is_checked_once_before_any_work(
     with pytest.raises(InputError, match="unknown target device .h1000.; known devices: "):
         autoprec.tune(_Net(), autoprec.TuneConfig(target="h1000"), calibration=_batches())
     with pytest.raises(TypeError, match="give a TuneConfig or its options, not both"):
-        autoprec.tune(_Net(), config, calibration=_batches(), trials=3)
+        autoprec.tune(_Net(), autoprec.TuneConfig(), calibration=_batches(), trials=3)
     assert not list(tmp_path.iterdir())
 
 
