@@ -15,7 +15,13 @@ import torch
 from autoprec.formats.gemm import BLOCK_SCALED, format_of, gemm_format
 from autoprec.precisions import PRECISIONS, check_precision, is_gemm_format
 
-FP8_BACKENDS = ("emulated", "torch", "te")
+FP8_BACKENDS = ("emulated", "torch", "te", "te-delayed", "torchao", "torchao-rowwise")
+#: The torchao fp8 backends -> torchao float8 training recipe (``lower.torchao_fp8``).
+TORCHAO_FP8_RECIPES: dict[str, str] = {"torchao": "tensorwise", "torchao-rowwise": "rowwise"}
+#: Lowest CUDA compute capability whose fp8 tensor cores run each torchao recipe's GEMMs
+#: (torch._scaled_mm: tensorwise scales on Ada/Hopper, row-wise scales on Hopper and newer).
+TORCHAO_MIN_SM: dict[str, tuple[int, int]] = {"tensorwise": (8, 9), "rowwise": (9, 0)}
+TORCHAO_HINT = "pip install 'autoprec[train-fp8]' (torchao>=0.18)"
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -33,8 +39,12 @@ def _cuda_sm(dev: torch.device) -> tuple[int, int] | None:
 def fp8_backend_capability(
     backend: str, device: str | torch.device | None = None
 ) -> tuple[bool, str]:
-    """Whether an fp8 backend runs here: emulated anywhere; torch/TE need CUDA SM >= 8.9."""
+    """Whether an fp8 backend runs here: emulated anywhere; torch/TE need CUDA SM >= 8.9;
+    torchao wherever it imports (its fp8 kernels on CUDA SM >= 8.9, rowwise 9.0; elsewhere
+    its own emulation, said in the reason: ``torchao_fp8_kernels``)."""
     dev = _device(device)
+    if backend in TORCHAO_FP8_RECIPES:
+        return _torchao_capability(backend, dev)
     if backend == "emulated":
         if not hasattr(torch, "float8_e4m3fn"):
             return False, f"emulated fp8: torch {torch.__version__} has no float8_e4m3fn"
@@ -48,11 +58,42 @@ def fp8_backend_capability(
     sm = _cuda_sm(dev)
     if sm is None or sm < (8, 9):
         return False, f"{backend} fp8: needs CUDA SM >= 8.9 (Ada/Hopper), this is SM {sm}"
-    if backend == "te" and importlib.util.find_spec("transformer_engine") is None:
-        return False, "te fp8: transformer_engine is not installed (pip install autoprec[fp8])"
+    if backend in ("te", "te-delayed") and importlib.util.find_spec("transformer_engine") is None:
+        return False, (f"{backend} fp8: transformer_engine is not installed "
+                       "(pip install autoprec[fp8])")
     if backend == "torch" and not hasattr(torch, "_scaled_mm"):
         return False, f"torch fp8: torch {torch.__version__} has no _scaled_mm"
     return True, f"{backend} fp8: available on SM {sm[0]}.{sm[1]}"
+
+
+def torchao_fp8_kernels(backend: str, device: str | torch.device | None = None
+                        ) -> tuple[bool, str]:
+    """``(ok, reason)``: does torchao backend ``backend`` run its GEMMs as fp8 kernels here
+    (not its emulation)? Needs torchao and CUDA SM >= 8.9 (rowwise: 9.0)."""
+    dev = _device(device)
+    recipe = TORCHAO_FP8_RECIPES[backend]
+    if importlib.util.find_spec("torchao") is None:
+        return False, f"{backend} fp8: torchao is not installed ({TORCHAO_HINT})"
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False, f"{backend} fp8: its fp8 kernels need a CUDA device, this is {dev.type}"
+    sm = torch.cuda.get_device_capability(dev.index or 0)
+    need = TORCHAO_MIN_SM[recipe]
+    if sm < need:
+        return False, (f"{backend} fp8: {recipe} fp8 GEMMs need SM >= {need[0]}.{need[1]}, "
+                       f"this is SM {sm[0]}.{sm[1]}")
+    return True, (f"{backend} fp8: torchao Float8Linear ({recipe}), torch._scaled_mm for "
+                  f"fprop, dgrad and wgrad on SM {sm[0]}.{sm[1]}")
+
+
+def _torchao_capability(backend: str, dev: torch.device) -> tuple[bool, str]:
+    if importlib.util.find_spec("torchao") is None:
+        return False, f"{backend} fp8: torchao is not installed ({TORCHAO_HINT})"
+    ok, why = torchao_fp8_kernels(backend, dev)
+    if ok:
+        return ok, why
+    recipe = TORCHAO_FP8_RECIPES[backend]
+    return True, (f"{backend} fp8: torchao Float8Linear ({recipe}) with emulate=True on "
+                  f"{dev.type}: the library's quantise-dequantise (accuracy only; {why})")
 
 
 #: Backends of the block-scaled formats (mxfp8, nvfp4).
@@ -68,6 +109,12 @@ def blockscale_capability(fmt: str, backend: str = "emulated",
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     spec = gemm_format(fmt)
+    if backend == "torchao" and not spec.forward_only:  # MXFP8: torchao trains it
+        if importlib.util.find_spec("torchao") is None:
+            return False, f"torchao mxfp8: torchao is not installed ({TORCHAO_HINT})"
+        ok, why = blockscale_capability(fmt, "torch", dev)
+        return True, ("torchao mxfp8: its MXFP8 training GEMMs" + (
+            f" ({why})" if ok else f", emulated (KernelPreference.EMULATED; {why})"))
     if backend == "emulated":
         missing = [d for d in spec.emulation_dtypes if not hasattr(torch, d)]
         if missing:
@@ -149,10 +196,15 @@ def capability(
     return False, "; ".join(reasons)
 
 
-def best_fp8_backend(device: str | torch.device | None = None) -> tuple[str, str]:
-    """The fp8 backend apply uses by default: te, then torch, else emulated; with why."""
-    for b in ("te", "torch"):
-        ok, why = fp8_backend_capability(b, device)
+def best_fp8_backend(device: str | torch.device | None = None,
+                     training: bool = False) -> tuple[str, str]:
+    """The fp8 backend apply uses by default: te, then torch, else emulated; with why.
+
+    ``training`` (the train form): te, then torchao where its fp8 kernels run (the
+    library's float8 training), then torch."""
+    for b in ("te", "torchao", "torch") if training else ("te", "torch"):
+        ok, why = (torchao_fp8_kernels(b, device) if b in TORCHAO_FP8_RECIPES
+                   else fp8_backend_capability(b, device))
         if ok:
             return b, why
     _, why_not = capability("fp8", None, device)

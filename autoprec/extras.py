@@ -3,7 +3,7 @@
 The core install loads, applies, checks and evaluates policies and runs the search; what
 only some users need is an extra (pyproject.toml): ``mlflow`` (tracking, on by default in
 ``autoprec tune``, and the plots logged with it), ``postgres`` (studies shared by many
-machines), ``fp8`` (Transformer Engine). A missing one is bad input (exit 2) in one line
+machines), ``fp8`` (Transformer Engine), ``train-fp8`` (torchao's float8 training). A missing one is bad input (exit 2) in one line
 that names the extra to install — never an ImportError traceback.
 """
 
@@ -20,6 +20,8 @@ EXTRAS: dict[str, str] = {
     "requests": "mlflow",
     "psycopg2": "postgres",
     "transformer_engine": "fp8",
+    "compressed_tensors": "export",
+    "torchao": "train-fp8",
 }
 
 

@@ -39,6 +39,7 @@ from autoprec.apply.apply import ApplyOptions, PolicyHandle, apply_policy
 from autoprec.errors import CapabilityError, InputError
 from autoprec.formats.gemm import is_forward_only
 from autoprec.loading import ModelSpec, default_forward
+from autoprec.loss_scaler import CountingGradScaler
 from autoprec.metrics import mean_metric
 from autoprec.plan import compile_plan
 from autoprec.policy import Policy, load_policy
@@ -91,20 +92,40 @@ class StepResult:
 class TrainingSetup:
     """A model with a policy installed for training, and its GradScaler (or None).
 
-    Keeps the counts a training report needs: steps taken, steps the scaler skipped.
+    Keeps the counts a training report needs: optimizer steps taken and steps the scaler
+    skipped. With a scaler they are the scaler's own (``loss_scaler.CountingGradScaler``),
+    so they hold however the loop drives it: ``train_step``, an ``accelerate`` loop
+    (``integrations.accel.use_accelerator``) or one of the user's own.
     """
 
     model: torch.nn.Module
     policy: Policy
     handle: PolicyHandle
-    scaler: torch.amp.GradScaler | None
-    steps: int = 0
-    skipped_steps: int = 0
+    scaler: CountingGradScaler | None
+    plain_steps: int = 0  # train_step's steps without a scaler
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (with a scaler: each ``scaler.update()``)."""
+        return self.plain_steps if self.scaler is None else self.scaler.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the GradScaler skipped (inf/nan gradients); 0 without one."""
+        return 0 if self.scaler is None else self.scaler.skipped_steps
 
     @property
     def scale(self) -> float | None:
         """The current loss scale (None without a scaler)."""
         return None if self.scaler is None else float(self.scaler.get_scale())
+
+    def report(self) -> dict[str, Any]:
+        """What ran: steps, skipped steps, loss scale, each GEMM format's backend, the fp8
+        backend and why."""
+        return {"steps": self.steps, "skipped_steps": self.skipped_steps,
+                "loss_scale": self.scale, "format_backends": dict(self.handle.format_backends),
+                "fp8_backend": self.handle.fp8_backend,
+                "fp8_reason": self.handle.fp8_reason if self.handle.fp8_backend else None}
 
     def remove(self) -> None:
         """Uninstall the policy (the model's forwards are restored exactly)."""
@@ -160,7 +181,7 @@ def prepare_training(
     handle = apply_policy(model, policy, fp8_backend=fp8_backend, force=force, form="train",
                           options=ApplyOptions(device=device))
     want = needs_grad_scaler(handle) if scaler is None else scaler
-    gs = torch.amp.GradScaler(handle.device.type, init_scale=init_scale) if want else None
+    gs = CountingGradScaler(handle.device.type, init_scale=init_scale) if want else None
     return TrainingSetup(model=model, policy=policy, handle=handle, scaler=gs)
 
 
@@ -181,8 +202,8 @@ def train_step(
     """
     loss, skipped, grad_norm = _step(setup.model, setup.scaler, optimizer, batch, loss_fn,
                                      forward or default_forward, max_grad_norm)
-    setup.steps += 1
-    setup.skipped_steps += int(skipped)
+    if setup.scaler is None:  # a scaler counts its own steps (loss_scaler)
+        setup.plain_steps += 1
     return StepResult(loss=loss, skipped=skipped, scale=setup.scale, grad_norm=grad_norm)
 
 

@@ -1,5 +1,8 @@
 """Measured vs estimated latency of a GPT-style stack on a GPU: policies, global autocast.
 
+Forward (inference) latency only; training steps (forward + backward + AdamW, fp8 through
+torchao) are timed by ``benchmarks/gpu_train_step.py``.
+
 One go on a lent GPU (made for an H200; a few minutes including CUDA start-up):
 
 1. builds a pre-LN GPT stack (default d_model 4096, 32 heads, seq 2048, batch 8, 4 blocks;

@@ -97,7 +97,8 @@ def test_env(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     assert {"python", "torch", "optuna", "mlflow", "transformers"} <= set(data["versions"])
     assert data["precisions"]["fp32"]["ok"] is True
-    assert set(data["fp8_backends"]) == {"emulated", "torch", "te"}
+    assert set(data["fp8_backends"]) == {"emulated", "torch", "te", "te-delayed", "torchao",
+                                         "torchao-rowwise"}
     assert all(v["reason"] for v in data["fp8_backends"].values())
     code, out, _ = run_cli(["env"], capsys)
     assert code == 0 and "fp8 backends:" in out and "emulated" in out

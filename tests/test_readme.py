@@ -1,5 +1,5 @@
 """The README's snippets run as written: its Python blocks (in a scratch directory beside a
-link to experiments/), its policy file (it validates), and its CI command (the one
+link to examples/), its policy file (it validates), and its CI command (the one
 ``.ci/run`` runs)."""
 
 from __future__ import annotations

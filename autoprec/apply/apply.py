@@ -36,8 +36,10 @@ from typing import Any
 
 import torch
 
+from autoprec.apply.after_apply import AfterApply
 from autoprec.apply.audit import AuditReport, audit_run, notify_compute
 from autoprec.apply.compiled import audit_compiled
+from autoprec.apply.consumers import RerunCasts, consumer_wrappers, consumers, one_storage_dtype
 from autoprec.apply.guard import Guard, GuardCounts, GuardEvent, select_layers, stored_masters
 from autoprec.apply.stored import StoredWeights, model_bytes, store_weights
 from autoprec.capability import capability
@@ -46,7 +48,7 @@ from autoprec.fused import FASTPATH, has_fused_paths
 from autoprec.lower.backends import format_backends
 from autoprec.lower.forward import lowered_forward
 from autoprec.lower.fp8 import drop_weight_caches
-from autoprec.lower.stored import consumer_forward, deploy_forward
+from autoprec.lower.stored import deploy_forward
 from autoprec.lower.wide16 import scoring_gemms
 from autoprec.paths import unwrap_model
 from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
@@ -57,7 +59,6 @@ from autoprec.precisions import (
     AUTOCAST_DTYPES,
     FORMS,
     PRECISIONS,
-    STORAGE_DTYPES,
     is_gemm_format,
 )
 from autoprec.targets import device_type, named_target
@@ -160,12 +161,15 @@ class PolicyHandle:
         self.wrapped = wrapped
         self.fp8_backend = fp8_backend  # None when no layer computes in fp8
         self.fp8_reason = fp8_reason
+        #: the backend each GEMM format of the plan runs on (fp8, mxfp8, nvfp4)
+        self.format_backends: dict[str, str] = {}
         self.device = device
         self._saved: list[tuple[weakref.ref[torch.nn.Module], Any]] = []
         self._fastpath_held = False  # this handle holds torch.nn's fused paths off
         self.form = "train"
         self.stored: StoredWeights | None = None  # the deploy form's stored tensors
         self.guard: Guard | None = None  # the run-time check (apply.guard); None: off
+        self._after: AfterApply | None = None  # refusals after apply (apply.after_apply)
 
     def guard_stats(self) -> dict[str, GuardCounts]:
         """Per guarded layer: forward calls checked, forwards whose output was not finite,
@@ -219,6 +223,8 @@ class PolicyHandle:
                 mod.__dict__.pop("forward", None)
             else:
                 mod.forward = old  # type: ignore[method-assign]
+        if self._after is not None:
+            self._after.remove()
         if self.stored is not None:
             self.stored.restore()
         # the quantised weights this plan's fp8 / block-scaled leaves cached go with it
@@ -339,8 +345,10 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
                  options: ApplyOptions | None = None) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
 
-    ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te; default: the best
-    this device runs (``best_fp8_backend``). The other GEMM formats (mxfp8, nvfp4) take no
+    ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te / torchao /
+    torchao-rowwise (torchao's float8 training: train form only); default: the best this
+    device runs (``best_fp8_backend``; the train form prefers torchao's float8 training
+    to the home-made torch backend where its kernels run). The other GEMM formats (mxfp8, nvfp4) take no
     choice: torch's block-scaled kernels where ``blockscale_capability`` says they run, else
     emulation.
     ``target``: the device the plan is for (a profile name like "h100", or "cuda"/"cpu";
@@ -401,7 +409,8 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
                  "computes in a small-range format; guard.layers: all checks every one)")
 
     used = {w.precision for _, w in chosen}
-    format_backend, backend, fp8_reason = format_backends(used, fp8_backend, dev)
+    format_backend, backend, fp8_reason = format_backends(used, fp8_backend, dev,
+                                                         training=form == "train")
     for prec in sorted(used):
         ok, why = capability(prec, format_backend.get(prec), dev)
         if not ok:
@@ -410,6 +419,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
             raise CapabilityError(f"{policy.source}: {key}: {prec} cannot run on {dev}: {why}")
 
     stored = None
+    rerun_casts = RerunCasts([])  # the guard's re-run casts (apply.consumers)
     if form == "deploy":
         index = plan.tree.index()
         wrappers = [(mod, deploy_forward(
@@ -420,18 +430,13 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
         by_path = {p: modules[p] if p in modules else table[p] for p in plan.tree.paths
                    if p in modules or p in table}
         # modules with weights (or norms) inside a region read inputs of another dtype
-        # by their own rule (lower.stored.consumer_forward); where every region stores
-        # one dtype, nothing the plan makes arrives in another (the root casts the inputs)
-        done = {id(mod) for mod, _ in chosen}
-        storage = {STORAGE_DTYPES[PRECISIONS[int(r)]] for r in plan.region}
-        for j, p in enumerate(plan.tree.paths if len(storage) > 1 else ()):
-            mod = by_path.get(p)
-            if mod is None or id(mod) in done:
-                continue
-            fwd = consumer_forward(mod, PRECISIONS[int(plan.region[j])])
-            if fwd is not None:
-                wrappers.append((mod, fwd))
-                done.add(id(mod))
+        # by their own rule (apply.consumers); where every region stores one dtype,
+        # nothing the plan makes arrives in another (the root casts the inputs): the
+        # rules then run only in a guard's re-run, which raises layers to another dtype
+        pairs = consumers(plan, by_path, {id(mod) for mod, _ in chosen})
+        rerun_casts = RerunCasts(pairs if one_storage_dtype(plan) else [])
+        if not one_storage_dtype(plan):
+            wrappers += consumer_wrappers(pairs)
         stored = store_weights(root, plan, by_path, format_backend, keep_masters)
     else:
         # one 16-bit autocast dtype in the whole plan: autocast's cast cache is safe (and
@@ -445,15 +450,22 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
     handle = PolicyHandle(model, policy, plan, res, [w for _, w in chosen], backend,
                           fp8_reason, dev, target_type)
     handle.form = form
+    handle.format_backends = {f: b for f, b in format_backend.items() if f in used}
     handle.stored = stored
     if guarded:
         handle.guard = Guard(spec, guarded, form,
                              stored_masters(stored.slots if stored is not None else []),
-                             on_event, policy.source)
+                             on_event, policy.source, rerun_casts)
         wrappers = handle.guard.wrap(wrappers, root)
     try:
         handle._install(wrappers)
+        # a backward into the deployed copies, and a dtype change, refused (apply.after_apply)
+        handle._after = AfterApply(root, policy.source, form)
+        if stored is not None:
+            handle._after.refuse_backward(stored.copies())
+        handle._after.guard_conversions()
     except BaseException:
+        handle.remove()
         if stored is not None:
             stored.restore()
         raise

@@ -25,8 +25,9 @@ without a word. The guard (``policy.guard_spec``: the ``guard`` key, or
 Modes: ``detect`` counts and warns once per layer (GuardWarning); ``fallback`` re-runs the
 forward with the offending layers raised (each to its fallback precision: their weights
 rebuilt from the fp32 masters the handle keeps, in a shadow copy of the leaf run by the
-deploy form's own forward) and returns that result — exactly what the plan with those
-layers' rules raised computes; a layer still non-finite once raised goes to fp32, and a
+deploy form's own forward; a uniform plan's consumer casts, which a raised layer's other
+dtype needs, on the model for the re-run only: ``apply.consumers``) and returns that
+result — exactly what the plan with those layers' rules raised computes; a layer still non-finite once raised goes to fp32, and a
 forward nothing recovers raises GuardError. ``raise``: GuardError naming the first layer
 (in execution order), its precision, and the value its output reaches in the fallback
 precision. Every overflow is counted (``guard_stats()``) and reported to ``on_event``.
@@ -47,11 +48,12 @@ from typing import Any
 
 import torch
 
+from autoprec.apply.consumers import RerunCasts
 from autoprec.capability import capability
 from autoprec.errors import GuardError, GuardWarning, PolicyError
-from autoprec.lower.stored import SCALE, SCALE_2, deploy_forward, dequantized_weight
+from autoprec.lower.stored import SCALE, SCALE_2, cast_tree, deploy_forward, dequantized_weight
 from autoprec.policy.guard_spec import ALL, GuardSpec
-from autoprec.precisions import FORMATS, STORAGE_DTYPES, carrier_of, rank
+from autoprec.precisions import FORMATS, STORAGE_DTYPES, carrier_of, is_gemm_format, rank
 
 #: Wider-range precisions a layer may be raised to, nearest first (fp32 at worst).
 FALLBACK_ORDER = ("bf16", "tf32", "fp32")
@@ -147,7 +149,7 @@ class Guard:
     def __init__(self, spec: GuardSpec, layers: list[GuardedLayer], form: str,
                  masters: Callable[[torch.nn.Module], dict[str, torch.Tensor]],
                  on_event: Callable[[GuardEvent], None] | None = None,
-                 source: str = "<policy>") -> None:
+                 source: str = "<policy>", rerun_casts: RerunCasts | None = None) -> None:
         self.spec = spec
         self.mode = spec.mode
         self.layers = layers
@@ -159,7 +161,14 @@ class Guard:
         self._masters = masters
         self._state = _State()
         self._warned: set[str] = set()
-        self._shadows: dict[tuple[int, str], Callable[..., Any]] = {}
+        self._shadows: dict[tuple[int, str, torch.device], Callable[..., Any]] = {}
+        # a uniform plan's consumer casts, installed for the re-runs only (apply.consumers);
+        # a guarded leaf casts its own inputs in a re-run (``_leaf``), after the choice of
+        # a raised layer's shadow, which reads its input in the raised dtype
+        leaves = {id(g.module) for g in layers}
+        self._rerun_casts = RerunCasts([] if rerun_casts is None else
+                                       [(m, p) for m, p in rerun_casts.pairs
+                                        if id(m) not in leaves])
         self._check = torch.compiler.disable(self._check_eager)
 
     # -- installing ------------------------------------------------------------------
@@ -185,11 +194,19 @@ class Guard:
 
     def _leaf(self, idx: int, base: Callable[..., Any]) -> Callable[..., Any]:
         st = self._state
+        g = self.layers[idx]
+        # in a re-run a layer upstream may give another dtype than the plan's: a 16-bit
+        # leaf casts its inputs to its weights' (a GEMM format reads any dtype)
+        dtype = None if is_gemm_format(g.precision) else STORAGE_DTYPES[g.precision]
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if st.raised is not None and idx in st.raised:  # a fallback re-run
+            if st.raised is None:
+                out = base(*args, **kwargs)
+            elif idx in st.raised:  # a fallback re-run: this layer raised
                 out = self._raised(idx, st.raised[idx])(*args, **kwargs)
                 st.peaks[idx] = _peak((args, out))
+            elif dtype is not None:
+                out = base(*cast_tree(args, dtype), **cast_tree(kwargs, dtype))
             else:
                 out = base(*args, **kwargs)
             if st.flags is not None:
@@ -291,31 +308,35 @@ class Guard:
         first = next(iter(bad))
         st = self._state
         try:
-            for _ in range(2 * len(self.layers)):
-                if first not in levels:
-                    levels[first] = self.layers[first].fallback
-                elif levels[first] != "fp32":
-                    levels[first] = "fp32"
-                else:
-                    return None, levels
-                st.raised, st.flags, st.peaks = dict(levels), [], {}
-                out = inner(*args, **kwargs)
-                flags, st.flags = st.flags, None
-                again = _bad(flags)
-                if not again:
-                    return out, levels
-                first = next(iter(again))
-            return None, levels
+            with self._rerun_casts.installed():
+                for _ in range(2 * len(self.layers)):
+                    if first not in levels:
+                        levels[first] = self.layers[first].fallback
+                    elif levels[first] != "fp32":
+                        levels[first] = "fp32"
+                    else:
+                        return None, levels
+                    st.raised, st.flags, st.peaks = dict(levels), [], {}
+                    out = inner(*args, **kwargs)
+                    flags, st.flags = st.flags, None
+                    again = _bad(flags)
+                    if not again:
+                        return out, levels
+                    first = next(iter(again))
+                return None, levels
         finally:
             st.raised, st.flags = None, None
 
     def _raised(self, idx: int, precision: str) -> Callable[..., Any]:
         """Layer ``idx`` in ``precision``: a shadow of the leaf holding its fp32 masters in
-        that precision's storage dtype, run by the deploy form's forward (built once)."""
-        key = (idx, precision)
+        that precision's storage dtype, run by the deploy form's forward (built once per
+        device)."""
+        g = self.layers[idx]
+        # keyed by the device too: a model moved after apply re-runs where it is now
+        key = (idx, precision, next((t.device for t in g.module.parameters()),
+                                    torch.device("cpu")))
         fwd = self._shadows.get(key)
         if fwd is None:
-            g = self.layers[idx]
             fwd = deploy_forward(_shadow(g.module, self._masters(g.module),
                                          STORAGE_DTYPES[precision]), precision)
             self._shadows[key] = fwd

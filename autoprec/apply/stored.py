@@ -11,7 +11,8 @@ The fp32 masters: the original Parameter and buffer objects are kept by the hand
 by the model (``keep_masters=True``, the default). When the model is on an accelerator
 they are moved to host memory while the plan is applied, so the device holds only the
 deployed weights; ``restore()`` puts the very same objects back (identity, values and
-device: an optimizer holding them still works). ``keep_masters=False`` drops them:
+device: an optimizer holding them still works) on the device the deployed copy is on
+then (the model moved after apply, ``model.to(device)``, comes back where it went). ``keep_masters=False`` drops them:
 ``restore()`` then rebuilds fp32 parameters from the stored values, which were rounded
 (it warns), for a process that only serves the deployed model.
 
@@ -68,9 +69,18 @@ class StoredWeights:
                 table.pop(s.name, None)
                 continue
             orig = s.original if self.keep_masters else rebuilt[id(s.original)]
-            if s.device is not None:  # back from host memory
-                orig.data = orig.data.to(s.device)
+            # back from host memory, to where the deployed copy is now (the model may
+            # have been moved after apply: ``model.to(device)``)
+            cur = table.get(s.name)
+            dev = cur.device if cur is not None else s.device
+            if dev is not None and orig.device != dev:
+                orig.data = orig.data.to(dev)
             table[s.name] = orig
+
+    def copies(self) -> list[torch.Tensor]:
+        """The deployed tensors standing in for masters (a tied copy once per slot)."""
+        return [getattr(s.module, s.kind)[s.name] for s in self.slots
+                if s.original is not None and not self.restored]
 
 
 def _rebuilt(s: _Slot) -> torch.Tensor:

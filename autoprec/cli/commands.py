@@ -6,7 +6,15 @@ from collections.abc import Callable
 
 import typer
 
-from autoprec.cli import check_cmd, env_cmd, graph_cmd, policy_cmds, probe_cmd, tune_cmd
+from autoprec.cli import (
+    check_cmd,
+    env_cmd,
+    export_cmds,
+    graph_cmd,
+    policy_cmds,
+    probe_cmd,
+    tune_cmd,
+)
 
 REGISTRY: list[Callable[[typer.Typer], None]] = [
     graph_cmd.register,
@@ -15,4 +23,5 @@ REGISTRY: list[Callable[[typer.Typer], None]] = [
     probe_cmd.register,
     policy_cmds.register,
     check_cmd.register,
+    export_cmds.register,
 ]

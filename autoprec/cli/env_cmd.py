@@ -56,7 +56,7 @@ def env_cmd(
         typer.echo(f"{section.replace('_', ' ')}:")
         for name, answer in info.get(section, {}).items():
             mark = "yes" if answer["ok"] else "no "
-            typer.echo(f"  {name:<10} {mark}  {answer['reason']}")
+            typer.echo(f"  {name:<15} {mark}  {answer['reason']}")
 
 
 def register(app: typer.Typer) -> None:

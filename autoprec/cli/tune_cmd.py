@@ -44,6 +44,7 @@ def tune_cmd(
     max_weight_mb: Annotated[float | None, typer.Option(help="Weight-memory budget: a plan whose weights take more megabytes on the device is not a choice (the model must fit the card).")] = None,
     memory_limit: Annotated[float | None, typer.Option(help="Gigabytes the device offers the tune (default: available host memory, or the GPU's): a model it cannot hold twice is refused up front.")] = None,
     compile_mode: Annotated[bool, typer.Option("--compile", help="Price plans as torch.compile (inductor) runs them: casts and pointwise ops fused between GEMMs; the policy records target.mode: compile.")] = False,
+    fuse_groups: Annotated[str, typer.Option(help="auto: layers a fused runtime runs as one GEMM (q/k/v, gate/up, an MoE layer's experts; by names and by a shared input) take one precision, as vLLM needs to load the plan (autoprec save); off: every layer its own.")] = "off",
     workers: Annotated[int, typer.Option(help="Run N worker processes on one shared study.")] = 1,
     measure: Annotated[bool, typer.Option("--measure/--no-measure", help="When the target is this machine (cpu, or the GPU here): calibrate its profile here first and time the winner against fp32 and one global autocast, never writing a plan measured slower.")] = True,
     mlflow_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: ./mlflow.db).")] = None,
@@ -69,7 +70,7 @@ def tune_cmd(
         pareto=pareto, out=out, locked=tuple(lock or ()), train_aware=train_aware,
         progress=not quiet and not json_out, measure=measure, report=report,
         compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
-        memory_limit_gb=memory_limit,
+        memory_limit_gb=memory_limit, fuse_groups=fuse_groups,
     ).validated(workers=workers, model=model, mlflow_uri=None if no_track else mlflow_uri)
     target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:

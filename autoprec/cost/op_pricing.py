@@ -64,6 +64,9 @@ class OpPricer:
     profile: DeviceProfile
     scale: float
     op_times: OpTimes | None
+    #: a fused runtime (vLLM's qkv_proj, gate_up_proj): GEMM-format leaves that read the
+    #: same activation in one format quantise it once (tune --fuse-groups auto)
+    shared_quant_inputs: bool = False
 
     # -- static per-op arrays ------------------------------------------------------------------
     def _static(self) -> None:
@@ -247,10 +250,20 @@ class OpPricer:
                 collect.append((self._cast_module(sch, c.event), Kernel(
                     "weight_cast" if c.weight else "cast",
                     float(n * (WIDTH[c.src[0]] + WIDTH[c.dst[0]])))))
+        done: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for f in sch.quant_inputs:
             n = self._numel[f.value]
             for code, fmt in _FORMAT_OF_CODE.items():
                 on = f.on & (f.fmt == code)
+                if self.shared_quant_inputs:  # quantised already, in this dtype: shared
+                    prev = done.get((f.value, code))
+                    if prev is not None:
+                        seen, src = prev
+                        dup = on & seen & (src == f.src)
+                        done[(f.value, code)] = (seen | on, np.where(seen, src, f.src))
+                        on = on & ~dup
+                    else:
+                        done[(f.value, code)] = (on.copy(), f.src.copy())
                 if not on.any():
                     continue
                 tm = fmt.quant_seconds(n, WIDTH[f.src], bw, launch)

@@ -16,7 +16,13 @@ between wrappers would run under the global fp16 autocast). So ``PolicyTrainer``
    ``fp16=True``: ``accelerator.backward`` scales the loss, the wrapped optimizer steps
    through ``scaler.step``/``update`` and reports a skipped step (Trainer then holds the LR
    schedule), and gradients are unscaled before clipping (``max_grad_norm``);
-4. logs ``loss_scale`` and ``skipped_steps`` with the loss.
+4. logs ``loss_scale`` and ``skipped_steps`` (counted by the scaler,
+   ``loss_scaler.CountingGradScaler``) with the loss, and ``train()``'s metrics carry
+   ``train_skipped_steps``, ``train_loss_scale`` and ``train_optimizer_steps``.
+
+``gradient_accumulation_steps > 1`` and ``torch_compile=True`` work as in ``Trainer``: the
+loss is scaled on every micro-batch, the scaler steps once per optimizer step; the compiled
+model is the policy-applied one (``apply_policy`` wraps forwards ``torch.compile`` traces).
 
 This also works on CPU, where accelerate refuses ``fp16=True`` outright. Usage::
 
@@ -30,7 +36,6 @@ Requires ``transformers`` and ``accelerate`` (``pip install autoprec[examples]``
 
 from __future__ import annotations
 
-import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,56 +44,29 @@ import torch
 
 from autoprec.apply.apply import ApplyOptions, PolicyHandle, apply_policy
 from autoprec.errors import InputError
+from autoprec.integrations.accel import attach_scaler
+from autoprec.loss_scaler import CountingGradScaler
 from autoprec.policy import Policy, load_policy
 from autoprec.train import check_fp32_masters, needs_grad_scaler
 
 try:
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError("autoprec.integrations.hf needs transformers and accelerate: "
                       "pip install 'autoprec[examples]'") from err
-
-
-def _unscale_gradients(self: Any, optimizer: Any = None) -> None:
-    """``Accelerator.unscale_gradients`` for a scaler accelerate did not create itself.
-
-    Accelerate unscales only when its own ``mixed_precision == "fp16"``; ours is "no" (no
-    global autocast), so clipping would see scaled gradients without this.
-    """
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    if self.scaler is None:
-        return
-    opts = self._optimizers if optimizer is None else (
-        optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
-    for opt in opts:
-        while isinstance(opt, AcceleratedOptimizer):
-            opt = opt.optimizer
-        self.scaler.unscale_(opt)
-
-
-class _ScalerStats(TrainerCallback):
-    """Counts optimizer steps the GradScaler skipped (gradient overflow)."""
-
-    def __init__(self, trainer: PolicyTrainer) -> None:
-        self.trainer = trainer
-        self.skipped = 0
-
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer.accelerator.optimizer_step_was_skipped:
-            self.skipped += 1
 
 
 class PolicyTrainer(Trainer):
     """``transformers.Trainer`` that trains under an autoprec policy (see module docs).
 
     Extra keyword arguments: ``policy`` (a Policy or a policy file), ``fp8_backend`` (the
-    fp8 layers' backend, as ``apply_policy``'s),
-    ``force`` (apply a policy whose fingerprint does not match, with a warning).
+    fp8 layers' backend, as ``apply_policy``'s; the train form prefers torchao's float8
+    training where its fp8 kernels run), ``force`` (apply a policy whose fingerprint does
+    not match, with a warning), ``init_scale`` (the GradScaler's first scale, 2**16).
     """
 
     def __init__(self, *args: Any, policy: Policy | str | Path, fp8_backend: str | None = None,
-                 force: bool = False, **kwargs: Any) -> None:
+                 force: bool = False, init_scale: float = 2.0**16, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
         if model is None:
             raise InputError("PolicyTrainer: pass model=...; model_init would build a model "
@@ -104,11 +82,9 @@ class PolicyTrainer(Trainer):
         # Decided before Trainer.__init__, which builds the accelerator.
         self.policy = policy
         self._needs_scaler = needs_grad_scaler(policy, model)
-        self._stats: _ScalerStats | None = None
+        self._init_scale = init_scale
         self.policy_handle: PolicyHandle | None = None
         super().__init__(*args, **kwargs)
-        self._stats = _ScalerStats(self)
-        self.add_callback(self._stats)
         # After Trainer placed the model: the capability checks see its real device.
         device = next((p.device for p in self.model.parameters()), self.args.device)
         # training: the train form (fp32 masters) whatever the policy's form
@@ -131,11 +107,8 @@ class PolicyTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         acc = self.accelerator
-        if self._needs_scaler:
-            acc.scaler = torch.amp.GradScaler(acc.device.type)
-            acc.unscale_gradients = types.MethodType(_unscale_gradients, acc)
-        else:
-            acc.scaler = None
+        attach_scaler(acc, CountingGradScaler(acc.device.type, init_scale=self._init_scale)
+                      if self._needs_scaler else None)
 
     # -- reporting -------------------------------------------------------------------------
     @property
@@ -150,13 +123,23 @@ class PolicyTrainer(Trainer):
 
     @property
     def skipped_steps(self) -> int:
-        return 0 if self._stats is None else self._stats.skipped
+        """Optimizer steps the GradScaler skipped (inf/nan gradients); 0 without one."""
+        s = self.scaler
+        return s.skipped_steps if isinstance(s, CountingGradScaler) else 0
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        if self.scaler is not None and "loss" in logs:
+        if isinstance(self.scaler, CountingGradScaler) and "loss" in logs:
             logs = {**logs, "loss_scale": self.loss_scale or 0.0,
                     "skipped_steps": float(self.skipped_steps)}
         super().log(logs, *args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; its metrics gain ``train_skipped_steps`` (and
+        ``train_loss_scale``, ``train_optimizer_steps``) when a GradScaler ran."""
+        out = super().train(*args, **kwargs)
+        if isinstance(self.scaler, CountingGradScaler):
+            out.metrics.update({f"train_{k}": v for k, v in self.scaler.counts().items()})
+        return out
 
     def remove_policy(self) -> None:
         """Uninstall the policy: the model's original forwards are restored."""

@@ -12,10 +12,17 @@ from collections.abc import Collection
 
 import torch
 
-from autoprec.capability import FP8_BACKENDS, best_fp8_backend, blockscale_capability, capability
+from autoprec.capability import (
+    FP8_BACKENDS,
+    TORCHAO_FP8_RECIPES,
+    best_fp8_backend,
+    blockscale_capability,
+    capability,
+)
 from autoprec.errors import InputError
 from autoprec.formats.gemm import BLOCK_SCALED, gemm_format
 from autoprec.lower import blockscale, fp8
+from autoprec.lower.torchao_fp8 import torchao_installed
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
@@ -26,14 +33,19 @@ def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
     return fp8.fp8_linear(module, x, backend)  # per-tensor current scaling
 
 
-def format_backends(used: Collection[str], fp8_backend: str | None, device: torch.device
-                    ) -> tuple[dict[str, str], str | None, str]:
+def format_backends(used: Collection[str], fp8_backend: str | None, device: torch.device,
+                    training: bool = False) -> tuple[dict[str, str], str | None, str]:
     """The backend each GEMM format runs on for a plan using precisions ``used``.
 
-    fp8: ``fp8_backend`` when given (emulated / torch / te), else the best this device
-    runs (``best_fp8_backend``: te, torch, else emulated); mxfp8 / nvfp4: the real
-    block-scaled kernels where they run, else emulation. Returns (backend by format, the
-    fp8 backend or None when no layer computes in fp8, why that fp8 backend).
+    fp8: ``fp8_backend`` when given (emulated / torch / te / torchao / torchao-rowwise),
+    else the best this device runs (``best_fp8_backend``: te, torch, else emulated; with
+    ``training`` (the train form) torchao before torch where its fp8 kernels run);
+    mxfp8 / nvfp4: the real block-scaled kernels where they run, else emulation. Returns
+    (backend by format, the fp8 backend or None when no layer computes in fp8, why that
+    fp8 backend). The torchao backends and te-delayed are training recipes: refused for the
+    deploy form;
+    a training plan's mxfp8 runs on torchao's MXFP8 training GEMMs where the block-scaled
+    kernels run (the ``torch`` backend's mxfp8 backward is emulated).
     """
     backend: str | None = None
     why = ""
@@ -41,14 +53,22 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
         if fp8_backend is not None and fp8_backend not in FP8_BACKENDS:
             raise InputError(f"unknown fp8 backend {fp8_backend!r}; expected one of "
                              f"{', '.join(FP8_BACKENDS)}")
+        if (fp8_backend in TORCHAO_FP8_RECIPES or fp8_backend == "te-delayed") \
+                and not training:
+            raise InputError(f"fp8 backend {fp8_backend!r} is a training recipe: it runs "
+                             "the train form; the deploy form's fp8 runs on emulated, torch "
+                             "or te")
         if fp8_backend is not None:
             backend, why = fp8_backend, capability("fp8", fp8_backend, device)[1]
         else:
-            backend, why = best_fp8_backend(device)
+            backend, why = best_fp8_backend(device, training=training)
     out = {"fp8": backend or "emulated"}
     for fmt in BLOCK_SCALED:
         if fmt in used:
-            out[fmt] = "torch" if blockscale_capability(fmt, "torch", device)[0] else "emulated"
+            real = blockscale_capability(fmt, "torch", device)[0]
+            # training: torchao's MXFP8 GEMMs run the backward in mxfp8 too
+            ao = training and fmt == "mxfp8" and real and torchao_installed()
+            out[fmt] = "torchao" if ao else "torch" if real else "emulated"
     return out, backend, why
 
 

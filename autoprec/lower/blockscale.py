@@ -9,6 +9,8 @@ when one is active), as ``fp8.fp8_linear`` does.
 
 Backends:
 - ``emulated``: quantise-dequantise and an fp32 matmul. Runs anywhere; for accuracy.
+- ``torchao`` (mxfp8, the train form where the block-scaled kernels run): torchao's
+  MXFP8 training GEMMs, fprop, dgrad and wgrad (``lower.torchao_fp8``).
 - ``torch``: ``torch.nn.functional.scaled_mm`` (torch >= 2.10's public scaled GEMM) with
   ``ScalingType.BlockWise1x32`` + E8M0 scales (MXFP8) or ``BlockWise1x16`` E4M3 scales plus
   a ``TensorWise`` fp32 scale (NVFP4), scales in the cuBLAS 128x4 swizzle
@@ -203,6 +205,10 @@ def blockscaled_linear(module: torch.nn.Module, x: torch.Tensor, fmt: str,
     ``CapabilityError`` when ``backend`` cannot run here (with the reason).
     """
     _check_fmt(fmt)
+    if backend == "torchao" and fmt == "mxfp8":  # torchao's MXFP8 training GEMMs
+        from autoprec.lower.torchao_fp8 import torchao_mxfp8_linear
+
+        return torchao_mxfp8_linear(module, x)
     if backend != "emulated":
         ok, why = blockscale_capability(fmt, backend, x.device)
         if not ok:

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec.errors import CapabilityError, PolicyError
 from autoprec.formats.gemm import ineligible_reason
-from autoprec.lower import backends
+from autoprec.lower import backends, torchao_fp8
 from autoprec.lower.autocast import suspend_target_fp32_ops, target_fp32_ops
 from autoprec.precisions import AUTOCAST_DTYPES, check_precision, is_gemm_format
 
@@ -320,6 +320,9 @@ def lowered_forward(
         why = ineligible_reason(module, precision)
         if why is not None:
             raise ValueError(why)
+        if precision == "fp8" and fp8_backend in torchao_fp8.RECIPES:
+            # the library module built now, eagerly: a compiled forward finds it
+            torchao_fp8.prepare(module, torchao_fp8.RECIPES[fp8_backend])
 
         @functools.wraps(inner)
         def format_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -5,8 +5,13 @@ Three backends compute the same thing:
   (fp8 GEMMs accumulate in fp32 too). Runs anywhere; for accuracy, not speed.
 - ``torch``: ``torch._scaled_mm`` (CUDA SM >= 8.9). It has no backward, wants K and N
   multiples of 16 and the second operand column-major, so it sits in an autograd.Function
-  whose backward runs the same e5m2 x e4m3 arithmetic.
-- ``te``: Transformer Engine's ``te.Linear`` sharing the module's weights (lazy import).
+  whose backward runs dgrad and wgrad as ``_scaled_mm`` too (e5m2 x e4m3).
+- ``te``: Transformer Engine's ``te.Linear`` sharing the module's weights (lazy import),
+  current scaling (``Float8CurrentScaling``); ``te-delayed``: the same with TE's delayed
+  scaling (``DelayedScaling``: scales from an amax history of past steps; torchao 0.18 has
+  no delayed scaling). fprop, dgrad and wgrad in fp8 either way.
+- ``torchao`` / ``torchao-rowwise``: torchao's float8 training (``lower.torchao_fp8``):
+  fprop, dgrad and wgrad in fp8 through the library (the train form's backend).
 
 The quantisation (per-tensor current scaling: scale = fmax / amax) is the format's own:
 ``autoprec.formats.fp8``.
@@ -20,6 +25,7 @@ import torch
 
 from autoprec.formats.fp8 import E4M3, E5M2, dequantize_fp8, fake_quant_fp8, quantize_fp8
 from autoprec.formats.gemm import linear_dims, linear_weight, stores_in_out
+from autoprec.lower import torchao_fp8
 from autoprec.lower.autocast import compute_dtype
 
 
@@ -36,6 +42,30 @@ def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.T
         bias=bias, out_dtype=out_dtype,
     )
     return y[:m] if pad else y
+
+
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+
+def _scaled_backward(gq: torch.Tensor, sg: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor,
+                     wq: torch.Tensor, sw: torch.Tensor, in_dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dgrad and wgrad as fp8 GEMMs (torch._scaled_mm, fp32 accumulate): dX (M, K) =
+    e5m2 dY (M, N) x e4m3 W (N, K); dW (N, K) = e5m2 dY^T (N, M) x e4m3 X (M, K), fp32.
+
+    _scaled_mm wants the first operand row-major, the second column-major, and the inner
+    dim a multiple of 16: wgrad's inner dim is the token count M, padded with zero rows
+    (they add nothing to the sums)."""
+    m = gq.shape[0]
+    pad = (-m) % 16
+    gp, xp = _pad_rows(gq, pad), _pad_rows(xq, pad)  # (M', N), (M', K)
+    inv_g, inv_w, inv_x = ((1.0 / s).reshape(()) for s in (sg, sw, sx))
+    grad_x = torch._scaled_mm(gp, wq.t().contiguous().t(), scale_a=inv_g, scale_b=inv_w,
+                              out_dtype=in_dtype)[:m]
+    grad_w = torch._scaled_mm(gp.t().contiguous(), xp.t().contiguous().t(), scale_a=inv_g,
+                              scale_b=inv_x, out_dtype=torch.float32)
+    return grad_x, grad_w
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -62,6 +92,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             if bias is not None:
                 y = y + bias.float()
         ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.backend = backend
         ctx.has_bias = bias is not None
         ctx.in_dtype = x.dtype
         ctx.w_dtype = weight.dtype
@@ -72,17 +103,23 @@ class _Fp8LinearFn(torch.autograd.Function):
         xq, sx, wq, sw = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         gq, sg = quantize_fp8(g2, E5M2)
-        g = dequantize_fp8(gq, sg)
-        grad_x = (g @ dequantize_fp8(wq, sw)).to(ctx.in_dtype)  # (M, K)
-        grad_w = (g.t() @ dequantize_fp8(xq, sx)).to(ctx.w_dtype)  # (N, K)
+        if ctx.backend == "torch":  # fp8 tensor cores for dgrad and wgrad too
+            grad_x, grad_w = _scaled_backward(gq, sg, xq, sx, wq, sw, ctx.in_dtype)
+            grad_w = grad_w.to(ctx.w_dtype)
+        else:
+            g = dequantize_fp8(gq, sg)
+            grad_x = (g @ dequantize_fp8(wq, sw)).to(ctx.in_dtype)  # (M, K)
+            grad_w = (g.t() @ dequantize_fp8(xq, sx)).to(ctx.w_dtype)  # (N, K)
         grad_b = g2.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         return grad_x.reshape(*grad_out.shape[:-1], -1), grad_w, grad_b, None, None, None
 
 
 def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulated") -> torch.Tensor:
     """Run a Linear-like ``module`` on ``x`` in fp8 with the given backend."""
-    if backend == "te":
-        return _te_linear(module, x)
+    if backend in ("te", "te-delayed"):
+        return _te_linear(module, x, delayed=backend == "te-delayed")
+    if backend in torchao_fp8.RECIPES:
+        return torchao_fp8.torchao_linear(module, x, torchao_fp8.RECIPES[backend])
     weight = linear_weight(module)
     bias = getattr(module, "bias", None)
     out_dtype = compute_dtype(x)
@@ -93,8 +130,9 @@ def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulate
 
 
 #: The attributes ``_weight_fp8`` and ``blockscale._weight_cache`` keep a module's
-#: quantised weight in (one more copy of the weight, in 8 or 4 bits, with its scales).
-WEIGHT_CACHES = ("_autoprec_fp8_weight", "_autoprec_block_weight")
+#: quantised weight in (one more copy of the weight, in 8 or 4 bits, with its scales), and
+#: the one the torchao backend keeps its library module in.
+WEIGHT_CACHES = ("_autoprec_fp8_weight", "_autoprec_block_weight", torchao_fp8.CACHE_ATTR)
 
 
 def drop_weight_caches(model: torch.nn.Module) -> int:
@@ -127,8 +165,9 @@ def _weight_fp8(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.Te
     return wq_sw
 
 
-def _te_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Transformer Engine path: a te.Linear sharing this module's weight and bias."""
+def _te_linear(module: torch.nn.Module, x: torch.Tensor, delayed: bool = False) -> torch.Tensor:
+    """Transformer Engine path: a te.Linear sharing this module's weight and bias; current
+    scaling, or ``delayed`` scaling (TE's ``DelayedScaling`` recipe)."""
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe
@@ -153,7 +192,8 @@ def _te_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     pad = (-x2.shape[0]) % 16
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
-    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling()):
+    fp8_recipe = recipe.DelayedScaling() if delayed else recipe.Float8CurrentScaling()
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
         y = te_mod(x2)
     if pad:
         y = y[: x2.shape[0] - pad]

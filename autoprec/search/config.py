@@ -35,6 +35,8 @@ from autoprec.validate import (
 )
 
 DEFAULT_MAX_ERROR = 0.01
+#: ``--fuse-groups`` values.
+FUSE_GROUPS = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class TuneConfig:
     memory_limit_gb: float | None = None
     #: a folder for the tables and plots (trials, front, per-layer, baselines)
     report: str | Path | None = None
+    #: "auto": a fused runtime's groups (q/k/v, gate/up, an MoE layer's experts;
+    #: ``trace.fused_groups``) take one precision; "off": every layer its own
+    fuse_groups: str = "off"
     _valid: bool = field(default=False, init=False, repr=False, compare=False)
 
     def validated(self, *, workers: int = 1, model: Any = None,
@@ -126,6 +131,9 @@ class TuneConfig:
             raise InputError(f"--form must be one of {', '.join(FORMS)}, got {form!r}")
         _check_positive(self.max_weight_mb, "--max-weight-mb", "megabytes")
         _check_positive(self.memory_limit_gb, "--memory-limit", "gigabytes")
+        if self.fuse_groups not in FUSE_GROUPS:
+            raise InputError(f"--fuse-groups must be one of {', '.join(FUSE_GROUPS)}, got "
+                             f"{brief(self.fuse_groups)}")
         if self.train_aware and form != "train":
             raise InputError("--train-aware checks that the plan trains like fp32, which runs "
                              "the train form (autocast over fp32 masters): drop --form deploy")
@@ -215,4 +223,4 @@ def _check_positive(value: Any, flag: str, unit: str) -> None:
         raise InputError(f"{flag} must be a positive number of {unit}, got {value!r}")
 
 
-__all__ = ["DEFAULT_MAX_ERROR", "OPTIONS", "TuneConfig"]
+__all__ = ["DEFAULT_MAX_ERROR", "FUSE_GROUPS", "OPTIONS", "TuneConfig"]

@@ -116,6 +116,8 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
     cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form)
             if profile is not None else target.cost_model(graph, deploy_bs))
+    if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
+        cost.shared_quant_inputs = True
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
         cost.max_weight_bytes = cfg.max_weight_mb * 1e6
     if not cfg.use_metric and spec.metric is not None:
@@ -174,7 +176,7 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
     regions = [p for p in REGIONS if p in cfg.precisions and p not in device_why
                and p in offered(prep.reference.default, PRECISIONS)]
     space = build_space(layers, allowed, excluded, cfg.precisions, locked=cfg.locked,
-                        regions=regions)
+                        regions=regions, fused=fused_layer_groups(prep, cfg, layers))
     if not any(len(v.choices) > 1 for v in space.all_variables):
         why = sorted({w for v in space.variables for w in v.excluded.values()}
                      | {device_why[p] for p in cfg.precisions if p in device_why})
@@ -183,6 +185,19 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
             f"{', '.join(p for p in cfg.precisions if p != 'fp32') or 'a precision below fp32'}"
             f" on {cfg.target}" + (f" ({'; '.join(why)[:300]})" if why else ""))
     return space
+
+
+def fused_layer_groups(prep: Prepared, cfg: TuneConfig, layers: list[str]
+                       ) -> list[list[str]]:
+    """With ``--fuse-groups auto``: the model's fused groups (``trace.fused_groups``, by
+    names and by one forward on the first calibration batch), members among ``layers``."""
+    if getattr(cfg, "fuse_groups", "off") != "auto":
+        return []
+    from autoprec.trace.fused_groups import fused_groups
+
+    known = set(layers)
+    groups = fused_groups(prep.net, lambda: prep.spec.run(prep.net, prep.calib[0], 0))
+    return [ms for g in groups if len(ms := [m for m in g.members if m in known]) >= 2]
 
 
 def reference_key(space: SearchSpace, refm: ModelReference) -> Key | None:

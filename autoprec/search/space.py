@@ -134,6 +134,7 @@ def build_space(
     locked: Iterable[str] = (),
     regions: Sequence[str] | None = None,
     max_variables: int = DEFAULT_MAX_VARIABLES,
+    fused: Iterable[Sequence[str]] = (),
 ) -> SearchSpace:
     """Build the space for GEMM ``layers`` (execution order).
 
@@ -146,7 +147,7 @@ def build_space(
     wanted = [p for p in PRECISIONS if p in set(precisions) | {"fp32"}]
     locked = list(locked)
     fixed: dict[str, str] = {}
-    per_layer: list[tuple[str, list[str], dict[str, str]]] = []
+    per_layer: list[tuple[list[str], list[str], dict[str, str]]] = []
     for layer in layers:
         if any(layer == lk or layer.startswith(lk + ".") for lk in locked):
             fixed[layer] = "fp32"
@@ -154,21 +155,22 @@ def build_space(
         why_not = dict(excluded.get(layer, {}))
         ok = set(allowed.get(layer, ()))
         choices = [p for p in wanted if (p in ok and p not in why_not) or p == "fp32"]
-        per_layer.append((layer, choices, {p: why_not[p] for p in wanted if p in why_not}))
+        per_layer.append(([layer], choices, {p: why_not[p] for p in wanted if p in why_not}))
     for lk in locked:
         fixed.setdefault(lk, "fp32")
 
+    per_layer = tie_fused(per_layer, fused)
     if len(per_layer) <= max_variables:
-        variables = [Variable(lay, [lay], ch, ex) for lay, ch, ex in per_layer]
+        variables = [Variable(_name(lays), lays, ch, ex) for lays, ch, ex in per_layer]
     else:
         groups: dict[str, Variable] = {}
-        for lay, ch, ex in per_layer:
-            key = group_key(lay)
+        for lays, ch, ex in per_layer:
+            key = group_key(_name(lays))
             g = groups.get(key)
             if g is None:
-                groups[key] = Variable(key, [lay], list(ch), dict(ex))
+                groups[key] = Variable(key, list(lays), list(ch), dict(ex))
             else:  # a group may only take what all its members may take
-                g.layers.append(lay)
+                g.layers.extend(lays)
                 g.choices = [c for c in g.choices if c in ch]
                 g.excluded.update(ex)
         variables = list(groups.values())
@@ -180,5 +182,49 @@ def build_space(
     return SearchSpace(variables, region, fixed)
 
 
+def _name(layers: Sequence[str]) -> str:
+    """A variable's name: its layer's path, or a fused group's as ``parent.{a,b,c}``."""
+    if len(layers) == 1:
+        return layers[0]
+    parents = {lay.rpartition(".")[0] for lay in layers}
+    if len(parents) == 1:
+        return f"{parents.pop()}.{{{','.join(lay.rpartition('.')[2] for lay in layers)}}}"
+    return "{" + ",".join(layers) + "}"
+
+
+def tie_fused(per_layer: list[tuple[list[str], list[str], dict[str, str]]],
+              fused: Iterable[Sequence[str]]
+              ) -> list[tuple[list[str], list[str], dict[str, str]]]:
+    """``(layers, choices, excluded)`` rows with each fused group's rows made one, at its
+    first member's place: the choices all members allow, and every member's exclusions,
+    each naming its member (``fp16: a.up_proj (one fused group): overflow, …``)."""
+    group_of = {lay: i for i, g in enumerate(fused) for lay in g}
+    rows: list[tuple[list[str], list[str], dict[str, str]]] = []
+    members: dict[int, list[tuple[str, list[str], dict[str, str]]]] = {}
+    at: dict[int, int] = {}
+    for lays, ch, ex in per_layer:
+        g = group_of.get(lays[0])
+        if g is None:
+            rows.append((lays, ch, ex))
+            continue
+        if g not in at:
+            at[g] = len(rows)
+            rows.append(([], [], {}))  # filled below
+        members.setdefault(g, []).append((lays[0], ch, ex))
+    for g, ms in members.items():
+        if len(ms) == 1:
+            rows[at[g]] = ([ms[0][0]], ms[0][1], ms[0][2])
+            continue
+        why: dict[str, str] = {}
+        for lay, _, ex in ms:
+            for p, w in ex.items():
+                text = w[len(p) + 2:] if w.startswith(f"{p}: ") else w
+                why[p] = (f"{why[p]}; " if p in why else f"{p}: ") + \
+                    f"{lay} (one fused group): {text}"
+        rows[at[g]] = ([lay for lay, _, _ in ms],
+                       [c for c in ms[0][1] if all(c in ch for _, ch, _ in ms)], why)
+    return rows
+
+
 __all__ = ["DEFAULT_MAX_VARIABLES", "Key", "REGION", "REGIONS", "SearchSpace", "Variable",
-           "build_space", "group_key"]
+           "build_space", "group_key", "tie_fused"]

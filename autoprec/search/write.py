@@ -85,6 +85,7 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
         "seed": cfg.seed, "sampler": "PlanSampler", "candidates": search.planner.method,
         "study": search.study_name, "storage": search.storage_desc,
         "data": search.meta["data"], "mlflow_run": search.meta.get("mlflow_run"),
+        "fuse_groups": cfg.fuse_groups,  # "auto": fused runtimes' groups took one precision
     }
 
 

@@ -1,4 +1,4 @@
-"""The cost experiments' scripts run end to end at toy sizes (CPU)."""
+"""The cost benchmarks' scripts run end to end at toy sizes (CPU)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every committed policy (``policies/*.yaml``, written by ``benchmarks/run_all.py``) still
 passes ``autoprec check`` on its model: the README's table cites these files.
 
-A policy names its model (``model.name``), which is ``experiments/<name>/model.py``. Each
+A policy names its model (``model.name``), which is ``examples/<name>/model.py``. Each
 model is loaded once per session and shared by its policies (MiniLM's load and the digits
 CNN's training take seconds). ``policies/examples/`` holds hand-written examples for other
 models and is tested in tests/policy.
@@ -27,7 +27,7 @@ SLOW_MODELS = {"minilm", "gpt", "vit", "digits_cnn"}  # seconds each; trap's sta
 def spec_of(name: str) -> ModelSpec:
     path = ROOT / "examples" / name / "model.py"
     if not path.exists():
-        raise AssertionError(f"no experiments/{name}/model.py for a committed policy of {name!r}")
+        raise AssertionError(f"no examples/{name}/model.py for a committed policy of {name!r}")
     return load_model_file(path)
 
 
