@@ -177,10 +177,24 @@ def _print_summary(s: dict[str, Any]) -> None:
                f"feasible: {feasible}")
     b = s["breakdown"]
     total = b["total_us"] or 1.0
-    typer.echo("est. forward: " + ", ".join(
-        f"{k} {b[k + '_us'] / total:.0%}" for k in PARTS)
-        + f" of {total:.1f} us; {b['casts']} casts + {b['weight_casts']} weight casts per "
-          f"forward, {b['kernels']} kernels")
+    if "forward_us" in b:  # the training form: the whole step (cost.step)
+        from autoprec.cost.step import STEP_PARTS
+
+        typer.echo("est. training step: " + ", ".join(
+            f"{k} {b[k + '_us'] / total:.0%}" for k in STEP_PARTS)
+            + f" of {total:.1f} us (forward {b['forward_us']:.1f}, backward "
+              f"{b['backward_us']:.1f}); {b['casts']} casts + {b['weight_casts']} weight "
+              f"casts per forward, {b['backward_casts']} in the backward")
+        if "memory" in b:
+            m = b["memory"]
+            typer.echo(f"est. training memory: peak {m['peak_mb']:.1f} MB = weights "
+                       f"{m['weights_mb']:.1f} + grads {m['grads_mb']:.1f} + optimizer "
+                       f"{m['optimizer_mb']:.1f} + saved activations {m['activations_mb']:.1f}")
+    else:
+        typer.echo("est. forward: " + ", ".join(
+            f"{k} {b[k + '_us'] / total:.0%}" for k in PARTS)
+            + f" of {total:.1f} us; {b['casts']} casts + {b['weight_casts']} weight casts "
+              f"per forward, {b['kernels']} kernels")
     if s["fp8_backend"]:
         typer.echo(f"fp8 backend: {s['fp8_backend']}")
     rooms = [r for r in s["headroom"] if isinstance(r["headroom"], float)]

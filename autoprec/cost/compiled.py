@@ -476,12 +476,20 @@ def _prec_name(code: int) -> str:
 
 
 def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int | None = None,
-                    mode: str = "eager", **kwargs: object) -> CostModel:
-    """The cost model of a deployment ``mode``: "eager" (op by op) or "compile" (inductor)."""
+                    mode: str = "eager", *, step: bool = False, fp8_backend: str | None = None,
+                    **kwargs: object) -> CostModel:
+    """The cost model of a deployment ``mode``: "eager" (op by op) or "compile" (inductor).
+    ``step``: in the training form, eager, the whole training step (``cost.step``: forward,
+    backward, optimizer; ``fp8_backend`` says how fp8 leaves run their backward)."""
     from autoprec.errors import InputError
 
     if mode not in MODES:
         raise InputError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}")
+    if step and mode == "eager" and kwargs.get("form", "train") == "train":
+        from autoprec.cost.step import StepCostModel, fp8_backward_of
+
+        return StepCostModel(graph, profile, batch_size,  # type: ignore[arg-type]
+                             fp8_backward=fp8_backward_of(fp8_backend), **kwargs)
     if mode == "compile":
         return CompiledCostModel(graph, profile, batch_size, **kwargs)  # type: ignore[arg-type]
     return CostModel(graph, profile, batch_size, **kwargs)  # type: ignore[arg-type]

@@ -78,6 +78,9 @@ class CostModel(OpPricer):
     all-fp32 plan. ``price(rules, codes)`` prices many plans at once for the search.
     """
 
+    #: replay the forward as a training step runs it (``cost.step.StepCostModel``)
+    grad_mode = False
+
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None,
                  form: str = "train", op_times: OpTimes | None = None) -> None:
@@ -167,7 +170,7 @@ class CostModel(OpPricer):
         ``form`` (default: the model's ``form``)."""
         region, prec, wrapped = rules.encode(codes)
         sch = replay(self.trace, region, prec, wrapped, self.device_type,
-                     form or self.form)
+                     form or self.form, grad=self.grad_mode)
         parts = self._price(sch)
         time = parts.sum(axis=1)
         reasons = dict(sch.reasons)
@@ -195,7 +198,8 @@ class CostModel(OpPricer):
         """The replay of the recorded forward under one plan (row 0)."""
         rs, row = self._row(policy, default)
         region, prec, wrapped = rs.encode(row)
-        return replay(self.trace, region, prec, wrapped, self.device_type, self._form(policy))
+        return replay(self.trace, region, prec, wrapped, self.device_type, self._form(policy),
+                      grad=self.grad_mode)
 
     def estimate(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> float:
         """Seconds per forward under ``policy`` (a Policy, or rules with ``default``)."""

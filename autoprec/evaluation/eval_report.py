@@ -131,6 +131,13 @@ def eval_report(model: str | Path | ModelSpec, policy_path: str | Path | Policy,
         "warnings": warns,
         "layers": layers,
     })
+    if tgt.form == "train" and pol.form == "train" and spec.loss is not None:
+        # the training form: a real step's backward audited too (apply.audit_step)
+        bwd = _backward_audit(spec, net, pol, tgt, force)
+        out["backward_audit"] = [r.to_dict() for r in bwd.rows]
+        out["audit_errors"] = [*out["audit_errors"], *bwd.errors]
+        if bwd.errors and out["feasible"]:
+            out["feasible"] = False
     speed = beside_baselines(a, spec, net, pol, tgt, measure=measure, force=force)
     out["speed_source"] = tgt.speed.note
     out["baselines"] = speed.to_dict()
@@ -141,6 +148,19 @@ def eval_report(model: str | Path | ModelSpec, policy_path: str | Path | Policy,
             "speedup": round(row.speedup, 4), "p10": round(row.p10, 4),
             "p90": round(row.p90, 4), "rounds": speed.rounds}
     return out
+
+
+def _backward_audit(spec: Any, net: Any, pol: Any, tgt: Any, force: bool) -> Any:
+    """The backward half of ``apply.audit_step`` on one calibration batch (the gradients
+    it leaves are dropped)."""
+    from autoprec.apply.audit_step import TrainingStep, audit_step
+
+    step = TrainingStep(net, spec.forward, spec.loss, spec.calibration_batches()[0])
+    try:
+        return audit_step(net, pol, step, target=tgt.name, fp8_backend=tgt.fp8_backend,
+                          force=force)[1]
+    finally:
+        net.zero_grad(set_to_none=True)
 
 
 __all__ = ["Evaluation", "eval_report"]

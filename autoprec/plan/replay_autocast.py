@@ -35,6 +35,7 @@ class AutocastReplay:
     """One walk over the recorded events; ``state`` holds every value's dtype per plan."""
 
     stored = False  # the deploy form (``StoredReplay``)
+    grad = False  # a training step's forward: no weight-cast cache (``lower.forward``)
 
     def __init__(self, trace: OpTrace, region: np.ndarray, precision: np.ndarray,
                  wrapped: np.ndarray, device_type: str) -> None:
@@ -61,7 +62,7 @@ class AutocastReplay:
                 self.leave(ev)
             else:
                 self.op(ev, idx)
-        if not self.stored:
+        if not self.stored and not self.grad:
             self._cached_weight_casts()
         self.sch.wrapper_calls = (self.wrappers() * self.calls()).sum(axis=1)
         self.sch.form = "deploy" if self.stored else "train"

@@ -74,12 +74,15 @@ def same_as(sch: Schedule, ref: int = 0) -> np.ndarray:
 
 
 def replay(trace: OpTrace, region: np.ndarray, precision: np.ndarray, wrapped: np.ndarray,
-           device_type: str, form: str = "train") -> Schedule:
+           device_type: str, form: str = "train", grad: bool = False) -> Schedule:
     """The schedule of ``trace`` under T plans given as (T, M) module arrays (compile.py),
     in the training form (autocast over fp32 masters) or the deploy form (weights stored in
-    each region's dtype, no autocast: ``StoredReplay``)."""
+    each region's dtype, no autocast: ``StoredReplay``). ``grad``: the forward of a training
+    step (grad mode on: apply keeps autocast's weight-cast cache off, every call casts)."""
     cls = StoredReplay if form == "deploy" else AutocastReplay
-    return cls(trace, region, precision, wrapped, device_type).run()
+    rep = cls(trace, region, precision, wrapped, device_type)
+    rep.grad = grad
+    return rep.run()
 
 
 __all__ = ["BF16", "Cast", "DTYPES", "F8", "FP16", "FP32", "OTHER", "QuantInput", "Schedule",

@@ -141,13 +141,15 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Tar
 def time_rows(rows: list[Row], target: Target, forward: Callable[[Any, Any], Any],
               net: torch.nn.Module, batch: Any, graph: LayerGraph, *, measure: bool,
               not_measured: str, at_batch: Any = None, timer: Timer | None = None,
-              seed: int = 0, force: bool = False) -> SpeedCheck:
+              seed: int = 0, force: bool = False, loss: Callable[[Any, Any], Any] | None = None
+              ) -> SpeedCheck:
     """Step 4's decision: ``rows`` (a plan, its candidates, its baselines) timed on
     ``batch`` where the target is this machine and ``measure`` says so (interleaved rounds
     in the target's mode, ``timing.measure_rows``), else their estimates, with why not
     timed (``not_measured`` for a local target, the speed source's note for a remote one).
     ``at_batch``: the cost model at ``batch``'s size (default: the target's, of ``graph``):
-    each timed row's estimate beside its measurement."""
+    each timed row's estimate beside its measurement. ``loss``: a training-form target times
+    training steps (``timing.measure_rows``)."""
     if not (measure and target.local):
         check = check_speed(rows, None)
         check.reason = target.speed.note if not target.local else not_measured
@@ -155,7 +157,17 @@ def time_rows(rows: list[Row], target: Target, forward: Callable[[Any, Any], Any
     if at_batch is None:
         at_batch = target.cost_model(graph, batch_size_of(batch) or 1)
     return measure_rows(rows, forward, net, batch, target, at_batch, timer=timer, seed=seed,
-                        force=force)
+                        force=force, loss=loss)
+
+
+def fill_train_bytes(rows: list[Row], cost: Any) -> None:
+    """Each training-form row's estimated training-step memory (``cost.step.train_bytes``),
+    shown beside its speed."""
+    from autoprec.cost.step import train_bytes
+
+    for r in rows:
+        if r.policy is not None and r.train_bytes is None:
+            r.train_bytes = train_bytes(cost, r.policy)
 
 
 def beside_baselines(a: Assessment, spec: ModelSpec, net: torch.nn.Module, policy: Policy,
@@ -190,9 +202,10 @@ def beside_baselines(a: Assessment, spec: ModelSpec, net: torch.nn.Module, polic
 
     rows += baseline_rows(a.cost, eval_error, None if budget is None else float(budget),
                           lambda p, form: Policy(default=p, form=form, model=model_id))
+    fill_train_bytes(rows, a.cost)
     check = time_rows(rows, target, spec.forward, net, spec.calibration_batches()[0], a.graph,
                       measure=measure, not_measured="not measured (no --measure)",
-                      force=force)
+                      force=force, loss=spec.loss)
     if check.measured:
         check.mark = "fastest within budget"
     else:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from autoprec.search.assess import time_rows
+from autoprec.search.assess import fill_train_bytes, time_rows
 from autoprec.search.baselines import tune_baseline_rows
 from autoprec.search.speed_rows import Row, SpeedCheck, Timer
 
@@ -75,12 +75,16 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                 seen.add(r.key)
                 rows.append(r)
     rows += rows_after
+    fill_train_bytes(rows, prep.cost)
     # an explicit profile (tune(profile=...): tests, experiments) prices the timed batch by
     # itself too; else the target's cost model at the calibration batch (time_rows)
     at_batch = (None if not timed or prep.cost.op_times is not None else
-                make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode))
+                make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode,
+                                form=target.form, step=target.form == "train",
+                                fp8_backend=target.fp8_backend))
     check = time_rows(rows, target, prep.spec.forward, prep.net, prep.calib[0], prep.graph,
                       measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,
+                      loss=prep.spec.loss,
                       not_measured="not measured (--no-measure)" if not cfg.measure else
                       "not measured: no plan within budget")
     if not check.measured:

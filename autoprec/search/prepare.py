@@ -114,12 +114,15 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
                             cache_dir=calibration_dir(out_path, cfg.cache_dir))
     # the one price source of a target (Target.cost_model): on a local CPU the model's
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
-    cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form)
+    cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form,
+                            step=target.form == "train", fp8_backend=target.fp8_backend)
             if profile is not None else target.cost_model(graph, deploy_bs))
     if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
         cost.shared_quant_inputs = True
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
         cost.max_weight_bytes = cfg.max_weight_mb * 1e6
+    if cfg.memory_limit_gb is not None and hasattr(cost, "max_train_bytes"):
+        cost.max_train_bytes = cfg.memory_limit_gb * 1e9  # a step over it cannot train
     if not cfg.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,

@@ -63,6 +63,8 @@ class Row:
     same_as: str | None = None  # timed once with this row (the same plan)
     source: Any = None  # the caller's object behind the row (a study candidate, ...)
     weight_bytes: int | None = None  # the weights the applied plan holds on the device
+    #: the training step's memory peak (``cost.step``: a training-form row priced as a step)
+    train_bytes: int | None = None
     faults: float | None = None  # measured on a CPU: minor page faults per forward (median)
     #: (speed-up, p10, p90) of the first timing where ``cold_confirm``'s slower one replaced
     #: it: the allocator state the estimate prices (no fresh pages)
@@ -91,6 +93,8 @@ class Row:
                                "measured_speedup": num(self.speedup),
                                "measured_p10": num(self.p10), "measured_p90": num(self.p90),
                                "weight_bytes": self.weight_bytes}
+        if self.train_bytes is not None:
+            out["train_memory_bytes"] = self.train_bytes
         if self.faults is not None:
             out["page_faults_per_forward"] = round(self.faults, 1)
         if self.warm is not None:
@@ -152,8 +156,9 @@ class SpeedCheck:
 
 def format_rows(check: Mapping[str, Any]) -> str:
     """``SpeedCheck.to_dict()`` as a table for people (tune's summary, eval)."""
+    train = any(r.get("train_memory_bytes") is not None for r in check["rows"])
     head = ("plan", "error", "est. speed-up", "measured (p10-p90)", "weights",
-            "within budget")
+            *(("train memory",) if train else ()), "within budget")
     cells = []
     for r in check["rows"]:
         err = "-" if r["error"] is None else _g(r["error"])
@@ -168,7 +173,9 @@ def format_rows(check: Mapping[str, Any]) -> str:
         weights = "-" if wb is None else f"{wb / 1e6:.1f} MB"
         name = r["name"] + (f" <- {check['mark']}" if r["name"] == check["chosen"] else "")
         name += f" (= {r['same_as']})" if r.get("same_as") else ""
-        cells.append((name, err, est, meas, weights, ok))
+        tb = r.get("train_memory_bytes")
+        mem = (("-" if tb is None else f"{tb / 1e6:.1f} MB",) if train else ())
+        cells.append((name, err, est, meas, weights, *mem, ok))
     widths = [max(len(str(c[i])) for c in [head, *cells]) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in [head, *cells]]

@@ -78,7 +78,13 @@ class Target:
     def cost_model(self, graph: Any, batch_size: int | None = None) -> Any:
         """The cost model of ``graph`` on this target, in its mode and form
         (``SpeedSource.cost_model``)."""
-        return self.speed.cost_model(graph, batch_size, self.mode, form=self.form)
+        backend = self.fp8_backend
+        if backend is None and self.local and self.device is not None:
+            from autoprec.capability import best_fp8_backend  # what apply will run here
+
+            backend = best_fp8_backend(self.device, training=self.form == "train")[0]
+        return self.speed.cost_model(graph, batch_size, self.mode, form=self.form,
+                                     fp8_backend=backend)
 
     def apply(self, model: Any, policy: Any, *, force: bool = False) -> Any:
         """``policy`` applied to ``model`` as this target runs it (its autocast op lists,

@@ -42,10 +42,12 @@ SAMPLE_S = 0.02
 
 def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: str, *,
                       inner: int = 1, fp8_backend: str | None = None, seed: int = 0,
-                      force: bool = False, cold: bool = False) -> Timer:
+                      force: bool = False, cold: bool = False,
+                      run_for: Callable[[Policy], Callable[[], Any]] | None = None) -> Timer:
     """A Timer for ``check_speed``: each plan applied around ``run()`` (the forward of one
     batch under ``torch.no_grad``), interleaved rounds on ``device`` (see the module doc).
-    ``cold``: the allocator trimmed before every timed forward (``_rounds``)."""
+    ``cold``: the allocator trimmed before every timed forward (``_rounds``). ``run_for``:
+    each plan's own callable instead (a training step, with a GradScaler where it has fp16)."""
     from autoprec.apply.apply import apply_policy
 
     def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
@@ -53,7 +55,8 @@ def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: s
                                                       fp8_backend=fp8_backend))
                   for name, pol in plans.items()}
         with _timing(device):
-            return _rounds({n: run for n in plans}, device, inner, seed, around, cold=cold)
+            runs = {n: run if run_for is None else run_for(pol) for n, pol in plans.items()}
+            return _rounds(runs, device, inner, seed, around, cold=cold)
 
     return timer
 
@@ -151,12 +154,16 @@ def _to_device(obj: Any, device: str) -> Any:
 
 def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, batch: Any,
                  target: Target, at_batch: Any, *, timer: Timer | None = None,
-                 seed: int = 0, force: bool = False) -> SpeedCheck:
+                 seed: int = 0, force: bool = False,
+                 loss: Callable[[Any, Any], Any] | None = None) -> SpeedCheck:
     """Time ``rows`` on the local ``target``'s device with ``forward(net, batch)`` (a copy
     of the model on a GPU), each plan applied as the target runs it (its fp8 backend), and
     decide; ``at_batch``: the cost model at the timed batch size (the estimate beside each
     measurement, and how many forwards make one sample). A compiled target (``--compile``)
-    times each plan ``torch.compile``'d (``compiled_timer``)."""
+    times each plan ``torch.compile``'d (``compiled_timer``). A training-form target with
+    model.py's ``loss`` times each plan as a real training step instead (forward, loss,
+    backward, AdamW; a GradScaler where it has fp16: ``cost.measure_step``) on a copy of the
+    model, eager."""
     import copy
 
     import torch
@@ -181,6 +188,10 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
         f", {inner} forwards per sample" if inner > 1 else "") + (
         ", torch.compile'd (one model copy per plan)" if target.compile else "")
     cold_timer = None
+    if timer is None and loss is not None and target.form == "train" and not target.compile:
+        timer, how = step_timer(net, forward, loss, batch, target, inner, seed, force), (
+            how.replace("forwards", "steps") + ", training steps (forward, loss, backward, "
+            "AdamW; GradScaler with fp16)")
     if timer is None:
         from autoprec.cost.measure import allocator_trim
 
@@ -198,4 +209,33 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
                        cold_timer=cold_timer)
 
 
-__all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "compiled_timer", "interleaved_timer", "measure_rows"]
+def step_timer(net: Any, forward: Callable[[Any, Any], Any], loss: Callable[[Any, Any], Any],
+                batch: Any, target: Target, inner: int, seed: int, force: bool) -> Timer:
+    """``interleaved_timer`` over training steps of one copy of ``net`` (its own AdamW per
+    plan, a GradScaler for a plan with fp16)."""
+    import copy
+
+    from autoprec.cost.measure_step import training_step, uses_fp16
+
+    mine = copy.deepcopy(net)
+    steps: dict[tuple, Callable[[], Any]] = {}
+
+    def run_for(pol: Policy) -> Callable[[], Any]:
+        key = (pol.default, tuple(sorted(pol.layers.items())), pol.form)
+        if key not in steps:
+            steps[key] = training_step(mine, forward, loss, batch, fp16=uses_fp16(pol))
+        return steps[key]
+
+    steps_of = interleaved_timer(mine, lambda: None, target.device or "cpu", target.name,
+                                 inner=inner, seed=seed, force=force,
+                                 fp8_backend=target.fp8_backend, run_for=run_for)
+
+    def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:
+        # a deploy-form row (16-bit stored weights) does not train: not timed as a step
+        return steps_of({n: p for n, p in plans.items() if p.form == "train"})
+
+    return timer
+
+
+__all__ = ["MAX_ROUNDS", "MIN_ROUNDS", "SAMPLE_S", "TIME_BUDGET_S", "compiled_timer",
+           "interleaved_timer", "measure_rows", "step_timer"]

@@ -19,6 +19,7 @@ import optuna
 import torch
 
 import autoprec
+from autoprec.cost.step import step_metrics
 from autoprec.paths import remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.reference import ModelReference
@@ -116,7 +117,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
         policy.target["mode"] = "compile"
     bd = prep.cost.breakdown(policy)
     policy.metrics.update({"est_casts": bd.casts, "weight_bytes": prep.cost.weight_bytes(policy),
-                           **speed_metrics(speed)})
+                           **speed_metrics(speed), **step_metrics(bd)})
     if not prep.reference.is_fp32:  # est_speedup stays over fp32 (DESIGN); this one over
         policy.reference = prep.reference.to_dict()  # the model as the user has it
         given = prep.cost.estimate(given_policy(prep.reference))
@@ -140,7 +141,8 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                          "calibration_error": min(chosen.calib.error, 1e30),
                          "est_speedup": chosen.calib.est_speedup, "feasible": float(feasible),
                          **{k: v for k, v in policy.metrics.items()
-                            if k in ("measured_speedup", "weight_bytes", "min_headroom")},
+                            if k in ("measured_speedup", "weight_bytes", "min_headroom",
+                                     "est_step_us", "est_train_peak_mb")},
                          "evaluations": search.scorer.evaluations,
                          "trials": search.driver.ran})
     import pandas as pd

@@ -132,6 +132,8 @@ class _Recorder:
         self.ambient = _DTYPE_OF.get(ref) if ref != "fp32" else None
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             self._new(t, "param", scales=False, param=name)
+        for t in model.parameters():
+            self.trace.values[self.ids[t]].trainable = t.requires_grad
         owners: dict[int, list[str]] = {}
         for name, t in [*model.named_parameters(remove_duplicate=False),
                         *model.named_buffers(remove_duplicate=False)]:

@@ -41,6 +41,9 @@ class Value:
     ndim: int = 1
     param: str = ""  # parameter/buffer name, for params
     owners: tuple[str, ...] = ()  # params shared by several modules: every owner's path
+    #: a parameter that requires grad (a training step computes its gradient, the
+    #: optimizer keeps its state); buffers and frozen parameters do not
+    trainable: bool = False
 
 
 @dataclass

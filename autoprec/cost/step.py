@@ -1,0 +1,308 @@
+"""The price of a whole training step under a plan: forward + backward + optimizer step.
+
+``StepCostModel`` is the training form's cost model (``tune --form train``, ``eval`` of a
+training-form policy): a plan's time is
+
+- the forward as ``CostModel`` prices it (every op, cast and quantise pass of the replay);
+- the backward derived from that replay (``plan.backward``): each GEMM's dgrad and wgrad at
+  the precision it really runs in, fused attention's backward, every cast's cast back, the
+  backward of norms, activations and adds, gradient accumulation, and a GEMM format's
+  gradient quantisation (``fp8_backward``: "fp8" as Transformer Engine, torchao's
+  ``Float8Linear`` and autoprec's ``torch`` backend run it, "fp32" as the ``emulated``
+  backend does: dequantised fp32 GEMMs);
+- the optimizer step over the fp32 masters (``Optimizer``; on a GPU fused AdamW: one pass
+  reading parameter, gradient, exp_avg, exp_avg_sq and writing three of them; on a CPU
+  torch's default loop over the parameters, eight passes each);
+- where a plan has an fp16 region, the GradScaler: the loss scaling, the unscale and
+  inf check of every gradient (a pass over the fp32 gradients unless the optimizer is
+  fused, which takes the scale itself) and the scale update.
+
+Each backward kernel is priced like a forward one: ``max(FLOPs / peak, bytes / bandwidth)
++ launch (+ GEMM set-up)``; on a CPU target with this machine's op timings, a gradient
+GEMM of an op timed here takes the forward GEMM's measured time at its precision (dgrad
+and wgrad have the forward's FLOPs over the same three dimensions; timed alone on this
+team's CPU they take what the forward takes), fused attention's backward 2.5x its
+forward's, and a pointwise op's backward at least its forward's (it reads dY and what the
+op saved, and writes dX). ``--batch-size`` is
+the training micro-batch.
+
+``breakdown`` splits the step into ``STEP_PARTS`` (fprop / dgrad / wgrad / casts /
+fp8_scaling / other / optimizer / scaler) and carries the step's memory
+(``cost.train_memory``); ``max_train_bytes`` makes a plan whose training memory is over it
+infeasible, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autoprec.cost.model import CostModel, device_type_of
+from autoprec.cost.op_pricing import _FORMAT_OF_CODE
+from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Breakdown, Priced
+from autoprec.cost.train_memory import (
+    ADAMW_STATE_BYTES,
+    TrainMemory,
+    saved_activation_bytes,
+    trainable_numel,
+)
+from autoprec.plan.backward import ATTENTION_BACKWARD, FP8_BACKWARDS, Backward, backward
+from autoprec.plan.compile import CODE, RuleSet
+from autoprec.plan.dtype_codes import FP16
+from autoprec.plan.schedule import Schedule
+from autoprec.policy.schema import Policy
+
+#: Where a training step's time goes.
+STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "optimizer",
+              "scaler")
+_P = {p: i for i, p in enumerate(STEP_PARTS)}
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An optimizer step's memory traffic over the fp32 masters."""
+
+    name: str
+    bytes_per_param: float  # reads + writes per trainable parameter per step
+    passes: int  # multi-tensor kernels per step (each launched once per tensor chunk)
+    fused: bool  # takes GradScaler's scale itself (no separate unscale pass)
+    state_bytes: float = ADAMW_STATE_BYTES  # optimizer state per parameter
+    #: tensors one kernel launch of a pass handles (1: a Python loop over the parameters)
+    tensors_per_launch: int = 110
+
+
+#: torch.optim.AdamW(fused=True): one kernel reading p, g, m, v and writing p, m, v (fp32).
+ADAMW_FUSED = Optimizer("adamw_fused", 7 * 4.0, 1, True)
+#: torch.optim.AdamW's foreach path (torch/optim/adamw.py ``_multi_tensor_adamw``): eight
+#: passes — decay p (r/w), lerp m (r m, g; w m), scale v (r/w), addcmul v (r v, g; w v),
+#: sqrt v (r v; w s), div s, add eps (r/w s each), addcdiv p (r p, m, s; w p): 20 x 4 bytes.
+ADAMW_FOREACH = Optimizer("adamw_foreach", 20 * 4.0, 8, False)
+#: torch.optim.AdamW on a CPU (no foreach, no fused by default): the same passes as the
+#: foreach path, one op per parameter tensor each.
+ADAMW_LOOP = Optimizer("adamw_loop", 20 * 4.0, 8, False, tensors_per_launch=1)
+OPTIMIZERS = {o.name: o for o in (ADAMW_FUSED, ADAMW_FOREACH, ADAMW_LOOP)}
+
+
+@dataclass
+class StepBreakdown(Breakdown):
+    """Where one plan's training step goes (``parts``: ``STEP_PARTS``), and its memory."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    memory: TrainMemory | None = None
+    backward_casts: int = 0
+    step_parts: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        out = super().to_dict()
+        out.update({"forward_us": round(self.forward_s * 1e6, 3),
+                    "backward_us": round(self.backward_s * 1e6, 3),
+                    "backward_casts": self.backward_casts})
+        if self.memory is not None:
+            out["memory"] = self.memory.to_dict()
+        return out
+
+
+class StepCostModel(CostModel):
+    """Seconds of one training step (forward + backward + optimizer) of plans on a profile.
+
+    ``estimate``, ``speedup``, ``price`` and ``breakdown`` are ``CostModel``'s, over the
+    step instead of the forward; a deploy-form policy is priced as its forward (inference).
+    """
+
+    grad_mode = True  # the forward of a step: autocast's weight-cast cache off
+
+    def __init__(self, graph: Any, profile: Any, batch_size: int | None = None, *,
+                 fp8_backward: str = "fp8", optimizer: Optimizer | None = None,
+                 **kwargs: Any) -> None:
+        if fp8_backward not in FP8_BACKWARDS:
+            raise ValueError(f"fp8_backward must be one of {FP8_BACKWARDS}, got {fp8_backward!r}")
+        self.fp8_backward = fp8_backward
+        # what torch.optim.AdamW runs by default: fused / foreach on a GPU (a trainer's
+        # choice: fused), a loop over the parameters on a CPU
+        dev = kwargs.get("device_type") or device_type_of(profile)
+        self.optimizer = optimizer or (ADAMW_LOOP if dev == "cpu" else ADAMW_FUSED)
+        #: a plan whose training step holds more bytes cannot run (``--memory-limit``)
+        self.max_train_bytes: float | None = None
+        self._n_params = trainable_numel(graph.ops) if graph.ops is not None else 0.0
+        self._n_tensors = (sum(1 for v in graph.ops.values if v.source == "param"
+                               and v.trainable and v.param) if graph.ops is not None else 0)
+        kwargs.pop("form", None)
+        super().__init__(graph, profile, batch_size, form="train", **kwargs)
+
+    # -- pricing ----------------------------------------------------------------------------------
+    def price(self, rules: RuleSet, codes: np.ndarray, form: str | None = None) -> Priced:
+        fwd = super().price(rules, codes, form)
+        if (form or self.form) != "train":  # stored 16-bit weights: the step's updates are lost
+            why = "--form train: it stores no fp32 masters"  # as search.baselines says it
+            return Priced(np.full_like(fwd.time, math.inf), fwd.parts, fwd.schedule,
+                          {**{r: why for r in range(len(fwd.time))}, **fwd.reasons})
+        sch = fwd.schedule
+        bwd = backward(sch, self.fp8_backward)
+        step = self._step_parts(sch, fwd.parts, bwd)
+        reasons = dict(fwd.reasons)
+        bad = ~np.isfinite(fwd.time)
+        if self.max_train_bytes is not None:
+            mem = self.memory_of(sch, bwd, rules, codes)
+            over = mem > self.max_train_bytes
+            for row in np.flatnonzero(over & ~bad):
+                reasons.setdefault(int(row), f"training memory {mem[row] / 1e9:.2f} GB > "
+                                             f"--memory-limit {self.max_train_bytes / 1e9:g} GB")
+            bad = bad | over
+        time = np.where(bad, math.inf, step.sum(axis=1))
+        out = Priced(time, fwd.parts, sch, reasons)
+        out.step = step  # type: ignore[attr-defined]
+        return out
+
+    def _step_parts(self, sch: Schedule, fwd: np.ndarray, bwd: Backward) -> np.ndarray:
+        """(T, len(STEP_PARTS)) seconds."""
+        t = sch.plans
+        out = np.zeros((t, len(STEP_PARTS)))
+        out[:, _P["fprop"]] = fwd[:, _GEMM]
+        out[:, _P["casts"]] = fwd[:, _CAST]
+        out[:, _P["fp8_scaling"]] = fwd[:, _FP8]
+        out[:, _P["other"]] = fwd[:, _OTHER]
+        for k, sec in self._kernel_seconds(sch, bwd):
+            out[:, _P[k.part]] += np.where(k.on, sec, 0.0)
+        out[:, _P["optimizer"]] = self._optimizer_s()
+        fp16 = np.zeros(t, dtype=bool)
+        for codes in sch.compute:
+            if codes is not None:
+                fp16 |= np.asarray(codes) == CODE["fp16"]
+        for w in sch.writes:
+            fp16 |= (w == FP16).any(axis=0)  # an fp16 region ran
+        out[:, _P["scaler"]] = np.where(fp16, self._scaler_s(), 0.0)
+        return out
+
+    def _kernel_seconds(self, sch: Schedule, bwd: Backward):  # noqa: ANN202
+        """(kernel, (T,) seconds) of every backward kernel."""
+        bw, launch = self._bw, self._launch
+        for k in bwd.kernels:
+            nbytes = sum((self._numel[v] * w for v, w in k.terms), np.zeros(sch.plans))
+            if k.quant is not None:
+                v, src_w, fmt_codes = k.quant
+                sec = np.zeros(sch.plans)
+                for code, fmt in _FORMAT_OF_CODE.items():
+                    on = fmt_codes == code
+                    if on.any():
+                        sec = np.where(on, fmt.quant_seconds(self._numel[v], src_w, bw, launch),
+                                       sec)
+                yield k, sec
+                continue
+            if k.compute is None:
+                sec = nbytes / bw + launch
+                if k.what == "pointwise" and k.op >= 0 and self._timed[k.op] is not None:
+                    # reading dY and what it saved, writing dX: at least its forward's time
+                    fwd_s = self._op_seconds(k.op, sch, None)
+                    sec = np.where(np.isnan(fwd_s), sec, np.maximum(sec, fwd_s))
+                yield k, sec
+                continue
+            fwd_flops = self.trace.ops[k.op].flops
+            scale = self._op_flops[k.op] / fwd_flops if fwd_flops else 1.0
+            peak = self._peak[k.compute]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ct = np.where(peak > 0, k.flops * scale / np.where(peak > 0, peak, 1.0),
+                              math.inf)
+            sec = np.maximum(ct, nbytes / bw) + launch + self._setup[k.compute]
+            timed = self._timed[k.op]
+            if timed is not None:  # this machine's time of the forward op, per precision
+                got = timed[k.compute] * (ATTENTION_BACKWARD if k.what == "attention" else 1.0)
+                sec = np.where(np.isnan(got), sec, got)
+            yield k, sec
+
+    def _optimizer_s(self) -> float:
+        o = self.optimizer
+        launches = o.passes * max(1, math.ceil(self._n_tensors / o.tensors_per_launch))
+        return o.bytes_per_param * self._n_params / self._bw + launches * self._launch
+
+    def _scaler_s(self) -> float:
+        """GradScaler: loss * scale, the unscale + inf check (one read and write of every
+        fp32 gradient, unless the fused optimizer takes the scale), the scale update."""
+        unscale = 0.0 if self.optimizer.fused else 8.0 * self._n_params / self._bw
+        launches = 2 + (0 if self.optimizer.fused else
+                        max(1, math.ceil(self._n_tensors / self.optimizer.tensors_per_launch)))
+        return unscale + launches * self._launch
+
+    # -- memory -----------------------------------------------------------------------------------
+    def memory_of(self, sch: Schedule, bwd: Backward, rules: RuleSet,
+                  codes: np.ndarray) -> np.ndarray:
+        """(T,) training-memory peak (``TrainMemory.peak_bytes``) of the plans."""
+        region, prec, _ = rules.encode(codes)
+        weights = self._weight_bytes(region, prec, "train")
+        acts = saved_activation_bytes(sch, bwd, self._numel)
+        fixed = self._n_params * (4.0 + self.optimizer.state_bytes)
+        return weights + acts + fixed
+
+    def train_memory(self, policy: Policy | dict[str, str], default: str = "fp32"
+                     ) -> TrainMemory:
+        """Weights, gradients, optimizer state and saved activations of one plan."""
+        rs, row = self._row(policy, default)
+        region, prec, _ = rs.encode(row)
+        sch = self.schedule(policy, default)
+        bwd = backward(sch, self.fp8_backward)
+        return TrainMemory(float(self._weight_bytes(region, prec, "train")[0]),
+                           4.0 * self._n_params, self.optimizer.state_bytes * self._n_params,
+                           float(saved_activation_bytes(sch, bwd, self._numel)[0]))
+
+    def breakdown(self, policy: Policy | dict[str, str], default: str = "fp32") -> Breakdown:
+        fwd = super().breakdown(policy, default)
+        if self._form(policy) != "train":
+            return fwd
+        sch = self.schedule(policy, default)
+        bwd = backward(sch, self.fp8_backward)
+        fparts = np.array([[fwd.parts[p] for p in ("gemm", "cast", "gemm_format_scaling",
+                                                   "other")]])
+        step = self._step_parts(sch, fparts, bwd)[0]
+        parts = {p: float(step[i]) for i, p in enumerate(STEP_PARTS)}
+        opt = parts["optimizer"] + parts["scaler"]
+        total = float(step.sum())
+        return StepBreakdown(
+            total if fwd.invalid is None else math.inf, parts, fwd.casts, fwd.weight_casts,
+            fwd.kernels + sum(1 for k in bwd.kernels if k.on[0]), fwd.by_module,
+            fwd.gemm_precision, fwd.invalid, forward_s=fwd.total_s,
+            backward_s=total - fwd.total_s - opt if math.isfinite(fwd.total_s) else math.inf,
+            memory=self.train_memory(policy, default),
+            backward_casts=sum(1 for k in bwd.kernels if k.what == "cast" and k.on[0]),
+            step_parts=parts)
+
+
+def step_metrics(bd: Breakdown) -> dict[str, float]:
+    """The policy's metrics of a training step's breakdown (flat, for the YAML file and
+    MLflow): the step's estimated microseconds per part and its memory; {} for a forward's."""
+    if not isinstance(bd, StepBreakdown) or not math.isfinite(bd.total_s):
+        return {}
+    out = {"est_step_us": round(bd.total_s * 1e6, 3)}
+    out.update({f"est_{k}_us": round(v * 1e6, 3) for k, v in bd.parts.items()})
+    if bd.memory is not None:
+        out.update({f"est_train_{k}": v for k, v in bd.memory.to_dict().items()})
+    return out
+
+
+def train_bytes(cost: CostModel, policy: Policy) -> int | None:
+    """The estimated training-memory peak of ``policy`` (None: not priced as a step)."""
+    if not isinstance(cost, StepCostModel) or policy.form != "train":
+        return None
+    return int(cost.train_memory(policy).peak_bytes)
+
+
+def fp8_backward_of(backend: str | None) -> str:
+    """How an fp8 backend runs the backward: "fp32" for the ``emulated`` backend
+    (dequantised fp32 GEMMs, ``lower.fp8._Fp8LinearFn``), "fp8" for the others — Transformer
+    Engine (``te``, ``te-delayed``), torchao's Float8Linear (``torchao``, ``torchao-rowwise``),
+    autoprec's ``torch`` backend (dgrad and wgrad as ``_scaled_mm``) — and for a target
+    priced from its profile alone (None)."""
+    return "fp32" if backend == "emulated" else "fp8"
+
+
+def step_cost_model(cost: CostModel, **kwargs: Any) -> StepCostModel:
+    """The step cost model of the same graph, profile, batch and op timings as ``cost``."""
+    return StepCostModel(cost.graph, cost.profile, cost.batch_size,
+                         device_type=cost.device_type, op_times=cost.op_times, **kwargs)
+
+
+__all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "ADAMW_LOOP", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
+           "StepBreakdown", "StepCostModel", "fp8_backward_of", "step_cost_model",
+           "step_metrics", "train_bytes"]

@@ -1,0 +1,56 @@
+"""Smoke tests of the training-step benchmark scripts (``benchmarks/train_step_*.py``): their
+tables on tiny configs, so a change that breaks them fails here, not in a long run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from autoprec.trace import trace
+from tests.helpers import ROOT
+
+
+def _script(name: str) -> ModuleType:
+    path = ROOT / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tiny_gpt2() -> tuple[torch.nn.Module, torch.Tensor]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=32,
+                     use_cache=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg).eval(), torch.randint(0, 128, (1, 32))
+
+
+def test_priced_table_has_every_plan_on_both_devices() -> None:
+    bench = _script("train_step_priced")
+    model, ids = _tiny_gpt2()
+    graph = trace(model, ids, tracers=("hooks",), forward=lambda m, b: m(input_ids=b).logits)
+    plans = bench.plans(graph)
+    fp8 = plans["fp8 everywhere (TE)"][0].layers
+    kept = plans["fp8 first/last bf16 (TE)"][0].layers
+    assert fp8 and set(kept) < set(fp8)  # the first and last blocks stay bf16
+    assert not any(p.startswith(("transformer.h.0.", "transformer.h.2.")) for p in kept)
+    lines = bench.table("tiny", graph, 8)
+    rows = [ln for ln in lines if ln.startswith("| fp32 |")]
+    assert len(rows) == len(bench.DEVICES) and all("| 1.00x |" in r for r in rows)
+    assert sum(ln.startswith("| fp8, dequantised fp32 backward") for ln in lines) == len(
+        bench.DEVICES)
+
+
+def test_cpu_script_offers_the_one_liners_and_a_plan(tmp_path: Path) -> None:
+    bench = _script("train_step_cpu")
+    model, _ = _tiny_gpt2()
+    plans = bench.plans(model, None)
+    assert [p.default for p in plans.values()] == ["fp32", "bf16", "fp16", "bf16"]
+    mixed = list(plans.values())[-1]
+    assert set(mixed.layers.values()) == {"fp32"} and mixed.form == "train"
