@@ -27,10 +27,9 @@ __version__ = "0.1.0"
 #: public name -> "module" (the same name there) or "module:name there"
 _EXPORTS = {
     "tune": "autoprec.api",
-    "TuneConfig": "autoprec.search.config",
-    "TuneResult": "autoprec.search.write",
-    # TODO(issue 48): the one public Target of branch i48a replaces this one when it lands
-    "Target": "autoprec.search.target",
+    "TuneConfig": "autoprec.tuning.config",
+    "TuneResult": "autoprec.tuning.write",
+    "Target": "autoprec.evaluation.target",
     "check": "autoprec.api",
     "CheckResult": "autoprec.evaluation.check",
     "evaluate": "autoprec.api",
@@ -55,14 +54,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.errors import AutoprecError
     from autoprec.evaluation.check import CheckResult
     from autoprec.evaluation.eval_report import Evaluation
+    from autoprec.evaluation.target import Target
     from autoprec.policy import Policy, load_policy
     from autoprec.probe import SensitivityTable
     from autoprec.probe import probe as probe_model
-    from autoprec.search.config import TuneConfig
-    from autoprec.search.target import Target
-    from autoprec.search.write import TuneResult
     from autoprec.trace import trace as trace_model
     from autoprec.trace.graph import LayerGraph
+    from autoprec.tuning.config import TuneConfig
+    from autoprec.tuning.write import TuneResult
 
 
 def __getattr__(name: str) -> Any:

@@ -27,9 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.evaluation.check import CheckResult
     from autoprec.evaluation.eval_report import Evaluation
     from autoprec.policy import Policy
-    from autoprec.search.config import TuneConfig
-    from autoprec.search.write import TuneResult
     from autoprec.track import Tracker
+    from autoprec.tuning.config import TuneConfig
+    from autoprec.tuning.write import TuneResult
 
 Batch = Any
 Forward = Callable[["torch.nn.Module", Batch], Any]
@@ -63,7 +63,7 @@ def tune(model: ModelLike, config: TuneConfig | None = None, *,
     one). ``profile``: a DeviceProfile to price with instead of the target's. Returns the
     ``TuneResult`` (``policy``, ``path``, ``error``, ``est_speedup``, ``feasible``, …).
     """
-    from autoprec.search.tune import tune as run_tune
+    from autoprec.tuning.tune import tune as run_tune
 
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,
                    loss=loss, name=name, caller="tune")

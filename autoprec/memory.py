@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -205,6 +206,7 @@ class StagePeaks:
     def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.model = model
         self.peaks: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}  # wall time of each stage
         self.resettable = True
 
     def _cuda(self) -> bool:
@@ -219,10 +221,12 @@ class StagePeaks:
             reset_peak(self.model)
         elif not _reset_hwm():
             self.resettable = False
+        started = time.monotonic()
         try:
             yield
         finally:
             self.peaks[name] = max(self.peaks.get(name, 0), self._peak())
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
 
     def _peak(self) -> int:
         if self._cuda():

@@ -81,7 +81,7 @@ class ModelReference:
 
     def rules(self) -> dict[str, str]:
         """The model as given as deploy-form rules: ``default`` plus these (exact for a
-        uniform 16-bit model: it changes no tensor); ``search.plan_scorer.given_policy``."""
+        uniform 16-bit model: it changes no tensor); ``study.objective.given_policy``."""
         return dict(self.islands)
 
     def to_dict(self) -> dict[str, Any]:

@@ -37,8 +37,8 @@ from autoprec.plan import assignment
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.policy.modules import format_eligible
 from autoprec.scoring import reference, score
-from autoprec.search.tune import tune
 from autoprec.trace import trace
+from autoprec.tuning.tune import tune
 from benchmarks.common import RESULTS, example
 
 HERE = Path(__file__).resolve().parent

@@ -2,7 +2,7 @@
 each winner the fastest in its own mode here?
 
 For each model: the CPU profile is calibrated twice on this machine, as ``autoprec tune
---target cpu`` calibrates it (``search.speed_source.calibrate_here``: single GEMMs per
+--target cpu`` calibrates it (``evaluation.speed_source.calibrate_here``: single GEMMs per
 precision, a copy, a tiny add — eager, and ``torch.compile``'d with the compiled call's
 own time fitted) — then ``tune(..., target="cpu")`` runs once per mode (``compile=True`` prices plans as inductor runs them),
 each with its mode's calibrated profile, as a user runs it: its last step times the plan
@@ -38,12 +38,12 @@ import torch
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.compiled import CompiledCostModel
+from autoprec.evaluation.speed_source import calibrate_here
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, PolicyWarning
 from autoprec.scoring import reference, score
-from autoprec.search.speed_source import calibrate_here
-from autoprec.search.tune import tune
 from autoprec.trace import trace
+from autoprec.tuning.tune import tune
 from benchmarks import compile_cost
 from benchmarks.common import example
 

@@ -1,11 +1,11 @@
 """Tuned for the CPU at hand, measured on it: tuned vs fp32 vs one CPU autocast (issue 21).
 
-For each model, ``autoprec.search.tune.tune(..., target="cpu")`` as a user runs it: the
+For each model, ``autoprec.tuning.tune.tune(..., target="cpu")`` as a user runs it: the
 ``cpu`` profile is calibrated on this machine first (micro-benchmarks, cached per machine:
-``autoprec/search/speed_source.py``), the search prices plans on it, and the last step
+``autoprec/evaluation/speed_source.py``), the search prices plans on it, and the last step
 times the chosen plan, the next candidates, fp32 and one global bf16 / fp16 autocast,
 interleaved (one torch thread, thread CPU time, one calibration batch; median of per-round
-ratios to fp32, p10-p90 as the spread: ``autoprec/search/timing.py``), writing the
+ratios to fp32, p10-p90 as the spread: ``autoprec/evaluation/timing.py``), writing the
 fastest measured plan within budget. This prints, per model, the written plan's measured
 and estimated speed-up beside fp32's and one CPU autocast's, and two checks of the issue:
 
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from autoprec.capability import cpu_facts
-from autoprec.search.speed_rows import label
-from autoprec.search.tune import tune
+from autoprec.evaluation.rows import label
+from autoprec.tuning.tune import tune
 from benchmarks.common import example
 
 #: model -> (budget kind, budget): issue 21's MiniLM at 3 % and wide MLP at 5 %, mixed8 at

@@ -37,11 +37,11 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import cpu_facts
+from autoprec.evaluation.rows import label
 from autoprec.loading import load_model_file
 from autoprec.lower.stored import cast_tree
 from autoprec.scoring import reference, score
-from autoprec.search.speed_rows import label
-from autoprec.search.tune import tune
+from autoprec.tuning.tune import tune
 from benchmarks.common import example
 
 #: (model folder, deployment batch size or None, budget) for the h100 part

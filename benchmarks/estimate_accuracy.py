@@ -1,11 +1,11 @@
 """Is the CPU estimate right? Every timed row of a tune, estimated vs measured (issue 29).
 
 For each example model (examples/) that runs on a CPU, eager and ``--compile``, this runs
-``autoprec.search.tune.tune(..., target="cpu")`` as a user runs it: the ``cpu`` profile
+``autoprec.tuning.tune.tune(..., target="cpu")`` as a user runs it: the ``cpu`` profile
 calibrated here, the model's own ops timed here (``autoprec/cost/op_times.py``, cached),
 the search priced on both, and tune's last step timing the written plan, the next
 candidates and every baseline (fp32, one global bf16 / fp16 autocast, ``model.to(bf16)``
-/ ``model.to(fp16)``) interleaved on one torch thread (``search.timing``). For every timed
+/ ``model.to(fp16)``) interleaved on one torch thread (``evaluation.timing``). For every timed
 row it prints the estimate at the timed batch next to the measurement, and checks:
 
 - ``|est / measured - 1| <= 20 %`` for the written plan and each baseline row;
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from autoprec.capability import cpu_facts, cpu_flags
-from autoprec.search.speed_source import speed_source
-from autoprec.search.tune import tune
+from autoprec.evaluation.speed_source import speed_source
+from autoprec.tuning.tune import tune
 from benchmarks.common import RESULTS, example
 
 #: one file per set of modes and CPU class: estimate_accuracy-eager-avx2.md, ...
@@ -79,7 +79,7 @@ def rows_of(name: str, mode: str, res: Any) -> list[dict[str, Any]]:
             "written": win is not None and (r is win or r.name == win.same_as
                                             or r.same_as == win.name),
             # the estimate prices the allocator state without fresh pages: a row that
-            # tune's cold confirmation timed again (speed_rows.cold_confirm) is compared at
+            # tune's cold confirmation timed again (evaluation.timing.cold_confirm) is compared at
             # its first timing, and its cold one is shown beside it
             "est": r.est_measured_batch, "measured": warm[0], "p10": warm[1], "p90": warm[2],
             "off": r.est_measured_batch / warm[0] - 1.0, "same_as": r.same_as if same else "",

@@ -1,7 +1,7 @@
 """Tune every experiment model for its budgets and targets, and set each tuned policy beside
 what a user would do instead: one line of ``torch.autocast`` (issues 10, 13).
 
-For each model x target x budget below, ``autoprec.search.tune.tune`` finds a plan at a
+For each model x target x budget below, ``autoprec.tuning.tune.tune`` finds a plan at a
 deployment batch size where lowering matters on a GPU, and writes the compact policy to
 ``policies/<model>-<target>[-<budget>].yaml``. Every row is priced the same way — the
 cost model's replay of the whole forward under the plan (GEMMs, every cast, norms,
@@ -50,9 +50,9 @@ from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.policy.modules import format_eligible
 from autoprec.precisions import PRECISIONS
 from autoprec.scoring import Score, reference, score
-from autoprec.search.tune import TuneResult, tune
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
+from autoprec.tuning.tune import TuneResult, tune
 from benchmarks.common import RESULTS, example
 
 HERE = Path(__file__).resolve().parent

@@ -3,7 +3,7 @@
 Data: scikit-learn's handwritten digits (1797 8x8 images, bundled; the same stratified
 75/25 split, seed 0, as examples/digits_cnn): 1347 train, 450 test images.
 
-1. Train the CNN in fp32 and tune a policy for it with ``autoprec.search.tune.tune``
+1. Train the CNN in fp32 and tune a policy for it with ``autoprec.tuning.tune.tune``
    (target t4: fp16 is the only low precision it has; budget: accuracy drop <= 0.005;
    priced at a deployment batch of 4096 images — at the training batch of 64 every layer
    is launch-bound and the cost model rightly keeps everything fp32).
@@ -244,7 +244,7 @@ def fp32_trained(epochs: int, lr: float) -> nn.Module:
 
 
 def tune_policy(workdir: Path, epochs: int, lr: float, trials: int) -> tuple[Policy, str]:
-    from autoprec.search.tune import tune
+    from autoprec.tuning.tune import tune
 
     trained = fp32_trained(epochs, lr)
     x, y, xt, yt = split()

@@ -7,7 +7,7 @@ examples (trap, mixed8) run at issue 14's budgets 0.005 / 0.01 / 0.03 / 0.05 and
 ones (trap 0.0005, mixed8 0.001 / 0.002) where the fastest plan is not feasible and the
 walk has to work:
 
-1. ``tune``: ``autoprec.search.tune.tune`` as a user calls it (default trials and
+1. ``tune``: ``autoprec.tuning.tune.tune`` as a user calls it (default trials and
    precisions, in-memory study, no tracking): the planner prices every plan (or a Lagrangian
    descent's candidates on large spaces) and measures them fastest first where the probes'
    corrected prediction is within the walk's limit (``search/planner.py``), until the
@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from autoprec.search.tune import TuneResult, tune
+from autoprec.tuning.tune import TuneResult, tune
 from benchmarks.baselines import methods
 from benchmarks.baselines.problem import (
     Counter,
@@ -387,7 +387,7 @@ def same_seed_check(seed: int, work: Path) -> str:
     same = pols[0] == pols[1]
     return (f"same seed ({seed}), mixed8 @ 0.03 tuned twice from empty caches: "
             f"{'the same policy' if same else 'DIFFERENT policies'} "
-            f"(`{describe(*pols[0])}`); also tests/search/test_tune.py::"
+            f"(`{describe(*pols[0])}`); also tests/tuning/test_tune.py::"
             "test_same_seed_gives_the_same_policy")
 
 

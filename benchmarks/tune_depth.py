@@ -40,13 +40,13 @@ import numpy as np
 import torch
 from torch import nn
 
-import autoprec.search.prepare as prepare_mod
-import autoprec.search.tune as tune_mod
+import autoprec.tuning.prepare as prepare_mod
+import autoprec.tuning.tune as tune_mod
 from autoprec.cost import CostModel, get_profile
 from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search import planner as planner_mod
-from autoprec.search.plan_scorer import PlanScorer
+from autoprec.study.objective import PlanScorer
 
 VOCAB, CONTEXT, B, T = 1024, 64, 4, 64
 
@@ -243,7 +243,7 @@ def planner_check(kind: str, blocks: int, budgets: list[float], workdir: Path) -
     """The planner's best plan (fastest predicted within budget) against a much longer run:
     the full Lagrangian descent with block moves (``planner.descend``) from every uniform
     start, per budget. Prints the two times, the ratio and the plans each priced."""
-    from autoprec.search.config import TuneConfig
+    from autoprec.tuning.config import TuneConfig
 
     cfg = TuneConfig(max_error=0.01, target="h100", batch_size=256,
                      out=workdir / "check.yaml", progress=False,

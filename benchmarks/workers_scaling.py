@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from autoprec.search.storage import join_study, open_storage  # noqa: E402
-from autoprec.search.workers import worker_seed  # noqa: E402
+from autoprec.study.storage import join_study, open_storage  # noqa: E402
+from autoprec.study.workers import worker_seed  # noqa: E402
 
 FINGERPRINT = "sha256:" + "00" * 32
 SAMPLERS = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler}

@@ -61,3 +61,16 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def check_speed(rows: list, timer: object, **timing: object) -> object:
+    """The rows timed by ``timer`` (``evaluation.timing.time_plans``, with ``timing``'s
+    device, batch size, cold timer) and decided as a tune decides them (a ``SpeedCheck``);
+    with no timer, not timed (a remote target)."""
+    from autoprec.evaluation.decision import Timing, decide
+    from autoprec.evaluation.speed_check import SpeedCheck
+    from autoprec.evaluation.timing import time_plans
+
+    done = (Timing(note="estimated only (the target is not this machine)") if timer is None
+            else time_plans(rows, timer, **timing))  # type: ignore[arg-type]
+    return SpeedCheck(rows, decide(rows, done), done)

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from autoprec.cli import target_names
-from autoprec.report_json import batch_size_words
+from autoprec.evaluation.json_fields import batch_size_words
 
 
 def check_cmd(

@@ -156,8 +156,8 @@ def eval_cmd(
 
 def _print_summary(s: dict[str, Any]) -> None:
     from autoprec.cost.model import PARTS
-    from autoprec.report_json import batch_size_words
-    from autoprec.search.speed_rows import format_rows
+    from autoprec.evaluation.json_fields import batch_size_words
+    from autoprec.evaluation.rows import format_rows
 
     rows = [(r["layer"], r["rule"], r["precision"], r["computed"],
              "" if r["ok"] else "MISMATCH",

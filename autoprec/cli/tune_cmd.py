@@ -1,4 +1,4 @@
-"""``autoprec tune`` and ``autoprec export``: thin wrappers over autoprec.search.tune."""
+"""``autoprec tune`` and ``autoprec export``: thin wrappers over autoprec.tuning.tune."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import typer
 
 from autoprec.cli import target_names
 from autoprec.errors import CheckFailed
-from autoprec.report_json import batch_size_from, batch_size_words
+from autoprec.evaluation.json_fields import batch_size_from, batch_size_words
 from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
-    from autoprec.search.speed_rows import SpeedCheck
-    from autoprec.search.tune import TuneResult
+    from autoprec.evaluation.speed_check import SpeedCheck
+    from autoprec.tuning.tune import TuneResult
 
 
 def tune_cmd(
@@ -39,7 +39,10 @@ def tune_cmd(
     resume: Annotated[bool, typer.Option(help="Run until the study holds --trials finished trials.")] = False,
     pareto: Annotated[bool, typer.Option(help="Keep the whole error/speed front; write one policy per point.")] = False,
     lock: Annotated[list[str] | None, typer.Option(help="Module path the search may not change (repeatable).")] = None,
-    train_aware: Annotated[bool, typer.Option(help="--form train plus the training checks: probe gradients and require a short training run to match fp32 (needs loss() in model.py).")] = False,
+    train_aware: Annotated[bool, typer.Option(help="Tune for training (implies --form train): gradient probes exclude layers whose gradients flush, and the written plan, like the one-liners (bf16=True / fp16=True autocast), must pass a short training run against fp32 (needs loss() in model.py; docs/training.md).")] = False,
+    train_steps: Annotated[int, typer.Option(help="--train-aware: optimizer steps of the short run (from one init, on the calibration batches).")] = 16,
+    train_lr: Annotated[float, typer.Option(help="--train-aware: AdamW learning rate of the short run.")] = 1e-4,
+    max_loss_gap: Annotated[float, typer.Option(help="--train-aware: largest eval-loss gap to fp32 after the short run, relative (0.01 = 1 %).")] = 0.01,
     form: Annotated[str | None, typer.Option(help="How the plan runs: deploy (weights stored in each layer's precision, like model.to(bf16); the default) or train (autocast over fp32 masters, priced and timed as a whole training step: forward, backward, AdamW, GradScaler with fp16; the default with --train-aware).")] = None,
     max_weight_mb: Annotated[float | None, typer.Option(help="Weight-memory budget: a plan whose weights take more megabytes on the device is not a choice (the model must fit the card).")] = None,
     memory_limit: Annotated[float | None, typer.Option(help="Gigabytes the device offers (default: available host memory, or the GPU's): a model it cannot hold twice is refused up front; with --form train a plan whose training step (weights, grads, AdamW state, saved activations) needs more is not a choice.")] = None,
@@ -56,10 +59,10 @@ def tune_cmd(
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
     from autoprec.cli import current_argv
-    from autoprec.search.config import TuneConfig
-    from autoprec.search.tune import tune
-    from autoprec.search.workers import WORKER_INDEX_ENV, run_workers, worker_seed
+    from autoprec.study.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
+    from autoprec.tuning.config import TuneConfig
+    from autoprec.tuning.tune import tune
 
     # The one config of this tune, checked once before anything runs: workers, tracking,
     # model.py, probes. tune() and the writer read it as it is.
@@ -68,6 +71,7 @@ def tune_cmd(
         precisions=precisions, trials=trials, timeout=timeout, seed=seed, patience=patience,
         min_speedup=min_speedup, storage=storage, study_name=study_name, resume=resume,
         pareto=pareto, out=out, locked=tuple(lock or ()), train_aware=train_aware,
+        train_steps=train_steps, train_lr=train_lr, max_loss_gap=max_loss_gap,
         progress=not quiet and not json_out, measure=measure, report=report,
         compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
         memory_limit_gb=memory_limit, fuse_groups=fuse_groups,
@@ -75,8 +79,8 @@ def tune_cmd(
     target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile
-            from autoprec.search.speed_source import calibration_dir
-            from autoprec.search.target import resolve_target
+            from autoprec.evaluation.speed_source import calibration_dir
+            from autoprec.evaluation.target import resolve_target
 
             resolve_target(cfg.target, compile=cfg.compile, form=cfg.form, measure=True,
                            cache_dir=calibration_dir(cfg.out, cfg.cache_dir))
@@ -106,13 +110,11 @@ def tune_cmd(
 
 def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, Any]:
     """The result as ``--json`` prints it."""
-    from autoprec.search.target import mode_of
-
     return {
         "policy": str(result.path), "feasible": result.feasible,
         "error": _num(result.eval_error), "calibration_error": _num(result.error),
         "budget": result.budget, "est_speedup": round(result.est_speedup, 4),
-        "target": target, "mode": mode_of(compile_mode),
+        "target": target, "mode": result.policy.mode,
         "batch_size": result.policy.target.get("batch_size")
         if isinstance(result.policy.target, dict) else None,
         "trials": result.trials, "evaluations": round(result.evaluations, 2),
@@ -136,6 +138,9 @@ def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, A
         "memory_stages": dict(result.memory_stages),
         "peak_memory_stage": (max(result.memory_stages, key=result.memory_stages.__getitem__)
                               if result.memory_stages else None),
+        "stage_seconds": dict(result.stage_seconds),
+        "train_check_seconds": round(result.train_seconds, 2),
+        "train_checks": list(result.train_checks),
     }
 
 
@@ -172,6 +177,13 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
         if result.memory_stages:
             print("  per stage: " + ", ".join(f"{k} {v / 1e9:.2f} GB"
                                               for k, v in result.memory_stages.items()))
+    if result.stage_seconds:
+        train = (f" (of which short training runs {result.train_seconds:.1f} s)"
+                 if result.train_checks else "")
+        print("time per stage: " + ", ".join(f"{k} {v:.1f} s"
+                                              for k, v in result.stage_seconds.items()) + train)
+    if result.train_table:
+        print("\n".join(result.train_table))
     if result.speed is not None:
         _print_speed(result.speed)
 
@@ -192,12 +204,15 @@ def _not_feasible(result: TuneResult, min_speedup: float | None, error: Any) -> 
 
 
 def _print_speed(speed: SpeedCheck) -> None:
-    """The written plan beside its baselines, and why it was written."""
+    """The written plan beside its baselines, and why it was written (the decision's
+    reasons in words: ``evaluation.explain.render``)."""
+    from autoprec.evaluation.explain import render
+
     print("")
     print(speed.table())
     where = (f"measured on {speed.device} at batch size {speed.batch_size} ({speed.how}, "
              f"{speed.rounds} interleaved rounds)" if speed.measured else "estimated")
-    print(f"speed: {where}; {speed.reason}")
+    print(f"speed: {where}; {render(speed.decision)}")
     print(f"pick: {speed.recommendation()}")
 
 
@@ -237,7 +252,7 @@ def export_cmd(
     out: Annotated[Path, typer.Option(help="Policy file to write.")],
 ) -> None:
     """Write the policy of a (shared) study: its fastest trial within budget."""
-    from autoprec.search.export import export_policy
+    from autoprec.study.export import export_policy
 
     policy, feasible = export_policy(storage, study_name, out)
     print(f"policy: {out}  ({len(policy.layers)} layer rules, est. speed-up "

@@ -4,7 +4,7 @@
 step of what a trainer runs — ``zero_grad(set_to_none=True)``, the forward, model.py's
 ``loss``, ``loss.backward()``, ``AdamW.step()`` — with a ``GradScaler`` where the plan has
 fp16 (what ``TrainingArguments(fp16=True)`` runs). It trains ``net``: the timer
-(``search.timing.measure_rows``) gives it a copy of the model (timing must not train the
+(``evaluation.timing.measure_rows``) gives it a copy of the model (timing must not train the
 model the tune goes on to write) and applies each plan around it, as the deploy form's
 forwards are.
 

@@ -20,7 +20,7 @@ tune's own timing (issue 29). So for a local CPU target the recorded forward
   paid by every plan once per recorded call, and of apply's wrapper around one (per form),
   paid per call of a module the plan wraps.
 
-Each is timed as tune times a model (``search.timing``): one torch thread, the thread's CPU
+Each is timed as tune times a model (``evaluation.timing``): one torch thread, the thread's CPU
 time, the median of ``SAMPLES`` samples of at least ``SAMPLE_S`` each, after a warm-up.
 Inputs are rebuilt from the recipe (``uniform_`` values, integer tensors zero, boolean
 ones true: a mask that attends everywhere). An op timed alone finds its weight in the

@@ -137,7 +137,7 @@ class StepCostModel(CostModel):
     def price(self, rules: RuleSet, codes: np.ndarray, form: str | None = None) -> Priced:
         fwd = super().price(rules, codes, form)
         if (form or self.form) != "train":  # stored 16-bit weights: the step's updates are lost
-            why = "--form train: it stores no fp32 masters"  # as search.baselines says it
+            why = "--form train: it stores no fp32 masters"  # as tuning.confirm.tune_baseline_rows says it
             return Priced(np.full_like(fwd.time, math.inf), fwd.parts, fwd.schedule,
                           {**{r: why for r in range(len(fwd.time))}, **fwd.reasons})
         sch = fwd.schedule

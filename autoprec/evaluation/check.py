@@ -9,7 +9,7 @@ the CLI exits 1 with the reasons) when:
 - the model's structure changed since tuning (its fingerprint differs from the policy's):
   unlike ``eval``, which refuses a mismatch with exit 2, ``check`` loads the policy anyway
   to evaluate it and reports the change as a failed gate (``force`` accepts the change);
-- the target device cannot run a precision the policy uses (``profile.supports``);
+- the target device cannot run a precision the policy uses (``Target.supports``);
 - the audit finds a GEMM that did not compute in its rule's precision;
 - a headroom gate is given (``min_headroom``) and a 16-bit / GEMM-format layer's largest
   value on calibration data comes closer to its format's limit than that factor
@@ -31,14 +31,9 @@ from typing import Any
 
 import torch
 
-from autoprec.cost import DeviceProfile
 from autoprec.errors import CheckFailed, InputError, PolicyError
-from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.metrics import batch_size_of, iter_floats
-from autoprec.policy import Policy, gemm_leaf_paths, load_policy
-from autoprec.precisions import FORMATS, PRECISIONS
-from autoprec.report_json import (
+from autoprec.evaluation.assess import Assessment, assess
+from autoprec.evaluation.json_fields import (
     Reason,
     audit_reasons,
     batch_size_from,
@@ -47,9 +42,12 @@ from autoprec.report_json import (
     reasons_json,
     speedup,
 )
-from autoprec.search.assess import Assessment, assess
-from autoprec.search.target import resolve_target
-from autoprec.targets import DEFAULT_TARGET
+from autoprec.evaluation.target import Target, resolve_target
+from autoprec.fused import fused_paths_off
+from autoprec.loading import ModelSpec, load_model_file
+from autoprec.metrics import iter_floats
+from autoprec.policy import Policy, gemm_leaf_paths, load_policy
+from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.trace.graph import fingerprint
 from autoprec.validate import check_batch_size
 
@@ -74,7 +72,7 @@ class CheckResult:
     nonfinite: int = 0
     feasible: bool = False  # within budget, runnable on the target, audit clean
     est_speedup: float | None = None  # over all-fp32 on the target; None: cannot run there
-    target: str = DEFAULT_TARGET
+    target: str = ""  # the resolved target's name (``Target.name``)
     batch_size: int | None = None
     batch_size_from: str = "calibration batch"  # "--batch-size" | "policy" | this
     mode: str = "eager"  # deployment mode priced: eager / compile (torch.compile)
@@ -103,7 +101,7 @@ class CheckResult:
         """The ``check --json`` object: the summary at the top level, then the layers.
 
         ``reasons``, ``feasible`` and ``est_speedup`` mean what they mean in ``eval --json``
-        (autoprec.report_json): reasons are ``{"layer", "reason"}`` objects.
+        (autoprec.evaluation.json_fields): reasons are ``{"layer", "reason"}`` objects.
         """
         out: dict[str, Any] = {}
         if self.budget_kind == "max_drop":
@@ -194,20 +192,20 @@ def _max_abs(model: torch.nn.Module, path: str, spec: ModelSpec, batch: Any) -> 
 
 
 def _device_reasons(policy: Policy, a: Assessment, model: torch.nn.Module,
-                    profile: DeviceProfile, target: str) -> tuple[list[str], dict[str, str]]:
+                    resolved: Target) -> tuple[list[str], dict[str, str]]:
     """Why the target cannot run the policy (one reason per precision), per-layer reasons:
     the GEMM leaves' precisions as the applied plan resolved them (``a.layers``)."""
     used: dict[str, list[str]] = {}
     for path in gemm_leaf_paths(model):
         used.setdefault(a.layers[path].precision, []).append(path)
-    reasons, layer_why = [], {}
-    ok, why = profile.supports(policy.default)
+    reasons, layer_why, target = [], {}, resolved.name
+    ok, why = resolved.supports(policy.default)
     if not ok:
         reasons.append(f"target {target} cannot run the default region {policy.default}: {why}")
     for prec in PRECISIONS:
         if prec not in used:
             continue
-        ok, why = profile.supports(prec)
+        ok, why = resolved.supports(prec)
         if ok:
             continue
         paths = used[prec]
@@ -267,17 +265,17 @@ def check(
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
-    # the target resolved once (name, mode, form, fp8 backend, speed source), as eval and
+    # the target resolved once (name, mode, form, fp8 backend, batch, speed source), as eval and
     # tune resolve it; check measures nothing: a local target's calibration is read where
     # it is cached
     resolved = resolve_target(target, policy, compile=compile, fp8_backend=fp8_backend,
-                              measure=False,
+                              batch_size=batch_size, measure=False,
                               policy_path=policy_path if isinstance(policy_path, (str, Path))
                               else None)
-    tgt, speed, profile = resolved.name, resolved.speed, resolved.profile
+    tgt, speed = resolved.name, resolved.speed
     net = spec.model()
     calib = spec.calibration_batches()
-    bs = batch_size or policy.batch_size or batch_size_of(calib[0]) or 1
+    bs = resolved.deploy_batch(calib[0])
     result = CheckResult(model=spec.where, policy=policy.source, passed=False, reasons=[],
                          budget_kind=kind, budget=budget, budget_source=source, error=None,
                          target=tgt, batch_size=bs,
@@ -307,8 +305,8 @@ def check(
                 return result
             raise
 
-    # -- score, audit and price: the pipeline eval shares (search/assess.py) ---
-    a = assess(spec, net, policy, target=resolved, batch_size=bs, force=True,
+    # -- score, audit and price: the pipeline eval shares (evaluation/assess.py) ---
+    a = assess(spec, net, policy, target=resolved, force=True,
                capture_warnings=True)
     if speed.local:
         notes.append(f"speed: {speed.note}")
@@ -316,7 +314,7 @@ def check(
     # -- target device: the applied plan's precisions -----------------------------------
     if not resolved.named:
         notes.append(f"no target given or in the policy: checked for {tgt} (the default)")
-    dev_reasons, layer_why = _device_reasons(policy, a, net, profile, tgt)
+    dev_reasons, layer_why = _device_reasons(policy, a, net, resolved)
     reasons.extend(dev_reasons)
     s, ref, report, bd = a.score, a.reference, a.audit, a.breakdown
     result.eval_batches = a.eval_batches

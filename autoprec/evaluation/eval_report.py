@@ -1,11 +1,11 @@
 """``autoprec eval``: what a policy does to model.py, as one report (``eval --json``).
 
 The policy applied to the model of model.py and judged by the one evaluation pipeline
-(``search.assess``: scored on the eval data, audited on a real forward, priced on the
+(``evaluation.assess``: scored on the eval data, audited on a real forward, priced on the
 target), then set beside its baselines (``assess.beside_baselines``: fp32, one global
 autocast, the one-line casts), timed where the target is this machine and ``measure``
 asks. ``check`` gates on the same pipeline (``autoprec.evaluation.check``); the CLI only parses and
-prints (``cli/policy_cmds.py``). The fields mean what ``autoprec.report_json`` says.
+prints (``cli/policy_cmds.py``). The fields mean what ``autoprec.evaluation.json_fields`` says.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.policy import Policy, load_policy
-from autoprec.report_json import (
+from autoprec.evaluation.assess import assess, beside_baselines
+from autoprec.evaluation.json_fields import (
     batch_size_from,
     feasible,
     number,
@@ -25,8 +24,9 @@ from autoprec.report_json import (
     speedup,
     verdict_reasons,
 )
-from autoprec.search.assess import assess, beside_baselines
-from autoprec.search.target import resolve_target
+from autoprec.evaluation.target import resolve_target
+from autoprec.loading import ModelSpec, load_model_file
+from autoprec.policy import Policy, load_policy
 from autoprec.validate import check_batch_size
 
 
@@ -86,9 +86,9 @@ def eval_report(model: str | Path | ModelSpec, policy_path: str | Path | Policy,
     # the target resolved once, as check and tune resolve it: a local target priced on this
     # machine's calibration and op timings (a profile fitted on another CPU promised 1.82x
     # for a policy that ran 0.56x here)
-    tgt = resolve_target(target, pol, compile=compile, measure=measure,
+    tgt = resolve_target(target, pol, compile=compile, batch_size=batch_size, measure=measure,
                          policy_path=policy_path)
-    a = assess(spec, net, pol, target=tgt, batch_size=batch_size, force=force)
+    a = assess(spec, net, pol, target=tgt, force=force)
     sc, report, cost, bd = a.score, a.audit, a.cost, a.breakdown
     warns = list(report.warnings)
     if (note := a.casts_note()) is not None:  # dtype-dependent model code, another batch

@@ -30,6 +30,7 @@ from autoprec.paths import normalize_path, unwrap_model
 from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.probe import cache
 from autoprec.probe import e2e as e2emod
+from autoprec.probe.grad_rules import GRAD_ERROR_LIMIT, GRAD_FLUSH_LIMIT, GRAD_NOTE_FROM
 from autoprec.probe.grads import SPLITS, GradProbes, Projections, edge_grads, random_projection
 from autoprec.probe.layers import ProbeLayer, select_layers
 from autoprec.probe.ranges import TensorRange
@@ -147,6 +148,8 @@ def probe(
         "probes": probes, "seed": seed, "e2e_limit": e2e_limit,
         "underflow_limit": underflow_limit, "split": split, "forward": cache.code_hash(forward),
         "loss": cache.code_hash(loss), "metric": cache.code_hash(metric),
+        # the rows are cached judged: a change of the gradient rule is a new key
+        "grad_rule": [2, GRAD_FLUSH_LIMIT, GRAD_ERROR_LIMIT, GRAD_NOTE_FROM],
     }
     settings = ProbeSettings(
         precisions=precs, forward=fwd, loss=loss, metric=metric, e2e=e2e, layers=layers,
@@ -272,7 +275,7 @@ def _rows(sel: list[ProbeLayer], shadow: ShadowResults,
             rows.append(build_row(lay, p, local, shadow.ranges[lay.path], est, method, gst))
     for r in rows:
         judge(r, shadow.ranges[r.layer], settings.budget, settings.units,
-              settings.underflow_limit)
+              settings.underflow_limit, settings.loss_scale)
     return rows
 
 
@@ -299,7 +302,8 @@ def _end_to_end(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
         r = by_key[(path, p)]
         r.e2e_output_error = sc.error
         r.e2e_error = sc.value
-        judge(r, shadow.ranges[path], budget, settings.units, settings.underflow_limit)
+        judge(r, shadow.ranges[path], budget, settings.units, settings.underflow_limit,
+              settings.loss_scale)
     return todo
 
 

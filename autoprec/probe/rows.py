@@ -4,7 +4,8 @@ Hard (the search never assigns the pair): the layer may not take the precision; 
 of its inputs, weights or outputs overflows the format (T5's fp16 FFN, transformers#9295:
 range is a hard constraint found from activations, not from mean error); its lowered
 output, or the model's output with it lowered, is non-finite; or at least
-``underflow_limit`` of its nonzero values fall below the format's smallest normal.
+``underflow_limit`` of its nonzero values fall below the format's smallest normal; with
+gradient probes, its gradients flush or lose their signal (``grad_rules.py``).
 Soft (the search weighs them): the estimated or measured end-to-end error against the
 budget, and light underflow.
 """
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 
 from autoprec.formats.gemm import format_of
 from autoprec.precisions import FORMATS, is_gemm_format
+from autoprec.probe.grad_rules import DEFAULT_LOSS_SCALE, grad_verdict
 from autoprec.probe.grads import GradStats
 from autoprec.probe.layers import ProbeLayer
 from autoprec.probe.ranges import TensorRange, fmt_num
@@ -61,8 +63,9 @@ def build_row(layer: ProbeLayer, precision: str, local: LocalStats | None,
 
 
 def judge(r: ProbeRow, ranges: Mapping[str, TensorRange], budget: float, units: str,
-          underflow_limit: float = 0.1) -> None:
-    """Set ``r.hard`` and ``r.reason`` (hard reasons first, then soft ones)."""
+          underflow_limit: float = 0.1, loss_scale: float = DEFAULT_LOSS_SCALE) -> None:
+    """Set ``r.hard`` and ``r.reason`` (hard reasons first, then soft ones). With gradient
+    probes (a loss), the training rule of ``grad_rules.py`` adds its own."""
     if not r.allowed:
         return
     p, fmt = r.precision, FORMATS[r.precision]
@@ -85,6 +88,9 @@ def judge(r: ProbeRow, ranges: Mapping[str, TensorRange], budget: float, units: 
                  if gemm is not None and gemm.per_tensor_scaled else f"{fmt.smallest_normal:.2g}")
         text = f"{p}: underflow, {frac:.0%} of nonzero |{_SYMBOL[part]}| below {floor}"
         (hard if frac >= underflow_limit else soft).append(text)
+    grad = grad_verdict(r, loss_scale, flush_limit=underflow_limit)
+    hard.extend(grad.hard)
+    soft.extend(grad.soft)
     r.hard = bool(hard)
     if not r.hard:
         soft.extend(_over_budget(r, budget, units))

@@ -4,7 +4,7 @@
       ↕ key        a tuple of precision codes, the default region first (search/space.py)
       ↓ explicit   (default, a rule on every GEMM layer and locked path): what the search
                    applies, measures and prices — one plan per key, no inheritance
-      ↓ compact    (default, the fewest rules that run the same plan; search/compact.py):
+      ↓ compact    (default, the fewest rules that run the same plan; search/compaction.py):
                    what the policy file says; recorded on a feasible trial
                    (``user_attrs["policy"]``) so that a study can be exported without the
                    model
@@ -15,14 +15,14 @@ Every stage that turns a trial or a key into rules or a policy asks a ``TrialDec
 
 The same plan — two notions with two jobs, defined here; every other use derives from one:
 
-1. **The same name: what apply installs.** ``plan_id(default, layers, form)``: the form,
+1. **The same name: what apply installs.** ``policy.build.plan_id(default, layers, form)``: the form,
    the default and the sorted rules (a plan with no 16-bit tensor anywhere — fp32 or tf32,
    no rules — runs alike in both forms). The trial key is this name inside one search
    space: ``explicit(key)`` gives every GEMM layer and locked path a rule, so a key names
    its explicit rules one to one; a trial's params are the key in Optuna's spelling
    (``space.key``). Used for identity: a trial is not run twice (the driver's claim and
    cache, ``select.dedupe``), and rows beside the baselines are timed once per plan_id
-   (``speed_rows.Row.key``).
+   (``evaluation.rows.Row.key``).
 2. **The same run: what the kernels do.** ``plan.schedule.signature`` (vectorised:
    ``plan.schedule.same_as``): the same kernels on the same dtypes, the same casts and
    quantisation passes in the recorded forward. Coarser than 1: many names, one run (two
@@ -46,28 +46,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from autoprec.policy import Policy
-from autoprec.search import compact as _compact
+from autoprec.policy.build import policy_for
+from autoprec.search import compaction
 from autoprec.search.space import Key, SearchSpace
 
 #: (default, {module path: precision})
 Rules = tuple[str, dict[str, str]]
-
-
-def plan_id(default: str, layers: Mapping[str, str], form: str
-            ) -> tuple[str, str, tuple[tuple[str, str], ...]]:
-    """What identifies a plan written as rules: its form, default and rules. A plan with
-    no 16-bit tensor anywhere (fp32 or tf32, no rules) runs the same in both forms."""
-    if default in ("fp32", "tf32") and not layers:
-        form = "any"
-    return form, default, tuple(sorted(layers.items()))
-
-
-def policy_for(default: str, layers: Mapping[str, str], fingerprint: str | None = None,
-               target: str | None = None, form: str = "train") -> Policy:
-    """A minimal policy (no metadata besides the fingerprint, target and form)."""
-    model = {"fingerprint": fingerprint} if fingerprint else {}
-    return Policy(default=default, layers=dict(layers), model=model, form=form,
-                  target={"device": target} if target else {})
 
 
 class TrialDecoder:
@@ -102,7 +86,7 @@ class TrialDecoder:
             if self.cost is None:
                 raise ValueError("TrialDecoder.compact needs the cost model (cost=...)")
             default, layers = self.explicit(key)
-            hit = _compact.compact(self.cost, default, layers,
+            hit = compaction.compact(self.cost, default, layers,
                                   defaults=self.space.region.choices)
             self._compact[key] = hit
         return hit[0], dict(hit[1])
@@ -122,4 +106,4 @@ class TrialDecoder:
         return policy_for(*self.explicit(key), fingerprint, target, form)
 
 
-__all__ = ["Rules", "TrialDecoder", "plan_id", "policy_for"]
+__all__ = ["Rules", "TrialDecoder"]

@@ -1,7 +1,8 @@
 """Pick the policy from a finished study.
 
-The search scores on the calibration data; the budget binds on the eval data: a trial is
-feasible only once it was also within budget there (plan_scorer.py confirms at once). The
+The candidates are a study's completed trials (``study.driver.completed``). The search
+scores on the calibration data; the budget binds on the eval data: a trial is
+feasible only once it was also within budget there (study/objective.py confirms at once). The
 chosen plan is the fastest feasible one. When none is, the run is infeasible and the
 closest plan is reported (optuna#4180: pick by a stated rule, say when nothing is
 feasible, exit non-zero).
@@ -13,8 +14,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import optuna
 
 from autoprec.search.plan_score import PlanScore
 
@@ -29,17 +28,6 @@ class Candidate:
     @property
     def eval_error(self) -> float | None:
         return self.calib.eval_error
-
-
-def completed(study: optuna.Study) -> list[Candidate]:
-    """Every measured trial (COMPLETE with a score), earliest first."""
-    out = []
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        ev = PlanScore.from_attrs(t.user_attrs)
-        if ev is not None:
-            out.append(Candidate(t.number, dict(t.params), ev,
-                                 dict(t.user_attrs.get("policy") or {})))
-    return out
 
 
 def dedupe(cands: Sequence[Candidate]) -> list[Candidate]:
@@ -89,4 +77,4 @@ def choose(cands: Sequence[Candidate], *, budget: float, min_speedup: float | No
     return closest, False
 
 
-__all__ = ["Candidate", "choose", "closeness", "completed", "dedupe", "pareto_front"]
+__all__ = ["Candidate", "choose", "closeness", "dedupe", "pareto_front"]

@@ -4,7 +4,7 @@ A *plan key* is a tuple of precision codes (index into PRECISIONS): the default 
 first (fp32/tf32/bf16/fp16: where the model's own code runs), then one code per variable
 in execution order. A key is turned into a policy with an explicit rule on every GEMM
 layer (``rules``), so it compiles to exactly one plan: a child never silently inherits a
-container's precision. ``search.compact`` writes the same plan with the fewest rules.
+container's precision. ``search.compaction`` writes the same plan with the fewest rules.
 
 Choices are narrowed by hard facts before any trial runs: the precisions asked for, what
 the target device can run (its profile), what the layer can take (the graph: fp8 only on

@@ -3,7 +3,7 @@
 Every method is scored by autoprec's own stages, so the numbers differ only by the search:
 
 - the model, data, fp32 references, graph, op trace, probes and cost model come from
-  ``autoprec.search.tune.prepare`` with the options ``tune`` ran with (the probes are a hit
+  ``autoprec.tuning.tune.prepare`` with the options ``tune`` ran with (the probes are a hit
   in the probe cache ``tune`` wrote);
 - plans are plan keys (``autoprec.search.space``: the default region first, then one
   precision per layer variable), priced by the whole-forward cost model through
@@ -46,13 +46,13 @@ from autoprec.plan.schedule import signature
 from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.probe.table import SensitivityTable
-from autoprec.search import compact, select
-from autoprec.search.config import TuneConfig
+from autoprec.search import compaction, select
 from autoprec.search.plan_score import PlanScore
-from autoprec.search.plan_scorer import PlanScorer
 from autoprec.search.planner import ENUMERATE, PlanSpace, descend, enumerate_keys
-from autoprec.search.prepare import Prepared, make_space, prepare
 from autoprec.search.space import Key, SearchSpace
+from autoprec.study.objective import PlanScorer
+from autoprec.tuning.config import TuneConfig
+from autoprec.tuning.prepare import Prepared, make_space, prepare
 
 
 def config(budget: float, *, target: str, batch_size: int, out: Path, cache_dir: Path
@@ -209,7 +209,7 @@ class Problem:
     def describe(self, key: Key) -> str:
         """The plan as the compact policy tune would write for it."""
         default, layers = self.space.rules(key)
-        default, rules = compact.compact(self.model.cost, default, layers,
+        default, rules = compaction.compact(self.model.cost, default, layers,
                                          defaults=self.space.region.choices)
         return describe(default, rules)
 

@@ -145,7 +145,7 @@ def test_text_output(model_py: Path, capsys) -> None:
 
 
 def test_passes_a_freshly_tuned_policy(model_py: Path, capsys) -> None:
-    from autoprec.search.tune import tune
+    from autoprec.tuning.tune import tune
 
     res = tune(model_py, max_error=0.01, target="t4", precisions=["fp32", "fp16"], trials=4,
                out=model_py.parent / "tuned.yaml", progress=False)

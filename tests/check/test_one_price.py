@@ -15,7 +15,7 @@ import pytest
 
 from autoprec.evaluation.check import check
 from autoprec.policy import load_policy
-from autoprec.search.tune import tune
+from autoprec.tuning.tune import tune
 from tests.helpers import MODELS, run_cli
 
 FIXTURE = MODELS / "mlp.py"

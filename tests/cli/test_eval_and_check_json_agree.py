@@ -1,5 +1,5 @@
 """``eval --json`` and ``check --json`` agree: ``reasons`` is a list of ``{"layer",
-"reason"}`` in both, ``feasible`` follows one rule (autoprec.report_json), ``est_speedup``
+"reason"}`` in both, ``feasible`` follows one rule (autoprec.evaluation.json_fields), ``est_speedup``
 is null where the target cannot run the policy."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.report_json import Reason, feasible, number, reasons_json, speedup
+from autoprec.evaluation.json_fields import Reason, feasible, number, reasons_json, speedup
 from tests.helpers import ROOT, run_cli
 
 MLP = ROOT / "tests" / "check" / "fixtures" / "mlp_model.py"

@@ -145,7 +145,7 @@ def calibration_data():
 # -- two tunes creating one fresh SQLite study (one exited 2: table already exists) -------
 
 def _open_and_join(url: str, barrier: mp.Barrier, out: mp.Queue) -> None:  # type: ignore[type-arg]
-    from autoprec.search.storage import join_study, open_storage
+    from autoprec.study.storage import join_study, open_storage
 
     barrier.wait()
     try:
@@ -419,7 +419,7 @@ def test_a_missed_speed_target_is_named_and_check_fails_it(tmp_path: Path, capsy
 
 def test_one_sqlite_rule_for_mlflow_and_storage(tmp_path: Path) -> None:
     from autoprec.errors import InputError, TrackingError
-    from autoprec.search.storage import open_storage
+    from autoprec.study.storage import open_storage
     from autoprec.track import make_tracker
 
     missing = tmp_path / "no" / "such"

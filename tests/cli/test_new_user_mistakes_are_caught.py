@@ -243,7 +243,7 @@ def test_optuna_failure_tracebacks_stay_off_the_console(capsys) -> None:
     """Optuna logs every failed trial with its traceback (a second Ctrl-C
     is a KeyboardInterrupt inside a trial); the reason is on the trial, the console keeps
     one line."""
-    from autoprec.search.driver import _quiet_failed_trials
+    from autoprec.study.driver import _quiet_failed_trials
 
     def boom(trial: optuna.Trial) -> float:
         raise ValueError("a trial failed")
@@ -261,7 +261,7 @@ def test_no_completed_trial_is_one_line_not_a_value_error() -> None:
     """A study where every trial failed names the first reason (exit 2), not
     ``ValueError: no completed trials to choose from``."""
     from autoprec.errors import InputError
-    from autoprec.search.driver import Driver
+    from autoprec.study.driver import Driver
 
     study = optuna.create_study()
     trial = study.ask()
@@ -340,7 +340,7 @@ def test_storage_failure_reads_optunas_wrapped_causes() -> None:
 
     import sqlalchemy.exc
 
-    from autoprec.search.storage import storage_failure
+    from autoprec.study.storage import storage_failure
 
     cause = sqlalchemy.exc.OperationalError("UPDATE trials", {},
                                             sqlite3.OperationalError("database or disk is full"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from autoprec.report_json import batch_size_from, batch_size_words
+from autoprec.evaluation.json_fields import batch_size_from, batch_size_words
 from tests.helpers import TRAP
 from tests.helpers import run_cli as run
 

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from autoprec.policy import load_policy
-from autoprec.search.config import TuneConfig
 from autoprec.targets import canonical_target, device_type
+from autoprec.tuning.config import TuneConfig
 from tests.helpers import TRAP
 from tests.helpers import run_cli as run
 

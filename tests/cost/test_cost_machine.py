@@ -18,7 +18,7 @@ from autoprec.cost.machine import (
     timing_threads,
 )
 from autoprec.errors import InputError
-from autoprec.search.speed_source import speed_source
+from autoprec.evaluation.speed_source import speed_source
 
 
 def test_the_cpu_target_is_local_and_a_gpu_profile_is_not_on_a_cpu_machine():

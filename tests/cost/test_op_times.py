@@ -17,11 +17,12 @@ from autoprec.cost import get_profile
 from autoprec.cost.compiled import make_cost_model
 from autoprec.cost.op_runner import _Builder
 from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, is_conv, measure
+from autoprec.evaluation.decision import contradictions
+from autoprec.evaluation.rows import Row
 from autoprec.policy import Policy
-from autoprec.search.speed_rows import Row, check_speed, contradictions
 from autoprec.trace import trace
 from tests import zoo
-from tests.helpers import one_torch_thread
+from tests.helpers import check_speed, one_torch_thread
 from tests.zoo import cnn, mlp
 
 

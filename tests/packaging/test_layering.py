@@ -23,10 +23,14 @@ from tests.helpers import ROOT
 PACKAGE = ROOT / "autoprec"
 
 #: The stages in the order the data flows through them.
-STAGES = ("trace", "probe", "plan", "cost", "search", "apply", "track")
-#: Later stages an earlier one may import: the search scores plans by applying them
-#: (``apply_policy``) and logs its trials (``track``).
-LATER_ALLOWED = {("search", "apply"), ("search", "track")}
+#: Above the cost: ``evaluation`` (what tune, check and eval share: the target, scoring,
+#: baselines, timing, the decision), ``search`` (the algorithm alone: no Optuna, no files),
+#: ``study`` (the Optuna adapter) and ``tuning`` (tune's orchestration on top).
+STAGES = ("trace", "probe", "plan", "cost", "evaluation", "search", "study", "tuning",
+          "apply", "track")
+#: Later stages an earlier one may import: the evaluation scores and times plans by
+#: applying them (``Target.apply``, the audit), and tune logs its trials (``track``).
+LATER_ALLOWED = {("evaluation", "apply"), ("tuning", "apply"), ("tuning", "track")}
 #: Parts below every stage: they import no stage (and no policy).
 FOUNDATIONS = ("formats", "lower", "precisions", "capability", "errors")
 
@@ -147,3 +151,13 @@ def test_the_reader_sees_lazy_imports(tmp_path: Path) -> None:
                    "from . import sibling\nimport autoprec.trace.graph\n")
     assert set(_imported(mod, tmp_path / "autoprec")) == {
         "autoprec.apply.x.y", "autoprec.demo.sibling", "autoprec.trace.graph"}
+
+
+def test_check_and_eval_run_without_the_search() -> None:
+    """What tune, check and eval share (``autoprec.evaluation``: the target, assess, the
+    baselines, the timing, the decision, check and eval themselves) imports nothing of
+    the search, its Optuna adapter or tune's orchestration."""
+    graph = import_graph()
+    assert graph["evaluation"] & {"search", "study", "tuning"} == set(), _show(graph)
+    assert "optuna" not in {m.split(".")[0] for p in (PACKAGE / "search").glob("*.py")
+                            for m in _imported(p)}, "the search algorithm imports Optuna"

@@ -4,7 +4,7 @@ Read from the source (an AST walk, lazy code included): outside ``autoprec/targe
 code may take a target name ("h100", "cpu", "cpu-<key>") or a device string ("cuda:1")
 apart itself — ``device.split(":")``, ``name.startswith("cuda")``, ``device == "cpu"``,
 ``kind in ("cpu", "cuda")``. Each of those was written in cost/machine, cost/measure,
-search/speed_source and search/timing (issue 30), and each could disagree with the others
+search/speed_source and search/timing, now evaluation/ (issue 30), and each could disagree with the others
 on what "cuda" or "cpu-3f2a" means; a stage asks ``targets.is_cpu`` / ``device_kind`` /
 ``cuda_index`` / ``device_type`` / ``is_cpu_target`` instead.
 

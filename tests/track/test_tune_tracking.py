@@ -13,8 +13,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from autoprec.search.tune import tune
 from autoprec.track import make_tracker
+from autoprec.tuning.tune import tune
 
 MODEL = Path(__file__).parent / "fixtures" / "mlp3.py"
 TRIALS = 6

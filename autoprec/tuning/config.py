@@ -1,0 +1,240 @@
+"""The options of a tune: one dataclass from the command line to the policy writer.
+
+``TuneConfig`` is what a user states (``autoprec tune``'s options, ``autoprec.tune``'s
+keywords); ``TuneConfig.validated`` checks every value that needs neither the model nor
+the data, once, before any work (no probe runs, no study database is made, no worker or
+tracking run starts for a value that was wrong from the start), and returns the
+normalised config the stages read. The CLI builds and validates it once
+(``cli/tune_cmd.py``) and hands it to ``tune``, which validates only a config that was
+not (the Python API). The single-value rules are ``autoprec.validate``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from autoprec.cost import get_profile
+from autoprec.errors import InputError
+from autoprec.fileio import brief
+from autoprec.paths import check_dir, check_out_path
+from autoprec.precisions import FORMS, PRECISIONS, check_precision, parse_precisions
+from autoprec.study.storage import check_storage_url
+from autoprec.targets import DEFAULT_TARGET, canonical_target
+from autoprec.train_check import DEFAULT_LR, DEFAULT_MAX_LOSS_GAP, DEFAULT_STEPS
+from autoprec.validate import (
+    check_batch_size,
+    check_budget,
+    check_count,
+    check_out_not_input,
+    check_seconds,
+    check_seed,
+    is_number,
+)
+
+DEFAULT_MAX_ERROR = 0.01
+#: ``--fuse-groups`` values.
+FUSE_GROUPS = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Every option of a tune (DESIGN.md's ``autoprec tune``), as the user gives it.
+
+    ``precisions``: a sequence or the CLI's comma list (None: every precision the target
+    runs); ``locked``: paths the search may not change; ``form``: None is "deploy", or
+    "train" with ``train_aware``. After ``validated()``: the target in its one spelling,
+    the precisions in canonical order (fp32 always), paths as ``Path``.
+    """
+
+    max_error: float | None = None
+    max_drop: float | None = None
+    target: str = DEFAULT_TARGET
+    batch_size: int | None = None
+    precisions: Sequence[str] | str | None = None
+    trials: int = 40
+    timeout: float | None = None
+    seed: int = 0
+    patience: int | None = None
+    min_speedup: float | None = None
+    storage: str | None = None
+    study_name: str | None = None
+    resume: bool = False
+    pareto: bool = False
+    out: str | Path | None = None
+    locked: Sequence[str] = ()
+    progress: bool = True
+    cache_dir: str | Path | None = None
+    train_aware: bool = False
+    #: --train-aware's short-run contract (autoprec.train_check): steps from one init on
+    #: the calibration batches, AdamW's rate, the largest relative eval-loss gap to fp32
+    train_steps: int = DEFAULT_STEPS
+    train_lr: float = DEFAULT_LR
+    max_loss_gap: float = DEFAULT_MAX_LOSS_GAP
+    # a local target: calibrate here, time the winner (a profile fitted on another CPU
+    # promised 1.82x for a policy that ran 0.56x of fp32's speed here)
+    measure: bool = True
+    compile: bool = False  # price plans as torch.compile (inductor) runs them
+    #: the form plans run in (precisions.FORMS): "deploy" (weights stored in their
+    #: precision) unless --train-aware, whose training runs the "train" form
+    form: str | None = None
+    #: a plan holding more weight bytes on the device cannot deploy (None: no limit)
+    max_weight_mb: float | None = None
+    #: the device's memory for the up-front check that the model fits twice
+    #: (autoprec.memory.check_fits; None: what the device reports)
+    memory_limit_gb: float | None = None
+    #: a folder for the tables and plots (trials, front, per-layer, baselines)
+    report: str | Path | None = None
+    #: "auto": a fused runtime's groups (q/k/v, gate/up, an MoE layer's experts;
+    #: ``trace.fused_groups``) take one precision; "off": every layer its own
+    fuse_groups: str = "off"
+    _valid: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def validated(self, *, workers: int = 1, model: Any = None,
+                  mlflow_uri: Any = None) -> TuneConfig:
+        """This config checked and normalised (itself when it already is).
+
+        ``workers``: processes sharing the study (their seeds are seed..seed+N-1);
+        ``model`` and ``mlflow_uri``: files the policy may not overwrite. Raises
+        ``InputError`` naming the option and the rule for the first bad value.
+        """
+        if self._valid:
+            return self
+        check_budget(self.max_error, self.max_drop)
+        check_count(workers, "--workers")
+        check_count(self.trials, "--trials")
+        check_count(self.patience, "--patience", optional=True)
+        check_seed(self.seed, workers=workers)
+        check_seconds(self.timeout, "--timeout")
+        check_batch_size(self.batch_size)
+        ms = self.min_speedup
+        if ms is not None and not (is_number(ms) and math.isfinite(ms) and ms > 0):
+            raise InputError(f"--min-speedup: must be a finite number > 0, got {brief(ms)}")
+        name = self.study_name
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise InputError("--study-name: must not be empty")
+        if not isinstance(self.target, str):
+            raise InputError(f"--target: must be a device name, got {brief(self.target)}")
+        profile = get_profile(self.target)  # an unknown device: InputError naming the known
+        if self.storage is not None:
+            check_storage_url(self.storage)
+        out = Path(self.out) if self.out is not None else None
+        if out is not None:
+            check_out_path(out)
+            check_out_not_input(out, model=model, storage=self.storage, mlflow_uri=mlflow_uri)
+        else:  # tune's default: policies/<model>-<target>.yaml
+            check_dir(Path("policies"), "the policy folder")
+        if self.cache_dir is not None:
+            check_dir(Path(self.cache_dir), "--cache-dir")
+        target = canonical_target(self.target)  # "CPU" is cpu: one file name, device, plan
+        precisions = _precisions(self.precisions, target, profile)
+        form = self.form if self.form is not None else (
+            "train" if self.train_aware else "deploy")
+        if form not in FORMS:
+            raise InputError(f"--form must be one of {', '.join(FORMS)}, got {form!r}")
+        check_count(self.train_steps, "--train-steps")
+        lr = self.train_lr
+        if not (is_number(lr) and math.isfinite(lr) and lr > 0):
+            raise InputError(f"--train-lr: must be a finite number > 0, got {brief(lr)}")
+        mlg = self.max_loss_gap
+        if not (is_number(mlg) and math.isfinite(mlg) and mlg >= 0):
+            raise InputError(f"--max-loss-gap: must be a finite number >= 0 (relative: 0.01 "
+                             f"is 1 %), got {brief(mlg)}")
+        _check_positive(self.max_weight_mb, "--max-weight-mb", "megabytes")
+        _check_positive(self.memory_limit_gb, "--memory-limit", "gigabytes")
+        if self.fuse_groups not in FUSE_GROUPS:
+            raise InputError(f"--fuse-groups must be one of {', '.join(FUSE_GROUPS)}, got "
+                             f"{brief(self.fuse_groups)}")
+        if self.train_aware and form != "train":
+            raise InputError("--train-aware checks that the plan trains like fp32, which runs "
+                             "the train form (autocast over fp32 masters): drop --form deploy")
+        if self.report is not None:  # before any work: the folder, and matplotlib
+            from autoprec.extras import require
+
+            check_dir(Path(self.report), "--report")
+            require("matplotlib", "tune --report's plots")
+        done = replace(
+            self, target=target, precisions=precisions, form=form, out=out,
+            locked=tuple(self.locked),
+            cache_dir=Path(self.cache_dir) if self.cache_dir is not None else None,
+            report=Path(self.report) if self.report is not None else None,
+            compile=bool(self.compile),
+            max_weight_mb=None if self.max_weight_mb is None else float(self.max_weight_mb))
+        object.__setattr__(done, "_valid", True)
+        return done
+
+    def with_seed(self, seed: int) -> TuneConfig:
+        """The same config with another sampler seed (a ``--workers`` process's own)."""
+        done = replace(self, seed=seed)
+        object.__setattr__(done, "_valid", self._valid)
+        return done
+
+    @property
+    def is_validated(self) -> bool:
+        return self._valid
+
+    @property
+    def budget(self) -> float:
+        """The budget's value (``--max-drop``'s, else ``--max-error``'s or its default)."""
+        if self.max_drop is not None:
+            return float(self.max_drop)
+        return float(DEFAULT_MAX_ERROR if self.max_error is None else self.max_error)
+
+    @property
+    def budget_name(self) -> str:
+        """"max_error" or "max_drop"."""
+        return "max_drop" if self.max_drop is not None else "max_error"
+
+    @property
+    def memory_limit(self) -> int | None:
+        """``memory_limit_gb`` in bytes (None: what the device reports)."""
+        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * 1e9)
+
+    @property
+    def mode(self) -> str:
+        """The deployment mode plans are priced for: "compile" or "eager"."""
+        from autoprec.evaluation.target import mode_of
+
+        return mode_of(self.compile)
+
+    @property
+    def use_metric(self) -> bool:
+        return self.budget_name == "max_drop"
+
+
+#: The options of ``autoprec.tune`` (``tune(model, **options)``): TuneConfig's fields.
+OPTIONS = tuple(f.name for f in fields(TuneConfig) if f.init)
+
+
+def _precisions(given: Sequence[str] | str | None, target: str, profile: Any
+                ) -> tuple[str, ...]:
+    """The precisions to search, canonical order, fp32 always. DESIGN: --precisions
+    defaults to every precision the target supports (probing a format the target lacks
+    would cost probe passes for choices that cannot win)."""
+    if isinstance(given, str):
+        given = parse_precisions(given)
+    names = given or profile.precisions
+    wanted = {check_precision(p, "--precisions") for p in names}
+    out = tuple(p for p in PRECISIONS if p in wanted or p == "fp32")
+    if given:  # before any work: a list the target runs none of tunes nothing
+        lower = [p for p in out if p != "fp32"]
+        if not lower:
+            raise InputError("--precisions: give at least one precision below fp32 "
+                             f"(the target {target} runs {', '.join(profile.precisions)})")
+        if not any(profile.supports(p)[0] for p in lower):
+            why = "; ".join(profile.supports(p)[1] for p in lower)
+            raise InputError(f"--precisions {','.join(lower)}: the target {target} runs "
+                             f"none of them ({why[:300]}); it runs "
+                             f"{', '.join(profile.precisions)}")
+    return out
+
+
+def _check_positive(value: Any, flag: str, unit: str) -> None:
+    if value is not None and not (is_number(value) and math.isfinite(value) and value > 0):
+        raise InputError(f"{flag} must be a positive number of {unit}, got {value!r}")
+
+
+__all__ = ["DEFAULT_MAX_ERROR", "FUSE_GROUPS", "OPTIONS", "TuneConfig"]

@@ -1,0 +1,123 @@
+"""A training tune's choice (``--train-aware``): the plan written must train like fp32 by
+the short-run contract (``autoprec.train_check``), and so must the one-liner written in
+its place.
+
+- The search itself trains nothing (every trial would cost a training run): the chosen
+  plan is checked at the end, and when it fails the next fastest feasible candidates are
+  (``MAX_TRIES`` in all); when none passes, the tuned row is infeasible with its reason.
+- The one-liners — one global bf16 / fp16 autocast (``TrainingArguments(bf16=True)`` /
+  ``fp16=True``, the latter with a GradScaler) and uniform tf32 — are checked by the same
+  contract (``baselines.baseline_rows(train_check=…)``); one estimated slower than fp32 is
+  not trained (fp32 passes by definition and is faster).
+- Where the rows are not timed, a checked one-liner estimated as fast as the tuned plan
+  (within ``SAME_SPEED``) is written instead (the decision's ``Fallback.CHECKED_ONE_LINER``,
+  ``evaluation.decision.one_liner_instead``); where they are timed,
+  ``evaluation.decision.decide`` picks the fastest measured row that passed, a simpler one
+  among equals. A plan is never written over a faster checked one-liner.
+- Gradient probes (``probe/grad_rules.py``) have already excluded the pairs whose gradients
+  flush; ``scaler_reasons`` puts the layers that need the GradScaler into the policy's
+  ``reasons``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from autoprec.policy import Policy
+from autoprec.train_check import ShortRunCheck, ShortRunVerdict
+
+#: Candidates the short run checks before the tuned row is declared infeasible.
+MAX_TRIES = 3
+
+
+def make_check(prep: Any, cfg: Any) -> ShortRunCheck | None:
+    """The tune's short-run check (None without ``--train-aware``); nothing runs yet."""
+    if not cfg.train_aware:
+        return None
+    return ShortRunCheck.from_spec(prep.spec, steps=cfg.train_steps, lr=cfg.train_lr,
+                                   seed=cfg.seed, max_loss_gap=cfg.max_loss_gap,
+                                   fp8_backend=prep.target.fp8_backend)
+
+
+def baseline_check(check: ShortRunCheck) -> Callable[[Policy, str], str]:
+    """``baseline_rows``' ``train_check``: '' when the one-liner passes, else why not."""
+
+    def run(policy: Policy, name: str) -> str:
+        if policy.form == "deploy":
+            return "--form train: it stores no fp32 masters"
+        return check.check(policy, name).why_not()
+
+    return run
+
+
+def tuned_that_trains(check: ShortRunCheck, chosen: Any, cands: Sequence[Any],
+                      make_row: Callable[[Any, str, str], Any]) -> tuple[Any, Any]:
+    """(candidate, its tuned row): the chosen plan if it passes the short run, else the
+    next fastest feasible candidate that does (``MAX_TRIES`` in all); when none does, the
+    chosen plan's row marked infeasible with the first failure's reason."""
+    from autoprec.search import select
+
+    first = make_row(chosen, "tuned", "tuned")
+    order = [chosen] + sorted(
+        (c for c in select.dedupe(cands) if c.calib.feasible and c is not chosen),
+        key=lambda c: (c.calib.est_time, c.number))
+    seen: set[Any] = set()
+    failed: list[str] = []
+    for c in order:
+        r = first if c is chosen else make_row(c, "tuned", "tuned")
+        if r.key in seen:
+            continue
+        seen.add(r.key)
+        v = check.check(r.policy, f"tuned (trial {c.number})")
+        if v.passed:
+            return c, r
+        failed.append(v.why_not())
+        if len(seen) >= MAX_TRIES:
+            break
+    first.feasible = False
+    first.why_not = failed[0] if failed else "short run: not checked"
+    return chosen, first
+
+
+def verdict_of(check: ShortRunCheck | None, policy: Policy) -> ShortRunVerdict | None:
+    """The short run of the written policy (None: not checked)."""
+    return None if check is None else check.known(policy)
+
+
+def scaler_reasons(table: Any, policy: Policy) -> None:
+    """Add to ``policy.reasons`` each layer whose fp16 gradients flush without loss scaling
+    (``grad_rules``): fp16 there trains only with the GradScaler."""
+    from autoprec.probe.grad_rules import needs_scaler_layers
+
+    if table is None:
+        return
+    for layer, why in needs_scaler_layers(list(table)).items():
+        had = policy.reasons.get(layer)
+        if had is None or why not in had:
+            policy.reasons[layer] = f"{had}; {why}" if had else why
+
+
+def table_lines(check: ShortRunCheck | None) -> list[str]:
+    """The short runs as a table for tune's output."""
+    if check is None or not check.verdicts():
+        return []
+    vs = check.verdicts()
+    head = (f"short training runs ({vs[0].steps} steps from one init, eval loss vs fp32's, "
+            f"max gap {vs[0].max_loss_gap:.2%}; {check.seconds:.0f} s):")
+    lines = [head, f"  {'plan':<34} {'eval loss':>10} {'gap':>9} {'scaler':>6} "
+                   f"{'seconds':>8}  verdict"]
+    ref = vs[0].fp32
+    lines.append(f"  {'fp32':<34} {ref.eval_loss:>10.5g} {0.0:>+9.2%} {'-':>6} "
+                 f"{ref.seconds:>8.1f}  reference")
+    for v in vs:
+        if v.run is v.fp32:
+            continue
+        verdict = "ok" if v.passed else "FAILED: " + "; ".join(v.reasons)
+        lines.append(f"  {v.run.label[:34]:<34} {v.run.eval_loss:>10.5g} {v.gap:>+9.2%} "
+                     f"{'yes' if v.run.scaler else 'no':>6} {v.run.seconds:>8.1f}  {verdict}")
+    return lines
+
+
+__all__ = ["MAX_TRIES", "baseline_check", "make_check", "scaler_reasons", "table_lines",
+           "tuned_that_trains", "verdict_of"]

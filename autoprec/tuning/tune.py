@@ -1,0 +1,86 @@
+"""``tune``: from a model.py to a policy file, in stages a reader can follow.
+
+    prepare  load the model and data, the up-front memory check, the references (the
+             model's own outputs, as given: fp32, bf16, fp16 or mixed), trace (graph + op
+             trace), probes, the cost model at the deployment batch size
+    space    the default region and one variable per GEMM layer, narrowed by hard facts
+    search   the planner (search/planner.py) as an Optuna sampler over a shared study
+    select   the fastest plan within budget on eval data (or the closest, infeasible)
+    write    the compact policy (+ Pareto front), MLflow artifacts
+
+This module orchestrates: tuning/prepare.py (prepare, space), run.py (search) and
+write.py (select, write) are its stages; the numerics live in the modules they call.
+Tracking is a callback of the search and a last step of write.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from autoprec.loading import ModelSpec
+from autoprec.memory import StagePeaks, peak_bytes, release_freed
+from autoprec.track import NullTracker, Tracker
+from autoprec.tuning.config import TuneConfig
+from autoprec.tuning.confirm import choose_plan
+from autoprec.tuning.prepare import make_space, prepare
+from autoprec.tuning.run import run_search
+from autoprec.tuning.write import TuneResult, per_layer, write
+
+
+def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
+         tracker: Tracker | None = None, profile: Any = None, **options: Any) -> TuneResult:
+    """Find the fastest plan within the budget and write it as a policy.
+
+    ``config``: a ``TuneConfig`` (tuning/config.py: every option, validated once; the CLI
+    builds one), or its fields as keywords (``tune(model, max_error=0.01, trials=20)``).
+    ``trials`` is the number of trials this process runs at most (the search stops sooner
+    once nothing faster is predicted within budget, or after ``patience`` trials without a
+    faster plan); ``resume=True``: run until the study holds that many finished trials.
+    ``tracker``: None logs nothing (the CLI's default is MLflow in ./mlflow.db:
+    ``autoprec.track.make_tracker``). ``measure`` (a target that is this machine: ``cpu``,
+    or the GPU here): price on a profile calibrated here and time the winner beside fp32
+    and one global autocast, never writing a plan measured slower
+    (``tuning/confirm.py``). ``report``: a folder to write the tables and plots into
+    (trials, Pareto front, per-layer precisions, and the tuned plan beside one global
+    autocast per precision), MLflow or not. ``compile=True`` prices every plan as
+    ``torch.compile`` runs it (cost/compiled.py) and records ``target.mode: compile`` (the
+    measured confirmation times eager forwards, so it is skipped then); ``profile``: a
+    DeviceProfile to price with (e.g. calibrated here) instead of ``target``'s.
+    ``memory_limit_gb``: the device's memory for the up-front check that the model fits
+    twice (``autoprec.memory``; default: what the device reports). The model as given is
+    the reference (``autoprec.reference``): a bf16 model's errors are against its own
+    outputs and its policy records ``reference:``.
+    See DESIGN.md for the contract.
+    """
+    started = time.monotonic()
+    if config is not None and options:
+        raise TypeError(f"tune: give a TuneConfig or its options, not both (got config and "
+                        f"{', '.join(sorted(options))})")
+    cfg = (config if config is not None else TuneConfig(**options)).validated()
+    tracker = tracker or NullTracker()
+    peaks = StagePeaks()
+    prep = prepare(model, cfg, profile, peaks)
+    with peaks.stage("search"):
+        space = make_space(prep, cfg)
+        interrupted: list[bool] = []
+        search = run_search(prep, space, cfg, tracker, interrupted)
+    with peaks.stage("confirm"):  # select, confirm on the eval data, decide; write
+        plan = choose_plan(prep, space, search, cfg)
+        result = write(prep, space, search, cfg, tracker, started, plan)
+    release_freed()
+    if cfg.report is not None:
+        from autoprec.tuning.report import write_report
+
+        result.report = write_report(Path(cfg.report), result, list(space.region.choices),
+                                     per_layer(prep, space, result.policy))
+    result.peak_memory, result.peak_memory_how = peak_bytes(prep.net)
+    # the per-stage resets reset ru_maxrss too (Linux): the peak is the highest stage's
+    result.peak_memory = max(result.peak_memory, peaks.overall)
+    result.memory_stages = dict(peaks.peaks)
+    result.stage_seconds = {k: round(v, 2) for k, v in peaks.seconds.items()}
+    return result
+
+
+__all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: tuning/config.py
