@@ -8,7 +8,7 @@ name) — exactly what a model.py provides; or the path of a model.py, as the CL
 (``autoprec.inputs.spec_of`` makes one ``ModelSpec`` of either). The model as given is the
 reference; it is run in eval mode and handed back as it came (``inputs.kept_as_given``:
 its train/eval flags and ``requires_grad``; the stages put back every weight, hook and
-forward they touch). This module orchestrates; the work is in ``search.tune``,
+forward they touch). This module orchestrates; the work is in ``autoprec.tuning.tune``,
 ``autoprec.evaluation.check`` and ``autoprec.evaluation.eval_report``.
 """
 
