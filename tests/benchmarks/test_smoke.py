@@ -34,6 +34,9 @@ SMOKE: dict[str, tuple[list[str], str]] = {
                          "1"], "| "),
     "tune_size": (["--llama", "2", "--no-gpt2"], "| "),
     "guard_cost": (["--smoke"], "| "),
+    "loss_parity": (["--policy", "benchmarks/results/minilm_mlm-h100-train.yaml", "--steps",
+                     "2", "--rows", "2", "--seq-len", "16", "--eval-every", "1", "--out",
+                     "{tmp}"], "| "),
 }
 #: exit 1 is a verdict, not a crash: the estimates missed their 20 % on this run (a loaded
 #: machine); the table is printed either way
