@@ -1,19 +1,20 @@
 """autoprec: automatic per-layer precision tuning for PyTorch.
 
-The flow, one module per stage::
+The public API, for the model you hold (an ``nn.Module`` and iterables of batches, a
+``DataLoader`` included) or a model.py (the CLI's way to give the same arguments)::
 
-    trace (autoprec.trace) -> probe (autoprec.probe) -> plan (autoprec.plan)
-      -> cost (autoprec.cost) -> search (autoprec.search)
-      -> policy / apply (autoprec.policy, autoprec.apply) -> track (autoprec.track)
+    tune(model, calibration=…, max_error=…) -> TuneResult   # TuneConfig: every option
+    check(model, policy, calibration=…)     -> CheckResult  # the pre-deployment gate
+    evaluate(model, policy, calibration=…)  -> Evaluation   # error, audit, speed-up
+    load_policy(path) -> Policy;  apply_policy(model, policy) -> PolicyHandle
+    trace_model(model, batch) -> LayerGraph;  probe_model(model, batches) -> SensitivityTable
 
-A policy's resolution (which rule covers each module) is read from its compiled plan:
-``compile_plan(policy, model).resolution()``, or ``resolve`` / ``assignment``.
-
-The public API is re-exported here and imported lazily, so ``import autoprec`` stays
-cheap (torch, optuna and mlflow load when first used). ``autoprec.trace`` and
-``autoprec.probe`` are the stages' packages and ``autoprec.capability`` a module; the
-functions they hold are exported as ``trace_model``, ``probe_model`` and ``can_run`` (one
-name, one thing, whatever was imported first).
+Every bad input raises an ``AutoprecError`` subclass naming the argument, file or layer.
+The names are imported lazily, so ``import autoprec`` stays cheap (torch, optuna and
+mlflow load when first used). ``autoprec.trace`` and ``autoprec.probe`` are the stages'
+packages (importing ``autoprec.trace.graph`` binds the package there), so their functions
+are exported as ``trace_model`` and ``probe_model``. The stages' own names stay in their
+packages (``autoprec.plan.compile_plan``, ``autoprec.capability.capability``, …).
 """
 
 from __future__ import annotations
@@ -25,43 +26,42 @@ __version__ = "0.1.0"
 
 #: public name -> "module" (the same name there) or "module:name there"
 _EXPORTS = {
-    "trace_model": "autoprec.trace:trace",
-    "LayerGraph": "autoprec.trace.graph",
-    "LayerNode": "autoprec.trace.graph",
-    "probe_model": "autoprec.probe:probe",
-    "SensitivityTable": "autoprec.probe",
-    "CostModel": "autoprec.cost",
-    "get_profile": "autoprec.cost",
-    "tune": "autoprec.tuning.tune",
-    "TuneResult": "autoprec.tuning.tune",
+    "tune": "autoprec.api",
+    "TuneConfig": "autoprec.tuning.config",
+    "TuneResult": "autoprec.tuning.write",
+    "Target": "autoprec.evaluation.target",
+    "check": "autoprec.api",
+    "CheckResult": "autoprec.evaluation.check",
+    "evaluate": "autoprec.api",
+    "Evaluation": "autoprec.evaluation.eval_report",
     "Policy": "autoprec.policy",
     "load_policy": "autoprec.policy",
-    "compile_plan": "autoprec.plan",
-    "ExecutionPlan": "autoprec.plan",
-    "resolve": "autoprec.plan",
-    "assignment": "autoprec.plan",
-    "resolve_path": "autoprec.plan",
     "apply_policy": "autoprec.apply.apply",
-    "can_run": "autoprec.capability:capability",
-    "load_model_file": "autoprec.loading",
+    "ApplyOptions": "autoprec.apply.apply",
+    "PolicyHandle": "autoprec.apply.apply",
+    "trace_model": "autoprec.trace:trace",
+    "LayerGraph": "autoprec.trace.graph",
+    "probe_model": "autoprec.probe:probe",
+    "SensitivityTable": "autoprec.probe",
     "AutoprecError": "autoprec.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autoprec.apply.apply import apply_policy
-    from autoprec.capability import capability as can_run
-    from autoprec.cost import CostModel, get_profile
+    from autoprec.api import check, evaluate, tune
+    from autoprec.apply.apply import ApplyOptions, PolicyHandle, apply_policy
     from autoprec.errors import AutoprecError
-    from autoprec.loading import load_model_file
-    from autoprec.plan import ExecutionPlan, assignment, compile_plan, resolve, resolve_path
+    from autoprec.evaluation.check import CheckResult
+    from autoprec.evaluation.eval_report import Evaluation
+    from autoprec.evaluation.target import Target
     from autoprec.policy import Policy, load_policy
     from autoprec.probe import SensitivityTable
     from autoprec.probe import probe as probe_model
     from autoprec.trace import trace as trace_model
-    from autoprec.trace.graph import LayerGraph, LayerNode
-    from autoprec.tuning.tune import TuneResult, tune
+    from autoprec.trace.graph import LayerGraph
+    from autoprec.tuning.config import TuneConfig
+    from autoprec.tuning.write import TuneResult
 
 
 def __getattr__(name: str) -> Any:

@@ -135,10 +135,11 @@ def code_hash(spec: Any, model: torch.nn.Module | None = None) -> str:
     (model.py), the source of the spec's functions (build_model, calibration_data,
     eval_data, forward, metric, loss) and, given ``model``, of its module classes."""
     h = hashlib.sha256()
-    path = Path(getattr(spec, "path", ""))
+    path = getattr(spec, "path", None)  # None: a model handed over in Python, no file
     try:
-        if path.is_file() and path.stat().st_size <= _MAX_SOURCE_BYTES:
-            h.update(path.read_bytes())
+        if path is not None and Path(path).is_file() \
+                and Path(path).stat().st_size <= _MAX_SOURCE_BYTES:
+            h.update(Path(path).read_bytes())
     except OSError:
         pass
     for attr in ("build_model", "calibration_data", "eval_data", "forward", "metric", "loss"):

@@ -47,7 +47,7 @@ MAX_DATA_BYTES = 8 << 30
 
 Batch = Any
 #: Weight dtypes build_model() may return: the model as given is the reference.
-_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def default_forward(model: torch.nn.Module, batch: Batch) -> Any:
@@ -102,7 +102,7 @@ def _shape(batch: Any) -> str:
     return "?"
 
 
-def as_number(path: Path, value: Any) -> float:
+def as_number(path: Path | str, value: Any) -> float:
     """What metric() returned, as a float; ModelFileError unless it is one number."""
     if isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "item")):
         shape = tuple(getattr(value, "shape", ()))
@@ -124,7 +124,7 @@ def as_number(path: Path, value: Any) -> float:
                          f"{type(value).__name__} {brief(value)}")
 
 
-def _checked_metric(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], float]:
+def _checked_metric(path: Path | str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], float]:
     @functools.wraps(fn)
     def metric(outputs: Any, batch: Any) -> float:
         try:
@@ -150,7 +150,7 @@ def _has_grad(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _checked_loss(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+def _checked_loss(path: Path | str, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     @functools.wraps(fn)
     def loss(outputs: Any, batch: Any) -> torch.Tensor:
         try:
@@ -176,11 +176,66 @@ def _checked_loss(path: Path, fn: Callable[[Any, Any], Any]) -> Callable[[Any, A
     return loss
 
 
+def collect_batches(data: Any, owner: str, what: str, verb: str = "returned"
+                    ) -> list[Batch]:
+    """The batches of ``data`` (an iterable: a list, a generator, a DataLoader), checked
+    and kept in a list. Messages read ``{owner}: {what} {verb} …`` (``model.py:
+    calibration_data() returned …``, ``tune: calibration is …``). Refused, each in one
+    ModelFileError: a bare tensor or a mapping (iterating it would make each row, or each
+    key, a batch), something not iterable, more than ``MAX_BATCHES`` batches or
+    ``MAX_DATA_BYTES`` of tensors (every batch is kept in memory: an endless generator), no
+    batch, a batch of 0 rows, an error raised while iterating."""
+    where = f"{owner}: {what}"
+    if isinstance(data, torch.Tensor):
+        raise ModelFileError(
+            f"{where} {verb} one tensor of shape {tuple(data.shape)}; return a list "
+            "of batches, e.g. [x] or list(x.split(32)) (iterating a tensor would make "
+            "each row a batch)")
+    if isinstance(data, (Mapping, str, bytes)):
+        raise ModelFileError(
+            f"{where} {verb} a {type(data).__name__}; return a list of batches, "
+            "e.g. [batch] (iterating it would make each key a batch)")
+    if not isinstance(data, Iterable):
+        raise ModelFileError(f"{where} {verb} a {type(data).__name__}, not an iterable of "
+                             "batches (a list, a generator or a DataLoader)")
+    batches: list[Batch] = []
+    total = 0
+    try:
+        for batch in data:
+            if len(batches) == MAX_BATCHES:
+                raise ModelFileError(
+                    f"{where} yields more than {MAX_BATCHES} batches (an endless "
+                    "generator?); autoprec keeps every batch in memory: give at most "
+                    f"{MAX_BATCHES}, e.g. itertools.islice(batches, 64)")
+            total += _nbytes(batch)
+            if total > MAX_DATA_BYTES:
+                raise ModelFileError(
+                    f"{where} yields more than {MAX_DATA_BYTES >> 30} GiB of tensors "
+                    f"in {len(batches) + 1} batches; autoprec keeps every batch in "
+                    "memory: give fewer or smaller batches")
+            batches.append(batch)
+    except ModelFileError:
+        raise
+    except (Exception, SystemExit) as err:
+        raise ModelFileError(f"{owner}: {_failed(what, err)}") from err
+    if not batches:
+        raise ModelFileError(f"{where} yielded no batches")
+    for i, batch in enumerate(batches):
+        if batch_size_of(batch) == 0:
+            raise ModelFileError(f"{owner}: batch {i} of {what} has 0 rows "
+                                 f"(shape {_shape(batch)}); leave empty batches out")
+    return batches
+
+
 @dataclass
 class ModelSpec:
-    """What model.py provides, with the defaults of the contract filled in."""
+    """What model.py provides, with the defaults of the contract filled in.
 
-    path: Path
+    ``path`` is the model.py file; None for a model handed over in Python
+    (``autoprec.inputs.spec_of``): messages then name the model (``where``).
+    """
+
+    path: Path | None
     name: str
     build_model: Callable[[], torch.nn.Module]
     calibration_data: Callable[[], Iterable[Batch]]
@@ -193,9 +248,14 @@ class ModelSpec:
         # metric() must give one number and loss() a scalar tensor on every call, the
         # fp32 reference and the probes' calls included (code_hash sees through the wrap).
         if self.metric is not None and not getattr(self.metric, "__autoprec_checked__", False):
-            self.metric = _checked_metric(self.path, self.metric)
+            self.metric = _checked_metric(self.where, self.metric)
         if self.loss is not None and not getattr(self.loss, "__autoprec_checked__", False):
-            self.loss = _checked_loss(self.path, self.loss)
+            self.loss = _checked_loss(self.where, self.loss)
+
+    @property
+    def where(self) -> str:
+        """What messages name: the model.py file, else ``model NAME`` (a model in hand)."""
+        return str(self.path) if self.path is not None else f"model {self.name!r}"
 
     def model(self) -> torch.nn.Module:
         """A fresh model in eval mode (fp32, bf16 or fp16 weights), checked against the
@@ -203,67 +263,35 @@ class ModelSpec:
         try:
             model = self.build_model()
         except (Exception, SystemExit) as err:
-            raise ModelFileError(f"{self.path}: {_failed('build_model()', err)}") from err
+            raise ModelFileError(f"{self.where}: {_failed('build_model()', err)}") from err
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(
-                f"{self.path}: build_model() must return a torch.nn.Module, "
+                f"{self.where}: build_model() must return a torch.nn.Module, "
                 f"got {type(model).__name__}"
             )
         if isinstance(model, torch.jit.ScriptModule):
             # A scripted module runs its compiled graph: no Python forward to wrap in a
             # region, no hooks for the probes, no named_modules() rules can reach.
             raise ModelFileError(
-                f"{self.path}: build_model() returned a TorchScript module "
+                f"{self.where}: build_model() returned a TorchScript module "
                 f"({type(model).__name__}); autoprec tunes and applies the eager "
                 "nn.Module: return it before torch.jit.script / torch.jit.trace")
         for pname, p in model.named_parameters():
             # The model as given is the reference (autoprec.reference): fp32, bf16 or fp16
             # weights, mixed too (HF's _keep_in_fp32_modules); fp64 and fp8 are not.
-            if p.is_floating_point() and p.dtype not in _WEIGHT_DTYPES:
+            if p.is_floating_point() and p.dtype not in WEIGHT_DTYPES:
                 raise ModelFileError(
-                    f"{self.path}: build_model() must return fp32, bf16 or fp16 weights; "
+                    f"{self.where}: build_model() must return fp32, bf16 or fp16 weights; "
                     f"parameter {pname!r} is {str(p.dtype).replace('torch.', '')}"
                 )
         return model.eval()
 
     def _batches(self, fn: Callable[[], Iterable[Batch]], what: str) -> list[Batch]:
-        where = f"{self.path}: {what}()"
         try:
             data = fn()
-            if isinstance(data, torch.Tensor):
-                raise ModelFileError(
-                    f"{where} returned one tensor of shape {tuple(data.shape)}; return a list "
-                    "of batches, e.g. [x] or list(x.split(32)) (iterating a tensor would make "
-                    "each row a batch)")
-            if isinstance(data, (Mapping, str, bytes)):
-                raise ModelFileError(
-                    f"{where} returned a {type(data).__name__}; return a list of batches, "
-                    "e.g. [batch] (iterating it would make each key a batch)")
-            batches, total = [], 0
-            for batch in data:
-                if len(batches) == MAX_BATCHES:
-                    raise ModelFileError(
-                        f"{where} yields more than {MAX_BATCHES} batches (an endless "
-                        "generator?); autoprec keeps every batch in memory: give at most "
-                        f"{MAX_BATCHES}, e.g. itertools.islice(batches, 64)")
-                total += _nbytes(batch)
-                if total > MAX_DATA_BYTES:
-                    raise ModelFileError(
-                        f"{where} yields more than {MAX_DATA_BYTES >> 30} GiB of tensors "
-                        f"in {len(batches) + 1} batches; autoprec keeps every batch in "
-                        "memory: give fewer or smaller batches")
-                batches.append(batch)
-        except ModelFileError:
-            raise
         except (Exception, SystemExit) as err:
-            raise ModelFileError(f"{self.path}: {_failed(what + '()', err)}") from err
-        if not batches:
-            raise ModelFileError(f"{where} yielded no batches")
-        for i, batch in enumerate(batches):
-            if batch_size_of(batch) == 0:
-                raise ModelFileError(f"{self.path}: batch {i} of {what}() has 0 rows "
-                                     f"(shape {_shape(batch)}); leave empty batches out")
-        return batches
+            raise ModelFileError(f"{self.where}: {_failed(what + '()', err)}") from err
+        return collect_batches(data, self.where, what + "()")
 
     def calibration_batches(self) -> list[Batch]:
         return self._batches(self.calibration_data, "calibration_data")
@@ -284,7 +312,7 @@ class ModelSpec:
             src = f" {what}" if what else ""
             why = _failed("forward()", err) if isinstance(err, SystemExit) else _describe(err)
             raise ModelFileError(
-                f"{self.path}: the model rejected batch {index}{src}: {why}"
+                f"{self.where}: the model rejected batch {index}{src}: {why}"
             ) from err
 
 
@@ -294,7 +322,7 @@ def _model_name(module: Any, path: Path) -> str:
     if isinstance(explicit, str) and explicit:
         # It names files (policies/NAME-TARGET.yaml, the study and cache): a plain name,
         # never a path that would write outside policies/.
-        if not _PLAIN_NAME.fullmatch(explicit):
+        if not PLAIN_NAME.fullmatch(explicit):
             raise ModelFileError(f"{path}: MODEL_NAME must be a plain name (letters, digits, "
                                  f"'.', '_', '-'; not starting with '.'), got {brief(explicit)}")
         return explicit
@@ -302,7 +330,7 @@ def _model_name(module: Any, path: Path) -> str:
 
 
 #: A MODEL_NAME usable as a file-name part.
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 
 def _nul_line(path: Path) -> int | None:

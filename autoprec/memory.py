@@ -1,7 +1,7 @@
 """Memory a tune holds: the budget it keeps, the up-front refusal, the peak it reports.
 
 The budget: besides the model itself, at most one more copy of its weights at a time.
-Where each stage stands (measured by experiments/tune_size.py):
+Where each stage stands (measured by benchmarks/tune_size.py):
 
 - references are kept as outputs (``evaluate.Reference``), never as a second model;
 - the probes lower one layer at a time (``probe.shadow``: a layer's shadow computation

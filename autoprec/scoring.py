@@ -89,7 +89,7 @@ def reference(spec: ModelSpec, model: torch.nn.Module, batches: Sequence[Any],
         need_outputs = spec.metric is None
     if need_outputs and not any(floats):
         raise ModelFileError(
-            f"{spec.path}: forward() returned no floating-point tensor (batch 0{_of(what)} "
+            f"{spec.where}: forward() returned no floating-point tensor (batch 0{_of(what)} "
             f"gave {_output_kind(outs[0])}); the error is measured on "
             "floating outputs: return them (e.g. the logits, not an argmax), or define "
             "metric(outputs, batch) and tune with --max-drop")
@@ -129,7 +129,7 @@ def _reference_metric(spec: ModelSpec, outs: Sequence[Any], batches: Sequence[An
         value = float(metric(out, batch))  # type: ignore[misc]  # one number, or ModelFileError (loading)
         if not math.isfinite(value):
             raise ModelFileError(
-                f"{spec.path}: metric() returned {value} for the fp32 model on batch {i}"
+                f"{spec.where}: metric() returned {value} for the fp32 model on batch {i}"
                 f"{_of(what)}; the fp32 metric is what a policy is measured against: it "
                 "must be a finite number")
         w = float(batch_size_of(batch) or 1)
@@ -142,7 +142,7 @@ def _nonfinite_reference(spec: ModelSpec, model: torch.nn.Module, batches: Seque
     """'the fp32 reference itself is non-finite: …' with where it comes from."""
     kind = "nan" if bool(torch.isnan(t).any()) else "inf"
     count = int((~torch.isfinite(t)).sum())
-    head = (f"{spec.path}: the fp32 reference itself is non-finite: output tensor {k} of "
+    head = (f"{spec.where}: the fp32 reference itself is non-finite: output tensor {k} of "
             f"batch {index}{_of(what)} holds {kind} ({count} of {t.numel()} values)")
     for name, p in model.named_parameters():
         if p.is_floating_point() and not bool(torch.isfinite(p).all()):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from autoprec.apply.apply import PolicyHandle, apply_policy
+from autoprec.apply.apply import ApplyOptions, PolicyHandle, apply_policy
 from autoprec.errors import CapabilityError, InputError
 from autoprec.formats.gemm import is_forward_only
 from autoprec.loading import ModelSpec, default_forward
@@ -178,8 +178,8 @@ def prepare_training(
                               "layers in mxfp8, fp8 or a 16-bit precision")
     # Training runs the train form whatever the policy's form (fp32 masters, gradients): a
     # deploy-form policy names the same precisions, stored once for inference.
-    handle = apply_policy(model, policy, fp8_backend=fp8_backend, device=device, force=force,
-                          form="train")
+    handle = apply_policy(model, policy, fp8_backend=fp8_backend, force=force, form="train",
+                          options=ApplyOptions(device=device))
     want = needs_grad_scaler(handle) if scaler is None else scaler
     gs = CountingGradScaler(handle.device.type, init_scale=init_scale) if want else None
     return TrainingSetup(model=model, policy=policy, handle=handle, scaler=gs)
@@ -420,7 +420,7 @@ def fidelity_check_spec(spec: ModelSpec, policy: Policy | str | Path, steps: int
     and (when it has a metric) its eval batches and metric. What ``tune --train-aware``
     calls on a candidate policy."""
     if spec.loss is None:
-        raise InputError(f"{spec.path}: a training check needs loss(outputs, batch) in model.py")
+        raise InputError(f"{spec.where}: a training check needs loss(outputs, batch) in model.py")
     if spec.metric is not None:
         kwargs.setdefault("eval_batches", spec.eval_batches())
         kwargs.setdefault("metric", spec.metric)

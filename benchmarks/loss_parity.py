@@ -1,5 +1,5 @@
 """Loss parity of a tuned training plan: all-MiniLM-L6-v2 fine-tuned as a masked LM on the
-docstrings of Python's standard library (benchmarks/minilm_mlm/model.py), under fp32, one
+docstrings of Python's standard library (examples/minilm_mlm/model.py), under fp32, one
 global bf16 autocast (``TrainingArguments(bf16=True)``) and the plan a ``--train-aware``
 tune wrote — the same initial weights, seed and batches — with the eval loss on held-out
 docstrings every ``--eval-every`` steps. Prints a table (and writes it as markdown) and
@@ -21,6 +21,7 @@ import json
 import math
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from autoprec.lower.wide16 import scoring_gemms, slow_dtypes
 from autoprec.policy import Policy, load_policy
 from autoprec.train import prepare_training, train_step
 from autoprec.train_check import eval_loss
-from benchmarks.minilm_mlm import model as mlm
+from benchmarks.common import load_example
 
 
 def cpu_name() -> str:
@@ -45,9 +46,16 @@ def cpu_name() -> str:
     return (names[0] if names else "unknown CPU") + (f" ({', '.join(extra)})" if extra else "")
 
 
+def minilm_mlm() -> Any:
+    """examples/minilm_mlm/model.py, imported as the CLI loads it (``benchmarks.common``):
+    the module itself, for its ``train_batches`` beside the model.py contract."""
+    return sys.modules[load_example("minilm_mlm").build_model.__module__]
+
+
 def run(label: str, policy: Policy | None, init: torch.nn.Module, batches: list[Any],
         evals: list[Any], steps: int, lr: float, every: int, seed: int) -> dict[str, Any]:
     """One fine-tune: (step, eval loss) points, train losses, skipped steps, seconds/step."""
+    mlm = minilm_mlm()
     model = copy.deepcopy(init)
     setup = prepare_training(model, policy) if policy is not None else None
     torch.manual_seed(seed)  # the same dropout masks in every run
@@ -137,6 +145,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    mlm = minilm_mlm()
     init = mlm.build_model()
     plan = load_policy(args.policy, init) if args.only in (None, "plan") or args.policy.exists() \
         else None

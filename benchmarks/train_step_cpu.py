@@ -1,6 +1,6 @@
 """Training steps measured on this CPU against the step's estimate: time and peak memory.
 
-For the digits CNN (``experiments/digits_cnn/model.py``, loaded as ``autoprec tune`` loads
+For the digits CNN (``examples/digits_cnn/model.py``, loaded as ``autoprec tune`` loads
 it) and a small GPT-2 config built here (random init; 256 wide, 2 blocks, 8 x 128 tokens),
 each plan runs real training steps — forward, model.py's loss, backward, AdamW (torch's CPU
 default); a GradScaler with fp16 — timed by tune's own interleaved timer
@@ -42,7 +42,7 @@ CACHE = Path(tempfile.gettempdir()) / "autoprec-benchmarks" / "calibration"
 
 
 def digits() -> tuple:
-    spec = load_model_file(ROOT / "experiments" / "digits_cnn" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "digits_cnn" / "model.py")
     return ("digits CNN (batch 64)", spec.model(), spec.forward, spec.loss,
             spec.calibration_batches()[0])
 

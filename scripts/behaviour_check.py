@@ -28,10 +28,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-EXP = ROOT / "experiments"
+EXP = ROOT / "examples"
 SCRATCH = Path("/tmp/autoprec-behaviour")
 
-#: name -> (model.py, tune options, eval/check options). The README's and experiments'
+#: name -> (model.py, tune options, eval/check options). The README's and benchmarks'
 #: commands: the quickstart's mixed8, trap as tune's default and at the README API's batch,
 #: MiniLM for this CPU without timing, and mixed8 priced compiled.
 CASES: dict[str, tuple[Path, list[str], list[str]]] = {
@@ -64,7 +64,7 @@ NOISY_TEXT = [
 
 
 #: A checkout's path (the baseline may come from another one).
-REPO_PATH = re.compile(r"/[\w./-]*?/(?=experiments/)")
+REPO_PATH = re.compile(r"/[\w./-]*?/(?=examples/)")
 
 
 def _norm_text(text: str) -> str:

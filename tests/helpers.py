@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
-TRAP = ROOT / "experiments" / "trap" / "model.py"  # the example every CLI test tunes
+TRAP = ROOT / "examples" / "trap" / "model.py"  # the example every CLI test tunes
 MODELS = ROOT / "tests" / "fixtures" / "models"  # small model.py files, good and broken
 
 #: ``autoprec`` as a separate process (with ``env=cli_env()``).

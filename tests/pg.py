@@ -12,7 +12,7 @@ In pytest, use the fixtures (import them into the test module)::
 
     def test_x(pg_url): ...            # a fresh, empty database per test
 
-Outside pytest (``experiments/workers_scaling.py``)::
+Outside pytest (``benchmarks/workers_scaling.py``)::
 
     with postgres_server() as pg:
         url = pg.create_database("bench")   # postgresql://postgres@127.0.0.1:PORT/bench

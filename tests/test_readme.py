@@ -1,5 +1,5 @@
 """The README's snippets run as written: its Python blocks (in a scratch directory beside a
-link to experiments/), its policy file (it validates), and its CI command (the one
+link to examples/), its policy file (it validates), and its CI command (the one
 ``.ci/run`` runs)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_the_ci_command_is_the_readmes() -> None:
     for cmd in (tune_cmd, test_cmd):  # the CPU torch, never a CUDA build pulled by a range
         assert "-c constraints/cpu.txt" in cmd
     assert (ROOT / "constraints" / "cpu.txt").is_file()
-    assert "autoprec tune experiments/mixed8/model.py" in tune_cmd
+    assert "autoprec tune examples/mixed8/model.py" in tune_cmd
 
 
 def test_the_policy_file_example_validates(tmp_path: Path) -> None:
@@ -53,7 +53,7 @@ def test_the_policy_file_example_validates(tmp_path: Path) -> None:
 def test_the_python_snippets_run_as_written(tmp_path: Path) -> None:
     blocks = _blocks("python", "Python API")
     assert len(blocks) == 2, "the API example and the training example"
-    (tmp_path / "experiments").symlink_to(ROOT / "experiments")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
     env = cli_env()
     outputs = []
     for i, code in enumerate(blocks):  # one process each, in order: as a user pastes them
@@ -163,8 +163,8 @@ def test_the_model_py_contract_names_what_loading_reads() -> None:
                               README.index("\n## Command line\n")].split())
     assert "policies/<MODEL_NAME>-<target>.yaml" in section
     assert "must be a plain name" in section and "at most 100 characters" in section
-    assert loading._PLAIN_NAME.fullmatch("a" * 100) and not loading._PLAIN_NAME.fullmatch("a" * 101)
-    assert not loading._PLAIN_NAME.fullmatch(".hidden") and not loading._PLAIN_NAME.fullmatch("a/b")
+    assert loading.PLAIN_NAME.fullmatch("a" * 100) and not loading.PLAIN_NAME.fullmatch("a" * 101)
+    assert not loading.PLAIN_NAME.fullmatch(".hidden") and not loading.PLAIN_NAME.fullmatch("a/b")
 
 
 def test_the_ci_example_runs_the_check_the_readme_names() -> None:
@@ -194,16 +194,16 @@ def _slug(heading: str) -> str:
 
 
 def test_the_results_links_reach_the_moved_sections() -> None:
-    """The results moved to experiments/results/README.md: every link into it names one of
+    """The results moved to benchmarks/results/README.md: every link into it names one of
     its sections, the plot it shows is there, and it says which CPU made each table."""
-    results = (ROOT / "experiments" / "results" / "README.md").read_text()
+    results = (ROOT / "benchmarks" / "results" / "README.md").read_text()
     anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", results, flags=re.M)}
-    links = re.findall(r"\]\(experiments/results/README\.md#([\w-]+)\)", README)
+    links = re.findall(r"\]\(benchmarks/results/README\.md#([\w-]+)\)", README)
     links += re.findall(r"\]\(#([\w-]+)\)", results)
     assert links
     assert not [a for a in links if a not in anchors], sorted(anchors)
     for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", results):
-        assert (ROOT / "experiments" / "results" / image).is_file(), image
+        assert (ROOT / "benchmarks" / "results" / image).is_file(), image
     for cpu in ("AMD EPYC", "Intel Xeon with AMX-BF16", "Intel Xeon without AMX"):
         assert cpu in " ".join(results.split()) and cpu in " ".join(README.split()), cpu
     assert (ROOT / "docs" / "robustness.md").is_file() and "docs/robustness.md" in README

@@ -30,6 +30,7 @@ import inspect
 import types
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -321,12 +322,27 @@ def _check_apply_args(model: Any, policy: Any) -> Policy:
     return policy
 
 
-def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backend: str | None = None,
-                 device: str | torch.device | None = None, force: bool = False,
+@dataclass(frozen=True)
+class ApplyOptions:
+    """``apply_policy``'s rarely needed settings.
+
+    ``device``: where the model runs (default: its parameters'). ``keep_masters`` (deploy
+    form): the handle keeps the fp32 masters (in host memory when the model is on an
+    accelerator) and ``remove()`` restores them exactly; False frees them, and ``remove()``
+    restores fp32 weights rebuilt from the deployed values (with a warning). ``on_event``:
+    called with a GuardEvent for each layer that overflowed in a forward (``guard``).
+    """
+
+    device: str | torch.device | None = None
+    keep_masters: bool = True
+    on_event: Callable[[GuardEvent], None] | None = None
+
+
+def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
                  target: str | None = None, form: str | None = None,
-                 keep_masters: bool = True,
                  guard: str | GuardSpec | Mapping[str, Any] | None = None,
-                 on_event: Callable[[GuardEvent], None] | None = None) -> PolicyHandle:
+                 fp8_backend: str | None = None, force: bool = False,
+                 options: ApplyOptions | None = None) -> PolicyHandle:
     """Install ``policy`` on ``model`` (compiled/DDP wrappers are looked through).
 
     ``fp8_backend``: the backend of the fp8 layers, emulated / torch / te / torchao /
@@ -334,26 +350,26 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, fp8_backen
     device runs (``best_fp8_backend``; the train form prefers torchao's float8 training
     to the home-made torch backend where its kernels run). The other GEMM formats (mxfp8, nvfp4) take no
     choice: torch's block-scaled kernels where ``blockscale_capability`` says they run, else
-    emulation. ``device``: where the model runs (default: its parameters').
+    emulation.
     ``target``: the device the plan is for (a profile name like "h100", or "cuda"/"cpu";
     default: the policy's ``target``, else ``device``): on a CPU, a CUDA target's autocast
     op lists are followed. ``force`` applies a policy whose fingerprint does not match,
     with a warning.
     ``policy`` may also be a path to a policy file (read with ``load_policy``).
     ``form``: "deploy" (weights stored in each layer's precision, no autocast) or "train"
-    (autocast over fp32 masters); default: the policy's ``form``. ``keep_masters``
-    (deploy form): the handle keeps the fp32 masters (in host memory when the model is on
-    an accelerator) and ``remove()`` restores them exactly; False frees them, and
-    ``remove()`` restores fp32 weights rebuilt from the deployed values (with a warning).
+    (autocast over fp32 masters); default: the policy's ``form``.
     ``guard``: the run-time overflow check (``apply.guard``; a mode "off" / "detect" /
     "fallback" / "raise", or the policy key's mapping); default: the policy's ``guard``.
-    ``on_event``: called with a GuardEvent for each layer that overflowed in a forward.
+    ``options``: the rarely needed settings (``ApplyOptions``: device, keep_masters,
+    on_event).
     Raises PolicyError (does not validate), CapabilityError (a precision or backend cannot
     run here, with the reason) or InputError (a policy is already applied; ``model`` is not
     an nn.Module, or a TorchScript one; ``policy`` is neither a Policy nor a path); the
     model is untouched when anything is raised.
     """
     policy = _check_apply_args(model, policy)
+    opts = options if options is not None else ApplyOptions()
+    device, keep_masters, on_event = opts.device, opts.keep_masters, opts.on_event
     form = policy.form if form is None else form
     if form not in FORMS:
         raise InputError(f"apply_policy: form must be one of {', '.join(FORMS)}, got {form!r}")
@@ -478,4 +494,4 @@ def audit_policy(model: torch.nn.Module, policy: Policy, run: Callable[[], Any],
     return report
 
 
-__all__ = ["PolicyHandle", "Wrapped", "apply_policy", "audit_policy"]
+__all__ = ["ApplyOptions", "PolicyHandle", "Wrapped", "apply_policy", "audit_policy"]

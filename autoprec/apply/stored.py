@@ -176,7 +176,7 @@ def _copy_of(t: torch.Tensor, dtype: torch.dtype, parameter: bool,
         # folds a 3-D input into one mm only when the weight requires grad; a frozen copy
         # sends a non-contiguous input (MultiheadAttention's batch_first projections) to
         # bmm over the weight expanded per batch row: 0.73x of fp32 where model.to(bf16)
-        # runs 1.6x (experiments/nn_transformer, AMD EPYC AVX512-BF16)
+        # runs 1.6x (examples/nn_transformer, AMD EPYC AVX512-BF16)
         got = torch.nn.Parameter(data, requires_grad=t.requires_grad) if parameter else data
         copies[key] = got
     return got

@@ -52,7 +52,7 @@ def probe_cmd(
         check_dir(cache_dir, "--cache-dir")
     spec = load_model_file(model)
     if max_drop is not None and spec.metric is None:
-        raise InputError(f"{spec.path}: --max-drop needs a metric(outputs, batch) in model.py")
+        raise InputError(f"{spec.where}: --max-drop needs a metric(outputs, batch) in model.py")
     net = spec.model()
     batches = spec.calibration_batches()
     # The fp32 reference, as tune computes it: a batch the model rejects, a forward with no

@@ -250,7 +250,7 @@ def copy_graph(elems: int, calls: int = 1, path: str = "copy") -> LayerGraph:
 CPU_SHAPES = ((256, 384, 384), (256, 384, 1536), (256, 1536, 384), (512, 1024, 1024),
               (512, 2048, 512), (256, 128, 128), (64, 64, 64))
 #: 8 MiB of fp32: a CPU's activations fit its L3; larger fresh allocations are mmap'd and
-#: page-faulted on every clone (experiments/cost_model_cpu.py measure_profile).
+#: page-faulted on every clone (benchmarks/cost_model_cpu.py measure_profile).
 CPU_COPY_ELEMS = 1 << 21
 
 

@@ -41,7 +41,7 @@ Weights are read every call and their casts run every call (the default
 ``torch.compile``); freezing (``torch._inductor.config.freezing``) would constant-fold them,
 which ``frozen=True`` prices (the casts cost nothing, a GEMM reads the 16-bit weight).
 
-Uncertain (measured against inductor in ``experiments/compile_cost.py``; see README):
+Uncertain (measured against inductor in ``benchmarks/compile_cost.py``; see README):
 whether two reductions of different shapes share one Triton kernel (the rule fuses any
 data-connected nodes of a segment, as the C++ backend does); Triton's launch overhead
 under CUDA graphs (the profile's ``launch_overhead_us`` is eager's); the amax/cast fusion
@@ -443,7 +443,7 @@ class CompiledCostModel(CostModel):
         The training form's per-call casts of the fp32 master weights add their timed
         seconds too: each reads a weight the forward last touched one forward earlier
         (``op_measure._cast_times``), which the calibrated bandwidth (cache-hot copies)
-        does not see. Compiled experiments/mixed8 (AMD EPYC, AVX512-BF16) under one bf16
+        does not see. Compiled examples/mixed8 (AMD EPYC, AVX512-BF16) under one bf16
         autocast: its fused kernels, the casts of 8.4 MB of weights among them, took
         0.54 ms; priced by bytes 0.15 ms."""
         if self.op_times is None:

@@ -31,7 +31,7 @@ from autoprec.errors import InputError
 from autoprec.targets import cuda_index, device_kind, is_cpu, is_cpu_target
 
 #: CPU timings run on one torch thread and read the thread's CPU time: on a shared,
-#: oversubscribed machine the wall time of one forward varied 10x (experiments/
+#: oversubscribed machine the wall time of one forward varied 10x (benchmarks/
 #: cost_model_cpu.py); the ratios between precisions are what a plan is chosen on.
 CPU_THREADS = 1
 

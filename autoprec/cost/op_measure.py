@@ -62,7 +62,7 @@ def _wrapper_s() -> dict[str, float]:
     """Per form, the host seconds apply's wrapper adds to one module call: a bf16 region
     (train: ``lower.forward.lowered_forward``, an autocast block) or stored bf16 inputs
     (deploy: ``lower.stored.deploy_forward``, autocast off) around a trivial forward.
-    Measured here: 8-15 us per wrapped Linear(4, 4), ~4 % of experiments/trap's forward."""
+    Measured here: 8-15 us per wrapped Linear(4, 4), ~4 % of examples/trap's forward."""
     from autoprec.lower.forward import lowered_forward
     from autoprec.lower.stored import deploy_forward
 
@@ -107,7 +107,7 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
     ``op_runner._span``). The training form's 16-bit GEMM reads the cast of its master it
     has just written, and is priced at the same cold timing: priced hot, one global bf16
     autocast came out +9..+15 % optimistic eager on five of six models, cold -5..+4 %;
-    compiled, both within 12 % (AMD EPYC, AVX512-BF16; experiments/train_form_gemms.py).
+    compiled, both within 12 % (AMD EPYC, AVX512-BF16; benchmarks/results/train_form_gemms.md).
     Only the unfolded ``bmm`` (which runs only where the weight is cast) is timed hot."""
     t_start = time.perf_counter()
     precisions = set(precisions) | {"fp32"}
@@ -178,7 +178,7 @@ def _cast_times(trace: OpTrace, scale: float) -> dict[str, float]:
     tensor the forward last touched one forward earlier, after moving everything else it
     moves: where that footprint (``_footprint``) overflows L2, weights are cycled through
     copies spanning it, else timed hot like every other cast. Measured on an AMD EPYC
-    (AVX512-BF16, 1 MB L2 per core): inside the bf16 forwards of experiments/nn_transformer
+    (AVX512-BF16, 1 MB L2 per core): inside the bf16 forwards of examples/nn_transformer
     and encoder4, a 768 x 192 weight's cast took 29-35 us against 14-22 us back to back;
     cycled through 5 / 18 / 71 MB of copies, 14 / 24 / 30 us."""
     span = _span(_footprint(trace, scale))

@@ -37,7 +37,7 @@ in the model: torch's matmul chooses its kernel by it (``op_runner._Builder.tens
 
 The result (``OpTimes``) is cached per op set, batch size and machine under
 ``<calibration dir>/ops-<digest>.json``: the first tune of a model pays seconds
-(experiments/estimate_accuracy.py states it), later ones read the file. An op without a
+(benchmarks/estimate_accuracy.py states it), later ones read the file. An op without a
 recipe, or whose recipe cannot run alone, is priced by the calibrated roofline as before.
 The batch: recipes are recorded at the calibration batch; a cost model at another batch
 size rebuilds each tensor that scales with the batch with its leading dimension scaled

@@ -54,6 +54,7 @@ from autoprec.plan.compile import CODE, RuleSet
 from autoprec.plan.dtype_codes import FP16
 from autoprec.plan.schedule import Schedule
 from autoprec.policy.schema import Policy
+from autoprec.targets import is_cpu
 
 #: Where a training step's time goes.
 STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "optimizer",
@@ -124,7 +125,7 @@ class StepCostModel(CostModel):
         # what torch.optim.AdamW runs by default: fused / foreach on a GPU (a trainer's
         # choice: fused), a loop over the parameters on a CPU
         dev = kwargs.get("device_type") or device_type_of(profile)
-        self.optimizer = optimizer or (ADAMW_LOOP if dev == "cpu" else ADAMW_FUSED)
+        self.optimizer = optimizer or (ADAMW_LOOP if is_cpu(dev) else ADAMW_FUSED)
         #: a plan whose training step holds more bytes cannot run (``--memory-limit``)
         self.max_train_bytes: float | None = None
         self._n_params = trainable_numel(graph.ops) if graph.ops is not None else 0.0

@@ -15,7 +15,7 @@ GEMM's weight operand is the cast's output, which under ``no_grad`` does not req
 and ``x`` is not contiguous: inductor does not fold. It lowers the Linear to
 ``bmm(x, W.t().expand(T, K, N))``, and on a CPU the batched GEMM copies the stride-0 expanded
 weight ``T`` times before it multiplies ``T`` small ``(B, K) @ (K, N)`` products. Measured
-on an AMD EPYC (AVX512-BF16), experiments/nn_transformer (d=192, T=32, B=8) compiled under
+on an AMD EPYC (AVX512-BF16), examples/nn_transformer (d=192, T=32, B=8) compiled under
 apply's bf16 autocast: each in-projection took ~1.3 ms of copy and ~0.9 ms of bmm against
 0.18 ms folded, and the whole forward ran at 0.60-0.75x of fp32 where the folded estimate
 said 2.6x. Eager autocast folds (its in-projection took 0.24 ms) and the deploy form's

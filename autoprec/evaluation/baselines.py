@@ -5,7 +5,7 @@
 ``model.to(torch.bfloat16)`` / ``model.to(torch.float16)`` with its inputs cast — each as
 the policy ``default: <p>`` with no rules, in the train form (autocast) or the deploy
 form (weights stored 16-bit), which runs as that one line does
-(experiments/apply_overhead.py: within 3 %; tests/plan/test_what_runs_is_priced.py).
+(benchmarks/apply_overhead.py: within 3 %; tests/plan/test_what_runs_is_priced.py).
 
 ``baseline_rows`` is the one builder, used by tune's last step
 (``tuning.confirm.tune_baseline_rows``: the search's own errors where it scored that very

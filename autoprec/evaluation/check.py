@@ -150,7 +150,7 @@ def _budget(policy: Policy, spec: ModelSpec, max_error: float | None,
         raise InputError(f"{where}: the budget must be a finite number >= 0, got {value!r}")
     if kind == "max_drop" and spec.metric is None:
         why = "the policy's budget is a metric drop" if source == "policy" else flag
-        raise InputError(f"{spec.path}: {why} needs a metric(outputs, batch) in model.py")
+        raise InputError(f"{spec.where}: {why} needs a metric(outputs, batch) in model.py")
     return kind, float(value), source
 
 
@@ -276,7 +276,7 @@ def check(
     net = spec.model()
     calib = spec.calibration_batches()
     bs = resolved.deploy_batch(calib[0])
-    result = CheckResult(model=str(spec.path), policy=policy.source, passed=False, reasons=[],
+    result = CheckResult(model=spec.where, policy=policy.source, passed=False, reasons=[],
                          budget_kind=kind, budget=budget, budget_source=source, error=None,
                          target=tgt, batch_size=bs,
                          batch_size_from=batch_size_from(batch_size, policy.batch_size),

@@ -10,6 +10,8 @@ prints (``cli/policy_cmds.py``). The fields mean what ``autoprec.evaluation.json
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +25,64 @@ from autoprec.evaluation.json_fields import (
     verdict_reasons,
 )
 from autoprec.evaluation.target import resolve_target
-from autoprec.loading import load_model_file
-from autoprec.policy import load_policy
+from autoprec.loading import ModelSpec, load_model_file
+from autoprec.policy import Policy, load_policy
 from autoprec.validate import check_batch_size
 
 
-def eval_report(model: Path, policy_path: Path, target: str | None = None,
-                batch_size: int | None = None, force: bool = False, measure: bool = False,
+@dataclass(frozen=True)
+class Evaluation:
+    """What ``autoprec.evaluate`` returns: the headline figures of ``eval --json``'s object,
+    and that object itself (``report``; ``to_dict()``). ``error`` is the relative L2 error
+    on the eval data; ``metric_drop`` the metric's drop (a metric given, else None);
+    ``budget`` the policy's recorded budget (None: none); ``feasible`` None without one;
+    ``est_speedup`` over all-fp32 on ``target`` at ``batch_size`` (None: the target cannot
+    run the policy); ``layers`` one row per GEMM layer (rule, precision, computed, audit)."""
+
+    error: float
+    metric_drop: float | None
+    budget: float | None
+    est_speedup: float | None
+    feasible: bool | None
+    target: str
+    batch_size: int
+    layers: list[dict[str, Any]]
+    audit_errors: list[str]
+    report: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any]) -> Evaluation:
+        return cls(error=_float(report["error"]), metric_drop=_float(report.get("metric_drop")),
+                   budget=report["budget"], est_speedup=report["est_speedup"],
+                   feasible=report["feasible"], target=report["target"],
+                   batch_size=report["batch_size"], layers=list(report["layers"]),
+                   audit_errors=list(report["audit_errors"]), report=report)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``eval --json`` object."""
+        return dict(self.report)
+
+
+def _float(value: Any) -> Any:
+    """A JSON number back to a float ("inf" / "nan" are written as strings)."""
+    return math.inf if value == "inf" else math.nan if value == "nan" else value
+
+
+def eval_report(model: str | Path | ModelSpec, policy_path: str | Path | Policy,
+                target: str | None = None, batch_size: int | None = None,
+                force: bool = False, measure: bool = False,
                 compile: bool | None = None) -> dict[str, Any]:
-    """What ``eval --json`` prints: a policy on model.py scored, audited and priced
-    (``assess``), beside its baselines (``assess.beside_baselines``)."""
+    """What ``eval --json`` prints: a policy on model.py (or a ModelSpec: a model in hand,
+    ``autoprec.inputs``) scored, audited and priced (``assess``), beside its baselines
+    (``assess.beside_baselines``)."""
     check_batch_size(batch_size)  # autoprec.validate: [1, MAX_BATCH_SIZE]
-    spec = load_model_file(model)
+    spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     net = spec.model()
-    pol = load_policy(policy_path, model=net, force=force)
+    if isinstance(policy_path, Policy):
+        policy_path.validate(net, force=force)
+        pol, policy_path = policy_path, None
+    else:
+        pol = load_policy(policy_path, model=net, force=force)
     # the target resolved once, as check and tune resolve it: a local target priced on this
     # machine's calibration and op timings (a profile fitted on another CPU promised 1.82x
     # for a policy that ran 0.56x here)
@@ -60,7 +106,8 @@ def eval_report(model: Path, policy_path: Path, target: str | None = None,
                        "est_time_us": None if t is None else round(t * 1e6, 4),
                        "headroom": rooms.get(row.layer),
                        "reason": pol.reasons.get(row.layer)})
-    out: dict[str, Any] = {"model": spec.name, "policy": str(policy_path),
+    out: dict[str, Any] = {"model": spec.name,
+                           "policy": pol.source if policy_path is None else str(policy_path),
                            "error": number(sc.error)}
     if use_drop:
         out["metric"] = number(sc.metric)
@@ -84,7 +131,7 @@ def eval_report(model: Path, policy_path: Path, target: str | None = None,
         "warnings": warns,
         "layers": layers,
     })
-    if tgt.form == "train" and pol.form == "train" and spec.loss is not None:
+    if tgt.step and pol.form == "train" and spec.loss is not None:
         # the training form: a real step's backward audited too (apply.audit_step)
         bwd = _backward_audit(spec, net, pol, tgt, force)
         out["backward_audit"] = [r.to_dict() for r in bwd.rows]
@@ -116,4 +163,4 @@ def _backward_audit(spec: Any, net: Any, pol: Any, tgt: Any, force: bool) -> Any
         net.zero_grad(set_to_none=True)
 
 
-__all__ = ["eval_report"]
+__all__ = ["Evaluation", "eval_report"]

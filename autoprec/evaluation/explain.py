@@ -76,7 +76,7 @@ def words(reason: Reason) -> str:
                      for m in reason.moved]
             return (f" [{reason.winner} casts its weights on every call: "
                     f"{', '.join(reason.rows)} timed again with the allocator trimmed before "
-                    "each forward (fresh pages: experiments/page_faults.py); each row keeps "
+                    "each forward (fresh pages: benchmarks/results/page_faults.md); each row keeps "
                     "its slower state" + (f": {'; '.join(moved)}]" if moved else
                                           ": none slower]"))
         case PageFaults(rows=rows):

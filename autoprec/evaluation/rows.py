@@ -23,7 +23,7 @@ from autoprec.policy.build import plan_id
 Timer = Callable[[Mapping[str, Policy]], Mapping[str, Sequence[float]]]
 
 #: Minor page faults per forward from which the reason names a timed row: 1,000 fresh
-#: 4 KiB pages (4 MB) cost ~1.7 ms on the team's AMD EPYC, where experiments/wide's
+#: 4 KiB pages (4 MB) cost ~1.7 ms on the team's AMD EPYC, where examples/wide's
 #: training form faulted ~15,000 times per forward in one process (48 ms) and none in
 #: another (22 ms).
 FAULTS_NOTED = 1000

@@ -85,15 +85,17 @@ class SpeedSource:
         return got
 
     def cost_model(self, graph: Any, batch_size: int | None = None, mode: str = "eager",
-                   form: str = "train", fp8_backend: str | None = None) -> Any:
+                   form: str = "train", fp8_backend: str | None = None,
+                   step: bool | None = None) -> Any:
         """The cost model of ``graph`` for this target: the profile, and on a local CPU the
-        model's own ops timed here (``op_times``); the training form prices the whole
-        training step (``cost.step``)."""
+        model's own ops timed here (``op_times``); ``step`` (default: the training form)
+        prices the whole training step (``cost.step``), else the forward."""
         from autoprec.cost import make_cost_model
 
         bs = batch_size or graph.batch_size
         return make_cost_model(graph, self.profile, bs, mode, form=form,
-                               op_times=self.op_times(graph, bs), step=form == "train",
+                               op_times=self.op_times(graph, bs),
+                               step=form == "train" if step is None else step,
                                fp8_backend=fp8_backend)
 
     def describe_op_times(self) -> str | None:

@@ -73,6 +73,9 @@ class Target:
     form: str = "deploy"  # how the run's plans run (precisions.FORMS)
     fp8_backend: str | None = None  # fp8 layers' GEMM backend (None: the best here)
     batch_size: int | None = None  # the deployment batch (None: the calibration batch's)
+    #: what a speed figure prices: the training step (forward + backward + optimizer) or the
+    #: forward alone (``resolve_target``: the step for the train form, given or written)
+    step: bool = False
 
     def deploy_batch(self, batch: Any, default: int = 1) -> int:
         """The batch size plans are priced at: the target's, else ``batch``'s (a
@@ -123,7 +126,7 @@ class Target:
 
             backend = best_fp8_backend(self.device, training=self.form == "train")[0]
         return self.speed.cost_model(graph, batch_size, self.mode, form=self.form,
-                                     fp8_backend=backend)
+                                     fp8_backend=backend, step=self.step)
 
     def apply(self, model: Any, policy: Any, *, force: bool = False) -> Any:
         """``policy`` applied to ``model`` as this target runs it (its autocast op lists,
@@ -151,7 +154,9 @@ def resolve_target(given: str | None, policy: Any = None, *, compile: bool | Non
                    cache_dir: Path | None = None, policy_path: Path | None = None) -> Target:
     """The target of a run: ``given`` (``--target``), else ``policy``'s, else the default;
     the mode from ``compile``, else the policy's; the form from ``form``, else the
-    policy's, else "deploy"; the batch size from ``batch_size``, else the policy's; the
+    policy's, else "deploy"; the training step is priced for the train form, except a
+    policy file without ``form:`` (written before the deploy form, tuned for the forward:
+    its recorded figures are the forward's); the batch size from ``batch_size``, else the policy's; the
     speed source cached in ``cache_dir`` (default: beside ``policy_path``, as tune caches
     it beside the policy it writes). ``measure``: a local target's calibration may be
     measured now (else cached only)."""
@@ -160,9 +165,11 @@ def resolve_target(given: str | None, policy: Any = None, *, compile: bool | Non
     # speed_source looks the profile up once: an unknown device is exit 2 there
     mode = mode_of(compile, policy.mode if policy is not None else "eager")
     cache = cache_dir if cache_dir is not None else calibration_dir(policy_path)
+    resolved_form = form or (policy.form if policy is not None else "deploy")
+    step = resolved_form == "train" and (form is not None or policy is None
+                                         or getattr(policy, "form_written", True))
     return Target(name, mode, speed_source(name, measure=measure, cache_dir=cache, mode=mode),
-                  named=named is not None,
-                  form=form or (policy.form if policy is not None else "deploy"),
+                  named=named is not None, form=resolved_form, step=step,
                   fp8_backend=fp8_backend,
                   batch_size=batch_size or (policy.batch_size if policy is not None else None))
 

@@ -197,7 +197,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
         f", {inner} forwards per sample" if inner > 1 else "") + (
         ", torch.compile'd (one model copy per plan)" if target.compile else "")
     cold_timer = None
-    if timer is None and loss is not None and target.form == "train" and not target.compile:
+    if timer is None and loss is not None and target.step and not target.compile:
         timer, how = step_timer(net, forward, loss, batch, target, inner, seed, force), (
             how.replace("forwards", "steps") + ", training steps (forward, loss, backward, "
             "AdamW; GradScaler with fp16)")
@@ -276,7 +276,7 @@ def cold_confirm(rows: Sequence[Row], winner: Row | None, cold_timer: Timer | No
 
     Why: the per-call casts allocate fresh buffers every forward, and whether glibc serves
     them from fresh, faulting pages depends on what the process allocated before
-    (experiments/page_faults.py: experiments/wide's global bf16 autocast ran 2.44x of fp32
+    (benchmarks/results/page_faults.md: examples/wide's global bf16 autocast ran 2.44x of fp32
     with freed memory kept, 1.08x with ~14,500 faults per forward). A plan measured in the
     lucky state alone must not be written: issue 29's tune wrote an autocast plan it
     measured at 1.43x where ``eval --measure`` measured 0.79x."""

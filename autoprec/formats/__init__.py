@@ -42,11 +42,6 @@ so a new block-scaled format (say ``mxfp4``) touches these files and no others:
 Optional: a colour in ``autoprec/track/plots.py`` (else the shared "other" one). A
 per-tensor-scaled format like fp8 would instead take a backend beside ``lower/fp8.py``,
 its dispatch in ``lower/backends.py`` and its backend check in ``autoprec/capability.py``.
-Before this layout (issue 30) the same addition touched 19 files (18 modules and
-devices.yaml): formats/{mx,__init__,gemm}.py, precisions.py, capability.py,
-lower/{blockscale,stored}.py, probe/{ranges,grads,headroom}.py, plan/schedule.py,
-cost/{model,fusion,calibrate}.py, cli/graph_cmd.py, track/plots.py, tuning/tune.py,
-train.py, cost/devices.yaml.
 """
 
 import torch

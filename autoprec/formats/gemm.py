@@ -92,7 +92,7 @@ class GemmFormat:
     bytes_per_element: float
     #: Per-tensor amax passes over an activation before its quantise pass (Transformer
     #: Engine's Float8CurrentScaling: one; mxfp8: none, a 32-block is one row's; nvfp4: one,
-    #: for its per-tensor fp32 scale; experiments/results/b200_profile.yaml).
+    #: for its per-tensor fp32 scale; benchmarks/results/b200_profile.yaml).
     amax_passes: int
     #: A separate kernel turns the amax into the scale before the cast (fp8's current scaling).
     scale_kernel: bool

@@ -25,7 +25,7 @@ reduction dim K), spec section 6.3:
   the spec's rule. ``scale_mode="rceil"`` is NVIDIA's alternative (cuBLAS / Transformer
   Engine MXFP8 quantisation, cuBLAS docs "block quantization"): X = 2**ceil(log2(max /
   max_elem)), which never saturates. On real MiniLM it keeps MXFP8 at per-tensor fp8's error
-  where the floor scale costs up to 14x more (experiments/results/blockscale_error.md).
+  where the floor scale costs up to 14x more (benchmarks/results/blockscale_error.md).
 
 Dequantisation: fp32 ``P_i * X`` (exact: at most 4 significant bits times a power of two).
 """
@@ -57,7 +57,7 @@ SCALE_MODES = ("floor", "rceil")
 #: the block max never saturates), what cuBLAS and Transformer Engine compute on Blackwell,
 #: so the emulation matches the kernels a B200 runs. The OCP spec's "floor" rule (this
 #: module's default) saturates a block's largest values by up to 12.5 %:
-#: experiments/results/blockscale_error.md measured it 1.1-2x fp8's error on outlier layers.
+#: benchmarks/results/blockscale_error.md measured it 1.1-2x fp8's error on outlier layers.
 MX_SCALE_MODE = "rceil"
 
 

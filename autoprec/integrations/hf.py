@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from autoprec.apply.apply import PolicyHandle, apply_policy
+from autoprec.apply.apply import ApplyOptions, PolicyHandle, apply_policy
 from autoprec.errors import InputError
 from autoprec.integrations.accel import attach_scaler
 from autoprec.loss_scaler import CountingGradScaler
@@ -89,7 +89,8 @@ class PolicyTrainer(Trainer):
         device = next((p.device for p in self.model.parameters()), self.args.device)
         # training: the train form (fp32 masters) whatever the policy's form
         self.policy_handle = apply_policy(self.model, policy, fp8_backend=fp8_backend,
-                                          device=device, force=force, form="train")
+                                          force=force, form="train",
+                                          options=ApplyOptions(device=device))
 
     # -- accelerate: no global autocast, our scaler ---------------------------------------
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:

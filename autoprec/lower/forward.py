@@ -309,7 +309,7 @@ def lowered_forward(
     a weight cast under ``no_grad`` does not require grad, and aten's matmul then sends a
     non-contiguous 3-D input (MultiheadAttention's batch_first projections) to bmm over
     the weight expanded per batch row instead of one mm: 13x slower for that Linear, 0.67x
-    of fp32 for the whole of experiments/nn_transformer where the global autocast runs
+    of fp32 for the whole of examples/nn_transformer where the global autocast runs
     1.5x. With grad on, every call casts (a cast that requires grad folds; each call's
     weight gradient is its own cast's, as the hand references in tests/apply compute).
     A GEMM format requires a Linear-like module it is eligible for (ValueError otherwise).

@@ -1,11 +1,9 @@
 """16-bit GEMMs a CPU has no kernel for, computed the way a GPU computes them.
 
-A CPU without AVX512-FP16 / AMX-FP16 runs an fp16 matmul in a reference loop: on an AMD
-EPYC with AVX512-BF16 (no fp16 units) a 256x1024 @ 1024x4096 ``addmm`` took 4.46 s in fp16
-against 0.027 s in fp32 and 0.011 s in bf16 (167x fp32; ``bmm`` 16x, ``conv2d`` 14x); on
-an AVX2-only EPYC bf16 is emulated too (5-10x). A tune for a GPU target runs its 16-bit
-candidates on this CPU only to *score* them (error against the reference), so a GPT-2 tune
-spent its time in fp16 ``addmm`` (issue 33: a 160 M model did not finish).
+A CPU without AVX512-FP16 / AMX-FP16 runs an fp16 matmul in a reference loop, orders of
+magnitude slower than fp32 (the measurements: docs/internals.md, "Measured facts behind the
+code"). A tune for a GPU target runs its 16-bit candidates on this CPU only to *score*
+them (error against the reference), so scoring must not pay for that loop.
 
 ``Wide16`` computes such a GEMM as a GPU's tensor cores do: the 16-bit operands upcast to
 fp32 (exact: every fp16 / bf16 value is an fp32 value), one fp32 GEMM (fp32 accumulation,

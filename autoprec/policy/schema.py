@@ -45,6 +45,9 @@ class Policy:
     #: precision, no autocast) or "train" (autocast over fp32 masters; a file without
     #: ``form:`` means this, as it did before the deploy form existed)
     form: str = LEGACY_FORM
+    #: whether the file wrote ``form:`` (False: a file from before the deploy form, read as
+    #: "train"; its speed figures are the forward's, and ``evaluation.target`` prices it so)
+    form_written: bool = field(default=True, compare=False, repr=False)
     #: the run-time check of a deployed plan (``policy.guard_spec``; absent: off); a mode
     #: name or a mapping is accepted here and parsed into a GuardSpec
     guard: GuardSpec = field(default_factory=GuardSpec)
@@ -121,6 +124,7 @@ class Policy:
         for name in ("default", "form", "guard", "layers", "model", "reference", "target",
                      "locked", "reasons", "metrics", "provenance"):
             setattr(policy, name, fields[name])
+        policy.form_written = isinstance(data, dict) and "form" in data
         policy.source = source
         return policy
 

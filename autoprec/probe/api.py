@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from autoprec.capability import runnable_precisions
 from autoprec.errors import InputError
 from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec, default_forward
+from autoprec.loading import ModelSpec, collect_batches, default_forward
 from autoprec.lower.wide16 import scoring_gemms
 from autoprec.metrics import batch_size_of, detach_floats
 from autoprec.paths import normalize_path, unwrap_model
@@ -132,9 +132,8 @@ def probe(
     model = unwrap_model(model)
     if layers is not None:
         layers = [normalize_path(p) for p in layers]
-    batches = list(batches)
-    if not batches:
-        raise InputError("probe: no calibration batches")
+    # a list, a generator, a DataLoader: read once, checked as model.py's data is
+    batches = collect_batches(batches, "probe", "calibration", verb="is")
     if probes < 1:
         raise InputError(f"probes: must be >= 1, got {probes}")
     if split not in SPLITS:
@@ -293,7 +292,7 @@ def _end_to_end(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
                          settings.e2e_limit)
     if not todo:
         return todo
-    spec = ModelSpec(path=Path("<probe>"), name="probe", build_model=lambda: model,
+    spec = ModelSpec(path=None, name=type(model).__name__, build_model=lambda: model,
                      calibration_data=lambda: batches, forward=settings.forward, metric=metric)
     by_path = {lay.path: lay for lay in sel}
     for path, p in tqdm(todo, desc="probe: end-to-end", unit="run", disable=not settings.progress,

@@ -3,7 +3,7 @@
 A run costs one pass over the calibration data, so the probe makes them only where asked
 (``e2e="all"`` or a list) or, with ``e2e="auto"``, where the cheap estimate is ambiguous:
 within a factor ``band`` (2) of the budget, closest first, at most ``limit`` (8) runs —
-experiments/probe_correlation.py finds 86-100% of estimates within 2x of the measured
+benchmarks/probe_correlation.py finds 86-100% of estimates within 2x of the measured
 error, so outside that band the side of the budget is clear. With a metric the budget is
 a metric drop, which the estimate (an output error) cannot be compared with: "auto" then
 measures the pairs with the largest estimates, two per precision at most, in turn.

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autoprec.formats.gemm import format_of
 from autoprec.probe.table import ProbeRow
 
 #: A share of nonzero ∂L/∂y at or above this that flush to zero excludes the pair (the same
@@ -86,7 +87,8 @@ def grad_verdict(r: ProbeRow, loss_scale: float = DEFAULT_LOSS_SCALE,
         what = f"with loss scale {loss_scale:g}"
     else:
         err = r.grad_error
-        fmt = "e5m2" if p == "fp8" else p
+        gf = format_of(p)  # a GEMM format's gradients: the first word of its recipe (fp8: e5m2)
+        fmt = gf.gradient_recipe.split()[0] if gf is not None and gf.gradient_recipe else p
         if raw >= flush_limit:
             hard.append(f"{p}: gradients flush, {raw:.0%} of nonzero dL/dy become 0 in {fmt}")
         elif raw >= GRAD_NOTE_FROM:

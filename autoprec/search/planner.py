@@ -25,7 +25,7 @@ the prediction are cheap (tens of microseconds per plan, vectorised). So:
    most what the most optimistic measured ratio allows (plus ``SLACK``), so the walk
    stops measuring plan after plan just over the budget.
 
-``experiments/tune_baselines.py`` checks the descent against enumeration where both run.
+``benchmarks/tune_baselines.py`` checks the descent against enumeration where both run.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     # itself too; else the target's cost model at the calibration batch (time_rows)
     at_batch = (None if not timed or prep.cost.op_times is not None else
                 make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode,
-                                form=target.form, step=target.form == "train",
+                                form=target.form, step=target.step,
                                 fp8_backend=target.fp8_backend))
     timing = time_rows(rows, target, prep.spec.forward, prep.net, prep.calib[0], prep.graph,
                        measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,

@@ -63,21 +63,21 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
             peaks: StagePeaks | None = None) -> Prepared:
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     if cfg.use_metric and spec.metric is None:
-        raise InputError(f"{spec.path}: --max-drop needs a metric(outputs, batch) in model.py")
+        raise InputError(f"{spec.where}: --max-drop needs a metric(outputs, batch) in model.py")
     if cfg.train_aware and spec.loss is None:
-        raise InputError(f"{spec.path}: --train-aware needs loss(outputs, batch) in model.py")
+        raise InputError(f"{spec.where}: --train-aware needs loss(outputs, batch) in model.py")
     out_path = cfg.out or Path("policies") / f"{spec.name}-{cfg.target}.yaml"
     check_out_path(out_path)  # before any expensive work
     check_out_not_input(out_path, model=spec.path, storage=cfg.storage)
     net = spec.model()
     refm = model_reference(net)
-    check_fits(net, str(spec.path), cfg.memory_limit)  # the model twice, or one line now
+    check_fits(net, spec.where, cfg.memory_limit)  # the model twice, or one line now
     reset_peak(net)
     peaks = peaks if peaks is not None else StagePeaks()
     peaks.model = net
     if not refm.is_fp32 and (cfg.train_aware or cfg.form == "train"):
         what = "--train-aware" if cfg.train_aware else "--form train"
-        raise InputError(f"{spec.path}: {what} runs autocast over fp32 master weights, but "
+        raise InputError(f"{spec.where}: {what} runs autocast over fp32 master weights, but "
                          f"the model is {refm.label()}; tune it in the deploy form (the "
                          "default), or load it in fp32 to train it")
     calib = spec.calibration_batches()
@@ -88,18 +88,18 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
         ref, eval_ref, check = _references(spec, net, calib, eval_batches, same_data, cfg)
     if check.error != 0.0:
         if not same_tensors(before, batch_tensors(calib[0])):
-            raise InputError(f"{spec.path}: forward() changes its input in place (batch 0 of "
+            raise InputError(f"{spec.where}: forward() changes its input in place (batch 0 of "
                              "calibration_data differs after one forward, e.g. x.mul_()); "
                              "autoprec runs every batch many times: compute on a copy "
                              "(x = x * 2, or x.clone())")
-        raise InputError(f"{spec.path}: the {refm.label()} model is not deterministic (two "
+        raise InputError(f"{spec.where}: the {refm.label()} model is not deterministic (two "
                          "runs differ "
                          f"by {check.error:.3g}); put it in eval mode / fix random ops")
     with peaks.stage("trace"):
         graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
     unknown = [lk for lk in cfg.locked if lk not in graph]
     if unknown:
-        raise InputError(f"--lock {unknown[0]!r}: {spec.path} has no such module")
+        raise InputError(f"--lock {unknown[0]!r}: {spec.where} has no such module")
     cache = cfg.cache_dir or out_path.parent / ".autoprec" / "probe-cache"
     # Gradient probes (model.py's loss) cost ~20 forward-equivalents; only training needs
     # them: a train-form tune with a loss excludes the pairs whose gradients flush
@@ -117,7 +117,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     # the one price source of a target (Target.cost_model): on a local CPU the model's
     # own ops timed here; an explicit profile (tests, experiments) prices by it alone
     cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form,
-                            step=target.form == "train", fp8_backend=target.fp8_backend)
+                            step=target.step, fp8_backend=target.fp8_backend)
             if profile is not None else target.cost_model(graph, deploy_bs))
     if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
         cost.shared_quant_inputs = True
@@ -175,7 +175,7 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
         excluded[node.path] = why_not
     if not layers:
         raise InputError(
-            f"nothing to tune: {prep.spec.path} has no GEMM layer (Linear, Conv, matmul, "
+            f"nothing to tune: {prep.spec.where} has no GEMM layer (Linear, Conv, matmul, "
             "attention) whose precision autoprec can choose; its forward is priced at "
             f"{prep.cost.fp32_time * 1e6:.3g} µs in fp32 on {cfg.target}")
     regions = [p for p in REGIONS if p in cfg.precisions and p not in device_why

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.apply.apply import apply_policy
+from autoprec.apply.apply import ApplyOptions, apply_policy
 from autoprec.apply.stored import model_bytes
 from autoprec.cost import CostModel, get_profile
 from autoprec.errors import InputError, PolicyError, PolicyWarning
@@ -141,7 +141,8 @@ def test_a_deployed_state_dict_loads_into_a_model_with_the_same_policy(tmp_path:
 def test_without_masters_remove_restores_the_deployed_values_with_a_warning() -> None:
     model = _net()
     w = model.fc1.weight.detach().clone()
-    handle = apply_policy(model, Policy(default="bf16", form="deploy"), keep_masters=False)
+    handle = apply_policy(model, Policy(default="bf16", form="deploy"),
+                          options=ApplyOptions(keep_masters=False))
     with pytest.warns(PolicyWarning, match="masters were dropped"):
         handle.remove()
     assert isinstance(model.fc1.weight, nn.Parameter)
@@ -154,7 +155,7 @@ def test_a_fp32_island_keeps_its_precision_past_its_output() -> None:
     """mixed8's ``offset`` writes a signal on a +256 offset that the next LayerNorm
     removes: in bf16 it drowns (3.4 %); a tf32 rule on ``offset`` alone keeps it, since its
     fp32 output is not cast down for the bf16 norm (which normalises it in fp32)."""
-    spec = load_model_file(ROOT / "experiments" / "mixed8" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "mixed8" / "model.py")
     model, batches = spec.model(), spec.eval_batches()
     with torch.no_grad():
         ref = [model(b) for b in batches]
@@ -302,7 +303,8 @@ def test_a_compiled_deployed_nn_encoder_keeps_every_rule() -> None:
 def test_without_masters_a_tied_weight_is_restored_tied() -> None:
     case = zoo.gpt2()
     model = case.model
-    handle = apply_policy(model, Policy(default="bf16", form="deploy"), keep_masters=False)
+    handle = apply_policy(model, Policy(default="bf16", form="deploy"),
+                          options=ApplyOptions(keep_masters=False))
     with pytest.warns(PolicyWarning, match="masters were dropped"):
         handle.remove()
     assert model.lm_head.weight is model.transformer.wte.weight

@@ -33,7 +33,7 @@ from tests import zoo
 from tests.apply.test_audit import _rotating_policy
 from tests.helpers import ROOT
 
-NN_MODEL = ROOT / "experiments" / "nn_transformer" / "model.py"
+NN_MODEL = ROOT / "examples" / "nn_transformer" / "model.py"
 
 
 def _fwd(case: zoo.Case):
@@ -68,7 +68,7 @@ def _mixed_policy(model: torch.nn.Module) -> Policy:
 def _nn_model():
     sys.path.insert(0, str(NN_MODEL.parent))
     try:
-        import model as nn_model  # experiments/nn_transformer/model.py
+        import model as nn_model  # examples/nn_transformer/model.py
     finally:
         sys.path.pop(0)
     return nn_model
@@ -242,8 +242,9 @@ def test_inductor_compiled_error_equals_eager() -> None:
 def test_tune_eval_check_and_the_applied_model_measure_the_same_error(tmp_path: Path) -> None:
     """The issue's `tune --precisions fp8` case: tune's recorded error (held-out), eval's,
     check's and the applied model's own error under no_grad agree (before: 0 vs 0.0067)."""
-    from autoprec import load_model_file, load_policy, tune
+    from autoprec import load_policy, tune
     from autoprec.evaluation.eval_report import eval_report
+    from autoprec.loading import load_model_file
     from autoprec.scoring import reference, score
 
     res = tune(NN_MODEL, max_error=0.005, precisions=["fp8"], batch_size=4096, trials=6,

@@ -4,7 +4,7 @@ aten's matmul folds a 3-D input into one mm only when the weight requires grad; 
 16-bit copy (the deploy form's stored weight, or autocast's per-call cast under
 ``no_grad`` with its cache off) sends a non-contiguous input — MultiheadAttention's
 batch_first projections — to bmm over the weight expanded per batch row. On this team's
-AMD EPYC (AVX512-BF16) that made experiments/nn_transformer 0.73x (deploy) and 0.67x
+AMD EPYC (AVX512-BF16) that made examples/nn_transformer 0.73x (deploy) and 0.67x
 (autocast) of fp32 where ``model.to(bf16)`` runs 1.6x and the global autocast 1.5x.
 """
 

@@ -1,5 +1,5 @@
-"""A deployed plan guards itself (apply.guard): experiments/mixed8 under its guarded plan
-(experiments/mixed8/guarded.yaml: the h100 plan with wide1 / wide2 in fp16), fed inputs
+"""A deployed plan guards itself (apply.guard): examples/mixed8 under its guarded plan
+(examples/mixed8/guarded.yaml: the h100 plan with wide1 / wide2 in fp16), fed inputs
 scaled 3e4x so that wide1's fp16 overflows.
 
 Unguarded the output is not finite; ``detect`` counts it by layer and warns once;
@@ -15,15 +15,15 @@ import warnings
 import pytest
 import torch
 
-from autoprec.apply.apply import apply_policy
+from autoprec.apply.apply import ApplyOptions, apply_policy
 from autoprec.errors import GuardError, GuardWarning, InputError, PolicyError
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy, loads_policy
 from autoprec.policy.guard_spec import GuardSpec
 from tests.helpers import ROOT
 
-SPEC = load_model_file(ROOT / "experiments" / "mixed8" / "model.py")
-POLICY = ROOT / "experiments" / "mixed8" / "guarded.yaml"
+SPEC = load_model_file(ROOT / "examples" / "mixed8" / "model.py")
+POLICY = ROOT / "examples" / "mixed8" / "guarded.yaml"
 SCALE = 3e4  # wide1's input reaches ~7.7e4 > 65504 (fp16's max)
 
 
@@ -54,7 +54,8 @@ def test_unguarded_output_is_not_finite_and_calibration_inputs_are(net: torch.nn
 def test_detect_counts_the_layer_and_warns_once(net: torch.nn.Module) -> None:
     pol = load_policy(POLICY, model=net)
     events = []
-    with torch.no_grad(), apply_policy(net, pol, guard="detect", on_event=events.append) as h:
+    with torch.no_grad(), apply_policy(net, pol, guard="detect",
+                                             options=ApplyOptions(on_event=events.append)) as h:
         assert [g.path for g in h.guard.layers] == ["wide1", "wide2", "tail1", "tail2"]
         net(_x())
         with pytest.warns(GuardWarning, match="layer 'wide1' \\(fp16\\)"):

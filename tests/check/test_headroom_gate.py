@@ -12,8 +12,8 @@ from autoprec.errors import InputError
 from autoprec.evaluation.check import check
 from tests.helpers import ROOT, run_cli
 
-MODEL = ROOT / "experiments" / "mixed8" / "model.py"
-POLICY = ROOT / "experiments" / "mixed8" / "guarded.yaml"  # wide1/wide2/tail1/tail2 fp16
+MODEL = ROOT / "examples" / "mixed8" / "model.py"
+POLICY = ROOT / "examples" / "mixed8" / "guarded.yaml"  # wide1/wide2/tail1/tail2 fp16
 
 
 def test_headroom_rows_and_the_gate() -> None:

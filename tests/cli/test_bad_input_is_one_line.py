@@ -1,6 +1,6 @@
 """Bad input never gives a wrong answer: a table of hostile inputs.
 
-Each row is one input — a copy of experiments/trap/model.py with one thing broken, a
+Each row is one input — a copy of examples/trap/model.py with one thing broken, a
 crafted policy file, an odd option value — the exit code it must get, and a phrase the
 *one* line on stderr must contain. No row may print a traceback, and none may write a
 policy. The CLI runs in-process (``main``) so the table takes seconds; the cases where a

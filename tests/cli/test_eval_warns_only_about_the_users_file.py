@@ -11,7 +11,7 @@ import yaml
 from tests.helpers import ROOT
 from tests.helpers import run_cli as run
 
-MODEL = ROOT / "experiments" / "mixed8" / "model.py"
+MODEL = ROOT / "examples" / "mixed8" / "model.py"
 POLICY = ROOT / "policies" / "mixed8-h100.yaml"
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from autoprec.apply.apply import ApplyOptions
 from autoprec.policy import Policy, load_policy
 from tests.cli.test_faults_give_no_wrong_result import tmpfs
 from tests.helpers import TRAP, run_cli
@@ -390,7 +391,7 @@ def test_deepcopy_under_a_policy_is_an_independent_model() -> None:
 
     model, x = _net(), torch.randn(8, 16)
     handle = autoprec.apply_policy(model, Policy(default="bf16", layers={"2": "fp32"}),
-                                   device="cpu")
+                                   options=ApplyOptions(device="cpu"))
     y = model(x)
     twin = copy.deepcopy(model)
     with torch.no_grad():
@@ -400,11 +401,11 @@ def test_deepcopy_under_a_policy_is_an_independent_model() -> None:
     assert torch.equal(model(x), y)  # the original still runs its policy, unchanged
     handle.remove()
     assert torch.count_nonzero(twin(x)) == 0
-    with autoprec.apply_policy(twin, Policy(default="bf16"), device="cpu"):
+    with autoprec.apply_policy(twin, Policy(default="bf16"), options=ApplyOptions(device="cpu")):
         assert torch.count_nonzero(twin(x)) == 0
     # the copy is a plain model: fp32 outputs, the same numbers as the unwrapped original
     fresh = copy.deepcopy(_net())
-    with autoprec.apply_policy(fresh, Policy(default="bf16"), device="cpu"):
+    with autoprec.apply_policy(fresh, Policy(default="bf16"), options=ApplyOptions(device="cpu")):
         plain = copy.deepcopy(fresh)
     assert torch.equal(plain(x), _net()(x))
 
@@ -432,5 +433,5 @@ def test_apply_policy_takes_a_path(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text("autoprec_policy: 1\ndefault: bf16\n")  # no `layers`: no rules
     model = _net()
-    with autoprec.apply_policy(model, str(path), device="cpu") as handle:
+    with autoprec.apply_policy(model, str(path), options=ApplyOptions(device="cpu")) as handle:
         assert handle.policy.default == "bf16" and handle.policy.layers == {}

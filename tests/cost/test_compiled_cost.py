@@ -15,7 +15,6 @@ from autoprec.errors import InputError
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests.cost.graphs import TOY
-from tests.helpers import ROOT
 
 L = 1e-6  # TOY launch overhead
 
@@ -132,11 +131,7 @@ def test_vectorised_prices_match_one_plan_at_a_time():
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("compile_cost", ROOT / "experiments" /
-                                                  "compile_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("benchmarks.compile_cost")
 
 
 def test_launch_counter_reads_the_call_function():

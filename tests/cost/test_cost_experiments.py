@@ -1,4 +1,4 @@
-"""The cost experiments' scripts run end to end at toy sizes (CPU)."""
+"""The cost benchmarks' scripts run end to end at toy sizes (CPU)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_gpu_latency_dry_run_writes_results(tmp_path):
-    r = _run("experiments/gpu_latency.py", "--dry-run", "--out", str(tmp_path))
+    r = _run("-m", "benchmarks.gpu_latency", "--dry-run", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     for name in ("results.csv", "results.md", "micro.csv", "h200.calibration.yaml"):
         assert (tmp_path / name).is_file()
@@ -44,7 +44,7 @@ def test_gpu_latency_dry_run_writes_results(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_gpu_latency_without_cuda_says_why(tmp_path):
-    r = _run("experiments/gpu_latency.py", "--out", str(tmp_path))
+    r = _run("-m", "benchmarks.gpu_latency", "--out", str(tmp_path))
     assert r.returncode == 1
     assert "no CUDA device" in r.stderr and "--dry-run" in r.stderr
     assert not any(tmp_path.iterdir())
@@ -52,23 +52,16 @@ def test_gpu_latency_without_cuda_says_why(tmp_path):
 
 @pytest.mark.slow
 def test_cost_model_cpu_smoke(tmp_path):
-    r = _run("experiments/cost_model_cpu.py", "--smoke", "--out", str(tmp_path))
+    r = _run("-m", "benchmarks.cost_model_cpu", "--smoke", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "Spearman(estimate, measured)" in r.stdout
     assert (tmp_path / "cost_model_cpu.csv").is_file()
 
 
 def _script(name: str):
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        del sys.modules[name]
-    return mod
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 @pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
@@ -97,7 +90,7 @@ def test_gpu_latency_runs_are_priced_as_they_run():
 
 @pytest.mark.slow
 def test_apply_overhead_smoke_labels_the_issue_row(tmp_path):
-    r = _run("experiments/apply_overhead.py", "--smoke", "--out", str(tmp_path))
+    r = _run("-m", "benchmarks.apply_overhead", "--smoke", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "ISSUE 13: default: fp16 (no rules) / global autocast fp16" in r.stdout
     assert "thread CPU time" in r.stdout and "issue 13 target: ratio <= 1.03" in r.stdout
@@ -116,7 +109,7 @@ def test_apply_overhead_smoke_labels_the_issue_row(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="cuda: torch.cuda.is_available() is False")
 def test_gpu_latency_runs_on_a_gpu_at_small_sizes(tmp_path):
-    r = _run("experiments/gpu_latency.py", "--d-model", "512", "--heads", "8", "--seq", "256",
+    r = _run("-m", "benchmarks.gpu_latency", "--d-model", "512", "--heads", "8", "--seq", "256",
              "--batch", "2", "--layers", "1", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     import pandas as pd
@@ -128,7 +121,7 @@ def test_gpu_latency_runs_on_a_gpu_at_small_sizes(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_latency_dry_run_measures_compiled_runs(tmp_path):
-    r = _run("experiments/gpu_latency.py", "--dry-run", "--compile", "--out", str(tmp_path))
+    r = _run("-m", "benchmarks.gpu_latency", "--dry-run", "--compile", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     import pandas as pd
 

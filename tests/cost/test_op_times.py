@@ -225,7 +225,7 @@ def test_the_training_forms_16_bit_gemms_are_priced_as_the_stored_ones(
         graph, mode) -> None:  # noqa: ANN001
     """One global autocast's GEMMs read the casts it just made, yet are priced at the
     stored weight's (cold) timing, as ``model.to(bf16)``'s: priced hot, that row came out
-    9-15 % optimistic in eager (experiments/train_form_gemms.py)."""
+    9-15 % optimistic in eager (benchmarks/results/train_form_gemms.md)."""
     ops = graph.ops.ops
     gemms = [i for i, op in enumerate(ops) if op.kind == "gemm"]
     hand = OpTimes(graph.batch_size,

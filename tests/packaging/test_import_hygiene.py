@@ -1,5 +1,6 @@
 """Deploying a policy needs torch, not the tuner's stack: ``import autoprec``,
-``load_policy`` and ``apply_policy`` (with a forward under the policy and its audit) must not
+``load_policy`` and ``apply_policy`` (with a forward under the policy and its audit), and
+naming ``autoprec.tune`` / ``check`` / ``evaluate``, must not
 import optuna, mlflow, pandas, matplotlib or scipy. Run in a fresh interpreter, since this
 test process has imported all of them already."""
 
@@ -21,6 +22,8 @@ SCRIPT = textwrap.dedent(
     import torch
     import autoprec
     from autoprec import apply_policy, load_policy
+    # the Python API's entry points load the tuner's stack when called, not when named
+    autoprec.tune, autoprec.check, autoprec.evaluate, autoprec.ApplyOptions
 
     class Net(torch.nn.Module):
         def __init__(self):

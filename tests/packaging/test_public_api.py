@@ -2,8 +2,9 @@
 
 ``autoprec.trace`` and ``autoprec.probe`` are the stages' packages and
 ``autoprec.capability`` a module (importing ``autoprec.trace.graph`` binds the package
-there); the functions they hold are exported as ``trace_model``, ``probe_model`` and
-``can_run``."""
+there); the functions they hold are exported as ``trace_model`` and ``probe_model``. The
+list is the few names a user needs (issue 48), each one thing: ``autoprec.check`` is the
+gate's function (its module is ``autoprec.evaluation.check``), never a module."""
 
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ def test_the_stage_entry_points_do_not_collide_with_their_packages() -> None:
     assert autoprec.trace_model is autoprec.trace.trace
     assert autoprec.probe_model is autoprec.probe.probe
     assert inspect.ismodule(autoprec.capability)
-    assert autoprec.can_run is autoprec.capability.capability
-    assert autoprec.can_run("fp32") == (True, "fp32: always available")
     assert not {"trace", "probe", "capability"} & set(autoprec.__all__)
+
+
+def test_the_public_names_are_the_few_a_user_needs() -> None:
+    import autoprec.evaluation.check  # noqa: F401  (the gate's module: it must not shadow the function)
+
+    assert set(autoprec.__all__) == {
+        "__version__", "tune", "TuneConfig", "TuneResult", "Target", "check", "CheckResult",
+        "evaluate", "Evaluation", "Policy", "load_policy", "apply_policy", "ApplyOptions",
+        "PolicyHandle", "trace_model", "LayerGraph", "probe_model", "SensitivityTable",
+        "AutoprecError"}
+    assert inspect.isfunction(autoprec.check) and inspect.isfunction(autoprec.evaluate)
+    assert autoprec.check.__module__ == "autoprec.api"
+    params = inspect.signature(autoprec.apply_policy).parameters
+    assert len(params) == 8 and all(  # the rarely needed settings are in ApplyOptions
+        p.kind is p.KEYWORD_ONLY for n, p in params.items() if n not in ("model", "policy"))

@@ -17,7 +17,7 @@ from tests.helpers import ROOT
 
 @pytest.mark.parametrize("form", ["deploy", "train"])
 def test_plans_priced_together_price_as_alone(form: str) -> None:
-    spec = load_model_file(ROOT / "experiments" / "trap" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "trap" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]
     cost = CostModel(trace(model, batch, forward=spec.forward, tracers=("hooks",)),
                      get_profile("h100"), 65536, form=form)

@@ -101,7 +101,7 @@ def run_counted(model: torch.nn.Module, policy: Policy, fwd, batch,
 def _cases():
     out = []
     for name in ("mixed8", "wide"):
-        spec = load_model_file(ROOT / "experiments" / name / "model.py")
+        spec = load_model_file(ROOT / "examples" / name / "model.py")
         out.append((name, spec.model(), spec.forward, spec.calibration_batches()[0]))
     for name in ("bert", "gpt2", "vit", "mha"):
         case = zoo.ALL[name]()
@@ -180,7 +180,7 @@ def test_one_uniform_policy_runs_like_one_global_autocast() -> None:
     autocast lists this CPU applies). For a CUDA target, layer_norm runs in fp32 as on CUDA:
     two casts more per LayerNorm (its 16-bit input up, its fp32 output down for the next
     GEMM), and the plan counts them."""
-    spec = load_model_file(ROOT / "experiments" / "wide" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "wide" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]
     theirs = Count([], [0])
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), theirs:
@@ -201,7 +201,7 @@ def test_deploy_default_bf16_runs_what_model_to_bf16_runs() -> None:
     every deployment uses runs — ``model.to(torch.bfloat16)`` fed bf16 inputs: the same
     casts (none but the input's), GEMM dtypes and bytes, and the same outputs; the plan
     prices no weight cast."""
-    spec = load_model_file(ROOT / "experiments" / "wide" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "wide" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]
     pol = Policy(default="bf16", form="deploy")
     with apply_policy(model, pol), torch.no_grad():

@@ -123,7 +123,7 @@ def test_layers_argument_and_unknown_path():
         probe(model, batches, ["bf16"], layers=["act"], progress=False)
     with pytest.raises(InputError, match="unknown precision 'fp12'"):
         probe(model, batches, ["fp12"], progress=False)
-    with pytest.raises(InputError, match="no calibration batches"):
+    with pytest.raises(InputError, match="probe: calibration yielded no batches"):
         probe(model, [], ["bf16"], progress=False)
 
 

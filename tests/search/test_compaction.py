@@ -48,7 +48,7 @@ def _check(model, fwd, batch, default: str, layers: dict[str, str], want_rules: 
 
 
 def test_a_block_that_shares_a_precision_gets_one_container_rule() -> None:
-    spec = load_model_file(ROOT / "experiments" / "wide" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "wide" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]
     leaves = gemm_leaf_paths(model)
     layers = {k: ("fp8" if k.startswith("blocks.") else "fp16") for k in leaves}
@@ -73,7 +73,7 @@ def test_a_rule_that_changes_the_plan_is_kept() -> None:
     """Under a fp32 default a lowered leaf's output is cast back to fp32 for the model's own
     code; one container rule would run that code in 16-bit: a different plan, so the leaf
     rules stay."""
-    spec = load_model_file(ROOT / "experiments" / "mixed8" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "mixed8" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]
     layers = dict.fromkeys(gemm_leaf_paths(model), "bf16")
     _check(model, spec.forward, batch, "fp32", layers, want_rules=len(layers))
@@ -83,7 +83,7 @@ def test_tf32_on_every_layer_but_the_head_reads_as_the_tf32_default() -> None:
     """`default: fp32` + a tf32 rule per Linear (all but the head) is the tf32 default with
     one exception: tf32 changes only matmuls, so the model's own code runs the same (a new
     user's h100 policy was 16 per-Linear tf32 rules, estimated equal to the tf32 flag)."""
-    spec = load_model_file(ROOT / "experiments" / "trap" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "trap" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]
     layers = {k: "tf32" for k in gemm_leaf_paths(model) if k != "head"}
     default, rules = _check(model, spec.forward, batch, "fp32", layers, want_rules=1)
@@ -95,7 +95,7 @@ def test_tf32_on_every_layer_but_the_head_reads_as_the_tf32_default() -> None:
 def test_differences_names_the_outermost_module_in_another_precision() -> None:
     from autoprec.search.compaction import differences
 
-    spec = load_model_file(ROOT / "experiments" / "wide" / "model.py")
+    spec = load_model_file(ROOT / "examples" / "wide" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]
     graph = trace(model, batch, forward=spec.forward, tracers=("hooks",))
     cost = CostModel(graph, get_profile("h100"), batch_size=1024)

@@ -51,7 +51,7 @@ def _exact(ps: PlanSpace, budget: float) -> tuple[tuple[int, ...], float]:
 def test_descent_with_block_moves_finds_the_enumerated_optimum(budget: float) -> None:
     # fcs.2 drowns in bf16 and overflows fp16's range is left to the probes' hard facts;
     # here: bf16 costly on fcs.2, fp16 costly on fcs.0 (different layers prefer different
-    # 16-bit formats, as in experiments/mixed8)
+    # 16-bit formats, as in examples/mixed8)
     _, cost, space, est = _setup(errors={(2, "bf16"): 0.05, (0, "fp16"): 0.05})
     ps = PlanSpace(space, cost, est)
     want_key, want_t = _exact(ps, budget)

@@ -256,7 +256,7 @@ def test_a_train_form_tune_never_writes_the_stored_16_bit_one_liner(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """``--form train`` asks for autocast over fp32 masters: ``model.to(bf16)`` is timed and
     shown beside the plan, but it stores no masters to train, so it is never written, even
-    measured fastest (seen on experiments/wide: written as the answer to --form train)."""
+    measured fastest (seen on examples/wide: written as the answer to --form train)."""
 
     def deploy_fastest(model, run, device, target, **kw):
         def timer(plans: Mapping[str, Policy]) -> Mapping[str, Sequence[float]]:

@@ -1,4 +1,4 @@
-"""``tune`` end to end on the mixed-failure model (experiments/trap/model.py).
+"""``tune`` end to end on the mixed-failure model (examples/trap/model.py).
 
 No uniform low precision meets the 1% budget there (fp16 overflows in ``blow``, bf16 loses
 ``offset``'s signal); tune must find the mixed policy, and an evaluation that casts each
