@@ -102,7 +102,7 @@ def test_apply_overhead_smoke_labels_the_issue_row(tmp_path):
     # autocast runs, the per-leaf islands two more per layer
     issue = df[df["comparison"].str.startswith("ISSUE 13")].iloc[0]
     assert issue["policy_casts"] == issue["baseline_casts"]
-    assert "apply_overhead.py --smoke" in (tmp_path / "apply_overhead.md").read_text()
+    assert "benchmarks.apply_overhead --smoke" in (tmp_path / "apply_overhead.md").read_text()
 
 
 @pytest.mark.gpu
