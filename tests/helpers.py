@@ -16,6 +16,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,16 @@ def check_speed(rows: list, timer: object, **timing: object) -> object:
     done = (Timing(note="estimated only (the target is not this machine)") if timer is None
             else time_plans(rows, timer, **timing))  # type: ignore[arg-type]
     return SpeedCheck(rows, decide(rows, done), done)
+
+
+def lm_examples(n: int = 16) -> list[dict[str, Any]]:
+    """``n`` causal-LM examples of 8 token ids below 100 (labels = inputs), seed 0: the
+    dataset the HF Trainer and accelerate tests train on."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 100, (8,), generator=g)  # (T,)
+        out.append({"input_ids": ids, "labels": ids})
+    return out

@@ -16,6 +16,7 @@ from transformers import TrainingArguments  # noqa: E402
 from autoprec.errors import InputError  # noqa: E402
 from autoprec.integrations.hf import PolicyTrainer  # noqa: E402
 from autoprec.policy import Policy, PolicyWarning  # noqa: E402
+from tests.helpers import lm_examples as _lm_data  # noqa: E402
 
 
 def _gpt2() -> torch.nn.Module:
@@ -35,15 +36,6 @@ def _bert() -> torch.nn.Module:
                      max_position_embeddings=32, num_labels=2)
     torch.manual_seed(0)
     return BertForSequenceClassification(cfg)
-
-
-def _lm_data(n: int = 16) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 100, (8,), generator=g)  # (T,)
-        out.append({"input_ids": ids, "labels": ids})
-    return out
 
 
 def _cls_data(n: int = 16) -> list[dict[str, torch.Tensor]]:

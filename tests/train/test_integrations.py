@@ -22,6 +22,7 @@ from autoprec.integrations.hf import PolicyTrainer  # noqa: E402
 from autoprec.loss_scaler import CountingGradScaler  # noqa: E402
 from autoprec.policy import Policy, PolicyWarning  # noqa: E402
 from autoprec.train import prepare_training  # noqa: E402
+from tests.helpers import lm_examples as _lm_data  # noqa: E402
 
 FP16 = Policy(default="fp32", layers={"transformer.h.0": "fp16", "transformer.h.1": "fp16"})
 BF16 = Policy(default="fp32", layers={"transformer.h": "bf16"})
@@ -49,15 +50,6 @@ def _gpt2() -> torch.nn.Module:
                                       attn_pdrop=0.0))
 
 
-def _data(n: int = 16) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 100, (8,), generator=g)  # (T,)
-        out.append({"input_ids": ids, "labels": ids})
-    return out
-
-
 def _args(tmp_path, **kw) -> TrainingArguments:
     base = dict(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
                 logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
@@ -74,11 +66,11 @@ def test_gradient_accumulation_steps_once_per_optimizer_step(tmp_path) -> None:
     """2 micro-batches of 2 under an fp16 policy: the loss is scaled on each, the scaler
     steps once per optimizer step, and the update is the one of a batch of 4."""
     acc_model, big_model = _gpt2(), _gpt2()
-    acc = PolicyTrainer(model=acc_model, policy=FP16, train_dataset=_data(),
+    acc = PolicyTrainer(model=acc_model, policy=FP16, train_dataset=_lm_data(),
                         args=_args(tmp_path, per_device_train_batch_size=2,
                                    gradient_accumulation_steps=2, max_steps=3))
     out = acc.train()
-    big = PolicyTrainer(model=big_model, policy=FP16, train_dataset=_data(),
+    big = PolicyTrainer(model=big_model, policy=FP16, train_dataset=_lm_data(),
                         args=_args(tmp_path, per_device_train_batch_size=4, max_steps=3))
     big.train()
     assert acc.state.global_step == 3
@@ -98,7 +90,7 @@ def test_skipped_fp16_steps_are_counted_logged_and_in_the_metrics(tmp_path) -> N
     skipped (the weights do not move), counted, logged and reported in train()'s metrics."""
     model = _gpt2()
     before = copy.deepcopy(model.state_dict())
-    trainer = PolicyTrainer(model=model, policy=FP16, train_dataset=_data(),
+    trainer = PolicyTrainer(model=model, policy=FP16, train_dataset=_lm_data(),
                             args=_args(tmp_path, max_steps=3), init_scale=2.0**40)
     out = trainer.train()
     assert trainer.skipped_steps == 3 and out.metrics["train_skipped_steps"] == 3
@@ -119,7 +111,7 @@ def test_policy_trainer_trains_fp8_layers_through_torchao(tmp_path) -> None:
     before = copy.deepcopy(model.state_dict())
     policy = Policy.from_dict({"autoprec_policy": 1, "default": "bf16",
                                "layers": {"transformer.h": "fp8"}})
-    trainer = PolicyTrainer(model=model, policy=policy, train_dataset=_data(),
+    trainer = PolicyTrainer(model=model, policy=policy, train_dataset=_lm_data(),
                             args=_args(tmp_path, max_steps=2), fp8_backend="torchao")
     assert trainer.policy_handle.format_backends == {"fp8": "torchao"}
     assert trainer.scaler is None  # no fp16 layer: no loss scaling
@@ -139,7 +131,7 @@ def test_torch_compile_trains_the_policy(tmp_path) -> None:
     for name, policy, compile_ in (("compiled", BF16, True), ("eager", BF16, False),
                                    ("fp32", Policy(default="fp32"), False)):
         AcceleratorState._reset_state(True)
-        trainer = PolicyTrainer(model=_gpt2(), policy=policy, train_dataset=_data(),
+        trainer = PolicyTrainer(model=_gpt2(), policy=policy, train_dataset=_lm_data(),
                                 args=_args(tmp_path, max_steps=3, torch_compile=compile_,
                                            torch_compile_backend="inductor"))
         trainer.train()
@@ -164,7 +156,7 @@ def _accelerate_loop(policy: Policy, init_scale: float = 2.0**16, steps: int = 3
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     setup = prepare_training(model, policy, init_scale=init_scale)
     use_accelerator(accelerator, setup)
-    loader = torch.utils.data.DataLoader(_data(2 * steps * accumulation), batch_size=2)
+    loader = torch.utils.data.DataLoader(_lm_data(2 * steps * accumulation), batch_size=2)
     pmodel, opt, loader = accelerator.prepare(
         model, torch.optim.SGD(model.parameters(), lr=1e-2), loader)
     losses, skipped = [], []  # skipped: accelerate's own verdict per optimizer step
@@ -216,7 +208,7 @@ def test_accelerate_clipping_sees_unscaled_gradients() -> None:
     setup = prepare_training(model, FP16)
     use_accelerator(accelerator, setup)
     pmodel, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2))
-    batch = torch.utils.data.default_collate(_data(2))
+    batch = torch.utils.data.default_collate(_lm_data(2))
     accelerator.backward(pmodel(**batch).loss)
     norm = float(accelerator.clip_grad_norm_(pmodel.parameters(), 1e9))
     assert 0 < norm < 100
