@@ -41,9 +41,9 @@ from autoprec.apply.apply import apply_policy
 from autoprec.cost import apply_calibration, fit, get_profile, measure_latency
 from autoprec.cost.calibrate import call_overhead, micro_samples
 from autoprec.cost.compiled import CompiledCostModel
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from benchmarks.common import example
 
 MODELS = {"mixed8": example("mixed8"), "wide": example("wide"),

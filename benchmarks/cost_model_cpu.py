@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.capability import cpu_facts
 from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
+from autoprec.device.capability import cpu_facts
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 

@@ -66,9 +66,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.capability import capability
 from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
 from autoprec.cost.compiled import CompiledCostModel
+from autoprec.device.capability import capability
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 

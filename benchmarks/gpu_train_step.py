@@ -163,7 +163,7 @@ def _autocast(device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
 
 def rows_for(device: torch.device, emulate_fp8: bool, policies: list[Path]) -> list[Row]:
     """The rows of the table, each with why it is skipped here (None: it runs)."""
-    from autoprec.capability import capability, torchao_fp8_kernels
+    from autoprec.device.capability import capability, torchao_fp8_kernels
 
     def fp8_torchao(recipe: str) -> Callable[[nn.Module, torch.device], Setup]:
         def build(model: nn.Module, dev: torch.device) -> Setup:
@@ -224,16 +224,16 @@ def plan_setup(model: nn.Module, device: torch.device, policy: Any, label: str,
     """An autoprec plan on ``model`` through ``prepare_training``; its fp8 leaves audited
     on one real step when they run through torchao."""
     from autoprec.apply.fp8_training_audit import audit_fp8_training
-    from autoprec.capability import TORCHAO_FP8_RECIPES
+    from autoprec.device.capability import TORCHAO_FP8_RECIPES
     from autoprec.policy import Policy
-    from autoprec.train import prepare_training
+    from autoprec.training.train import prepare_training
 
     if policy is None:
         policy = Policy.from_dict({"autoprec_policy": 1, "default": "bf16",
                                    "layers": {"blocks": "fp8"}})
     backend = None
     if emulate_fp8:
-        from autoprec.capability import best_fp8_backend
+        from autoprec.device.capability import best_fp8_backend
 
         best, _ = best_fp8_backend(device, training=True)
         backend = best if best in TORCHAO_FP8_RECIPES else "torchao"
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"gpu_train_step: --policy {missing[0]}: no such file", file=sys.stderr)
         return 2
-    from autoprec.capability import cpu_facts
+    from autoprec.device.capability import cpu_facts
     from autoprec.policy import PolicyWarning
 
     warnings.simplefilter("ignore", PolicyWarning)  # the built-in plan has no fingerprint

@@ -50,10 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.loading import ModelSpec
 from autoprec.plan import assignment, resolve
 from autoprec.policy import Policy, PolicyWarning
-from autoprec.train import prepare_training, train_step
+from autoprec.training.train import prepare_training, train_step
+from autoprec.workload.loading import ModelSpec
 
 SEED = 0
 BATCH = 64

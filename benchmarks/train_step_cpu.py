@@ -32,9 +32,9 @@ from autoprec.apply.apply import apply_policy
 from autoprec.cost.measure_step import live_bytes, step_peak_bytes, training_step, uses_fp16
 from autoprec.evaluation.target import resolve_target
 from autoprec.evaluation.timing import step_timer
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the cpu profile calibrated here, cached between runs (outside the repository)

@@ -43,10 +43,10 @@ from torch import nn
 import autoprec.tuning.prepare as prepare_mod
 import autoprec.tuning.tune as tune_mod
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search import planner as planner_mod
 from autoprec.study.objective import PlanScorer
+from autoprec.workload.loading import ModelSpec
 
 VOCAB, CONTEXT, B, T = 1024, 64, 4, 64
 

@@ -7,7 +7,7 @@ cast afterwards would itself peak at 3x the bf16 weights):
 - ``llama``: HF ``LlamaForCausalLM`` from a ``LlamaConfig`` at TinyLlama-1.1B's widths —
   hidden 2048, intermediate 5632, 32 heads with 4 KV heads (GQA), vocabulary 32000,
   untied head — at 2 / 6 / 12 / 22 layers (22: ~1.1 B parameters), **weights in bf16**:
-  the reference is the bf16 model itself (``autoprec.reference``).
+  the reference is the bf16 model itself (``autoprec.workload.reference``).
 - ``gpt2``: HF ``GPT2LMHeadModel``, width 1024, 12 blocks, 16 heads, vocabulary 8192
   (~160 M parameters), **fp32** weights.
 

@@ -470,7 +470,7 @@ class CompiledCostModel(CostModel):
 
 
 def _prec_name(code: int) -> str:
-    from autoprec.precisions import PRECISIONS
+    from autoprec.formats.precisions import PRECISIONS
 
     return PRECISIONS[code]
 

@@ -49,12 +49,12 @@ from autoprec.cost.op_pricing import OpPricer
 from autoprec.cost.op_times_record import OpTimes
 from autoprec.cost.price_types import PARTS, Breakdown, Kernel, Priced
 from autoprec.cost.profiles import DeviceProfile
+from autoprec.device.targets import device_type
 from autoprec.errors import InputError
+from autoprec.formats.precisions import BYTES, FORMS, GEMM_FORMATS, PRECISIONS, check_precision
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import Schedule, replay
 from autoprec.policy.schema import Policy
-from autoprec.precisions import BYTES, FORMS, GEMM_FORMATS, PRECISIONS, check_precision
-from autoprec.targets import device_type
 from autoprec.trace.graph import LayerGraph
 
 #: Bytes per element a module's tensors are stored in under the deploy form, by region

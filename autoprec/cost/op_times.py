@@ -62,7 +62,7 @@ import torch
 from autoprec.cost.op_measure import DTYPES, is_conv, measure
 from autoprec.cost.op_runner import _key
 from autoprec.cost.op_times_record import VERSION, OpTimes, cast_key
-from autoprec.fileio import atomic_write
+from autoprec.io.fileio import atomic_write
 from autoprec.trace.ops import OpTrace
 
 

@@ -49,12 +49,12 @@ from autoprec.cost.train_memory import (
     saved_activation_bytes,
     trainable_numel,
 )
+from autoprec.device.targets import is_cpu
 from autoprec.plan.backward import ATTENTION_BACKWARD, FP8_BACKWARDS, Backward, backward
 from autoprec.plan.compile import CODE, RuleSet
 from autoprec.plan.dtype_codes import FP16
 from autoprec.plan.schedule import Schedule
 from autoprec.policy.schema import Policy
-from autoprec.targets import is_cpu
 
 #: Where a training step's time goes.
 STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "optimizer",

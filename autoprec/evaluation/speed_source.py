@@ -41,8 +41,8 @@ from autoprec.cost.machine import (
     timing_threads,
 )
 from autoprec.cost.profiles import DeviceProfile
+from autoprec.device.targets import is_cpu
 from autoprec.policy import Policy, PolicyWarning
-from autoprec.targets import is_cpu
 
 
 @dataclass
@@ -171,7 +171,7 @@ def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None 
     import torch
 
     from autoprec.apply.apply import apply_policy
-    from autoprec.capability import capability
+    from autoprec.device.capability import capability
 
     machine = machine or this_machine(device)
     plans = {p: Policy(default=p) for p in ("fp32", "tf32", "bf16", "fp16")

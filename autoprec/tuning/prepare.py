@@ -20,19 +20,19 @@ from autoprec.errors import InputError
 from autoprec.evaluation.speed_source import calibration_dir
 from autoprec.evaluation.target import Target, resolve_target
 from autoprec.formats.gemm import is_forward_only
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.memory import StagePeaks, check_fits, reset_peak
-from autoprec.metrics import batch_size_of
-from autoprec.paths import check_out_path
-from autoprec.precisions import PRECISIONS
+from autoprec.formats.precisions import PRECISIONS
+from autoprec.io.paths import check_out_path
+from autoprec.io.validate import check_out_not_input
 from autoprec.probe import probe
-from autoprec.reference import ModelReference, model_reference, offered, own_precision
-from autoprec.scoring import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.tuning.config import TuneConfig
-from autoprec.validate import check_out_not_input
+from autoprec.tuning.memory import StagePeaks, check_fits, reset_peak
+from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.metrics import batch_size_of
+from autoprec.workload.reference import ModelReference, model_reference, offered, own_precision
+from autoprec.workload.scoring import Reference, batch_tensors, reference, same_tensors, score
 
 # -- stage 1: prepare ---------------------------------------------------------------------
 

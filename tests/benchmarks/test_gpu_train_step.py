@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from autoprec.capability import torchao_fp8_kernels
+from autoprec.device.capability import torchao_fp8_kernels
 from tests.helpers import ROOT
 
 pytest.importorskip("torchao.float8")
@@ -101,7 +101,7 @@ def test_time_limit_and_bad_input(tmp_path, capsys) -> None:
 
 def test_the_script_is_a_model_py_for_tune() -> None:
     """`autoprec tune benchmarks/gpu_train_step.py --form train` loads it as a model.py."""
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     spec = load_model_file(ROOT / "benchmarks" / "gpu_train_step.py")
     mod = _script()

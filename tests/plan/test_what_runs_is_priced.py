@@ -18,10 +18,10 @@ from torch.utils._pytree import tree_flatten
 
 from autoprec.apply.apply import apply_policy, audit_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import load_model_file
 from autoprec.plan.compile import compile_plan
 from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from tests import zoo
 from tests.helpers import ROOT
 

@@ -102,7 +102,7 @@ def test_a_plan_that_does_not_train_like_fp32_is_not_written(tmp_path: Path):
 
 
 def _model(path: Path):
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     return load_model_file(path).model()
 

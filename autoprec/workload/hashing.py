@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autoprec.loading import USER_MODULE_PREFIX
+from autoprec.workload.loading import USER_MODULE_PREFIX
 
 
 def _feed(h: Any, obj: Any) -> None:
