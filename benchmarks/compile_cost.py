@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import apply_calibration, fit, get_profile, measure_latency
-from autoprec.cost.calibrate import call_overhead, micro_samples
+from autoprec.cost import apply_calibration, fit, get_profile
 from autoprec.cost.compiled import CompiledCostModel
 from autoprec.loading import load_model_file
+from autoprec.measure import call_overhead, measure_latency, micro_samples
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 from benchmarks.common import example

@@ -67,8 +67,10 @@ from torch import nn
 
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import capability
-from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
+from autoprec.cost import CostModel, Sample, fit, get_profile
 from autoprec.cost.compiled import CompiledCostModel
+from autoprec.measure import gpu_shapes, measure_latency
+from autoprec.measure import micro_samples as micro_benchmarks
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 
@@ -204,7 +206,7 @@ def micro_samples(profile, device: torch.device, d: int, tokens: int, target: st
                   ) -> list[Sample]:
     """Single GEMMs per precision, a copy and a tiny add, for the calibration fit: the
     micro-benchmarks ``autoprec tune`` runs on a local target
-    (``autoprec.cost.calibrate.micro_samples``: each GEMM applied as autoprec applies it).
+    (``autoprec.measure.micro_samples``: each GEMM applied as autoprec applies it).
     """
     plans = {p: Policy(default=p) for p in ("fp32", "tf32", "bf16", "fp16")}
     if fp8_backend is not None:
@@ -213,7 +215,7 @@ def micro_samples(profile, device: torch.device, d: int, tokens: int, target: st
     def run_as(module: nn.Module, pol: Policy) -> Any:
         return apply_policy(module, pol, target=target, fp8_backend=fp8_backend)
 
-    return calibrate.micro_samples(profile, plans, calibrate.gpu_shapes(d, tokens), timer,
+    return micro_benchmarks(profile, plans, gpu_shapes(d, tokens), timer,
                                    run_as, device=str(device), copy_elems=tokens * d)
 
 

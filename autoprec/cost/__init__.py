@@ -1,8 +1,9 @@
 """Cost stage: estimated (roofline + casts) or measured time of a model on a device.
 
 ``CostModel(graph, get_profile("h100"), batch_size=256).estimate({"fc1": "fp8"})``
-prices an assignment (``CompiledCostModel``: as ``torch.compile`` runs it); ``measure_latency`` times a callable; ``calibrate.fit`` turns
-measurements into a profile's efficiency factors.
+prices an assignment (``CompiledCostModel``: as ``torch.compile`` runs it);
+``calibrate.fit`` turns measurements (``autoprec.measure``) into a profile's efficiency
+factors.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "FitResult": "calibrate", "Sample": "calibrate", "fit": "calibrate",
     "MODES": "compiled", "CompiledCostModel": "compiled", "make_cost_model": "compiled",
-    "Timing": "measure", "measure_interleaved": "measure", "measure_latency": "measure",
     "Breakdown": "model", "CostModel": "model", "Kernel": "model",
     "Calibration": "profiles", "DeviceProfile": "profiles",
     "apply_calibration": "profiles", "get_profile": "profiles", "known_devices": "profiles",
@@ -27,7 +27,6 @@ _EXPORTS = {
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.cost.calibrate import FitResult, Sample, fit
     from autoprec.cost.compiled import MODES, CompiledCostModel, make_cost_model
-    from autoprec.cost.measure import Timing, measure_interleaved, measure_latency
     from autoprec.cost.model import Breakdown, CostModel, Kernel
     from autoprec.cost.profiles import (
         Calibration,
@@ -63,7 +62,6 @@ __all__ = [
     "Kernel",
     "MODES",
     "Sample",
-    "Timing",
     "apply_calibration",
     "fit",
     "get_profile",
@@ -71,6 +69,4 @@ __all__ = [
     "load_calibration",
     "load_profiles",
     "make_cost_model",
-    "measure_interleaved",
-    "measure_latency",
 ]

@@ -29,7 +29,7 @@ every cast) is regrouped into the kernels inductor generates:
   16-bit input; fused into the producing kernel on CUDA, where it is an epilogue
   reduction) and a scale-and-cast pass (a second kernel on CUDA: it needs the finished
   amax), MXFP8 as one fused pass; weights are quantised once (cached), as in eager.
-- Measured op times (a local CPU, ``cost.op_times``): the extern kernels take their time
+- Measured op times (a local CPU, ``measure.op_times``): the extern kernels take their time
   measured here, as in eager, a convolution its channels-last time (inductor's CPU layout),
   a Linear over a transposed 3-D input whose weight the plan casts the time of the ``bmm``
   inductor runs instead of the folded GEMM (``cost.unfolded``); the fused segments cost
@@ -111,7 +111,7 @@ class CompiledCostModel(CostModel):
     profile) or one per data-connected group (Triton; default on GPU profiles).
     ``frozen``: weight casts constant-folded (``torch._inductor.config.freezing``).
     ``call_overhead_s``: seconds per forward outside the kernels (dynamo's guards and the
-    compiled wrapper's Python; ``calibrate.call_overhead`` measures it as the intercept of
+    compiled wrapper's Python; ``measure.call_overhead`` measures it as the intercept of
     compiled chains of 1 and 8 tiny kernel pairs); default: the profile's (a profile
     calibrated in compile mode carries it; a datasheet one has 0). The same for every
     plan, so it moves speed-ups, not rankings.
@@ -442,7 +442,7 @@ class CompiledCostModel(CostModel):
 
         The training form's per-call casts of the fp32 master weights add their timed
         seconds too: each reads a weight the forward last touched one forward earlier
-        (``op_measure._cast_times``), which the calibrated bandwidth (cache-hot copies)
+        (``measure.ops._cast_times``), which the calibrated bandwidth (cache-hot copies)
         does not see. Compiled examples/mixed8 (AMD EPYC, AVX512-BF16) under one bf16
         autocast: its fused kernels, the casts of 8.4 MB of weights among them, took
         0.54 ms; priced by bytes 0.15 ms."""
@@ -458,7 +458,7 @@ class CompiledCostModel(CostModel):
             if sec is not None:
                 total += np.where(kern & ~np.isnan(sec), sec, 0.0)
         for c in sch.casts if not self.frozen else ():
-            if c.weight:  # a master weight's per-call cast: reads it cold (op_measure)
+            if c.weight:  # a master weight's per-call cast: reads it cold (measure.ops)
                 sec = self._cast_seconds(c.value, c.src, c.dst, True)
                 if sec is not None:
                     total += np.where(c.on & ~np.isnan(sec), sec, 0.0)

@@ -25,7 +25,7 @@ Assumptions: eager PyTorch, one kernel per recorded op, one stream (kernels back
 no fusion. Activation terms scale by ``batch_size / graph.batch_size`` (values derived from
 the model input); parameter bytes do not ("price at the deployment shape").
 
-Measured op times (``op_times``, ``cost.op_times``: a local CPU target): where the model's
+Measured op times (``op_times``, ``measure.op_times``: a local CPU target): where the model's
 own op was timed here in the dtype a plan runs it in, that time replaces the roofline
 term of the op (dispatch included, so no launch overhead is added); views cost their
 dispatch; inserted casts their timed cast; every plan pays the recorded module calls'

@@ -2,7 +2,7 @@
 
 ``OpPricer._price(schedule)`` returns, for T plans at once, the seconds per ``PARTS`` of
 every op, inserted cast and GEMM-format quantise pass the schedule runs: the roofline of
-``cost.model``'s docs, or where the op was timed on this machine (``cost.op_times``) its
+``cost.model``'s docs, or where the op was timed on this machine (``measure.op_times``) its
 measured time. ``CostModel`` (``cost.model``) builds on it with the plan-level totals: which
 plans can run, the all-fp32 reference, the breakdown per module, the weights held.
 """

@@ -22,7 +22,7 @@ said 2.6x. Eager autocast folds (its in-projection took 0.24 ms) and the deploy 
 stored bf16 weight is a parameter (it requires grad), so both run the folded GEMM.
 
 ``unfolded_gemms`` finds these GEMMs in a recorded forward and gives each the recipe of the
-``bmm`` inductor runs instead; ``cost.op_measure`` times it on this machine
+``bmm`` inductor runs instead; ``measure.ops`` times it on this machine
 (``OpTimes.compute_unfolded``) and the compiled cost model prices a row with it wherever
 the row reads the GEMM's weight in another dtype than the parameter's (a cast weight). Only
 3-D inputs are matched (a 4-D one would flatten its leading dimensions first). Without op

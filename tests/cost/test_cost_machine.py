@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprec.cost import Calibration, get_profile, measure_interleaved
-from autoprec.cost.machine import (
+from autoprec.cost import Calibration, get_profile
+from autoprec.errors import InputError
+from autoprec.evaluation.speed_source import speed_source
+from autoprec.measure import measure_interleaved
+from autoprec.measure.machine import (
     cached_calibration,
     calibration_path,
     local_device,
     this_machine,
     timing_threads,
 )
-from autoprec.errors import InputError
-from autoprec.evaluation.speed_source import speed_source
 
 
 def test_the_cpu_target_is_local_and_a_gpu_profile_is_not_on_a_cpu_machine():
@@ -171,7 +172,7 @@ def test_a_trimmed_allocator_serves_a_freed_buffer_from_fresh_pages_again():
     per 8 KiB: 1,024 faults; without the trim, after the first run, none)."""
     import mmap
 
-    from autoprec.cost.measure import allocator_trim
+    from autoprec.measure.latency import allocator_trim
 
     trim = allocator_trim()
     if trim is None:

@@ -3,7 +3,7 @@ cast a plan may insert, a module call and apply's wrapper around one (``measure`
 the batched GEMM inductor runs for a Linear it does not fold (``cost.unfolded``).
 
 Each is timed alone by ``op_runner``; the result is an ``OpTimes`` (``op_times_record``),
-cached by ``cost.op_times``.
+cached by ``measure.op_times``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from autoprec.cost.op_runner import (
+from autoprec.cost.op_times_record import OpTimes, cast_key
+from autoprec.cost.unfolded import unfolded_gemms
+from autoprec.measure.op_runner import (
     PASSES,
     _floating_specs,
     _key,
@@ -25,8 +27,6 @@ from autoprec.cost.op_runner import (
     _span,
     _time,
 )
-from autoprec.cost.op_times_record import OpTimes, cast_key
-from autoprec.cost.unfolded import unfolded_gemms
 from autoprec.trace.ops import Op, OpTrace
 
 #: Floating dtypes an op is timed in (the names of the plan stage).

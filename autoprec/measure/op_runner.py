@@ -3,8 +3,8 @@
 ``_Runner.seconds(recipe, dtype)`` rebuilds the op's tensors (``_Builder``: each recipe
 tensor in the dtype asked for, the batch dimension scaled), cycles its weight operands
 through copies spanning the cache they overflow (``_span``) and returns the median thread
-CPU time of one call (``_time``). What is timed is ``op_measure``'s; why so is in
-``cost.op_times``'s docs.
+CPU time of one call (``_time``). What is timed is ``measure.ops``'s; why so is in
+``measure.op_times``'s docs.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _llc_bytes() -> int:
 
 def _span(footprint: int) -> int:
     """Bytes (at fp32's width) a weight operand is cycled through when timed alone: what
-    one forward moves between two reads of that weight (``footprint``, ``op_measure``), at
+    one forward moves between two reads of that weight (``footprint``, ``measure.ops``), at
     most twice the last-level cache; 0 (timed hot) when it fits the core's L2."""
     l2 = _cache_bytes().get(2) or L2_DEFAULT
     return 0 if footprint <= l2 else min(footprint, 2 * _llc_bytes())
@@ -202,7 +202,7 @@ def _time(call: Callable[[], Any], cycle: int = 1) -> float:
     """Seconds of one ``call()``: thread CPU time (``measure_latency``, as tune's timings),
     median of SAMPLES samples of at least SAMPLE_S each (one pass). ``cycle``: the calls
     in one cycle of weight copies, run through once first (within ``CYCLE_S``)."""
-    from autoprec.cost.measure import measure_latency
+    from autoprec.measure.latency import measure_latency
 
     call()  # warm-up (first-call allocations, oneDNN primitive creation)
     t0 = time.thread_time()

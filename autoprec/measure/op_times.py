@@ -44,7 +44,7 @@ size rebuilds each tensor that scales with the batch with its leading dimension 
 (an op that then fails is timed at the recorded batch and scaled linearly).
 
 The parts live beside this module, which caches the result (``digest``,
-``cached_or_measured``): ``op_times_record`` (``OpTimes``, what is cached), ``op_measure``
+``measure_op_times``): ``op_times_record`` (``OpTimes``, what is cached), ``measure.ops``
 (what is timed: ``measure``) and ``op_runner`` (how one op is timed alone: ``SAMPLES``,
 ``SAMPLE_S``, ``_span``).
 """
@@ -59,10 +59,10 @@ from pathlib import Path
 
 import torch
 
-from autoprec.cost.op_measure import DTYPES, is_conv, measure
-from autoprec.cost.op_runner import _key
 from autoprec.cost.op_times_record import VERSION, OpTimes, cast_key
 from autoprec.fileio import atomic_write
+from autoprec.measure.op_runner import _key
+from autoprec.measure.ops import DTYPES, is_conv, measure
 from autoprec.trace.ops import OpTrace
 
 
@@ -76,7 +76,7 @@ def digest(trace: OpTrace, batch_size: int, machine: str) -> str:
     return h.hexdigest()[:16]
 
 
-def cached_or_measured(trace: OpTrace, batch_size: int, cache_dir: Path, *, machine: str,
+def measure_op_times(trace: OpTrace, batch_size: int, cache_dir: Path, *, machine: str,
                        measure_now: bool, precisions: Iterable[str] = DTYPES,
                        progress: Callable[[int, int], None] | None = None
                        ) -> OpTimes | None:
@@ -103,4 +103,4 @@ def cached_or_measured(trace: OpTrace, batch_size: int, cache_dir: Path, *, mach
     return got
 
 
-__all__ = ["OpTimes", "cached_or_measured", "cast_key", "digest", "is_conv", "measure"]
+__all__ = ["OpTimes", "measure_op_times", "cast_key", "digest", "is_conv", "measure"]
