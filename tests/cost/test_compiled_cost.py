@@ -10,7 +10,8 @@ from torch import nn
 
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.calibrate import gemm_graph
-from autoprec.cost.compiled import CompiledCostModel, make_cost_model
+from autoprec.cost.compiled import CompiledCostModel, CompiledPricer, make_cost_model
+from autoprec.cost.op_pricing import EagerPricer
 from autoprec.errors import InputError
 from autoprec.policy import Policy
 from autoprec.trace import trace
@@ -108,8 +109,9 @@ def test_one_value_cast_to_one_dtype_is_cast_once():
 
 def test_make_cost_model_modes():
     g = gemm_graph(8, 16, 16)
-    assert type(make_cost_model(g, TOY)) is CostModel
-    assert isinstance(make_cost_model(g, TOY, mode="compile"), CompiledCostModel)
+    eager, compiled = make_cost_model(g, TOY), make_cost_model(g, TOY, mode="compile")
+    assert isinstance(eager.forward, EagerPricer) and eager.step is None
+    assert isinstance(compiled.forward, CompiledPricer) and compiled.mode == "compile"
     with pytest.raises(InputError, match="mode must be one of eager, compile"):
         make_cost_model(g, TOY, mode="jit")
 
