@@ -435,19 +435,14 @@ class CompiledPricer:
         On one CPU thread those ops are bound by their arithmetic, not by memory: inductor's
         C++ kernel runs the same vectorised GELU, LayerNorm or softmax as aten's, and fusion
         saves only the round trips through memory (which the L2 absorbs at these sizes).
-        Compiled MiniLM (AMD EPYC, AVX512-BF16, bf16): the bytes' roofline priced its fused
-        kernels 0.6 ms, its GELUs and LayerNorms took 1.2 ms timed one by one, and the
-        profiled program spent 2.0 ms in its fused kernels and wrapper. Other ops are left to
-        the roofline: inductor runs them otherwise than eager (a max-pool without its indices
-        took a fraction of eager's 0.66 ms in the digits CNN) or they are memory-bound (adds,
-        activation casts). An op not timed adds 0.
+        Other ops are left to the roofline: inductor runs them otherwise than eager (a
+        max-pool without its indices) or they are memory-bound (adds, activation casts). An
+        op not timed adds 0. (Measured: docs/cost_history.md.)
 
         The training form's per-call casts of the fp32 master weights add their timed
         seconds too: each reads a weight the forward last touched one forward earlier
         (``measure.ops._cast_times``), which the calibrated bandwidth (cache-hot copies)
-        does not see. Compiled examples/mixed8 (AMD EPYC, AVX512-BF16) under one bf16
-        autocast: its fused kernels, the casts of 8.4 MB of weights among them, took
-        0.54 ms; priced by bytes 0.15 ms."""
+        does not see."""
         if self.table.op_times is None:
             return None
         t = sch.plans

@@ -23,9 +23,8 @@ model): a plan's time is
 Each backward kernel is priced like a forward one: ``max(FLOPs / peak, bytes / bandwidth)
 + launch (+ GEMM set-up)``; on a CPU target with this machine's op timings, a gradient
 GEMM of an op timed here takes the forward GEMM's measured time at its precision (dgrad
-and wgrad have the forward's FLOPs over the same three dimensions; timed alone on this
-team's CPU they take what the forward takes), fused attention's backward 2.5x its
-forward's, and a pointwise op's backward at least its forward's (it reads dY and what the
+and wgrad have the forward's FLOPs over the same three dimensions), fused attention's
+backward ``ATTENTION_BACKWARD`` times its forward's, and a pointwise op's backward at least its forward's (it reads dY and what the
 op saved, and writes dX). ``--batch-size`` is
 the training micro-batch.
 
