@@ -472,12 +472,6 @@ def _prec_name(code: int) -> str:
     return PRECISIONS[code]
 
 
-def CompiledCostModel(graph: LayerGraph, profile: DeviceProfile,  # noqa: N802
-                      batch_size: int | None = None, **kwargs: Any) -> CostModel:
-    """A ``CostModel`` whose forward pricer is ``CompiledPricer`` (``mode="compile"``)."""
-    return CostModel(graph, profile, batch_size, mode="compile", **kwargs)
-
-
 def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int | None = None,
                     mode: str = "eager", *, step: bool = False, fp8_backend: str | None = None,
                     **kwargs: Any) -> CostModel:
@@ -492,10 +486,9 @@ def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int |
     if step and kwargs.get("form", "train") == "train":
         from autoprec.cost.step import StepPart, fp8_backward_of
 
-        kwargs["step"] = StepPart(graph, profile, fp8_backward=fp8_backward_of(fp8_backend),
-                                  device_type=kwargs.get("device_type"))  # type: ignore[arg-type]
+        kwargs["step"] = StepPart(fp8_backward_of(fp8_backend))
     return CostModel(graph, profile, batch_size, mode=mode, **kwargs)
 
 
-__all__ = ["CompiledCostModel", "CompiledPricer", "MODES", "convs_channels_last",
+__all__ = ["CompiledPricer", "MODES", "convs_channels_last",
            "make_cost_model"]

@@ -128,7 +128,7 @@ class CostModel:
                              f"{batch_size}")
         self.op_times = op_times
         self.mode = mode
-        self.step = step
+        self.step = step.bound(graph, self.device_type) if step is not None else None
         #: replay the forward as a training step runs it: autoprec's weight-cast cache off
         self.grad_mode = step is not None
         roofline = Roofline.of(self.trace, self.tree, profile, self.scale)
@@ -190,6 +190,18 @@ class CostModel:
         new.forward = copy.copy(self.forward)
         new.forward.roofline = self.forward.roofline.for_profile(profile)
         new._fp32, new._given = new._reference_times()
+        return new
+
+    def with_step(self, step: StepPart | None) -> CostModel:
+        """The same trace, profile, batch, op timings and forward pricer, pricing the
+        training step ``step`` (None: the forward alone)."""
+        f = self.forward
+        kw = ({"mode": "compile", "horizontal": f.horizontal, "frozen": f.frozen,  # type: ignore[attr-defined]
+               "call_overhead_s": f.call_overhead_s} if self.mode == "compile" else {})  # type: ignore[attr-defined]
+        new = CostModel(self.graph, self.profile, self.batch_size, device_type=self.device_type,
+                        form=self.form, op_times=self.op_times, step=step, **kw)
+        new.shared_quant_inputs = self.shared_quant_inputs
+        new.max_weight_bytes = self.max_weight_bytes
         return new
 
     # -- plans ---------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The price of a whole training step under a plan: forward + backward + optimizer step.
 
 ``StepPart`` is the part of a ``CostModel`` that prices the training form's step (``tune
---form train``, ``eval`` of a training-form policy; ``StepCostModel`` builds such a cost
-model): a plan's time is
+--form train``, ``eval`` of a training-form policy; ``CostModel(..., step=StepPart())``,
+or ``make_cost_model(..., step=True)``): a plan's time is
 
 - the forward as the cost model's forward pricer prices it (every op, cast and quantise
   pass of the replay; eager op by op, or as ``torch.compile`` runs it: see
@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from autoprec.cost.model import CostModel, device_type_of
+from autoprec.cost.model import CostModel
 from autoprec.cost.op_pricing import _FORMAT_OF_CODE, OpTable, Roofline
 from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Breakdown, Priced
 from autoprec.cost.train_memory import (
@@ -113,25 +113,40 @@ class StepBreakdown(Breakdown):
 class StepPart:
     """The backward, optimizer step and GradScaler a ``CostModel`` adds to its forward.
 
-    ``price`` and ``breakdown`` take the forward's (priced by the cost model's forward
-    pricer) and return the step's; a deploy-form policy cannot train (inf, with the
-    reason). ``max_train_bytes``: a plan whose training step holds more bytes cannot run
-    (``--memory-limit``).
+    ``StepPart(fp8_backward=..., optimizer=...)`` says how the step runs; the cost model
+    it is handed to binds it to its graph (``bound``: the trainable parameters, and the
+    optimizer a trainer runs by default on the device). ``price`` and ``breakdown`` take
+    the forward's (priced by the cost model's forward pricer) and return the step's; a
+    deploy-form policy cannot train (inf, with the reason). ``max_train_bytes``: a plan
+    whose training step holds more bytes cannot run (``--memory-limit``).
     """
 
-    def __init__(self, graph: Any, profile: Any, *, fp8_backward: str = "fp8",
-                 optimizer: Optimizer | None = None, device_type: str | None = None) -> None:
+    def __init__(self, fp8_backward: str = "fp8", optimizer: Optimizer | None = None) -> None:
         if fp8_backward not in FP8_BACKWARDS:
             raise ValueError(f"fp8_backward must be one of {FP8_BACKWARDS}, got {fp8_backward!r}")
         self.fp8_backward = fp8_backward
+        self.optimizer = optimizer
+        self.max_train_bytes: float | None = None
+        self._n_params = 0.0
+        self._n_tensors = 0
+
+    def bound(self, graph: Any, device_type: str) -> StepPart:
+        """This step part for ``graph``'s trainable parameters on ``device_type``."""
+        new = StepPart(self.fp8_backward, self.optimizer)
         # what torch.optim.AdamW runs by default: fused / foreach on a GPU (a trainer's
         # choice: fused), a loop over the parameters on a CPU
-        dev = device_type or device_type_of(profile)
-        self.optimizer = optimizer or (ADAMW_LOOP if is_cpu(dev) else ADAMW_FUSED)
-        self.max_train_bytes: float | None = None
-        self._n_params = trainable_numel(graph.ops) if graph.ops is not None else 0.0
-        self._n_tensors = (sum(1 for v in graph.ops.values if v.source == "param"
-                               and v.trainable and v.param) if graph.ops is not None else 0)
+        new.optimizer = self.optimizer or (ADAMW_LOOP if is_cpu(device_type) else ADAMW_FUSED)
+        new.max_train_bytes = self.max_train_bytes
+        new._n_params = trainable_numel(graph.ops) if graph.ops is not None else 0.0
+        new._n_tensors = (sum(1 for v in graph.ops.values if v.source == "param"
+                              and v.trainable and v.param) if graph.ops is not None else 0)
+        return new
+
+    @property
+    def _opt(self) -> Optimizer:
+        if self.optimizer is None:
+            raise ValueError("a StepPart prices only once a CostModel has bound it")
+        return self.optimizer
 
     # -- pricing ----------------------------------------------------------------------------------
     def price(self, cost: CostModel, fwd: Priced, rules: RuleSet, codes: np.ndarray,
@@ -218,16 +233,16 @@ class StepPart:
             yield k, sec
 
     def _optimizer_s(self, r: Roofline) -> float:
-        o = self.optimizer
+        o = self._opt
         launches = o.passes * max(1, math.ceil(self._n_tensors / o.tensors_per_launch))
         return o.bytes_per_param * self._n_params / r.bw + launches * r.launch
 
     def _scaler_s(self, r: Roofline) -> float:
         """GradScaler: loss * scale, the unscale + inf check (one read and write of every
         fp32 gradient, unless the fused optimizer takes the scale), the scale update."""
-        unscale = 0.0 if self.optimizer.fused else 8.0 * self._n_params / r.bw
-        launches = 2 + (0 if self.optimizer.fused else
-                        max(1, math.ceil(self._n_tensors / self.optimizer.tensors_per_launch)))
+        unscale = 0.0 if self._opt.fused else 8.0 * self._n_params / r.bw
+        launches = 2 + (0 if self._opt.fused else
+                        max(1, math.ceil(self._n_tensors / self._opt.tensors_per_launch)))
         return unscale + launches * r.launch
 
     # -- memory -----------------------------------------------------------------------------------
@@ -237,7 +252,7 @@ class StepPart:
         region, prec, _ = rules.encode(codes)
         weights = cost.held_weight_bytes(region, prec, "train")
         acts = saved_activation_bytes(sch, bwd, cost.forward.roofline.numel)
-        fixed = self._n_params * (4.0 + self.optimizer.state_bytes)
+        fixed = self._n_params * (4.0 + self._opt.state_bytes)
         return weights + acts + fixed
 
     def train_memory(self, cost: CostModel, policy: Policy | dict[str, str],
@@ -248,7 +263,7 @@ class StepPart:
         sch = cost.schedule(policy, default)
         bwd = backward(sch, self.fp8_backward)
         return TrainMemory(float(cost.held_weight_bytes(region, prec, "train")[0]),
-                           4.0 * self._n_params, self.optimizer.state_bytes * self._n_params,
+                           4.0 * self._n_params, self._opt.state_bytes * self._n_params,
                            float(saved_activation_bytes(sch, bwd,
                                                         cost.forward.roofline.numel)[0]))
 
@@ -271,17 +286,6 @@ class StepPart:
             memory=self.train_memory(cost, policy, default),
             backward_casts=sum(1 for k in bwd.kernels if k.what == "cast" and k.on[0]),
             step_parts=parts)
-
-
-def StepCostModel(graph: Any, profile: Any, batch_size: int | None = None, *,  # noqa: N802
-                  fp8_backward: str = "fp8", optimizer: Optimizer | None = None,
-                  **kwargs: Any) -> CostModel:
-    """A ``CostModel`` pricing the training step (``StepPart``) on its forward pricer
-    (eager; ``mode="compile"``: as ``torch.compile`` runs the forward)."""
-    kwargs.pop("form", None)
-    part = StepPart(graph, profile, fp8_backward=fp8_backward, optimizer=optimizer,
-                    device_type=kwargs.get("device_type"))
-    return CostModel(graph, profile, batch_size, step=part, **kwargs)
 
 
 def step_metrics(bd: Breakdown) -> dict[str, float]:
@@ -313,11 +317,11 @@ def fp8_backward_of(backend: str | None) -> str:
 
 
 def step_cost_model(cost: CostModel, **kwargs: Any) -> CostModel:
-    """The step cost model of the same graph, profile, batch and op timings as ``cost``."""
-    return StepCostModel(cost.graph, cost.profile, cost.batch_size,
-                         device_type=cost.device_type, op_times=cost.op_times, **kwargs)
+    """The step cost model (``StepPart(**kwargs)``) of the same graph, profile, batch, op
+    timings and forward pricer as ``cost``."""
+    return cost.with_step(StepPart(**kwargs))
 
 
 __all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "ADAMW_LOOP", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
-           "StepBreakdown", "StepCostModel", "StepPart", "fp8_backward_of", "step_cost_model",
+           "StepBreakdown", "StepPart", "fp8_backward_of", "step_cost_model",
            "step_metrics", "train_bytes"]

@@ -12,7 +12,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from autoprec.cost.calibrate import Sample, copy_graph, gemm_graph
-from autoprec.cost.compiled import CompiledCostModel
 from autoprec.cost.model import CostModel
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.policy.schema import Policy
@@ -57,7 +56,7 @@ def micro_samples(
     plan prices; fp8 is a rule under ``default: bf16``. ``timer(run)`` returns seconds.
 
     ``compile``: every micro-benchmark runs ``torch.compile``'d (after ``run_as``), is
-    priced by ``CompiledCostModel`` and has ``call_overhead_s`` (``call_overhead``: the
+    priced by ``CostModel(..., mode="compile")`` and has ``call_overhead_s`` (``call_overhead``: the
     compiled call's own time, priced per forward apart from the kernels) taken off.
     """
     import torch
@@ -74,7 +73,7 @@ def micro_samples(
         t = min(timer(run) for _ in range(best_of))
         return max(t - call_overhead_s, 0.1 * t) if compile else t
 
-    cost_model = CompiledCostModel if compile else CostModel
+    mode = "compile" if compile else "eager"
     out = []
     with torch.no_grad():
         for m, k, n in shapes:
@@ -82,7 +81,7 @@ def micro_samples(
             one.add_module("gemm", torch.nn.Linear(k, n, bias=False, device=device))
             one.eval()
             x = torch.randn(m, k, device=device)
-            cm = cost_model(gemm_graph(m, k, n), profile)
+            cm = CostModel(gemm_graph(m, k, n), profile, mode=mode)
             for label, pol in plans.items():
                 with run_as(one, pol):
                     t = seconds(ready(lambda mod, x=x: mod(x), one))
@@ -92,11 +91,11 @@ def micro_samples(
         # the one sample that pins the memory bandwidth: the best of three, since one
         # timing of a fresh 8 MiB output was seen 5x slow (page faults of a new mapping,
         # or a busy neighbour), which priced every weight cast 4x dear
-        out.append(Sample(cost_model(copy_graph(copy_elems), profile), {},
+        out.append(Sample(CostModel(copy_graph(copy_elems), profile, mode=mode), {},
                           seconds(ready(lambda f: f(x), torch.clone), best_of=3),
                           f"copy {copy_elems}"))
         y = torch.randn(16, device=device)
-        out.append(Sample(cost_model(copy_graph(16), profile), {},
+        out.append(Sample(CostModel(copy_graph(16), profile, mode=mode), {},
                           seconds(ready(lambda f: f(y, 1.0), torch.add)), "tiny add"))
     if compile:
         torch._dynamo.reset()

@@ -123,13 +123,13 @@ def test_a_compile_calibration_is_cached_apart_and_carries_the_call_overhead(tmp
     assert src.profile.mode == "compile"
     assert src.profile.call_overhead_s == pytest.approx(80e-6)
     # the compiled cost model prices the call's own time once per forward
-    from autoprec.cost import CompiledCostModel
+    from autoprec.cost import CostModel
     from autoprec.trace import trace
 
     net = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
     graph = trace(net, torch.randn(2, 8))
-    with_call = CompiledCostModel(graph, src.profile).estimate({})
-    without = CompiledCostModel(graph, src.profile, call_overhead_s=0.0).estimate({})
+    with_call = CostModel(graph, src.profile, mode="compile").estimate({})
+    without = CostModel(graph, src.profile, call_overhead_s=0.0, mode="compile").estimate({})
     assert with_call - without == pytest.approx(80e-6)
 
 
