@@ -58,7 +58,7 @@ from autoprec.cost.profiles import DeviceProfile
 from autoprec.errors import InputError
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import Schedule, replay
-from autoprec.policy.schema import Policy
+from autoprec.policy.schema import MODES, Policy
 from autoprec.precisions import BYTES, FORMS, GEMM_FORMATS, PRECISIONS, check_precision
 from autoprec.targets import device_type
 from autoprec.trace.graph import LayerGraph
@@ -110,6 +110,8 @@ class CostModel:
             raise InputError(f"--batch-size must be a positive integer, but got {batch_size!r}")
         if form not in FORMS:
             raise InputError(f"form must be one of {', '.join(FORMS)}, but got {form!r}")
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}")
         if step is not None:
             form = "train"  # a step trains: fp32 masters
         self.form = form  # the form code rows are priced in (a Policy carries its own)
