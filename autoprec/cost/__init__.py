@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 #: torch import a ``show`` or ``--help`` does not need.
 _EXPORTS = {
     "FitResult": "calibrate", "Sample": "calibrate", "fit": "calibrate",
-    "MODES": "compiled", "CompiledPricer": "compiled", "make_cost_model": "compiled",
+    "MODES": "compiled", "CompiledPricer": "compiled", "make_cost_model": "model",
     "EagerPricer": "op_pricing", "StepPart": "step",
     "Breakdown": "model", "CostModel": "model", "Kernel": "model",
     "Calibration": "profiles", "DeviceProfile": "profiles",
@@ -29,8 +29,8 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.cost.calibrate import FitResult, Sample, fit
-    from autoprec.cost.compiled import MODES, CompiledPricer, make_cost_model
-    from autoprec.cost.model import Breakdown, CostModel, Kernel
+    from autoprec.cost.compiled import MODES, CompiledPricer
+    from autoprec.cost.model import Breakdown, CostModel, Kernel, make_cost_model
     from autoprec.cost.op_pricing import EagerPricer
     from autoprec.cost.profiles import (
         Calibration,

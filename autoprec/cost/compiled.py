@@ -65,20 +65,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from autoprec.cost.model import CostModel, Kernel
 from autoprec.cost.op_pricing import OpTable, Roofline, casts_weight
-from autoprec.cost.price_types import _FP8, _GEMM, _OTHER
-from autoprec.cost.profiles import DeviceProfile
+from autoprec.cost.price_types import _FP8, _GEMM, _OTHER, Kernel
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
 from autoprec.plan.compile import CODE
 from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule
 from autoprec.policy.schema import MODES  # deployment modes (policy ``target.mode``)
-from autoprec.trace.graph import LayerGraph
 
 _PARAM = -2  # producer of parameters and model inputs (read, never written)
 _EXTERN = -3  # producer/consumer id of an extern kernel (its bytes are priced with it)
@@ -472,23 +468,4 @@ def _prec_name(code: int) -> str:
     return PRECISIONS[code]
 
 
-def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int | None = None,
-                    mode: str = "eager", *, step: bool = False, fp8_backend: str | None = None,
-                    **kwargs: Any) -> CostModel:
-    """The cost model of a deployment ``mode``: "eager" (op by op) or "compile" (inductor).
-    ``step``: in the training form, the whole training step (``cost.step.StepPart``:
-    forward as ``mode`` runs it, backward, optimizer; ``fp8_backend`` says how fp8 leaves
-    run their backward)."""
-    from autoprec.errors import InputError
-
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}")
-    if step and kwargs.get("form", "train") == "train":
-        from autoprec.cost.step import StepPart, fp8_backward_of
-
-        kwargs["step"] = StepPart(fp8_backward_of(fp8_backend))
-    return CostModel(graph, profile, batch_size, mode=mode, **kwargs)
-
-
-__all__ = ["CompiledPricer", "MODES", "convs_channels_last",
-           "make_cost_model"]
+__all__ = ["CompiledPricer", "MODES", "convs_channels_last"]

@@ -38,7 +38,7 @@ composed of a forward pricer — ``op_pricing.EagerPricer`` (the roofline above,
 machine's ``OpTable`` where op times are given) or ``compiled.CompiledPricer`` (as
 ``torch.compile`` runs the forward) — and optionally a training-step part
 (``step.StepPart``: backward, optimizer, GradScaler), which prices the step on top of
-whichever forward pricer it is given. ``compiled.make_cost_model`` is the one factory.
+whichever forward pricer it is given. ``make_cost_model`` is the one factory.
 The value types live in ``price_types`` (``Kernel``, ``Breakdown``, ``Priced``, ``PARTS``).
 """
 
@@ -47,10 +47,11 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from autoprec.cost.compiled import CompiledPricer, convs_channels_last
 from autoprec.cost.op_pricing import EagerPricer, ForwardPricer, OpTable, Roofline
 from autoprec.cost.op_times_record import OpTimes
 from autoprec.cost.price_types import PARTS, Breakdown, Kernel, Priced
@@ -135,8 +136,6 @@ class CostModel:
         self.grad_mode = step is not None
         roofline = Roofline.of(self.trace, self.tree, profile, self.scale)
         if mode == "compile":
-            from autoprec.cost.compiled import CompiledPricer, convs_channels_last
-
             table = OpTable(self.trace, op_times, self.scale,
                             channels_last=convs_channels_last())
             self.forward: ForwardPricer = CompiledPricer(
@@ -413,4 +412,21 @@ class CostModel:
         return [(self.tree.paths[m] if m >= 0 else "<outside>", k) for m, k in out]
 
 
-__all__ = ["Breakdown", "CostModel", "Kernel", "PARTS", "Priced", "device_type_of"]
+def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int | None = None,
+                    mode: str = "eager", *, step: bool = False, fp8_backend: str | None = None,
+                    **kwargs: Any) -> CostModel:
+    """The cost model of a deployment ``mode``: "eager" (op by op) or "compile" (inductor).
+    ``step``: in the training form, the whole training step (``cost.step.StepPart``:
+    forward as ``mode`` runs it, backward, optimizer; ``fp8_backend`` says how fp8 leaves
+    run their backward)."""
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}")
+    if step and kwargs.get("form", "train") == "train":
+        from autoprec.cost.step import StepPart, fp8_backward_of
+
+        kwargs["step"] = StepPart(fp8_backward_of(fp8_backend))
+    return CostModel(graph, profile, batch_size, mode=mode, **kwargs)
+
+
+__all__ = ["Breakdown", "CostModel", "Kernel", "PARTS", "Priced", "device_type_of",
+           "make_cost_model"]

@@ -39,11 +39,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from autoprec.cost.model import CostModel
 from autoprec.cost.op_pricing import _FORMAT_OF_CODE, OpTable, Roofline
 from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Breakdown, Priced
 from autoprec.cost.train_memory import (
@@ -63,6 +62,19 @@ from autoprec.targets import is_cpu
 STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "optimizer",
               "scaler")
 _P = {p: i for i, p in enumerate(STEP_PARTS)}
+
+
+class StepHost(Protocol):
+    """What a step part reads of the cost model that holds it (``cost.model.CostModel``)."""
+
+    forward: Any  # the forward pricer: its ``roofline`` and ``table`` price the backward
+
+    def row(self, policy: Any, default: str = "fp32") -> tuple[RuleSet, np.ndarray]: ...
+
+    def schedule(self, policy: Any, default: str = "fp32") -> Schedule: ...
+
+    def held_weight_bytes(self, region: np.ndarray, prec: np.ndarray, form: str
+                          ) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -149,7 +161,7 @@ class StepPart:
         return self.optimizer
 
     # -- pricing ----------------------------------------------------------------------------------
-    def price(self, cost: CostModel, fwd: Priced, rules: RuleSet, codes: np.ndarray,
+    def price(self, cost: StepHost, fwd: Priced, rules: RuleSet, codes: np.ndarray,
               form: str) -> Priced:
         """The step's price of T plans from their forward's (``fwd``)."""
         if form != "train":  # stored 16-bit weights: the step's updates are lost
@@ -173,7 +185,7 @@ class StepPart:
         out.step = step  # type: ignore[attr-defined]
         return out
 
-    def _step_parts(self, cost: CostModel, sch: Schedule, fwd: np.ndarray, bwd: Backward
+    def _step_parts(self, cost: StepHost, sch: Schedule, fwd: np.ndarray, bwd: Backward
                     ) -> np.ndarray:
         """(T, len(STEP_PARTS)) seconds."""
         r, tab = cost.forward.roofline, cost.forward.table
@@ -246,7 +258,7 @@ class StepPart:
         return unscale + launches * r.launch
 
     # -- memory -----------------------------------------------------------------------------------
-    def memory_of(self, cost: CostModel, sch: Schedule, bwd: Backward, rules: RuleSet,
+    def memory_of(self, cost: StepHost, sch: Schedule, bwd: Backward, rules: RuleSet,
                   codes: np.ndarray) -> np.ndarray:
         """(T,) training-memory peak (``TrainMemory.peak_bytes``) of the plans."""
         region, prec, _ = rules.encode(codes)
@@ -255,7 +267,7 @@ class StepPart:
         fixed = self._n_params * (4.0 + self._opt.state_bytes)
         return weights + acts + fixed
 
-    def train_memory(self, cost: CostModel, policy: Policy | dict[str, str],
+    def train_memory(self, cost: StepHost, policy: Policy | dict[str, str],
                      default: str = "fp32") -> TrainMemory:
         """Weights, gradients, optimizer state and saved activations of one plan."""
         rs, row = cost.row(policy, default)
@@ -267,7 +279,7 @@ class StepPart:
                            float(saved_activation_bytes(sch, bwd,
                                                         cost.forward.roofline.numel)[0]))
 
-    def breakdown(self, cost: CostModel, fwd: Breakdown, policy: Policy | dict[str, str],
+    def breakdown(self, cost: StepHost, fwd: Breakdown, policy: Policy | dict[str, str],
                   default: str = "fp32") -> Breakdown:
         """The step's breakdown of one train-form plan from its forward's (``fwd``)."""
         sch = cost.schedule(policy, default)
@@ -300,8 +312,9 @@ def step_metrics(bd: Breakdown) -> dict[str, float]:
     return out
 
 
-def train_bytes(cost: CostModel, policy: Policy) -> int | None:
-    """The estimated training-memory peak of ``policy`` (None: not priced as a step)."""
+def train_bytes(cost: Any, policy: Policy) -> int | None:
+    """The estimated training-memory peak of ``policy`` under the ``CostModel`` ``cost``
+    (None: not priced as a step)."""
     if cost.step is None or policy.form != "train":
         return None
     return int(cost.train_memory(policy).peak_bytes)
@@ -316,12 +329,12 @@ def fp8_backward_of(backend: str | None) -> str:
     return "fp32" if backend == "emulated" else "fp8"
 
 
-def step_cost_model(cost: CostModel, **kwargs: Any) -> CostModel:
-    """The step cost model (``StepPart(**kwargs)``) of the same graph, profile, batch, op
+def step_cost_model(cost: Any, **kwargs: Any) -> Any:
+    """The step ``CostModel`` (``StepPart(**kwargs)``) of the same graph, profile, batch, op
     timings and forward pricer as ``cost``."""
     return cost.with_step(StepPart(**kwargs))
 
 
 __all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "ADAMW_LOOP", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
-           "StepBreakdown", "StepPart", "fp8_backward_of", "step_cost_model",
+           "StepBreakdown", "StepHost", "StepPart", "fp8_backward_of", "step_cost_model",
            "step_metrics", "train_bytes"]

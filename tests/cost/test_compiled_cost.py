@@ -10,7 +10,8 @@ from torch import nn
 
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.calibrate import gemm_graph
-from autoprec.cost.compiled import CompiledPricer, make_cost_model
+from autoprec.cost.compiled import CompiledPricer
+from autoprec.cost.model import make_cost_model
 from autoprec.cost.op_pricing import EagerPricer
 from autoprec.errors import InputError
 from autoprec.policy import Policy

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autoprec.cost import get_profile
-from autoprec.cost.compiled import make_cost_model
+from autoprec.cost.model import make_cost_model
 from autoprec.evaluation.decision import contradictions
 from autoprec.evaluation.rows import Row
 from autoprec.measure.op_runner import _Builder
