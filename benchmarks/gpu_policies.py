@@ -68,8 +68,8 @@ def measure_policy(policy_path: Path, device: str, max_batch: int, dry_run: bool
                    profile_name: str = "h200") -> dict[str, Any]:
     from autoprec.apply.apply import apply_policy
     from autoprec.cost import CostModel, get_profile
-    from autoprec.cost.measure import measure_latency
     from autoprec.device.capability import capability
+    from autoprec.measure import measure_latency
     from autoprec.policy import Policy, load_policy
     from autoprec.trace import trace
     from autoprec.workload.loading import load_model_file

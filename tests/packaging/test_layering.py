@@ -9,11 +9,11 @@ is left out: it is the public facade, re-exporting every stage lazily, and
 The rules (STYLE.md, "the folders show the flow"): the foundations (the number formats and
 precisions, the lowering of a module to a precision, the device facts, the user-boundary
 helpers, the workload, the errors, torch.nn's fused paths) sit below every stage; the stages
-trace -> probe -> plan -> cost -> evaluation -> search -> study -> tuning -> apply -> track
-never import a later one, except where ``LATER_ALLOWED`` says; training under a policy sits
-beside ``apply``, and nothing before ``apply`` imports either; nearly everything lives in a
-package (``LOOSE``: the few top-level modules); and no part imports itself back through
-another.
+trace -> probe -> plan -> cost -> measure -> evaluation -> search -> study -> tuning ->
+apply -> track never import a later one, except where ``LATER_ALLOWED`` says; training
+under a policy sits beside ``apply``, and nothing before ``apply`` imports either; nearly
+everything lives in a package (``LOOSE``: the few top-level modules); and no part imports
+itself back through another.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ from tests.helpers import ROOT
 PACKAGE = ROOT / "autoprec"
 
 #: The stages in the order the data flows through them.
-#: Above the cost: ``evaluation`` (what tune, check and eval share: the target, scoring,
+#: ``measure`` runs ops on this machine (latency, the model's op times, a real training
+#: step, the calibration's micro-benchmarks): above the cost, whose records (``OpTimes``,
+#: a fitted profile) it fills; the cost stage prices what it is handed and never runs ops.
+#: Above them: ``evaluation`` (what tune, check and eval share: the target, scoring,
 #: baselines, timing, the decision), ``search`` (the algorithm alone: no Optuna, no files),
 #: ``study`` (the Optuna adapter) and ``tuning`` (tune's orchestration on top).
-STAGES = ("trace", "probe", "plan", "cost", "evaluation", "search", "study", "tuning",
+STAGES = ("trace", "probe", "plan", "cost", "measure", "evaluation", "search", "study", "tuning",
           "apply", "track")
 #: Later stages an earlier one may import: the evaluation scores and times plans by
 #: applying them (``Target.apply``, the audit), and tune logs its trials (``track``).
@@ -142,7 +145,7 @@ def test_nothing_before_apply_imports_apply() -> None:
     """Nor training under a policy, which applies it (``training`` imports ``apply``)."""
     graph = import_graph()
     assert "apply" in graph["training"], _show(graph)
-    before = ("trace", "policy", "probe", "plan", "cost", *FOUNDATIONS)
+    before = ("trace", "policy", "probe", "plan", "cost", "measure", *FOUNDATIONS)
     offenders = sorted((p, q) for p in before for q in ("apply", "training")
                        if q in graph.get(p, ()))
     assert offenders == [], f"{offenders} import a later part; the graph:\n{_show(graph)}"
@@ -182,3 +185,21 @@ def test_check_and_eval_run_without_the_search() -> None:
     assert graph["evaluation"] & {"search", "study", "tuning"} == set(), _show(graph)
     assert "optuna" not in {m.split(".")[0] for p in (PACKAGE / "search").glob("*.py")
                             for m in _imported(p)}, "the search algorithm imports Optuna"
+
+
+def test_measure_is_used_through_its_interface() -> None:
+    """Code that runs ops on this machine sits behind ``autoprec.measure``'s exports: no
+    other part imports one of its submodules (``autoprec.measure.ops``, ``.op_runner``)."""
+    reached = sorted(
+        f"{path.relative_to(PACKAGE.parent)} -> {target}"
+        for path in PACKAGE.rglob("*.py") if path.parent.name != "measure"
+        for target in _imported(path)
+        if target.startswith("autoprec.measure.")
+        and target.split(".")[2] not in _measure_exports())
+    assert reached == [], f"past autoprec.measure's interface: {reached}"
+
+
+def _measure_exports() -> set[str]:
+    import autoprec.measure
+
+    return set(autoprec.measure.__all__)
