@@ -12,7 +12,7 @@ from autoprec.workload.loading import default_forward
 
 
 def test_a_default_function_is_hashed_under_its_first_name() -> None:
-    assert function_code(default_forward).splitlines()[0] == "autoprec.workload.loading.default_forward"
+    assert function_code(default_forward).splitlines()[0] == "autoprec.loading.default_forward"
     # the value main had before the move (2290036): the trap and mixed8 examples' studies
     assert function_hash(default_forward) == "b74e6868a1cf0d3d"
 
