@@ -10,6 +10,8 @@ training-form policy): a plan's time is
   gradient quantisation (``fp8_backward``: "fp8" as Transformer Engine, torchao's
   ``Float8Linear`` and autoprec's ``torch`` backend run it, "fp32" as the ``emulated``
   backend does: dequantised fp32 GEMMs);
+- the loss (model.py's ``loss``, forward and backward: ``cost.loss_step``) at the dtype the
+  plan gives the model's output, where it was recorded (``set_loss``);
 - the optimizer step over the fp32 masters (``Optimizer``; on a GPU fused AdamW: one pass
   reading parameter, gradient, exp_avg, exp_avg_sq and writing three of them; on a CPU
   torch's default loop over the parameters, eight passes each);
@@ -22,12 +24,13 @@ Each backward kernel is priced like a forward one: ``max(FLOPs / peak, bytes / b
 GEMM of an op timed here takes the forward GEMM's measured time at its precision (dgrad
 and wgrad have the forward's FLOPs over the same three dimensions; timed alone on this
 team's CPU they take what the forward takes), fused attention's backward 2.5x its
-forward's, and a pointwise op's backward at least its forward's (it reads dY and what the
+forward's — or, where this machine timed the gradient GEMM itself (``grad_times``,
+``cost.grad_times``: its dgrad and wgrad at their own layouts), that time — and a pointwise op's backward at least its forward's (it reads dY and what the
 op saved, and writes dX). ``--batch-size`` is
 the training micro-batch.
 
 ``breakdown`` splits the step into ``STEP_PARTS`` (fprop / dgrad / wgrad / casts /
-fp8_scaling / other / optimizer / scaler) and carries the step's memory
+fp8_scaling / other / loss / optimizer / scaler) and carries the step's memory
 (``cost.train_memory``); ``max_train_bytes`` makes a plan whose training memory is over it
 infeasible, with the reason.
 """
@@ -40,8 +43,10 @@ from typing import Any
 
 import numpy as np
 
+from autoprec.cost.grad_times import GradTimes
+from autoprec.cost.loss_step import LossKernels, output_value
 from autoprec.cost.model import CostModel, device_type_of
-from autoprec.cost.op_pricing import _FORMAT_OF_CODE
+from autoprec.cost.op_pricing import _FORMAT_OF_CODE, _precision_table
 from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Breakdown, Priced
 from autoprec.cost.train_memory import (
     ADAMW_STATE_BYTES,
@@ -57,8 +62,8 @@ from autoprec.policy.schema import Policy
 from autoprec.targets import is_cpu
 
 #: Where a training step's time goes.
-STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "optimizer",
-              "scaler")
+STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "loss",
+              "optimizer", "scaler")
 _P = {p: i for i, p in enumerate(STEP_PARTS)}
 
 
@@ -118,10 +123,12 @@ class StepCostModel(CostModel):
 
     def __init__(self, graph: Any, profile: Any, batch_size: int | None = None, *,
                  fp8_backward: str = "fp8", optimizer: Optimizer | None = None,
-                 **kwargs: Any) -> None:
+                 grad_times: GradTimes | None = None, **kwargs: Any) -> None:
         if fp8_backward not in FP8_BACKWARDS:
             raise ValueError(f"fp8_backward must be one of {FP8_BACKWARDS}, got {fp8_backward!r}")
         self.fp8_backward = fp8_backward
+        #: this machine's dgrad / wgrad timings per GEMM op and precision (``cost.grad_times``)
+        self.grad_times = grad_times
         # what torch.optim.AdamW runs by default: fused / foreach on a GPU (a trainer's
         # choice: fused), a loop over the parameters on a CPU
         dev = kwargs.get("device_type") or device_type_of(profile)
@@ -131,8 +138,35 @@ class StepCostModel(CostModel):
         self._n_params = trainable_numel(graph.ops) if graph.ops is not None else 0.0
         self._n_tensors = (sum(1 for v in graph.ops.values if v.source == "param"
                                and v.trainable and v.param) if graph.ops is not None else 0)
+        #: the loss's seconds by the output's dtype code (None: the loss is not priced)
+        self._loss_s: np.ndarray | None = None
+        self._loss_value: int | None = None
         kwargs.pop("form", None)
         super().__init__(graph, profile, batch_size, form="train", **kwargs)
+
+    def set_loss(self, kernels: LossKernels) -> None:
+        """Price the loss of every step (``cost.loss_step.record_loss``'s kernels and, on a
+        local CPU, its timings), scaled from the recorded batch to the priced one."""
+        v = output_value(self.trace, kernels.numel)
+        if v is None:
+            raise ValueError(f"no output of {kernels.numel} elements in the recorded forward")
+        scale = self.scale if self.trace.values[v].scales else 1.0
+        self._loss_s = kernels.table(self._bw, self._launch) * scale
+        self._loss_value = v
+        self._fp32, self._given = self._reference_times()  # the references pay it too
+
+    def _loss_seconds(self, sch: Schedule) -> np.ndarray:
+        """(T,) seconds of the loss under each plan (0 where it is not priced)."""
+        if self._loss_s is None or self._loss_value is None:
+            return np.zeros(sch.plans)
+        code = np.zeros(sch.plans, dtype=np.int64)  # fp32 unless an op wrote it otherwise
+        for i, op in enumerate(self.trace.ops):
+            if self._loss_value in op.outputs:
+                code = np.broadcast_to(np.asarray(
+                    sch.writes[i][op.outputs.index(self._loss_value)], dtype=np.int64),
+                    (sch.plans,))
+        sec = self._loss_s[np.minimum(code, len(self._loss_s) - 1)]
+        return np.where(np.isnan(sec), np.nanmax(self._loss_s), sec)
 
     # -- pricing ----------------------------------------------------------------------------------
     def price(self, rules: RuleSet, codes: np.ndarray, form: str | None = None) -> Priced:
@@ -168,6 +202,7 @@ class StepCostModel(CostModel):
         out[:, _P["other"]] = fwd[:, _OTHER]
         for k, sec in self._kernel_seconds(sch, bwd):
             out[:, _P[k.part]] += np.where(k.on, sec, 0.0)
+        out[:, _P["loss"]] = self._loss_seconds(sch)
         out[:, _P["optimizer"]] = self._optimizer_s()
         fp16 = np.zeros(t, dtype=bool)
         for codes in sch.compute:
@@ -211,6 +246,10 @@ class StepCostModel(CostModel):
             timed = self._timed[k.op]
             if timed is not None:  # this machine's time of the forward op, per precision
                 got = timed[k.compute] * (ATTENTION_BACKWARD if k.what == "attention" else 1.0)
+                sec = np.where(np.isnan(got), sec, got)
+            grads = (self.grad_times or {}).get(k.op, {}).get(k.part)
+            if grads and k.what == "gemm":  # the gradient GEMM itself, timed here
+                got = _precision_table(grads)[k.compute]
                 sec = np.where(np.isnan(got), sec, got)
             yield k, sec
 
@@ -258,7 +297,7 @@ class StepCostModel(CostModel):
                                                    "other")]])
         step = self._step_parts(sch, fparts, bwd)[0]
         parts = {p: float(step[i]) for i, p in enumerate(STEP_PARTS)}
-        opt = parts["optimizer"] + parts["scaler"]
+        opt = parts["optimizer"] + parts["scaler"] + parts["loss"]
         total = float(step.sum())
         return StepBreakdown(
             total if fwd.invalid is None else math.inf, parts, fwd.casts, fwd.weight_casts,
@@ -300,8 +339,13 @@ def fp8_backward_of(backend: str | None) -> str:
 
 def step_cost_model(cost: CostModel, **kwargs: Any) -> StepCostModel:
     """The step cost model of the same graph, profile, batch and op timings as ``cost``."""
-    return StepCostModel(cost.graph, cost.profile, cost.batch_size,
-                         device_type=cost.device_type, op_times=cost.op_times, **kwargs)
+    if isinstance(cost, StepCostModel):
+        kwargs.setdefault("grad_times", cost.grad_times)
+    out = StepCostModel(cost.graph, cost.profile, cost.batch_size,
+                        device_type=cost.device_type, op_times=cost.op_times, **kwargs)
+    if isinstance(cost, StepCostModel):
+        out._loss_s, out._loss_value = cost._loss_s, cost._loss_value
+    return out
 
 
 __all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "ADAMW_LOOP", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
