@@ -56,6 +56,9 @@ class LossKernels:
     numel: int  # elements of the model's output the loss reads (at the recorded batch)
     kernels: dict[str, list[LossKernel]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # forward + backward, timed
+    #: bytes the loss's autograd nodes save for its backward (log_softmax's result, ...),
+    #: per output dtype, the model's output itself not counted
+    saved: dict[str, float] = field(default_factory=dict)
 
     def table(self, bandwidth: float, launch: float) -> np.ndarray:
         """Seconds of the loss (forward + backward) by dtype code (``plan.dtype_codes``):
@@ -142,11 +145,21 @@ def record_loss(net: torch.nn.Module, forward: Callable[[Any, Any], Any],
             loss(feed, batch).backward()
 
         count = _Count()
-        with count:
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, leaf: torch.Tensor = leaf, kept: dict = kept) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() != leaf.untyped_storage().data_ptr() and t.is_floating_point():
+                kept[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), count:
             value = loss(feed, batch)
+        with count:
             count.phase = "backward"
             value.backward()
         got.kernels[name] = count.kernels
+        got.saved[name] = float(sum(kept.values()))
         runs[name] = run
     if measure:
         passes: dict[str, list[float]] = {d: [] for d in runs}

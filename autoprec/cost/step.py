@@ -56,7 +56,7 @@ from autoprec.cost.train_memory import (
 )
 from autoprec.plan.backward import ATTENTION_BACKWARD, FP8_BACKWARDS, Backward, backward
 from autoprec.plan.compile import CODE, RuleSet
-from autoprec.plan.dtype_codes import FP16
+from autoprec.plan.dtype_codes import DTYPES, FP16
 from autoprec.plan.schedule import Schedule
 from autoprec.policy.schema import Policy
 from autoprec.targets import is_cpu
@@ -141,6 +141,7 @@ class StepCostModel(CostModel):
         #: the loss's seconds by the output's dtype code (None: the loss is not priced)
         self._loss_s: np.ndarray | None = None
         self._loss_value: int | None = None
+        self._loss_saved: dict[int, float] = {}  # what it saves, by the output's dtype code
         kwargs.pop("form", None)
         super().__init__(graph, profile, batch_size, form="train", **kwargs)
 
@@ -153,18 +154,33 @@ class StepCostModel(CostModel):
         scale = self.scale if self.trace.values[v].scales else 1.0
         self._loss_s = kernels.table(self._bw, self._launch) * scale
         self._loss_value = v
+        self._loss_saved = {DTYPES.index(d): b * scale for d, b in kernels.saved.items()}
         self._fp32, self._given = self._reference_times()  # the references pay it too
 
-    def _loss_seconds(self, sch: Schedule) -> np.ndarray:
-        """(T,) seconds of the loss under each plan (0 where it is not priced)."""
-        if self._loss_s is None or self._loss_value is None:
-            return np.zeros(sch.plans)
-        code = np.zeros(sch.plans, dtype=np.int64)  # fp32 unless an op wrote it otherwise
+    def _output_code(self, sch: Schedule) -> np.ndarray:
+        """(T,) dtype code the model's output arrives in at the loss (fp32 unless an op of
+        the replay wrote it otherwise)."""
+        code = np.zeros(sch.plans, dtype=np.int64)
         for i, op in enumerate(self.trace.ops):
             if self._loss_value in op.outputs:
                 code = np.broadcast_to(np.asarray(
                     sch.writes[i][op.outputs.index(self._loss_value)], dtype=np.int64),
                     (sch.plans,))
+        return code
+
+    def _loss_saved_bytes(self, sch: Schedule) -> np.ndarray:
+        """(T,) bytes the loss saves for its backward."""
+        if not self._loss_saved:
+            return np.zeros(sch.plans)
+        code = self._output_code(sch)
+        return np.array([self._loss_saved.get(int(c), max(self._loss_saved.values()))
+                         for c in code])
+
+    def _loss_seconds(self, sch: Schedule) -> np.ndarray:
+        """(T,) seconds of the loss under each plan (0 where it is not priced)."""
+        if self._loss_s is None or self._loss_value is None:
+            return np.zeros(sch.plans)
+        code = self._output_code(sch)
         sec = self._loss_s[np.minimum(code, len(self._loss_s) - 1)]
         return np.where(np.isnan(sec), np.nanmax(self._loss_s), sec)
 
@@ -272,7 +288,7 @@ class StepCostModel(CostModel):
         """(T,) training-memory peak (``TrainMemory.peak_bytes``) of the plans."""
         region, prec, _ = rules.encode(codes)
         weights = self._weight_bytes(region, prec, "train")
-        acts = saved_activation_bytes(sch, bwd, self._numel)
+        acts = saved_activation_bytes(sch, bwd, self._numel) + self._loss_saved_bytes(sch)
         fixed = self._n_params * (4.0 + self.optimizer.state_bytes)
         return weights + acts + fixed
 
@@ -285,7 +301,8 @@ class StepCostModel(CostModel):
         bwd = backward(sch, self.fp8_backward)
         return TrainMemory(float(self._weight_bytes(region, prec, "train")[0]),
                            4.0 * self._n_params, self.optimizer.state_bytes * self._n_params,
-                           float(saved_activation_bytes(sch, bwd, self._numel)[0]))
+                           float(saved_activation_bytes(sch, bwd, self._numel)[0]
+                                 + self._loss_saved_bytes(sch)[0]))
 
     def breakdown(self, policy: Policy | dict[str, str], default: str = "fp32") -> Breakdown:
         fwd = super().breakdown(policy, default)
@@ -345,6 +362,7 @@ def step_cost_model(cost: CostModel, **kwargs: Any) -> StepCostModel:
                         device_type=cost.device_type, op_times=cost.op_times, **kwargs)
     if isinstance(cost, StepCostModel):
         out._loss_s, out._loss_value = cost._loss_s, cost._loss_value
+        out._loss_saved = cost._loss_saved
     return out
 
 

@@ -88,8 +88,11 @@ def test_the_loss_priced_is_what_a_real_step_runs_after_the_model(pol: Policy,
     # priced at the output's dtype under the plan: a roofline on a remote profile
     prof = get_profile("h100")
     cost = StepCostModel(trace(model, BATCH, forward=fwd, tracers=("hooks",)), prof)
-    before = cost.breakdown(pol).total_s
+    before, acts = cost.breakdown(pol).total_s, cost.train_memory(pol).activations
     cost.set_loss(kernels)
+    # what it saves: log_softmax's fp32 result (8 x 10) at least, held as activations
+    assert kernels.saved[dtype] >= 8 * 10 * 4
+    assert cost.train_memory(pol).activations == pytest.approx(acts + kernels.saved[dtype])
     bd = cost.breakdown(pol)
     want = sum(k.bytes / prof.bandwidth + prof.launch_overhead_s for k in mine)
     assert bd.parts["loss"] == pytest.approx(want)
