@@ -54,3 +54,31 @@ def test_cpu_script_offers_the_one_liners_and_a_plan(tmp_path: Path) -> None:
     assert [p.default for p in plans.values()] == ["fp32", "bf16", "fp16", "bf16"]
     mixed = list(plans.values())[-1]
     assert set(mixed.layers.values()) == {"fp32"} and mixed.form == "train"
+
+
+def test_cpu_script_measures_and_prices_each_plan_on_a_tiny_config(tmp_path: Path,
+                                                                    monkeypatch) -> None:  # noqa: ANN001
+    """The CPU side of the script, end to end on a tiny GPT-2: each plan's measured step,
+    its estimate (the loss priced in it) and peak memory, one row each."""
+    import torch.nn.functional as F
+
+    bench = _script("train_step_cpu")
+    model, _ = _tiny_gpt2()
+    ids = torch.randint(0, 128, (2, 16))
+
+    def tiny() -> tuple:
+        return ("tiny", model, lambda m, b: m(input_ids=b).logits,
+                lambda o, b: F.cross_entropy(o[:, :-1].float().flatten(0, 1),
+                                             b[:, 1:].flatten()), ids, None)
+
+    monkeypatch.setitem(bench.MODELS, "tiny", tiny)
+    monkeypatch.setattr(bench, "CACHE", tmp_path)
+    rows = bench.run("tiny", None, False)
+    table = [r for r in rows if r.startswith("| ") and not r.startswith("| plan | ")]
+    assert [r.split(" | ")[0] for r in table] == [
+        "| fp32", "| bf16 autocast", "| fp16 autocast + GradScaler",
+        "| plan (bf16, first/last GEMM fp32)"]
+    assert "loss" in rows[-1] and "optimizer" in rows[-1]  # fp32's estimated step, by part
+    for r in table:
+        est_ratio = float(r.split(" | ")[3])
+        assert 0 < est_ratio < 100  # an estimate and a measurement, both finite
