@@ -1,5 +1,5 @@
 """The gradient GEMMs of a training step timed on this CPU: each recorded GEMM's dgrad and
-wgrad, per precision, as autograd runs them.
+wgrad, and each fused attention's backward, per precision, as autograd runs them.
 
 ``StepCostModel`` once priced a gradient GEMM at its forward GEMM's measured time (dgrad and
 wgrad have the forward's FLOPs). That holds where the CPU has a real kernel for the dtype;
@@ -32,15 +32,16 @@ from autoprec.fileio import atomic_write
 from autoprec.trace.ops import OpTrace
 
 #: Bump when what is timed or how changes.
-VERSION = 1
+VERSION = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: (op index) -> {"dgrad" | "wgrad": {precision: seconds}}
 GradTimes = dict[int, dict[str, dict[str, float]]]
 
 
-def _grad_calls(trace: OpTrace, recipe: dict[str, Any], dtype: torch.dtype, scale: float
-                ) -> dict[str, Any]:
-    """{"dgrad": call, "wgrad": call} of one GEMM recipe in ``dtype`` (those it has)."""
+def _grad_calls(trace: OpTrace, recipe: dict[str, Any], dtype: torch.dtype, scale: float,
+                op_kind: str = "gemm") -> dict[str, Any]:
+    """{"dgrad": call, "wgrad": call} of one GEMM recipe in ``dtype`` (those it has); of an
+    attention recipe, {"dgrad": its backward}."""
     func = _resolve(recipe["f"])
     b = _Builder(trace, scale)
     args = b.build(recipe["a"], dtype)
@@ -51,6 +52,8 @@ def _grad_calls(trace: OpTrace, recipe: dict[str, Any], dtype: torch.dtype, scal
     for s, t in zip(specs, built, strict=False):
         if not t.is_floating_point() or len(s["shape"]) < 2:
             continue  # a bias: its gradient is a reduction, priced apart
+        if op_kind == "attention" and len(acts) == 3:
+            continue  # q, k, v; a floating mask needs no gradient
         if trace.values[s["t"]].source == "param":
             weights.append(t)
         else:
@@ -59,6 +62,8 @@ def _grad_calls(trace: OpTrace, recipe: dict[str, Any], dtype: torch.dtype, scal
     out = func(*args, **kwargs)
     dy = torch.empty_like(out).uniform_(0.1, 1.0)
     calls = {}
+    if op_kind == "attention":  # SDPA: one backward kernel for q, k and v together
+        return {"dgrad": lambda: torch.autograd.grad(out, acts[:3], dy, retain_graph=True)}
     for part, wrt in (("dgrad", acts[:1]), ("wgrad", weights[:1])):
         if wrt:
             calls[part] = (lambda wrt=wrt: torch.autograd.grad(out, wrt, dy, retain_graph=True))
@@ -75,22 +80,22 @@ def _flat(obj: Any) -> list[Any]:
 
 def measure_grads(trace: OpTrace, batch_size: int, precisions: Iterable[str]) -> GradTimes:
     """dgrad and wgrad seconds of every Linear / conv / matmul of ``trace`` with a recipe,
-    in fp32 and ``precisions`` (the caller holds torch at the timing threads)."""
+    and the backward of every fused attention ("dgrad"), in fp32 and ``precisions`` (the caller holds torch at the timing threads)."""
     scale = batch_size / trace.batch_size
     precs = [p for p in DTYPES if p == "fp32" or p in set(precisions)]
     distinct: dict[tuple[str, str], Any] = {}
     uses: list[tuple[int, str, tuple[str, str]]] = []
     for i, op in enumerate(trace.ops):
-        if op.kind != "gemm" or op.recipe is None:
+        if op.kind not in ("gemm", "attention") or op.recipe is None:
             continue
         key = _key(op.recipe, trace)
         for p in precs:
-            distinct.setdefault((key, p), op.recipe)
+            distinct.setdefault((key, p), (op.recipe, op.kind))
             uses.append((i, p, (key, p)))
     calls: dict[tuple[str, str], dict[str, Any]] = {}
-    for k, recipe in distinct.items():
+    for k, (recipe, kind) in distinct.items():
         try:
-            calls[k] = _grad_calls(trace, recipe, DTYPES[k[1]], scale)
+            calls[k] = _grad_calls(trace, recipe, DTYPES[k[1]], scale, kind)
         except Exception:  # noqa: BLE001 - a GEMM that cannot run alone keeps the forward's
             continue
     samples: dict[tuple[tuple[str, str], str], list[float]] = {}

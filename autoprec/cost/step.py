@@ -246,6 +246,10 @@ class StepCostModel(CostModel):
                 continue
             if k.compute is None:
                 sec = nbytes / bw + launch
+                if k.cast is not None and self.op_times is not None:  # timed here
+                    got = self._cast_seconds(*k.cast, False)
+                    if got is not None:
+                        sec = np.where(np.isnan(got), sec, got)
                 if k.what == "pointwise" and k.op >= 0 and self._timed[k.op] is not None:
                     # reading dY and what it saved, writing dX: at least its forward's time
                     fwd_s = self._op_seconds(k.op, sch, None)
@@ -264,7 +268,7 @@ class StepCostModel(CostModel):
                 got = timed[k.compute] * (ATTENTION_BACKWARD if k.what == "attention" else 1.0)
                 sec = np.where(np.isnan(got), sec, got)
             grads = (self.grad_times or {}).get(k.op, {}).get(k.part)
-            if grads and k.what == "gemm":  # the gradient GEMM itself, timed here
+            if grads and k.what in ("gemm", "attention"):  # the gradient kernel, timed here
                 got = _precision_table(grads)[k.compute]
                 sec = np.where(np.isnan(got), sec, got)
             yield k, sec

@@ -124,3 +124,36 @@ def test_gradient_gemms_are_priced_at_their_own_timings() -> None:
         bd = cost.breakdown(Policy(default=prec))
         # fc1's input is the model's: only the head has a dgrad
         assert bd.parts["dgrad"] == pytest.approx(grads[gemms[1]]["dgrad"][prec])
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 16)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)  # (B, 2, T, 8)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_attention_backward_and_backward_casts_are_priced_at_this_machines_timings() -> None:
+    model = Attn().eval()
+    x = torch.randn(2, 8, 16)
+    graph = trace(model, x, tracers=("hooks",))
+    with one_torch_thread():
+        grads = measure_grads(graph.ops, graph.batch_size, ["bf16"])
+    att = [i for i, op in enumerate(graph.ops.ops) if op.kind == "attention"]
+    assert len(att) == 1 and set(grads[att[0]]) == {"dgrad"}
+    cost = StepCostModel(graph, get_profile("cpu"), grad_times=grads)
+    bd = cost.breakdown(Policy(default="bf16"))
+    assert bd.parts["dgrad"] == pytest.approx(grads[att[0]]["dgrad"]["bf16"])
+    # every cast of the backward says what it casts: the widths it is priced at match
+    from autoprec.plan.backward import backward
+    from autoprec.plan.dtype_codes import WIDTH
+
+    casts = [k for k in backward(cost.schedule(Policy(default="bf16"))).kernels
+             if k.what == "cast"]
+    assert casts and all(k.cast is not None for k in casts)
+    for k in casts:
+        v, src, dst = k.cast
+        assert [w[0] for _, w in k.terms] == [WIDTH[src[0]], WIDTH[dst[0]]]
