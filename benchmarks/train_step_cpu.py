@@ -17,8 +17,8 @@ Plans: fp32; one global bf16 autocast (``TrainingArguments(bf16=True)``); one gl
 autocast with a GradScaler (``fp16=True``); and the plan: the policy given for the model
 with ``--policy KEY=FILE`` (MiniLM's default: ``results/minilm_mlm-cpu-train.yaml``, the plan
 ``autoprec tune examples/minilm_mlm/model.py --train-aware --target cpu`` wrote, loaded),
-else a mixed plan — bf16 with the first and last GEMM layers kept fp32 (the shape tuned
-plans take). With a model.py (digits, MiniLM) and ``--check-loss``, each plan also runs
+else (or while that file does not exist) a mixed plan — bf16 with the first and last GEMM
+layers kept fp32 (the shape tuned plans take); the row's label names which ran. With a model.py (digits, MiniLM) and ``--check-loss``, each plan also runs
 tune's short-run check (``train_check.ShortRunCheck``: 16 AdamW steps from one init, eval
 loss against fp32's, max gap 1 %), and the plan is compared with the fastest one-liner
 within that gap.
