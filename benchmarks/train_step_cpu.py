@@ -134,6 +134,9 @@ def run(key: str, given: Path | None, check_loss: bool) -> list[str]:
             step()
             model.zero_grad(set_to_none=True)
             peak = step_peak_bytes(step, live_bytes(model, step.optimizer.state))
+            # a GradScaler that found inf at its initial scale skips optimizer.step(): no
+            # AdamW state is allocated yet, and the measured peak lacks it
+            stateless = not step.optimizer.state
         est_mem = cost.train_memory(pol).peak_bytes
         med = float(np.median(s))
         speed[label] = ref * 1e3 / med
@@ -141,7 +144,8 @@ def run(key: str, given: Path | None, check_loss: bool) -> list[str]:
         rows.append(f"| {label} | {med:.1f} ({np.percentile(s, 10):.1f}-"
                     f"{np.percentile(s, 90):.1f}); {ref * 1e3 / med:.2f}x | {est_s * 1e3:.1f}; "
                     f"{cost.fp32_time / est_s:.2f}x | {est_s * 1e3 / med:.2f} | "
-                    f"{peak / 1e6:.1f} | {est_mem / 1e6:.1f} | {est_mem / peak:.2f} |"
+                    f"{peak / 1e6:.1f}{' (no AdamW state: step skipped)' if stateless else ''}"
+                    f" | {est_mem / 1e6:.1f} | {est_mem / peak:.2f} |"
                     + (f" {gap[0]:+.2%}{'' if gap[1] else ' (over)'} |" if gap else ""))
         print(rows[-1], flush=True)
     bd = cost.breakdown(pols["fp32"])
