@@ -8,7 +8,7 @@ the pretrained MiniLM fine-tuned as a masked LM on the standard library's docstr
 each plan runs real training steps — forward, model.py's loss, backward, AdamW (torch's CPU
 default); a GradScaler with fp16 — timed by tune's own interleaved timer
 (``evaluation.timing.step_timer``: one torch thread, thread CPU time, rounds in random order),
-and one step's allocator peak is measured (``cost.measure_step.step_peak_bytes``). Beside
+and one step's allocator peak is measured (``measure.training_step.step_peak_bytes``). Beside
 them, the estimate of ``tune --form train --target cpu``: this machine's calibrated cpu
 profile, the model's op timings and gradient-GEMM timings (``Target.cost_model``,
 ``cost.step``) and the loss timed here (``cost.loss_step``).
@@ -40,12 +40,17 @@ import torch
 import torch.nn.functional as F
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost.loss_step import record_loss
-from autoprec.cost.machine import timing_threads
-from autoprec.cost.measure_step import live_bytes, step_peak_bytes, training_step, uses_fp16
 from autoprec.evaluation.target import resolve_target
 from autoprec.evaluation.timing import step_timer
 from autoprec.loading import load_model_file
+from autoprec.measure import (
+    live_bytes,
+    record_loss,
+    step_peak_bytes,
+    timing_threads,
+    training_step,
+    uses_fp16,
+)
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
 from autoprec.trace import trace
 
@@ -115,7 +120,7 @@ def run(key: str, given: Path | None, check_loss: bool) -> list[str]:
     graph = trace(model, batch, forward=fwd, tracers=("hooks",))
     cost = target.cost_model(graph, graph.batch_size)
     with timing_threads("cpu"):  # the loss, forward and backward, timed here as ops are
-        cost.set_loss(record_loss(model, fwd, loss, batch, measure=True))
+        cost.step.set_loss(cost, record_loss(model, fwd, loss, batch, measure=True))
     pols = plans(model, given)
     timer = step_timer(model, fwd, loss, batch, target, inner=1, seed=0, force=True)
     samples = timer(pols)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from autoprec.cost import CostModel
-from autoprec.cost.compiled import make_cost_model
+from autoprec.cost.model import make_cost_model
 from autoprec.errors import InputError
 from autoprec.evaluation.speed_source import calibration_dir
 from autoprec.evaluation.target import Target, resolve_target
@@ -119,13 +119,12 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form,
                             step=target.step, fp8_backend=target.fp8_backend)
             if profile is not None else target.cost_model(graph, deploy_bs))
-    if spec.loss is not None and hasattr(cost, "set_loss"):  # the step's loss, as it runs
-        from autoprec.cost.loss_step import record_loss
-        from autoprec.cost.machine import timing_threads
+    if spec.loss is not None and getattr(cost, "step", None) is not None:  # the step's loss
+        from autoprec.measure import record_loss, timing_threads
 
         with timing_threads(target.device or "cpu"):  # timed here where the ops are
-            cost.set_loss(record_loss(net, spec.forward, spec.loss, calib[0],
-                                      measure=cost.op_times is not None))
+            cost.step.set_loss(cost, record_loss(net, spec.forward, spec.loss, calib[0],
+                                                 measure=cost.op_times is not None))
     if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
         cost.shared_quant_inputs = True
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible

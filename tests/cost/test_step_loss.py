@@ -1,7 +1,7 @@
 """The loss and dropout in a training step's price, against a real step's own ops: the
 loss's kernels (``cost.loss_step``) are those a real forward + backward runs outside the
 model's modules, at the dtype the plan gives the output; the gradient GEMMs timed here
-(``cost.grad_times``) are what the step prices its dgrad and wgrad at. Counted by the
+(``measure.measure_grads``) are what the step prices its dgrad and wgrad at. Counted by the
 tests' own dispatch mode (``tests.helpers.op_count``)."""
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import get_profile
-from autoprec.cost.grad_times import measure_grads
-from autoprec.cost.loss_step import record_loss
-from autoprec.cost.step import StepCostModel
+from autoprec.cost import CostModel, get_profile
+from autoprec.cost.step import StepPart
+from autoprec.measure import measure_grads, record_loss
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests.helpers import one_torch_thread
@@ -87,9 +86,10 @@ def test_the_loss_priced_is_what_a_real_step_runs_after_the_model(pol: Policy,
         k.name.lstrip("_") for k in mine if k.phase == "backward"}
     # priced at the output's dtype under the plan: a roofline on a remote profile
     prof = get_profile("h100")
-    cost = StepCostModel(trace(model, BATCH, forward=fwd, tracers=("hooks",)), prof)
+    cost = CostModel(trace(model, BATCH, forward=fwd, tracers=("hooks",)), prof,
+                     step=StepPart())
     before, acts = cost.breakdown(pol).total_s, cost.train_memory(pol).activations
-    cost.set_loss(kernels)
+    cost.step.set_loss(cost, kernels)
     # what it saves: log_softmax's fp32 result (8 x 10) at least, held as activations
     assert kernels.saved[dtype] >= 8 * 10 * 4
     assert cost.train_memory(pol).activations == pytest.approx(acts + kernels.saved[dtype])
@@ -104,9 +104,9 @@ def test_a_timed_loss_is_priced_at_its_timing() -> None:
     with one_torch_thread():
         kernels = record_loss(model, fwd, ce, BATCH, measure=True)
     assert set(kernels.seconds) == {"fp32", "bf16", "fp16"}
-    cost = StepCostModel(trace(model, BATCH, forward=fwd, tracers=("hooks",)),
-                         get_profile("cpu"))
-    cost.set_loss(kernels)
+    cost = CostModel(trace(model, BATCH, forward=fwd, tracers=("hooks",)),
+                     get_profile("cpu"), step=StepPart())
+    cost.step.set_loss(cost, kernels)
     assert cost.breakdown(Policy(default="bf16")).parts["loss"] == kernels.seconds["bf16"]
     assert cost.breakdown(Policy(default="fp32")).parts["loss"] == kernels.seconds["fp32"]
 
@@ -119,7 +119,7 @@ def test_gradient_gemms_are_priced_at_their_own_timings() -> None:
     gemms = [i for i, op in enumerate(graph.ops.ops) if op.kind == "gemm"]
     assert set(grads) == set(gemms)
     assert all(set(grads[i]) == {"dgrad", "wgrad"} for i in gemms)
-    cost = StepCostModel(graph, get_profile("cpu"), grad_times=grads)
+    cost = CostModel(graph, get_profile("cpu"), step=StepPart(grad_times=grads))
     for prec in ("fp32", "bf16", "fp16"):
         bd = cost.breakdown(Policy(default=prec))
         # fc1's input is the model's: only the head has a dgrad
@@ -144,7 +144,7 @@ def test_attention_backward_and_backward_casts_are_priced_at_this_machines_timin
         grads = measure_grads(graph.ops, graph.batch_size, ["bf16"])
     att = [i for i, op in enumerate(graph.ops.ops) if op.kind == "attention"]
     assert len(att) == 1 and set(grads[att[0]]) == {"dgrad"}
-    cost = StepCostModel(graph, get_profile("cpu"), grad_times=grads)
+    cost = CostModel(graph, get_profile("cpu"), step=StepPart(grad_times=grads))
     bd = cost.breakdown(Policy(default="bf16"))
     assert bd.parts["dgrad"] == pytest.approx(grads[att[0]]["dgrad"]["bf16"])
     # every cast of the backward says what it casts: the widths it is priced at match

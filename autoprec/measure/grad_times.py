@@ -1,7 +1,7 @@
 """The gradient GEMMs of a training step timed on this CPU: each recorded GEMM's dgrad and
 wgrad, and each fused attention's backward, per precision, as autograd runs them.
 
-``StepCostModel`` once priced a gradient GEMM at its forward GEMM's measured time (dgrad and
+The step price (``cost.step.StepPart``) once priced a gradient GEMM at its forward GEMM's measured time (dgrad and
 wgrad have the forward's FLOPs). That holds where the CPU has a real kernel for the dtype;
 it does not where it has none: on an AMD EPYC with AVX512-BF16 (no AVX512-FP16), fp16
 matmuls run a reference loop whose speed depends on the operands' layout, and the
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from autoprec.cost.op_runner import PASSES, _Builder, _key, _resolve, _tensor_specs, _time
 from autoprec.fileio import atomic_write
+from autoprec.measure.op_runner import PASSES, _Builder, _key, _resolve, _tensor_specs, _time
 from autoprec.trace.ops import OpTrace
 
 #: Bump when what is timed or how changes.
