@@ -73,9 +73,13 @@ def __getattr__(name: str) -> Any:
     where = _EXPORTS.get(name)
     if where is None:
         raise AttributeError(f"module 'autoprec.measure' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"autoprec.measure.{where}"), name)
-    globals()[name] = value
-    return value
+    module = importlib.import_module(f"autoprec.measure.{where}")
+    # every export of that submodule at once: importing it set this package's attribute of
+    # its name (``training_step``) to the submodule, which the function of that name replaces
+    for n, w in _EXPORTS.items():
+        if w == where:
+            globals()[n] = getattr(module, n)
+    return globals()[name]
 
 
 def __dir__() -> list[str]:
