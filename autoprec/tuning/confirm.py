@@ -121,10 +121,13 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         feasible = first.feasible
     else:
         rows = [row(chosen, "tuned", "tuned")]
+    # untimed rows: the estimates decide, and a one-liner estimated slower than a tuned
+    # plan that trains cannot be written: not trained (train_choice.baseline_check)
+    bar = rows[0] if feasible and not (target.local and cfg.measure) else None
     rows_after = tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
                                     prep.reference,
                                     train_check=None if trainer is None
-                                    else baseline_check(trainer))
+                                    else baseline_check(trainer, prep.cost.speedup, bar))
     for r in rows_after:  # the speed target binds on a baseline as on a trial
         if (r.feasible and cfg.min_speedup is not None
                 and (r.est_speedup or 0.0) < cfg.min_speedup):
