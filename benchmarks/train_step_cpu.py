@@ -8,7 +8,7 @@ the pretrained MiniLM fine-tuned as a masked LM on the standard library's docstr
 each plan runs real training steps — forward, model.py's loss, backward, AdamW (torch's CPU
 default); a GradScaler with fp16 — timed by tune's own interleaved timer
 (``evaluation.timing.step_timer``: one torch thread, thread CPU time, rounds in random order),
-and one step's allocator peak is measured (``measure.training_step.step_peak_bytes``). Beside
+and one step's allocator peak is measured (``measure.train_steps.step_peak_bytes``). Beside
 them, the estimate of ``tune --form train --target cpu``: this machine's calibrated cpu
 profile, the model's op timings and gradient-GEMM timings (``Target.cost_model``,
 ``cost.step``) and the loss timed here (``cost.loss_step``).
