@@ -10,11 +10,13 @@ training micro-batch for these plans:
 - ``fp8 everywhere (TE)``: ``default: bf16`` and every fp8-eligible Linear in fp8, fprop,
   dgrad and wgrad in fp8 as Transformer Engine / torchao's Float8Linear run them;
 - ``fp8 first/last bf16 (TE)``: the same with the first and last blocks and the LM head in
-  bf16 (Megatron / TE's ``first_last_layers_bf16``) — priced in place of a tuned plan (a full
-  tune of a 124 M model on this 2-core machine takes longer than this script may run);
+  bf16 (Megatron / TE's ``first_last_layers_bf16``);
 - ``fp8, dequantised fp32 backward``: fp8 everywhere with the backward the ``emulated``
   backend runs (dY, W, X dequantised, fp32 GEMMs) — what autoprec's ``torch`` backend ran
-  before its backward moved to ``_scaled_mm`` (the issue's "fp8 training is not fp8").
+  before its backward moved to ``_scaled_mm`` (the issue's "fp8 training is not fp8");
+- ``tuned plan (tune --form train)`` (``--tune``): ``autoprec.tune(form="train")`` run on
+  each device for a 3-block copy of GPT-2 / the Llama, its decisions mapped onto the full
+  model by block role (``train_step_tuned``), with the layers it kept above fp8 and why.
 
 Printed: step ms, speed-up over fp32 and over bf16, where the time goes (fprop / dgrad /
 wgrad / casts / fp8 scaling / other / optimizer) and the training memory. Anchors beside
@@ -22,7 +24,7 @@ them: Transformer Engine's fp8 delayed-scaling GEMM speed-up over bf16, 1.69x on
 config, quantisation included); torchao float8 training 1.25x end to end (Llama-3 8B,
 8 GPUs).
 
-    .venv/bin/python benchmarks/train_step_priced.py [--models gpt2,llama] [--out FILE.md]
+    .venv/bin/python -m benchmarks.train_step_priced [--models gpt2,llama] [--tune] [--out FILE.md]
 """
 
 from __future__ import annotations
