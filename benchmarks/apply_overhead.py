@@ -137,7 +137,7 @@ def measure(model: nn.Module, x: torch.Tensor, vs: list[Variant], device: str, i
     variants run back to back in a fresh random order (so a ratio of two entries of the
     same repeat is free of slow drift)."""
     if device == "cuda":
-        from autoprec.cost import measure_latency
+        from autoprec.measure import measure_latency
 
         def clock(run: Callable[[], Any]) -> float:
             return measure_latency(run, "cuda", warmup=2, repeats=iters).median_s

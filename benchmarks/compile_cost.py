@@ -5,7 +5,7 @@ For each model and plan: apply the policy (``target="cpu"``), ``torch.compile`` 
 and count the kernels its ``call`` launches (``cpp_fused_*`` kernels + ``extern_kernels.*``
 GEMMs + aten fallbacks) and the bytes its fused kernels are passed (``fused_bytes``);
 time the compiled forward. The same plan is priced by
-``CompiledCostModel`` (autoprec/cost/compiled.py): its kernel count, and its time on a
+``CostModel(..., mode="compile")`` (autoprec/cost/compiled.py): its kernel count, and its time on a
 profile calibrated here on *compiled* micro-benchmarks (single Linear per precision, an
 elementwise op; never on the plans being ranked). Reported: per plan the priced vs launched
 kernel count and inductor's ``generated_kernel_count`` (it counts C++ kernel bodies
@@ -38,10 +38,9 @@ import torch
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import apply_calibration, fit, get_profile, measure_latency
-from autoprec.cost.calibrate import call_overhead, micro_samples
-from autoprec.cost.compiled import CompiledCostModel
+from autoprec.cost import CostModel, apply_calibration, fit, get_profile
 from autoprec.loading import load_model_file
+from autoprec.measure import call_overhead, measure_latency, micro_samples
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 from benchmarks.common import example
@@ -137,7 +136,7 @@ def calibrate(profile: Any, repeats: int, smoke: bool) -> Any:
     """Fit the profile on compiled micro-benchmarks (``autoprec.cost.calibrate``, as
     ``tune --compile --target cpu`` calibrates this machine): single GEMMs per precision,
     a copy (8 MiB) and a tiny add, each less the per-forward time of a compiled call
-    (``call_overhead``, kept in the profile for ``CompiledCostModel``)."""
+    (``call_overhead``, kept in the profile for ``CostModel(..., mode="compile")``)."""
     per_call = call_overhead(lambda run: timed(run, 5, max(repeats, 25)))
     # large GEMMs pin the peaks, small ones the per-call set-up of 16-bit GEMMs (oneDNN's,
     # ~30 us here: it decides small layers)
@@ -187,7 +186,7 @@ def run_model(name: str, path: Path, profile: Any, args: argparse.Namespace,
     net = spec.model()
     batch = spec.calibration_batches()[0]
     graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
-    cm = CompiledCostModel(graph, profile)  # the profile carries the per-call overhead
+    cm = CostModel(graph, profile, mode="compile")  # the profile carries the per-call overhead
     todo = plans(net, args.random, rng)
     if args.smoke:
         todo = todo[:2]

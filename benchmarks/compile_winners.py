@@ -37,7 +37,6 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.cost.compiled import CompiledCostModel
 from autoprec.evaluation.speed_source import calibrate_here
 from autoprec.loading import load_model_file
 from autoprec.policy import Policy, PolicyWarning
@@ -112,7 +111,7 @@ def run_model(name: str, profiles: dict[str, Any], args: argparse.Namespace,
     batch = spec.calibration_batches()[0]
     graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
     models = {"eager": CostModel(graph, profiles["eager"]),
-              "compile": CompiledCostModel(graph, profiles["compile"])}
+              "compile": CostModel(graph, profiles["compile"], mode="compile")}
     plans = {"eager winner": winners["eager"], "compiled winner": winners["compile"],
              "fp32": Policy(default="fp32"), "autocast bf16": Policy(default="bf16")}
     eval_batches = spec.eval_batches()

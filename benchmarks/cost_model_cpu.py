@@ -38,7 +38,8 @@ from torch import nn
 
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import cpu_facts
-from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
+from autoprec.cost import CostModel, Sample, fit, get_profile
+from autoprec.measure import measure_latency, micro_samples
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 
@@ -113,7 +114,7 @@ def policies(model: nn.Module, hidden: list[int], n_random: int, rng: random.Ran
 
 def microbench_samples(profile, repeats: int, smoke: bool) -> list[Sample]:
     """Single GEMMs per precision, a copy and a tiny add, with their one-op cost models
-    (``calibrate.micro_samples``: the micro-benchmarks ``autoprec tune`` calibrates a local
+    (``measure.micro_samples``: the micro-benchmarks ``autoprec tune`` calibrates a local
     target with, at this script's shapes)."""
     shapes = [(512, 512, 2048), (512, 2048, 512), (512, 1024, 1024), (512, 128, 128),
               (512, 64, 64)]
@@ -123,7 +124,7 @@ def microbench_samples(profile, repeats: int, smoke: bool) -> list[Sample]:
     def run_as(module: nn.Module, pol: Policy) -> Any:
         return apply_policy(module, pol, target="cpu")
 
-    return calibrate.micro_samples(profile, {p: gemm_policy(p) for p in PRECS}, shapes,
+    return micro_samples(profile, {p: gemm_policy(p) for p in PRECS}, shapes,
                                    lambda run: timed(run, 2, repeats), run_as,
                                    copy_elems=1 << (13 if smoke else 21))
 

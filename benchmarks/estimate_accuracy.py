@@ -2,7 +2,7 @@
 
 For each example model (examples/) that runs on a CPU, eager and ``--compile``, this runs
 ``autoprec.tuning.tune.tune(..., target="cpu")`` as a user runs it: the ``cpu`` profile
-calibrated here, the model's own ops timed here (``autoprec/cost/op_times.py``, cached),
+calibrated here, the model's own ops timed here (``autoprec/measure/op_times.py``, cached),
 the search priced on both, and tune's last step timing the written plan, the next
 candidates and every baseline (fp32, one global bf16 / fp16 autocast, ``model.to(bf16)``
 / ``model.to(fp16)``) interleaved on one torch thread (``evaluation.timing``). For every timed
@@ -184,7 +184,7 @@ def report(table: list[dict[str, Any]], runs: list[dict[str, Any]], argv: list[s
         "that casts weights per call) is compared at its first timing, its cold one beside "
         "the faults)",
         "- estimate: the cost model at the timed batch, priced with the calibrated cpu "
-        "profile and this model's ops timed here (autoprec/cost/op_times.py)",
+        "profile and this model's ops timed here (autoprec/measure/op_times.py)",
         f"- made by `{cmd}`; 1-minute load average {min(load):.1f}-{max(load):.1f} on "
         f"{os.cpu_count()} CPUs during the run", "",
         f"**{n_ok} of {len(within)}** written-plan and baseline rows within "

@@ -31,7 +31,7 @@ One go on a lent GPU (made for an H200; a few minutes including CUDA start-up):
 5. compiled (``--compile``, the default on a GPU): the same stack ``torch.compile``d
    (inductor, after ``apply_policy``; one fresh compile per run) for all-fp32, the global
    bf16 autocast, ``default: bf16``, the fp8 mix and the per-leaf islands, timed the same
-   way and priced by ``CompiledCostModel`` (cost/compiled.py: GEMMs/SDPA extern, casts and
+   way and priced by ``CostModel(..., mode="compile")`` (cost/compiled.py: GEMMs/SDPA extern, casts and
    pointwise ops fused between them; Triton: one kernel per data-connected group) with the
    datasheet and the calibrated profile (GEMM efficiencies carry over: the extern GEMMs
    are the eager ones); written to compiled.csv and a second table in results.md. A
@@ -67,8 +67,9 @@ from torch import nn
 
 from autoprec.apply.apply import apply_policy
 from autoprec.capability import capability
-from autoprec.cost import CostModel, Sample, calibrate, fit, get_profile, measure_latency
-from autoprec.cost.compiled import CompiledCostModel
+from autoprec.cost import CostModel, Sample, fit, get_profile
+from autoprec.measure import gpu_shapes, measure_latency
+from autoprec.measure import micro_samples as micro_benchmarks
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
 
@@ -204,7 +205,7 @@ def micro_samples(profile, device: torch.device, d: int, tokens: int, target: st
                   ) -> list[Sample]:
     """Single GEMMs per precision, a copy and a tiny add, for the calibration fit: the
     micro-benchmarks ``autoprec tune`` runs on a local target
-    (``autoprec.cost.calibrate.micro_samples``: each GEMM applied as autoprec applies it).
+    (``autoprec.measure.micro_samples``: each GEMM applied as autoprec applies it).
     """
     plans = {p: Policy(default=p) for p in ("fp32", "tf32", "bf16", "fp16")}
     if fp8_backend is not None:
@@ -213,7 +214,7 @@ def micro_samples(profile, device: torch.device, d: int, tokens: int, target: st
     def run_as(module: nn.Module, pol: Policy) -> Any:
         return apply_policy(module, pol, target=target, fp8_backend=fp8_backend)
 
-    return calibrate.micro_samples(profile, plans, calibrate.gpu_shapes(d, tokens), timer,
+    return micro_benchmarks(profile, plans, gpu_shapes(d, tokens), timer,
                                    run_as, device=str(device), copy_elems=tokens * d)
 
 
@@ -224,8 +225,8 @@ COMPILED = ("all-fp32", "global autocast bf16", "default: bf16",
             "fp8 mix (bf16 + fp8 qkv/fc1/fc2)", "per-leaf islands (fp32 + bf16 per leaf)")
 
 
-def compiled_rows(model: nn.Module, x: torch.Tensor, plan: list[Run], cm: CompiledCostModel,
-                  cm_cal: CompiledCostModel, target: str, fp8_backend: str | None,
+def compiled_rows(model: nn.Module, x: torch.Tensor, plan: list[Run], cm: CostModel,
+                  cm_cal: CostModel, target: str, fp8_backend: str | None,
                   timer: Callable[[Callable[[], Any]], float]) -> list[dict[str, Any]]:
     """Time the COMPILED runs under ``torch.compile`` and price them in compile mode."""
     rows: list[dict[str, Any]] = []
@@ -318,7 +319,7 @@ def write_results(out_dir: Path, rows: list[dict[str, Any]], header: list[str],
     extra: list[str] = []
     if compiled:
         pd.DataFrame(compiled).to_csv(out_dir / "compiled.csv", index=False)
-        extra = ["## compiled (torch.compile, inductor; priced by CompiledCostModel)", "",
+        extra = ["## compiled (torch.compile, inductor; priced by CostModel(mode='compile'))", "",
                  compiled_table(compiled), ""]
     lines = ["# gpu_latency results", "", *[f"- {h}" for h in header], "", table(rows), "",
              *extra,
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
 
     compiled: list[dict[str, Any]] = []
     if args.compile if args.compile is not None else not args.dry_run:
-        ccm = CompiledCostModel(graph, profile, batch_size=B)
+        ccm = CostModel(graph, profile, batch_size=B, mode="compile")
         compiled = compiled_rows(model, x, plan, ccm, ccm.with_profile(fitres.profile),
                                  args.profile, fp8_backend, timer)
 

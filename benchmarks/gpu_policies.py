@@ -69,8 +69,8 @@ def measure_policy(policy_path: Path, device: str, max_batch: int, dry_run: bool
     from autoprec.apply.apply import apply_policy
     from autoprec.capability import capability
     from autoprec.cost import CostModel, get_profile
-    from autoprec.cost.measure import measure_latency
     from autoprec.loading import load_model_file
+    from autoprec.measure import measure_latency
     from autoprec.metrics import batch_size_of
     from autoprec.policy import Policy, load_policy
     from autoprec.trace import trace

@@ -5,7 +5,7 @@ it) and a small GPT-2 config built here (random init; 256 wide, 2 blocks, 8 x 12
 each plan runs real training steps — forward, model.py's loss, backward, AdamW (torch's CPU
 default); a GradScaler with fp16 — timed by tune's own interleaved timer
 (``evaluation.timing.step_timer``: one torch thread, thread CPU time, rounds in random order),
-and one step's allocator peak is measured (``cost.measure_step.step_peak_bytes``). Beside
+and one step's allocator peak is measured (``measure.training_step.step_peak_bytes``). Beside
 them, the estimate of ``tune --form train --target cpu``: this machine's calibrated cpu
 profile and the model's op timings (``Target.cost_model``, ``cost.step``).
 
@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost.measure_step import live_bytes, step_peak_bytes, training_step, uses_fp16
 from autoprec.evaluation.target import resolve_target
 from autoprec.evaluation.timing import step_timer
 from autoprec.loading import load_model_file
+from autoprec.measure import live_bytes, step_peak_bytes, training_step, uses_fp16
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
 from autoprec.trace import trace
 

@@ -2,7 +2,7 @@
 
 Each model is built from its transformers config with random init (no weights are fetched),
 its forward recorded once on this CPU (fp32, batch 1), and the whole training step —
-forward, backward, fused AdamW — priced by ``autoprec.cost.step.StepCostModel`` at a
+forward, backward, fused AdamW — priced by ``CostModel(..., step=StepPart())`` (``autoprec.cost.step``) at a
 training micro-batch for these plans:
 
 - ``fp32``: no autocast (what ``Trainer`` runs without ``bf16=True``);
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from autoprec.cost import get_profile
-from autoprec.cost.step import STEP_PARTS, StepCostModel
+from autoprec.cost import CostModel, get_profile
+from autoprec.cost.step import STEP_PARTS, StepPart
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from benchmarks.common import RESULTS, ROOT
@@ -154,7 +154,7 @@ def table(name: str, graph, batch: int,  # noqa: ANN001
     cols = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "optimizer")
     for dev in DEVICES:
         prof = get_profile(dev)
-        models = {s: StepCostModel(graph, prof, batch, fp8_backward=s) for s in ("fp8", "fp32")}
+        models = {s: CostModel(graph, prof, batch, step=StepPart(fp8_backward=s)) for s in ("fp8", "fp32")}
         lines += [f"\n### {name} on {dev}\n",
                   "| plan | step ms | vs fp32 | vs bf16 | GEMMs+casts vs bf16 | fwd only vs fp32 | "
                   "fwd ms | bwd ms | "

@@ -88,10 +88,15 @@ def normalise(value: Any, key: str = "") -> Any:
     return value
 
 
+#: A library's log line: torch's glog-style warnings ("W1205 01:19:34.900000 17916 …",
+#: stamped with the time and the process id) and torchao's optional kernels it could not load.
+LIBRARY_LOG = re.compile(r"^[WIEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ |^Failed to load .*\.so")
+
+
 def _kept(line: str) -> bool:
     """A stderr line worth comparing: not a progress bar, not a library's warning."""
     return not (line.startswith(("Warning:", "  warnings.warn")) or "it/s]" in line
-                or "%|" in line or not line.strip())
+                or "%|" in line or not line.strip() or LIBRARY_LOG.search(line))
 
 
 def clean(case: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """Cost stage: estimated (roofline + casts) or measured time of a model on a device.
 
-``CostModel(graph, get_profile("h100"), batch_size=256).estimate({"fc1": "fp8"})``
-prices an assignment (``CompiledCostModel``: as ``torch.compile`` runs it); ``measure_latency`` times a callable; ``calibrate.fit`` turns
-measurements into a profile's efficiency factors.
+``make_cost_model(graph, get_profile("h100"), 256).estimate({"fc1": "fp8"})`` prices an
+assignment: a ``CostModel`` composed of a forward pricer (``EagerPricer``;
+``CompiledPricer`` with ``mode="compile"``: as ``torch.compile`` runs it) and, with
+``step=True``, a ``StepPart`` (the training step's backward, optimizer and scaler);
+``calibrate.fit`` turns measurements (``autoprec.measure``) into a profile's efficiency
+factors.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 #: torch import a ``show`` or ``--help`` does not need.
 _EXPORTS = {
     "FitResult": "calibrate", "Sample": "calibrate", "fit": "calibrate",
-    "MODES": "compiled", "CompiledCostModel": "compiled", "make_cost_model": "compiled",
-    "Timing": "measure", "measure_interleaved": "measure", "measure_latency": "measure",
+    "MODES": "compiled", "CompiledPricer": "compiled", "make_cost_model": "model",
+    "EagerPricer": "op_pricing", "StepPart": "step",
     "Breakdown": "model", "CostModel": "model", "Kernel": "model",
     "Calibration": "profiles", "DeviceProfile": "profiles",
     "apply_calibration": "profiles", "get_profile": "profiles", "known_devices": "profiles",
@@ -26,9 +29,9 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoprec.cost.calibrate import FitResult, Sample, fit
-    from autoprec.cost.compiled import MODES, CompiledCostModel, make_cost_model
-    from autoprec.cost.measure import Timing, measure_interleaved, measure_latency
-    from autoprec.cost.model import Breakdown, CostModel, Kernel
+    from autoprec.cost.compiled import MODES, CompiledPricer
+    from autoprec.cost.model import Breakdown, CostModel, Kernel, make_cost_model
+    from autoprec.cost.op_pricing import EagerPricer
     from autoprec.cost.profiles import (
         Calibration,
         DeviceProfile,
@@ -38,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
         load_calibration,
         load_profiles,
     )
+    from autoprec.cost.step import StepPart
 
 
 def __getattr__(name: str) -> Any:
@@ -56,14 +60,15 @@ def __dir__() -> list[str]:
 __all__ = [
     "Breakdown",
     "Calibration",
-    "CompiledCostModel",
+    "CompiledPricer",
     "CostModel",
     "DeviceProfile",
+    "EagerPricer",
     "FitResult",
     "Kernel",
     "MODES",
     "Sample",
-    "Timing",
+    "StepPart",
     "apply_calibration",
     "fit",
     "get_profile",
@@ -71,6 +76,4 @@ __all__ = [
     "load_calibration",
     "load_profiles",
     "make_cost_model",
-    "measure_interleaved",
-    "measure_latency",
 ]

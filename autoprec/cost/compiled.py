@@ -1,4 +1,7 @@
-"""Compile mode: a plan priced as ``torch.compile`` (inductor) runs it, not op by op.
+"""Compile mode: a plan's forward priced as ``torch.compile`` (inductor) runs it, not op by op.
+
+``CompiledPricer`` is the forward pricer ``CostModel(..., mode="compile")`` holds in place
+of the eager one (``op_pricing.EagerPricer``).
 
 The recorded forward replayed under a plan (``autoprec.plan.schedule``: every op's dtypes,
 every cast) is regrouped into the kernels inductor generates:
@@ -29,13 +32,21 @@ every cast) is regrouped into the kernels inductor generates:
   16-bit input; fused into the producing kernel on CUDA, where it is an epilogue
   reduction) and a scale-and-cast pass (a second kernel on CUDA: it needs the finished
   amax), MXFP8 as one fused pass; weights are quantised once (cached), as in eager.
-- Measured op times (a local CPU, ``cost.op_times``): the extern kernels take their time
+- Measured op times (a local CPU, ``measure.op_times``): the extern kernels take their time
   measured here, as in eager, a convolution its channels-last time (inductor's CPU layout),
   a Linear over a transposed 3-D input whose weight the plan casts the time of the ``bmm``
   inductor runs instead of the folded GEMM (``cost.unfolded``); the fused segments cost
   the larger of the calibrated roofline and the seconds their activations, norms,
   softmaxes and master-weight casts took timed one by one (``_fused_eager_seconds``: on a
   CPU thread those kernels are bound by their arithmetic, a weight cast by the cold read).
+
+A training step (``tune --compile --form train``): the forward is priced as above (replayed
+with autocast's weight-cast cache off, as a step runs it) and the step part
+(``cost.step.StepPart``) adds the backward, the optimizer and the GradScaler as it does for
+eager. The compiled backward is priced kernel by kernel as eager runs it: its GEMMs (dgrad,
+wgrad) and fused attention's backward are extern calls in inductor's backward graph too,
+priced the same; its pointwise kernels and casts are not fused here, so the backward's
+memory-bound part is an upper bound of what inductor's fused backward runs.
 
 Weights are read every call and their casts run every call (the default
 ``torch.compile``); freezing (``torch._inductor.config.freezing``) would constant-fold them,
@@ -58,15 +69,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from autoprec.cost.model import CostModel, Kernel, device_type_of
-from autoprec.cost.op_pricing import _precision_table
-from autoprec.cost.price_types import _FP8, _GEMM, _OTHER
-from autoprec.cost.profiles import DeviceProfile
+from autoprec.cost.op_pricing import OpTable, Roofline, casts_weight
+from autoprec.cost.price_types import _FP8, _GEMM, _OTHER, Kernel
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
 from autoprec.plan.compile import CODE
 from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule
 from autoprec.policy.schema import MODES  # deployment modes (policy ``target.mode``)
-from autoprec.trace.graph import LayerGraph
 
 _PARAM = -2  # producer of parameters and model inputs (read, never written)
 _EXTERN = -3  # producer/consumer id of an extern kernel (its bytes are priced with it)
@@ -104,47 +112,35 @@ class _Edge:
     dtype: np.ndarray  # (T,) dtype code the version carries
 
 
-class CompiledCostModel(CostModel):
-    """``CostModel`` for ``torch.compile``: extern GEMM/SDPA calls + fused segments.
+def convs_channels_last() -> bool:
+    """Inductor's CPU backend runs every convolution of a graph channels-last when oneDNN
+    is there (``torch._inductor.graph.GraphLowering.decide_layout_opt``): the op timings
+    (a local CPU's) price each convolution at its channels-last time."""
+    return bool(torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available())
+
+
+class CompiledPricer:
+    """The forward as ``torch.compile`` runs it: extern GEMM/SDPA calls + fused segments.
 
     ``horizontal``: one kernel per segment (inductor's C++ backend; default on the cpu
     profile) or one per data-connected group (Triton; default on GPU profiles).
     ``frozen``: weight casts constant-folded (``torch._inductor.config.freezing``).
     ``call_overhead_s``: seconds per forward outside the kernels (dynamo's guards and the
-    compiled wrapper's Python; ``calibrate.call_overhead`` measures it as the intercept of
-    compiled chains of 1 and 8 tiny kernel pairs); default: the profile's (a profile
-    calibrated in compile mode carries it; a datasheet one has 0). The same for every
-    plan, so it moves speed-ups, not rankings.
+    compiled wrapper's Python; ``measure.call_overhead`` measures it as the intercept of
+    compiled chains of 1 and 8 tiny kernel pairs); a profile calibrated in compile mode
+    carries it, a datasheet one has 0. The same for every plan, so it moves speed-ups,
+    not rankings. ``shared_quant_inputs`` is not modelled here (kept for the protocol).
     """
 
-    mode = "compile"
-
-    def __init__(self, graph: LayerGraph, profile: DeviceProfile,
-                 batch_size: int | None = None, *, device_type: str | None = None,
-                 horizontal: bool | None = None, frozen: bool = False,
-                 call_overhead_s: float | None = None, form: str = "train",
-                 op_times: object = None) -> None:
-        self.horizontal = (device_type_of(profile) == "cpu" if horizontal is None
-                           else horizontal)
+    def __init__(self, roofline: Roofline, table: OpTable, *, horizontal: bool,
+                 frozen: bool = False, call_overhead_s: float = 0.0) -> None:
+        self.roofline = roofline
+        self.table = table
+        self.horizontal = horizontal
         self.frozen = frozen
-        self.call_overhead_s = max(0.0, float(profile.call_overhead_s if call_overhead_s is None
-                                              else call_overhead_s))
-        super().__init__(graph, profile, batch_size, device_type=device_type, form=form,
-                         op_times=op_times)  # type: ignore[arg-type]
-
-    def _convs_channels_last(self) -> bool:
-        """Inductor's CPU backend runs every convolution of a graph channels-last when oneDNN
-        is there (``torch._inductor.graph.GraphLowering.decide_layout_opt``): the op timings
-        (a local CPU's) price each convolution at its channels-last time."""
-        return bool(torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available())
-
-    def _measured_tables(self) -> None:
-        super()._measured_tables()
-        t = self.op_times
-        #: per GEMM inductor does not fold when its weight is cast: the bmm's seconds
-        self._unfolded_tabs = ({} if t is None else
-                               {i: _precision_table(got) for i, got in
-                                t.compute_unfolded.items()})
+        self.call_overhead_s = max(0.0, float(call_overhead_s))
+        self.shared_quant_inputs = False
+        self.trace = roofline.trace
         #: the ops ``_fused_eager_seconds`` sums (found once, priced per schedule)
         self._arithmetic = [i for i, op in enumerate(self.trace.ops) if op.name in _ARITHMETIC]
 
@@ -154,10 +150,10 @@ class CompiledCostModel(CostModel):
         rows that cast its weight per call (the training form reading it in another dtype
         than the parameter's; the deploy form stores each weight in its precision), the
         folded GEMM's (``timed``; NaN: not timed) in the others."""
-        cast = self._casts_weight(i, sch)
+        cast = casts_weight(self.trace, i, sch)
         if cast is None:
             cast = np.zeros(sch.plans, dtype=bool)
-        alt = self._unfolded_tabs[i][comp]
+        alt = self.table.unfolded[i][comp]
         folded = np.full(sch.plans, math.nan) if timed is None else timed
         return np.where(cast & ~np.isnan(alt), alt, folded)
 
@@ -204,7 +200,7 @@ class CompiledCostModel(CostModel):
         def read(reader: int, active: np.ndarray | bool, v: int, chain: list, dtype: np.ndarray,
                  numel: float | None = None) -> None:
             edges.append(_Edge(reader, active, chain, base[v],
-                               self._numel[v] if numel is None else numel,
+                               self.roofline.numel[v] if numel is None else numel,
                                float(vals[v].itemsize), dtype))
 
         def cast(c, module: int) -> tuple[list, np.ndarray]:  # noqa: ANN001
@@ -276,7 +272,7 @@ class CompiledCostModel(CostModel):
                 chain, _ = temp.get(v) or version(v)
                 numel = None
                 if op.kind == "embedding" and vals[v].source == "param":
-                    numel = float(sum(self._numel[o] for o in op.outputs))  # gathered rows
+                    numel = float(sum(self.roofline.numel[o] for o in op.outputs))  # gathered
                 read(n, kern, v, chain, reads[k], numel)
             writes = sch.writes[idx]
             for j, o in enumerate(op.outputs):
@@ -323,21 +319,23 @@ class CompiledCostModel(CostModel):
         out[fused] = roots[fused]
         return out
 
-    def _price(self, sch: Schedule, collect: list[tuple[int, Kernel]] | None = None
-               ) -> np.ndarray:
+    def price(self, sch: Schedule, collect: list[tuple[int, Kernel]] | None = None
+              ) -> np.ndarray:
+        """(T, 4) seconds per PARTS; ``collect`` receives row 0's kernels."""
         t = sch.plans
         parts = np.zeros((t, 4))
         tr = self.trace
-        bw, launch = self._bw, self._launch
+        r = self.roofline
+        bw, launch = r.bw, r.launch
         # extern kernels: as in eager mode
         for i, op in enumerate(tr.ops):
             if not _is_extern(op):
                 continue
-            nbytes = self._bytes(list(op.inputs), sch.reads[i]) + self._bytes(
+            nbytes = r.bytes(list(op.inputs), sch.reads[i]) + r.bytes(
                 op.outputs, sch.writes[i])
             comp = sch.compute[i]
-            timed = self._op_seconds(i, sch, comp)  # measured here (a local CPU), else None
-            if comp is not None and i in self._unfolded_tabs:
+            timed = self.table.op_seconds(i, sch, comp)  # measured here (a local CPU)
+            if comp is not None and i in self.table.unfolded:
                 timed = self._unfolded_seconds(i, sch, comp, timed)
             if comp is None:  # an aten-level SDPA: no FLOPs recorded, memory-bound
                 tm = nbytes / bw + launch
@@ -345,15 +343,15 @@ class CompiledCostModel(CostModel):
                 if collect is not None:
                     collect.append((op.module, Kernel("attention", float(nbytes[0]))))
                 continue
-            peak = self._peak[comp]
+            peak = r.peak[comp]
             with np.errstate(divide="ignore"):
-                ct = np.where(peak > 0, self._op_flops[i] / np.where(peak > 0, peak, 1.0),
+                ct = np.where(peak > 0, r.op_flops[i] / np.where(peak > 0, peak, 1.0),
                               math.inf)
-            tm = np.maximum(ct, nbytes / bw) + launch + self._setup[comp]
+            tm = np.maximum(ct, nbytes / bw) + launch + r.setup[comp]
             parts[:, _GEMM] += tm if timed is None else np.where(np.isnan(timed), tm, timed)
             if collect is not None:
                 collect.append((op.module, Kernel(op.kind, float(nbytes[0]),
-                                                  float(self._op_flops[i]),
+                                                  float(r.op_flops[i]),
                                                   _prec_name(int(comp[0])), 1.0, 1.0)))
         edges, unit_of, nodes, quant_segs = self._units(sch)
         # fused bytes: per value, the distinct (unit, dtype) reads and writes of each row
@@ -402,7 +400,7 @@ class CompiledCostModel(CostModel):
         # fp8 & co: amax read + scale-and-cast pass (read, write the format's bytes)
         qbytes = np.zeros(t)
         for f in sch.quant_inputs:
-            n = self._numel[f.value]
+            n = r.numel[f.value]
             src = WIDTH[f.src]
             for name, fmt in GEMM_FORMAT_BY_NAME.items():
                 on = f.on & (f.fmt == CODE[name])
@@ -433,20 +431,15 @@ class CompiledCostModel(CostModel):
         On one CPU thread those ops are bound by their arithmetic, not by memory: inductor's
         C++ kernel runs the same vectorised GELU, LayerNorm or softmax as aten's, and fusion
         saves only the round trips through memory (which the L2 absorbs at these sizes).
-        Compiled MiniLM (AMD EPYC, AVX512-BF16, bf16): the bytes' roofline priced its fused
-        kernels 0.6 ms, its GELUs and LayerNorms took 1.2 ms timed one by one, and the
-        profiled program spent 2.0 ms in its fused kernels and wrapper. Other ops are left to
-        the roofline: inductor runs them otherwise than eager (a max-pool without its indices
-        took a fraction of eager's 0.66 ms in the digits CNN) or they are memory-bound (adds,
-        activation casts). An op not timed adds 0.
+        Other ops are left to the roofline: inductor runs them otherwise than eager (a
+        max-pool without its indices) or they are memory-bound (adds, activation casts). An
+        op not timed adds 0. (Measured: docs/cost_history.md.)
 
         The training form's per-call casts of the fp32 master weights add their timed
         seconds too: each reads a weight the forward last touched one forward earlier
-        (``op_measure._cast_times``), which the calibrated bandwidth (cache-hot copies)
-        does not see. Compiled examples/mixed8 (AMD EPYC, AVX512-BF16) under one bf16
-        autocast: its fused kernels, the casts of 8.4 MB of weights among them, took
-        0.54 ms; priced by bytes 0.15 ms."""
-        if self.op_times is None:
+        (``measure.ops._cast_times``), which the calibrated bandwidth (cache-hot copies)
+        does not see."""
+        if self.table.op_times is None:
             return None
         t = sch.plans
         total = np.zeros(t)
@@ -454,12 +447,12 @@ class CompiledCostModel(CostModel):
             kern = np.broadcast_to(np.asarray(sch.kernel[i], dtype=bool), (t,))
             if not kern.any():
                 continue
-            sec = self._op_seconds(i, sch, None)
+            sec = self.table.op_seconds(i, sch, None)
             if sec is not None:
                 total += np.where(kern & ~np.isnan(sec), sec, 0.0)
         for c in sch.casts if not self.frozen else ():
-            if c.weight:  # a master weight's per-call cast: reads it cold (op_measure)
-                sec = self._cast_seconds(c.value, c.src, c.dst, True)
+            if c.weight:  # a master weight's per-call cast: reads it cold (measure.ops)
+                sec = self.table.cast_seconds(c.value, c.src, c.dst, True)
                 if sec is not None:
                     total += np.where(c.on & ~np.isnan(sec), sec, 0.0)
         return total
@@ -475,24 +468,4 @@ def _prec_name(code: int) -> str:
     return PRECISIONS[code]
 
 
-def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int | None = None,
-                    mode: str = "eager", *, step: bool = False, fp8_backend: str | None = None,
-                    **kwargs: object) -> CostModel:
-    """The cost model of a deployment ``mode``: "eager" (op by op) or "compile" (inductor).
-    ``step``: in the training form, eager, the whole training step (``cost.step``: forward,
-    backward, optimizer; ``fp8_backend`` says how fp8 leaves run their backward)."""
-    from autoprec.errors import InputError
-
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}")
-    if step and mode == "eager" and kwargs.get("form", "train") == "train":
-        from autoprec.cost.step import StepCostModel, fp8_backward_of
-
-        return StepCostModel(graph, profile, batch_size,  # type: ignore[arg-type]
-                             fp8_backward=fp8_backward_of(fp8_backend), **kwargs)
-    if mode == "compile":
-        return CompiledCostModel(graph, profile, batch_size, **kwargs)  # type: ignore[arg-type]
-    return CostModel(graph, profile, batch_size, **kwargs)  # type: ignore[arg-type]
-
-
-__all__ = ["CompiledCostModel", "MODES", "make_cost_model"]
+__all__ = ["CompiledPricer", "MODES", "convs_channels_last"]

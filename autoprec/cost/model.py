@@ -25,7 +25,7 @@ Assumptions: eager PyTorch, one kernel per recorded op, one stream (kernels back
 no fusion. Activation terms scale by ``batch_size / graph.batch_size`` (values derived from
 the model input); parameter bytes do not ("price at the deployment shape").
 
-Measured op times (``op_times``, ``cost.op_times``: a local CPU target): where the model's
+Measured op times (``op_times``, ``measure.op_times``: a local CPU target): where the model's
 own op was timed here in the dtype a plan runs it in, that time replaces the roofline
 term of the op (dispatch included, so no launch overhead is added); views cost their
 dispatch; inserted casts their timed cast; every plan pays the recorded module calls'
@@ -33,29 +33,40 @@ host cost, and each call through one of apply's wrappers (``Schedule.wrapper_cal
 wrapper's. Ops without a timing keep the roofline.
 
 This module holds the plan-level totals (``CostModel``: which plans can run, the fp32
-reference, the breakdown per module, the weights a plan holds); the parts live beside it:
-``price_types`` (``Kernel``, ``Breakdown``, ``Priced``, ``PARTS``) and ``op_pricing``
-(``OpPricer``: every op, cast and quantise pass of a replay priced).
+reference, the breakdown per module, the weights a plan holds). A ``CostModel`` is
+composed of a forward pricer — ``op_pricing.EagerPricer`` (the roofline above, with this
+machine's ``OpTable`` where op times are given) or ``compiled.CompiledPricer`` (as
+``torch.compile`` runs the forward) — and optionally a training-step part
+(``step.StepPart``: backward, optimizer, GradScaler), which prices the step on top of
+whichever forward pricer it is given. ``make_cost_model`` is the one factory.
+The value types live in ``price_types`` (``Kernel``, ``Breakdown``, ``Priced``, ``PARTS``).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autoprec.cost.op_pricing import OpPricer
+from autoprec.cost.compiled import CompiledPricer, convs_channels_last
+from autoprec.cost.op_pricing import EagerPricer, ForwardPricer, OpTable, Roofline
 from autoprec.cost.op_times_record import OpTimes
 from autoprec.cost.price_types import PARTS, Breakdown, Kernel, Priced
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.errors import InputError
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import Schedule, replay
-from autoprec.policy.schema import Policy
+from autoprec.policy.schema import MODES, Policy
 from autoprec.precisions import BYTES, FORMS, GEMM_FORMATS, PRECISIONS, check_precision
 from autoprec.targets import device_type
 from autoprec.trace.graph import LayerGraph
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.cost.step import StepPart
+    from autoprec.cost.train_memory import TrainMemory
 
 #: Bytes per element a module's tensors are stored in under the deploy form, by region
 #: code (fp32, tf32, bf16, fp16; the GEMM-format codes never are a region), and a GEMM
@@ -70,20 +81,26 @@ def device_type_of(profile: DeviceProfile) -> str:
     return device_type(profile.name)
 
 
-class CostModel(OpPricer):
+class CostModel:
     """Estimated time of plans on ``profile`` at deployment ``batch_size``.
 
-    ``estimate(policy)`` is the seconds of one forward under the policy's plan (inf when the
-    device lacks a precision it uses, or the plan cannot run); ``speedup`` is over the
-    all-fp32 plan. ``price(rules, codes)`` prices many plans at once for the search.
-    """
+    ``estimate(policy)`` is the seconds of one forward (with ``step``: one training step)
+    under the policy's plan (inf when the device lacks a precision it uses, or the plan
+    cannot run); ``speedup`` is over the all-fp32 plan. ``price(rules, codes)`` prices many
+    plans at once for the search.
 
-    #: replay the forward as a training step runs it (``cost.step.StepCostModel``)
-    grad_mode = False
+    Composed of ``forward`` (a ``ForwardPricer``: ``EagerPricer`` by default,
+    ``compiled.CompiledPricer`` with ``mode="compile"``) and ``step`` (a
+    ``step.StepPart`` or None: the forward alone). ``mode``, ``horizontal``, ``frozen``
+    and ``call_overhead_s`` choose and configure the forward pricer (see
+    ``CompiledPricer``).
+    """
 
     def __init__(self, graph: LayerGraph, profile: DeviceProfile,
                  batch_size: int | None = None, *, device_type: str | None = None,
-                 form: str = "train", op_times: OpTimes | None = None) -> None:
+                 form: str = "train", op_times: OpTimes | None = None,
+                 mode: str = "eager", horizontal: bool | None = None, frozen: bool = False,
+                 call_overhead_s: float | None = None, step: StepPart | None = None) -> None:
         if graph.ops is None:
             raise InputError("the layer graph has no op trace; build it with autoprec.trace_model()")
         if graph.batch_size < 1:
@@ -94,6 +111,10 @@ class CostModel(OpPricer):
             raise InputError(f"--batch-size must be a positive integer, but got {batch_size!r}")
         if form not in FORMS:
             raise InputError(f"form must be one of {', '.join(FORMS)}, but got {form!r}")
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}")
+        if step is not None:
+            form = "train"  # a step trains: fp32 masters
         self.form = form  # the form code rows are priced in (a Policy carries its own)
         self.graph = graph
         self.trace = graph.ops
@@ -109,10 +130,43 @@ class CostModel(OpPricer):
             raise ValueError(f"op times measured at batch {op_times.batch_size}, priced at "
                              f"{batch_size}")
         self.op_times = op_times
-        self._static()
-        self._tables()
-        self._measured_tables()
+        self.mode = mode
+        self.step = step.bound(graph, self.device_type) if step is not None else None
+        #: replay the forward as a training step runs it: autoprec's weight-cast cache off
+        self.grad_mode = step is not None
+        roofline = Roofline.of(self.trace, self.tree, profile, self.scale)
+        if mode == "compile":
+            table = OpTable(self.trace, op_times, self.scale,
+                            channels_last=convs_channels_last())
+            self.forward: ForwardPricer = CompiledPricer(
+                roofline, table, horizontal=(device_type_of(profile) == "cpu" if horizontal is None
+                                             else horizontal),
+                frozen=frozen, call_overhead_s=(profile.call_overhead_s
+                                                if call_overhead_s is None else call_overhead_s))
+        else:
+            self.forward = EagerPricer(roofline, OpTable(self.trace, op_times, self.scale))
         self._fp32, self._given = self._reference_times()
+
+    @property
+    def shared_quant_inputs(self) -> bool:
+        """A fused runtime quantises an activation read by several GEMM-format leaves in
+        one format once (``EagerPricer.shared_quant_inputs``)."""
+        return self.forward.shared_quant_inputs
+
+    @shared_quant_inputs.setter
+    def shared_quant_inputs(self, value: bool) -> None:
+        self.forward.shared_quant_inputs = value
+
+    @property
+    def max_train_bytes(self) -> float | None:
+        """A plan whose training step holds more bytes cannot run (``--memory-limit``;
+        None: no limit, or not priced as a step)."""
+        return self.step.max_train_bytes if self.step is not None else None
+
+    @max_train_bytes.setter
+    def max_train_bytes(self, value: float | None) -> None:
+        if self.step is not None:
+            self.step.max_train_bytes = value
 
     def _reference_times(self) -> tuple[float, float]:
         """(all-fp32, the model as given) seconds. All-fp32 is the reference every speed-up
@@ -130,12 +184,25 @@ class CostModel(OpPricer):
         return float(self.price(self.rules(()), fp32_code, "deploy").time[0]), as_given
 
     def with_profile(self, profile: DeviceProfile) -> CostModel:
-        """The same trace priced on another (e.g. calibrated) profile."""
-        new = object.__new__(CostModel)
-        new.__dict__.update(self.__dict__)
+        """The same trace, forward pricer and step priced on another (e.g. calibrated)
+        profile."""
+        new = copy.copy(self)
         new.profile = profile
-        new._tables()
+        new.forward = copy.copy(self.forward)
+        new.forward.roofline = self.forward.roofline.for_profile(profile)
         new._fp32, new._given = new._reference_times()
+        return new
+
+    def with_step(self, step: StepPart | None) -> CostModel:
+        """The same trace, profile, batch, op timings and forward pricer, pricing the
+        training step ``step`` (None: the forward alone)."""
+        f = self.forward
+        kw = ({"mode": "compile", "horizontal": f.horizontal, "frozen": f.frozen,  # type: ignore[attr-defined]
+               "call_overhead_s": f.call_overhead_s} if self.mode == "compile" else {})  # type: ignore[attr-defined]
+        new = CostModel(self.graph, self.profile, self.batch_size, device_type=self.device_type,
+                        form=self.form, op_times=self.op_times, step=step, **kw)
+        new.shared_quant_inputs = self.shared_quant_inputs
+        new.max_weight_bytes = self.max_weight_bytes
         return new
 
     # -- plans ---------------------------------------------------------------------------------
@@ -154,6 +221,11 @@ class CostModel(OpPricer):
     def _form(self, policy: Policy | Mapping[str, str]) -> str:
         return policy.form if isinstance(policy, Policy) else self.form
 
+    def row(self, policy: Policy | Mapping[str, str], default: str = "fp32"
+            ) -> tuple[RuleSet, np.ndarray]:
+        """The RuleSet and the (1, K) code row of one plan (validated)."""
+        return self._row(policy, default)
+
     def _row(self, policy: Policy | Mapping[str, str], default: str) -> tuple[RuleSet, np.ndarray]:
         if isinstance(policy, Policy):
             layers, default = dict(policy.layers), policy.default
@@ -171,12 +243,13 @@ class CostModel(OpPricer):
         region, prec, wrapped = rules.encode(codes)
         sch = replay(self.trace, region, prec, wrapped, self.device_type,
                      form or self.form, grad=self.grad_mode)
-        parts = self._price(sch)
+        parts = self.forward.price(sch)
         time = parts.sum(axis=1)
         reasons = dict(sch.reasons)
         # a precision the device lacks, used by a module that runs
-        used = np.where(self._ran[None, :], prec, CODE["fp32"])
-        lacks = ~self._supported[used]
+        r = self.forward.roofline
+        used = np.where(r.ran[None, :], prec, CODE["fp32"])
+        lacks = ~r.supported[used]
         bad = lacks.any(axis=1)
         for row in np.flatnonzero(bad):
             j = int(np.flatnonzero(lacks[row])[0])
@@ -184,14 +257,17 @@ class CostModel(OpPricer):
             reasons.setdefault(int(row), f"{self.tree.paths[j] or '<root>'}: "
                                          f"{self.profile.supports(p)[1]}")
         if self.max_weight_bytes is not None:
-            held = self._weight_bytes(region, prec, form or self.form)
+            held = self.held_weight_bytes(region, prec, form or self.form)
             over = held > self.max_weight_bytes
             for row in np.flatnonzero(over & ~bad):
                 reasons.setdefault(int(row), f"weights {held[row] / 1e6:.1f} MB > the weight "
                                              f"budget {self.max_weight_bytes / 1e6:g} MB")
             bad = bad | over
         time = np.where(bad | sch.invalid, math.inf, time)
-        return Priced(time, parts, sch, reasons)
+        fwd = Priced(time, parts, sch, reasons)
+        if self.step is None:
+            return fwd
+        return self.step.price(self, fwd, rules, codes, form or self.form)
 
     # -- one plan --------------------------------------------------------------------------------
     def schedule(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> Schedule:
@@ -233,10 +309,19 @@ class CostModel(OpPricer):
         return [got] if got else []
 
     def breakdown(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> Breakdown:
+        """Where the forward's (with ``step``: the training step's) time goes under the
+        plan, per part and per module."""
+        fwd = self.forward_breakdown(policy, default)
+        if self.step is None or self._form(policy) != "train":
+            return fwd
+        return self.step.breakdown(self, fwd, policy, default)
+
+    def forward_breakdown(self, policy: Policy | Mapping[str, str], default: str = "fp32"
+                          ) -> Breakdown:
         """Where the forward's time goes under the plan, per part and per module."""
         sch = self.schedule(policy, default)
         kernels: list[tuple[int, Kernel]] = []
-        parts = self._price(sch, kernels)[0]
+        parts = self.forward.price(sch, kernels)[0]
         by_module: dict[str, float] = {}
         for m, k in kernels:
             path = self.tree.paths[m] if m >= 0 else "<outside>"
@@ -258,12 +343,12 @@ class CostModel(OpPricer):
 
     def weight_bytes(self, policy: Policy | Mapping[str, str], default: str = "fp32") -> int:
         """Bytes of the weights (parameters and floating buffers) the applied plan holds on
-        the device (``_weight_bytes``)."""
+        the device (``held_weight_bytes``)."""
         rs, row = self._row(policy, default)
         region, prec, _ = rs.encode(row)
-        return int(round(float(self._weight_bytes(region, prec, self._form(policy))[0])))
+        return int(round(float(self.held_weight_bytes(region, prec, self._form(policy))[0])))
 
-    def _weight_bytes(self, region: np.ndarray, prec: np.ndarray, form: str) -> np.ndarray:
+    def held_weight_bytes(self, region: np.ndarray, prec: np.ndarray, form: str) -> np.ndarray:
         """(T,) bytes of the weights T plans hold: in the deploy form each tensor at its
         owner's storage width (a GEMM-format leaf's weight at its format's, scales
         included; a tensor tied between owners of two dtypes once per dtype); in the train
@@ -293,7 +378,7 @@ class CostModel(OpPricer):
         return total
 
     def _param_table(self) -> tuple[float, list[list[int]], list[float], list[bool]]:
-        """The floating parameters and buffers of the trace, for ``_weight_bytes``: bytes
+        """The floating parameters and buffers of the trace, for ``held_weight_bytes``: bytes
         of the others (fixed), and per floating tensor its owners, elements, and whether
         it is a matrix (a GEMM format quantises those, not a bias)."""
         index = {p: i for i, p in enumerate(self.trace.modules)}
@@ -309,13 +394,39 @@ class CostModel(OpPricer):
             matrix.append(v.ndim >= 2)
         return fixed, owners, numel, matrix
 
+    def train_memory(self, policy: Policy | Mapping[str, str], default: str = "fp32"
+                     ) -> TrainMemory:
+        """Weights, gradients, optimizer state and saved activations of one plan's training
+        step (``step.StepPart.train_memory``); only a cost model that prices the step."""
+        if self.step is None:
+            raise ValueError("train_memory needs a cost model that prices the training step")
+        return self.step.train_memory(self, dict(policy) if not isinstance(policy, Policy)
+                                      else policy, default)
+
     def kernels(self, policy: Policy | Mapping[str, str], default: str = "fp32"
                 ) -> list[tuple[str, Kernel]]:
         """Every kernel the plan launches, as (module path, kernel); for calibration."""
         sch = self.schedule(policy, default)
         out: list[tuple[int, Kernel]] = []
-        self._price(sch, out)
+        self.forward.price(sch, out)
         return [(self.tree.paths[m] if m >= 0 else "<outside>", k) for m, k in out]
 
 
-__all__ = ["Breakdown", "CostModel", "Kernel", "PARTS", "Priced", "device_type_of"]
+def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int | None = None,
+                    mode: str = "eager", *, step: bool = False, fp8_backend: str | None = None,
+                    **kwargs: Any) -> CostModel:
+    """The cost model of a deployment ``mode``: "eager" (op by op) or "compile" (inductor).
+    ``step``: in the training form, the whole training step (``cost.step.StepPart``:
+    forward as ``mode`` runs it, backward, optimizer; ``fp8_backend`` says how fp8 leaves
+    run their backward)."""
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}")
+    if step and kwargs.get("form", "train") == "train":
+        from autoprec.cost.step import StepPart, fp8_backward_of
+
+        kwargs["step"] = StepPart(fp8_backward_of(fp8_backend))
+    return CostModel(graph, profile, batch_size, mode=mode, **kwargs)
+
+
+__all__ = ["Breakdown", "CostModel", "Kernel", "PARTS", "Priced", "device_type_of",
+           "make_cost_model"]

@@ -1,16 +1,24 @@
 """Every kernel of a replayed plan priced on the target: the op-level half of the cost model.
 
-``OpPricer._price(schedule)`` returns, for T plans at once, the seconds per ``PARTS`` of
-every op, inserted cast and GEMM-format quantise pass the schedule runs: the roofline of
-``cost.model``'s docs, or where the op was timed on this machine (``cost.op_times``) its
-measured time. ``CostModel`` (``cost.model``) builds on it with the plan-level totals: which
-plans can run, the all-fp32 reference, the breakdown per module, the weights held.
+Three parts, composed by ``CostModel`` (``cost.model``):
+
+- ``Roofline``: the trace's per-op arrays (elements, FLOPs at the priced batch) and the
+  profile's tables (peak per precision, GEMM set-up, bandwidth, launch);
+- ``OpTable``: this machine's measured seconds of the model's own ops, casts and wrapper
+  calls (``OpTimes``; empty without them), looked up per plan row;
+- ``EagerPricer``: the forward as eager PyTorch runs it, op by op: ``price(schedule)``
+  returns, for T plans at once, the seconds per ``PARTS`` of every op, inserted cast and
+  GEMM-format quantise pass the schedule runs: the roofline of ``cost.model``'s docs, or
+  where the op was timed here its measured time. ``cost.compiled.CompiledPricer`` is the
+  other forward pricer (``ForwardPricer``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 
@@ -51,68 +59,107 @@ def _folds_a_copy(name: str, recipe: dict | None) -> bool:
             and non_contiguous(list(x["shape"]), list(x["stride"])))
 
 
-class OpPricer:
-    """Prices the ops of a recorded forward under replayed plans (``_price``).
+@dataclass(frozen=True)
+class Roofline:
+    """The trace's per-op arrays and the profile's tables a roofline prices with.
 
-    The cost model sets ``trace``, ``tree``, ``profile``, ``scale`` (deployment over
-    recorded batch) and ``op_times`` before calling ``_static``, ``_tables`` and
-    ``_measured_tables``.
+    ``numel``: elements of every value at the priced batch (``scale``: deployment over
+    recorded batch, applied to values derived from the model input); ``item``: bytes per
+    element of the dtype it was recorded in; ``op_flops``: each op's FLOPs at the priced
+    batch; ``ran``: modules the recorded forward called; ``fold_copy``: linears that copy a
+    non-contiguous input first (value: whether a bias adds its own kernel);
+    ``peak``/``setup``/``supported``: per precision code; ``bw``: bytes per second;
+    ``launch``: seconds per kernel launch.
     """
 
     trace: OpTrace
-    tree: ModuleTree
     profile: DeviceProfile
     scale: float
-    op_times: OpTimes | None
-    #: a fused runtime (vLLM's qkv_proj, gate_up_proj): GEMM-format leaves that read the
-    #: same activation in one format quantise it once (tune --fuse-groups auto)
-    shared_quant_inputs: bool = False
+    numel: np.ndarray
+    item: np.ndarray
+    op_flops: list[float]
+    ran: np.ndarray
+    fold_copy: dict[int, bool]
+    peak: np.ndarray
+    setup: np.ndarray
+    supported: np.ndarray
+    bw: float
+    launch: float
 
-    # -- static per-op arrays ------------------------------------------------------------------
-    def _static(self) -> None:
-        vals = self.trace.values
-        s = self.scale
-        self._numel = np.array([v.numel * (s if v.scales else 1.0) for v in vals])
-        self._item = np.array([v.itemsize for v in vals], dtype=float)
-        ran = np.zeros(len(self.tree.paths), dtype=bool)
-        for c in self.trace.calls:
+    @classmethod
+    def of(cls, trace: OpTrace, tree: ModuleTree, profile: DeviceProfile,
+           scale: float) -> Roofline:
+        vals = trace.values
+        numel = np.array([v.numel * (scale if v.scales else 1.0) for v in vals])
+        item = np.array([v.itemsize for v in vals], dtype=float)
+        ran = np.zeros(len(tree.paths), dtype=bool)
+        for c in trace.calls:
             if c.module >= 0:
                 ran[c.module] = True
-        self._ran = ran
-        self._op_flops = []
-        for op in self.trace.ops:
+        op_flops = []
+        for op in trace.ops:
             scaled = any(vals[i].scales for i in op.inputs)
-            self._op_flops.append(op.flops * (s if scaled else 1.0))
-        self._fold_copy = {i: len(op.inputs) > 2 for i, op in enumerate(self.trace.ops)
-                           if _folds_a_copy(op.name, op.recipe)}
+            op_flops.append(op.flops * (scale if scaled else 1.0))
+        fold_copy = {i: len(op.inputs) > 2 for i, op in enumerate(trace.ops)
+                     if _folds_a_copy(op.name, op.recipe)}
+        return cls(trace, profile, scale, numel, item, op_flops, ran, fold_copy,
+                   **_profile_tables(profile))
 
-    def _tables(self) -> None:
-        prof = self.profile
-        self._peak = np.array([prof.peak(p) for p in PRECISIONS])
-        self._setup = np.array([prof.setup(p) for p in PRECISIONS])
-        self._supported = np.array([prof.supports(p)[0] for p in PRECISIONS])
-        self._bw = prof.bandwidth
-        self._launch = prof.launch_overhead_s
+    def for_profile(self, profile: DeviceProfile) -> Roofline:
+        """The same trace's arrays with another profile's tables."""
+        return replace(self, profile=profile, **_profile_tables(profile))
 
-    def _measured_tables(self) -> None:
-        """Per op, its measured seconds indexed by compute precision code (GEMMs, SDPA) or
-        by the dtype code of its first floating input (the rest); NaN: not measured."""
-        self._timed: list[np.ndarray | None] = [None] * len(self.trace.ops)
-        self._first_float: list[int | None] = [None] * len(self.trace.ops)
-        self._fixed_s = 0.0  # views and the module calls: the same in every plan
+    def bytes(self, ids: Sequence[int], codes: np.ndarray) -> np.ndarray:
+        """Bytes of values ``ids`` carried in dtype ``codes`` (n, T)."""
+        if not len(ids):
+            return np.zeros(codes.shape[-1])
+        idx = np.asarray(ids)
+        w = WIDTH[codes].astype(float)
+        w = np.where(codes == OTHER, self.item[idx][:, None], w)
+        return (w * self.numel[idx][:, None]).sum(axis=0)
+
+
+def _profile_tables(prof: DeviceProfile) -> dict[str, object]:
+    return {"peak": np.array([prof.peak(p) for p in PRECISIONS]),
+            "setup": np.array([prof.setup(p) for p in PRECISIONS]),
+            "supported": np.array([prof.supports(p)[0] for p in PRECISIONS]),
+            "bw": prof.bandwidth, "launch": prof.launch_overhead_s}
+
+
+class OpTable:
+    """This machine's measured seconds of a trace's ops (``OpTimes``), per plan row.
+
+    ``timed[i]``: op ``i``'s seconds indexed by compute precision code (GEMMs, SDPA) or by
+    the dtype code of its first floating input (the rest); NaN: not measured; None: the op
+    was not timed. ``fixed_s``: views and the module calls, the same in every plan;
+    ``wrapper_s``: per form, one call through apply's wrapper; ``unfolded``: per GEMM
+    inductor does not fold when its weight is cast, the ``bmm``'s seconds
+    (``cost.unfolded``). ``channels_last``: convolutions priced at their channels-last
+    time (inductor's CPU layout). Without ``op_times`` the table is empty.
+    """
+
+    def __init__(self, trace: OpTrace, op_times: OpTimes | None, scale: float, *,
+                 channels_last: bool = False) -> None:
+        self.trace = trace
+        self.op_times = op_times
+        self.scale = scale
+        self.timed: list[np.ndarray | None] = [None] * len(trace.ops)
+        self._first_float: list[int | None] = [None] * len(trace.ops)
+        self.fixed_s = 0.0
         self._cast_tabs: dict[tuple[int, bool], np.ndarray] = {}
-        self._wrapper_s: dict[str, float] = {}  # per form, one call through apply's wrapper
-        t = self.op_times
+        self.wrapper_s: dict[str, float] = {}
+        self.unfolded: dict[int, np.ndarray] = {}
+        t = op_times
         if t is None:
             return
-        self._wrapper_s = dict(t.wrapper_s)
-        vals = self.trace.values
-        cl = self._convs_channels_last()
-        for i, op in enumerate(self.trace.ops):
-            if i in t.compute_cl and cl:
-                self._timed[i] = _precision_table(t.compute_cl[i])
+        self.wrapper_s = dict(t.wrapper_s)
+        self.unfolded = {i: _precision_table(got) for i, got in t.compute_unfolded.items()}
+        vals = trace.values
+        for i, op in enumerate(trace.ops):
+            if i in t.compute_cl and channels_last:
+                self.timed[i] = _precision_table(t.compute_cl[i])
             elif i in t.compute:
-                self._timed[i] = _precision_table(t.compute[i])
+                self.timed[i] = _precision_table(t.compute[i])
             elif i in t.other:
                 tab = np.full(len(DTYPES), math.nan)
                 got = t.other[i]
@@ -122,23 +169,18 @@ class OpPricer:
                     if d in DTYPES:
                         tab[DTYPES.index(d)] = sec
                 if op.kind == "view":
-                    self._fixed_s += float(np.nanmax(tab)) if not np.isnan(tab).all() else 0.0
+                    self.fixed_s += float(np.nanmax(tab)) if not np.isnan(tab).all() else 0.0
                     continue
-                self._timed[i] = tab
+                self.timed[i] = tab
                 self._first_float[i] = next(
                     (k for k, v in enumerate(op.inputs) if vals[v].dtype in ("fp32", "bf16",
                                                                               "fp16")), None)
-        self._fixed_s += len(self.trace.calls) * t.module_call_s
+        self.fixed_s += len(trace.calls) * t.module_call_s
 
-    def _convs_channels_last(self) -> bool:
-        """Whether convolutions run channels-last (priced at ``OpTimes.compute_cl``): not
-        in eager, where they run as the model lays them out."""
-        return False
-
-    def _op_seconds(self, i: int, sch: Schedule, comp: np.ndarray | None) -> np.ndarray | None:
+    def op_seconds(self, i: int, sch: Schedule, comp: np.ndarray | None) -> np.ndarray | None:
         """(T,) measured seconds of op ``i`` under each plan row (NaN where not measured),
         or None when the op was not timed."""
-        tab = self._timed[i]
+        tab = self.timed[i]
         if tab is None:
             return None
         if comp is not None:
@@ -149,23 +191,8 @@ class OpPricer:
         codes = sch.reads[i][k]
         return tab[np.where(codes < len(tab), codes, 0)]
 
-    def _casts_weight(self, i: int, sch: Schedule) -> np.ndarray | None:
-        """(T,) whether op ``i`` reads a parameter in another dtype than the one it is
-        stored in: the training form's per-call cast of an fp32 master (the deploy form
-        stores each weight in its precision). None: the op reads no parameter, or the
-        deploy form."""
-        if sch.form != "train":
-            return None
-        vals = self.trace.values
-        out = None
-        for k, v in enumerate(self.trace.ops[i].inputs):
-            if vals[v].source == "param" and vals[v].dtype in DTYPES:
-                cast = np.asarray(sch.reads[i][k]) != DTYPES.index(vals[v].dtype)
-                out = cast if out is None else out | cast
-        return None if out is None else np.broadcast_to(out, (sch.plans,))
-
-    def _cast_seconds(self, value: int, src: np.ndarray, dst: np.ndarray, weight: bool
-                      ) -> np.ndarray | None:
+    def cast_seconds(self, value: int, src: np.ndarray, dst: np.ndarray, weight: bool
+                     ) -> np.ndarray | None:
         """(T,) measured seconds of casting ``value`` src -> dst (NaN where not timed)."""
         t = self.op_times
         if t is None:
@@ -185,22 +212,60 @@ class OpPricer:
             self._cast_tabs[key] = tab
         return tab[np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)]
 
-    def _bytes(self, ids: Sequence[int], codes: np.ndarray) -> np.ndarray:
-        """Bytes of values ``ids`` carried in dtype ``codes`` (n, T)."""
-        if not len(ids):
-            return np.zeros(codes.shape[-1])
-        idx = np.asarray(ids)
-        w = WIDTH[codes].astype(float)
-        w = np.where(codes == OTHER, self._item[idx][:, None], w)
-        return (w * self._numel[idx][:, None]).sum(axis=0)
 
-    def _price(self, sch: Schedule, collect: list[tuple[int, Kernel]] | None = None
-               ) -> np.ndarray:
+def casts_weight(trace: OpTrace, i: int, sch: Schedule) -> np.ndarray | None:
+    """(T,) whether op ``i`` reads a parameter in another dtype than the one it is stored
+    in: the training form's per-call cast of an fp32 master (the deploy form stores each
+    weight in its precision). None: the op reads no parameter, or the deploy form."""
+    if sch.form != "train":
+        return None
+    vals = trace.values
+    out = None
+    for k, v in enumerate(trace.ops[i].inputs):
+        if vals[v].source == "param" and vals[v].dtype in DTYPES:
+            cast = np.asarray(sch.reads[i][k]) != DTYPES.index(vals[v].dtype)
+            out = cast if out is None else out | cast
+    return None if out is None else np.broadcast_to(out, (sch.plans,))
+
+
+class ForwardPricer(Protocol):
+    """Prices the recorded forward's kernels under replayed plans.
+
+    ``price(sch, collect)`` returns (T, 4) seconds per ``PARTS`` of the T plans of ``sch``;
+    ``collect``, when given, receives row 0's kernels as (module index, ``Kernel``). It
+    must not change ``sch``. ``roofline`` and ``table`` are the arrays it prices with
+    (the training step prices its backward with the same).
+    """
+
+    roofline: Roofline
+    table: OpTable
+    shared_quant_inputs: bool
+
+    def price(self, sch: Schedule, collect: list[tuple[int, Kernel]] | None = None
+              ) -> np.ndarray: ...
+
+
+class EagerPricer:
+    """The forward as eager PyTorch runs it: one kernel per recorded op, back to back.
+
+    ``shared_quant_inputs``: a fused runtime (vLLM's qkv_proj, gate_up_proj): GEMM-format
+    leaves that read the same activation in one format quantise it once (tune
+    --fuse-groups auto).
+    """
+
+    def __init__(self, roofline: Roofline, table: OpTable) -> None:
+        self.roofline = roofline
+        self.table = table
+        self.shared_quant_inputs = False
+
+    def price(self, sch: Schedule, collect: list[tuple[int, Kernel]] | None = None
+              ) -> np.ndarray:
         """(T, 4) seconds per PARTS; ``collect`` receives row 0's kernels (module, kernel)."""
         t = sch.plans
         parts = np.zeros((t, 4))
-        bw, launch = self._bw, self._launch
-        tr = self.trace
+        r, tab = self.roofline, self.table
+        bw, launch = r.bw, r.launch
+        tr = r.trace
         for i, op in enumerate(tr.ops):
             kern = np.broadcast_to(np.asarray(sch.kernel[i], dtype=bool), (t,))
             if op.kind == "view" or not kern.any():
@@ -208,27 +273,27 @@ class OpPricer:
             ins = list(op.inputs)
             reads = sch.reads[i]
             if op.kind == "embedding":  # the gathered rows, not the whole table
-                nbytes = self._bytes(op.outputs, sch.writes[i]) * 2
+                nbytes = r.bytes(op.outputs, sch.writes[i]) * 2
             else:
-                nbytes = self._bytes(ins, reads) + self._bytes(op.outputs, sch.writes[i])
-            if i in self._fold_copy:  # the input's copy, and the bias added on its own
-                nbytes = nbytes + 2 * self._bytes(ins[:1], reads[:1])
-                if self._fold_copy[i]:
-                    nbytes = nbytes + 2 * self._bytes(op.outputs, sch.writes[i])
+                nbytes = r.bytes(ins, reads) + r.bytes(op.outputs, sch.writes[i])
+            if i in r.fold_copy:  # the input's copy, and the bias added on its own
+                nbytes = nbytes + 2 * r.bytes(ins[:1], reads[:1])
+                if r.fold_copy[i]:
+                    nbytes = nbytes + 2 * r.bytes(op.outputs, sch.writes[i])
             comp = sch.compute[i]
             if comp is not None:
-                flops = self._op_flops[i]
-                peak = self._peak[comp]
+                flops = r.op_flops[i]
+                peak = r.peak[comp]
                 with np.errstate(divide="ignore"):
                     ct = np.where(peak > 0, flops / np.where(peak > 0, peak, 1.0), math.inf)
-                tm = np.maximum(ct, nbytes / bw) + launch + self._setup[comp]
+                tm = np.maximum(ct, nbytes / bw) + launch + r.setup[comp]
                 cat = _GEMM
             else:
                 tm = nbytes / bw + launch
                 cat = _CAST if op.kind == "cast" else _OTHER
-            timed = (self._cast_seconds(op.inputs[0], sch.reads[i][0], sch.writes[i][0],
+            timed = (tab.cast_seconds(op.inputs[0], sch.reads[i][0], sch.writes[i][0],
                                         False) if op.kind == "cast" and op.inputs
-                     and self.op_times is not None else self._op_seconds(i, sch, comp))
+                     and tab.op_times is not None else tab.op_seconds(i, sch, comp))
             if timed is not None:
                 tm = np.where(np.isnan(timed), tm, timed)
             parts[:, cat] += np.where(kern, tm, 0.0)
@@ -236,23 +301,23 @@ class OpPricer:
                 prec = PRECISIONS[int(comp[0])] if comp is not None else "fp32"
                 collect.append((op.module, Kernel(
                     op.kind if comp is not None else ("cast" if op.kind == "cast" else op.kind),
-                    float(nbytes[0]), float(self._op_flops[i]) if comp is not None else 0.0,
+                    float(nbytes[0]), float(r.op_flops[i]) if comp is not None else 0.0,
                     prec, 1.0, 1.0 if comp is not None else 0.0)))
-        parts[:, _OTHER] += self._fixed_s + self._wrapper_s.get(sch.form, 0.0) * sch.wrapper_calls
+        parts[:, _OTHER] += tab.fixed_s + tab.wrapper_s.get(sch.form, 0.0) * sch.wrapper_calls
         for c in sch.casts:
-            n = self._numel[c.value]
+            n = r.numel[c.value]
             tm = n * (WIDTH[c.src] + WIDTH[c.dst]) / bw + launch
-            timed = self._cast_seconds(c.value, c.src, c.dst, c.weight)
+            timed = tab.cast_seconds(c.value, c.src, c.dst, c.weight)
             if timed is not None:
                 tm = np.where(np.isnan(timed), tm, timed)
             parts[:, _CAST] += np.where(c.on, tm, 0.0)
             if collect is not None and c.on[0]:
-                collect.append((self._cast_module(sch, c.event), Kernel(
+                collect.append((_cast_module(tr, c.event), Kernel(
                     "weight_cast" if c.weight else "cast",
                     float(n * (WIDTH[c.src[0]] + WIDTH[c.dst[0]])))))
         done: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for f in sch.quant_inputs:
-            n = self._numel[f.value]
+            n = r.numel[f.value]
             for code, fmt in _FORMAT_OF_CODE.items():
                 on = f.on & (f.fmt == code)
                 if self.shared_quant_inputs:  # quantised already, in this dtype: shared
@@ -274,11 +339,12 @@ class OpPricer:
                                    for kind, nb in fmt.quant_kernels(n, float(WIDTH[f.src[0]])))
         return parts
 
-    def _cast_module(self, sch: Schedule, event: int) -> int:
-        what, idx = self.trace.events[event]
-        if what == 0:
-            return self.trace.ops[idx].module
-        return self.trace.calls[idx].module
+
+def _cast_module(trace: OpTrace, event: int) -> int:
+    what, idx = trace.events[event]
+    if what == 0:
+        return trace.ops[idx].module
+    return trace.calls[idx].module
 
 
-__all__ = ["OpPricer"]
+__all__ = ["EagerPricer", "ForwardPricer", "OpTable", "Roofline", "casts_weight"]

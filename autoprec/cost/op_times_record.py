@@ -1,6 +1,6 @@
 """What timing a model's ops on this machine gives (``OpTimes``) and how it is stored.
 
-``cost.op_times`` measures it (``op_measure``) or reads it from its cache; the cost model
+``measure.op_times`` measures it (``measure.ops``) or reads it from its cache; the cost model
 (``cost.op_pricing``) prices with it.
 """
 

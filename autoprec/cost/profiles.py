@@ -262,7 +262,7 @@ class Calibration:
     n_samples: int = 0
     rel_rmse: float | None = None  # relative RMS error of the fit on its samples
     note: str = ""  # what was measured, where, when
-    machine: Mapping[str, Any] = field(default_factory=dict)  # cost.machine.Machine facts
+    machine: Mapping[str, Any] = field(default_factory=dict)  # measure.machine.Machine facts
     mode: str = "eager"  # "compile": fitted on torch.compile'd micro-benchmarks
     call_overhead_s: float | None = None  # compiled: seconds per forward outside kernels
 

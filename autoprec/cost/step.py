@@ -1,9 +1,12 @@
 """The price of a whole training step under a plan: forward + backward + optimizer step.
 
-``StepCostModel`` is the training form's cost model (``tune --form train``, ``eval`` of a
-training-form policy): a plan's time is
+``StepPart`` is the part of a ``CostModel`` that prices the training form's step (``tune
+--form train``, ``eval`` of a training-form policy; ``CostModel(..., step=StepPart())``,
+or ``make_cost_model(..., step=True)``): a plan's time is
 
-- the forward as ``CostModel`` prices it (every op, cast and quantise pass of the replay);
+- the forward as the cost model's forward pricer prices it (every op, cast and quantise
+  pass of the replay; eager op by op, or as ``torch.compile`` runs it: see
+  ``cost.compiled`` for how the compiled step's backward is priced);
 - the backward derived from that replay (``plan.backward``): each GEMM's dgrad and wgrad at
   the precision it really runs in, fused attention's backward, every cast's cast back, the
   backward of norms, activations and adds, gradient accumulation, and a GEMM format's
@@ -20,9 +23,8 @@ training-form policy): a plan's time is
 Each backward kernel is priced like a forward one: ``max(FLOPs / peak, bytes / bandwidth)
 + launch (+ GEMM set-up)``; on a CPU target with this machine's op timings, a gradient
 GEMM of an op timed here takes the forward GEMM's measured time at its precision (dgrad
-and wgrad have the forward's FLOPs over the same three dimensions; timed alone on this
-team's CPU they take what the forward takes), fused attention's backward 2.5x its
-forward's, and a pointwise op's backward at least its forward's (it reads dY and what the
+and wgrad have the forward's FLOPs over the same three dimensions), fused attention's
+backward ``ATTENTION_BACKWARD`` times its forward's, and a pointwise op's backward at least its forward's (it reads dY and what the
 op saved, and writes dX). ``--batch-size`` is
 the training micro-batch.
 
@@ -35,13 +37,13 @@ infeasible, with the reason.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from autoprec.cost.model import CostModel, device_type_of
-from autoprec.cost.op_pricing import _FORMAT_OF_CODE
+from autoprec.cost.op_pricing import _FORMAT_OF_CODE, OpTable, Roofline
 from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Breakdown, Priced
 from autoprec.cost.train_memory import (
     ADAMW_STATE_BYTES,
@@ -60,6 +62,19 @@ from autoprec.targets import is_cpu
 STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "optimizer",
               "scaler")
 _P = {p: i for i, p in enumerate(STEP_PARTS)}
+
+
+class StepHost(Protocol):
+    """What a step part reads of the cost model that holds it (``cost.model.CostModel``)."""
+
+    forward: Any  # the forward pricer: its ``roofline`` and ``table`` price the backward
+
+    def row(self, policy: Any, default: str = "fp32") -> tuple[RuleSet, np.ndarray]: ...
+
+    def schedule(self, policy: Any, default: str = "fp32") -> Schedule: ...
+
+    def held_weight_bytes(self, region: np.ndarray, prec: np.ndarray, form: str
+                          ) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -107,47 +122,59 @@ class StepBreakdown(Breakdown):
         return out
 
 
-class StepCostModel(CostModel):
-    """Seconds of one training step (forward + backward + optimizer) of plans on a profile.
+class StepPart:
+    """The backward, optimizer step and GradScaler a ``CostModel`` adds to its forward.
 
-    ``estimate``, ``speedup``, ``price`` and ``breakdown`` are ``CostModel``'s, over the
-    step instead of the forward; a deploy-form policy is priced as its forward (inference).
+    ``StepPart(fp8_backward=..., optimizer=...)`` says how the step runs; the cost model
+    it is handed to binds it to its graph (``bound``: the trainable parameters, and the
+    optimizer a trainer runs by default on the device). ``price`` and ``breakdown`` take
+    the forward's (priced by the cost model's forward pricer) and return the step's; a
+    deploy-form policy cannot train (inf, with the reason). ``max_train_bytes``: a plan
+    whose training step holds more bytes cannot run (``--memory-limit``).
     """
 
-    grad_mode = True  # the forward of a step: autocast's weight-cast cache off
-
-    def __init__(self, graph: Any, profile: Any, batch_size: int | None = None, *,
-                 fp8_backward: str = "fp8", optimizer: Optimizer | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, fp8_backward: str = "fp8", optimizer: Optimizer | None = None) -> None:
         if fp8_backward not in FP8_BACKWARDS:
             raise ValueError(f"fp8_backward must be one of {FP8_BACKWARDS}, got {fp8_backward!r}")
         self.fp8_backward = fp8_backward
+        self.optimizer = optimizer
+        self.max_train_bytes: float | None = None
+        self._n_params = 0.0
+        self._n_tensors = 0
+
+    def bound(self, graph: Any, device_type: str) -> StepPart:
+        """This step part for ``graph``'s trainable parameters on ``device_type``."""
+        new = StepPart(self.fp8_backward, self.optimizer)
         # what torch.optim.AdamW runs by default: fused / foreach on a GPU (a trainer's
         # choice: fused), a loop over the parameters on a CPU
-        dev = kwargs.get("device_type") or device_type_of(profile)
-        self.optimizer = optimizer or (ADAMW_LOOP if is_cpu(dev) else ADAMW_FUSED)
-        #: a plan whose training step holds more bytes cannot run (``--memory-limit``)
-        self.max_train_bytes: float | None = None
-        self._n_params = trainable_numel(graph.ops) if graph.ops is not None else 0.0
-        self._n_tensors = (sum(1 for v in graph.ops.values if v.source == "param"
-                               and v.trainable and v.param) if graph.ops is not None else 0)
-        kwargs.pop("form", None)
-        super().__init__(graph, profile, batch_size, form="train", **kwargs)
+        new.optimizer = self.optimizer or (ADAMW_LOOP if is_cpu(device_type) else ADAMW_FUSED)
+        new.max_train_bytes = self.max_train_bytes
+        new._n_params = trainable_numel(graph.ops) if graph.ops is not None else 0.0
+        new._n_tensors = (sum(1 for v in graph.ops.values if v.source == "param"
+                              and v.trainable and v.param) if graph.ops is not None else 0)
+        return new
+
+    @property
+    def _opt(self) -> Optimizer:
+        if self.optimizer is None:
+            raise ValueError("a StepPart prices only once a CostModel has bound it")
+        return self.optimizer
 
     # -- pricing ----------------------------------------------------------------------------------
-    def price(self, rules: RuleSet, codes: np.ndarray, form: str | None = None) -> Priced:
-        fwd = super().price(rules, codes, form)
-        if (form or self.form) != "train":  # stored 16-bit weights: the step's updates are lost
+    def price(self, cost: StepHost, fwd: Priced, rules: RuleSet, codes: np.ndarray,
+              form: str) -> Priced:
+        """The step's price of T plans from their forward's (``fwd``)."""
+        if form != "train":  # stored 16-bit weights: the step's updates are lost
             why = "--form train: it stores no fp32 masters"  # as tuning.confirm.tune_baseline_rows says it
             return Priced(np.full_like(fwd.time, math.inf), fwd.parts, fwd.schedule,
                           {**{r: why for r in range(len(fwd.time))}, **fwd.reasons})
         sch = fwd.schedule
         bwd = backward(sch, self.fp8_backward)
-        step = self._step_parts(sch, fwd.parts, bwd)
+        step = self._step_parts(cost, sch, fwd.parts, bwd)
         reasons = dict(fwd.reasons)
         bad = ~np.isfinite(fwd.time)
         if self.max_train_bytes is not None:
-            mem = self.memory_of(sch, bwd, rules, codes)
+            mem = self.memory_of(cost, sch, bwd, rules, codes)
             over = mem > self.max_train_bytes
             for row in np.flatnonzero(over & ~bad):
                 reasons.setdefault(int(row), f"training memory {mem[row] / 1e9:.2f} GB > "
@@ -158,105 +185,108 @@ class StepCostModel(CostModel):
         out.step = step  # type: ignore[attr-defined]
         return out
 
-    def _step_parts(self, sch: Schedule, fwd: np.ndarray, bwd: Backward) -> np.ndarray:
+    def _step_parts(self, cost: StepHost, sch: Schedule, fwd: np.ndarray, bwd: Backward
+                    ) -> np.ndarray:
         """(T, len(STEP_PARTS)) seconds."""
+        r, tab = cost.forward.roofline, cost.forward.table
         t = sch.plans
         out = np.zeros((t, len(STEP_PARTS)))
         out[:, _P["fprop"]] = fwd[:, _GEMM]
         out[:, _P["casts"]] = fwd[:, _CAST]
         out[:, _P["fp8_scaling"]] = fwd[:, _FP8]
         out[:, _P["other"]] = fwd[:, _OTHER]
-        for k, sec in self._kernel_seconds(sch, bwd):
+        for k, sec in self._kernel_seconds(r, tab, sch, bwd):
             out[:, _P[k.part]] += np.where(k.on, sec, 0.0)
-        out[:, _P["optimizer"]] = self._optimizer_s()
+        out[:, _P["optimizer"]] = self._optimizer_s(r)
         fp16 = np.zeros(t, dtype=bool)
         for codes in sch.compute:
             if codes is not None:
                 fp16 |= np.asarray(codes) == CODE["fp16"]
         for w in sch.writes:
             fp16 |= (w == FP16).any(axis=0)  # an fp16 region ran
-        out[:, _P["scaler"]] = np.where(fp16, self._scaler_s(), 0.0)
+        out[:, _P["scaler"]] = np.where(fp16, self._scaler_s(r), 0.0)
         return out
 
-    def _kernel_seconds(self, sch: Schedule, bwd: Backward):  # noqa: ANN202
+    def _kernel_seconds(self, r: Roofline, tab: OpTable, sch: Schedule, bwd: Backward
+                        ) -> Iterator[tuple[Any, np.ndarray]]:
         """(kernel, (T,) seconds) of every backward kernel."""
-        bw, launch = self._bw, self._launch
+        bw, launch = r.bw, r.launch
         for k in bwd.kernels:
-            nbytes = sum((self._numel[v] * w for v, w in k.terms), np.zeros(sch.plans))
+            nbytes = sum((r.numel[v] * w for v, w in k.terms), np.zeros(sch.plans))
             if k.quant is not None:
                 v, src_w, fmt_codes = k.quant
                 sec = np.zeros(sch.plans)
                 for code, fmt in _FORMAT_OF_CODE.items():
                     on = fmt_codes == code
                     if on.any():
-                        sec = np.where(on, fmt.quant_seconds(self._numel[v], src_w, bw, launch),
+                        sec = np.where(on, fmt.quant_seconds(r.numel[v], src_w, bw, launch),
                                        sec)
                 yield k, sec
                 continue
             if k.compute is None:
                 sec = nbytes / bw + launch
-                if k.what == "pointwise" and k.op >= 0 and self._timed[k.op] is not None:
+                if k.what == "pointwise" and k.op >= 0 and tab.timed[k.op] is not None:
                     # reading dY and what it saved, writing dX: at least its forward's time
-                    fwd_s = self._op_seconds(k.op, sch, None)
+                    fwd_s = tab.op_seconds(k.op, sch, None)
                     sec = np.where(np.isnan(fwd_s), sec, np.maximum(sec, fwd_s))
                 yield k, sec
                 continue
-            fwd_flops = self.trace.ops[k.op].flops
-            scale = self._op_flops[k.op] / fwd_flops if fwd_flops else 1.0
-            peak = self._peak[k.compute]
+            fwd_flops = r.trace.ops[k.op].flops
+            scale = r.op_flops[k.op] / fwd_flops if fwd_flops else 1.0
+            peak = r.peak[k.compute]
             with np.errstate(divide="ignore", invalid="ignore"):
                 ct = np.where(peak > 0, k.flops * scale / np.where(peak > 0, peak, 1.0),
                               math.inf)
-            sec = np.maximum(ct, nbytes / bw) + launch + self._setup[k.compute]
-            timed = self._timed[k.op]
+            sec = np.maximum(ct, nbytes / bw) + launch + r.setup[k.compute]
+            timed = tab.timed[k.op]
             if timed is not None:  # this machine's time of the forward op, per precision
                 got = timed[k.compute] * (ATTENTION_BACKWARD if k.what == "attention" else 1.0)
                 sec = np.where(np.isnan(got), sec, got)
             yield k, sec
 
-    def _optimizer_s(self) -> float:
-        o = self.optimizer
+    def _optimizer_s(self, r: Roofline) -> float:
+        o = self._opt
         launches = o.passes * max(1, math.ceil(self._n_tensors / o.tensors_per_launch))
-        return o.bytes_per_param * self._n_params / self._bw + launches * self._launch
+        return o.bytes_per_param * self._n_params / r.bw + launches * r.launch
 
-    def _scaler_s(self) -> float:
+    def _scaler_s(self, r: Roofline) -> float:
         """GradScaler: loss * scale, the unscale + inf check (one read and write of every
         fp32 gradient, unless the fused optimizer takes the scale), the scale update."""
-        unscale = 0.0 if self.optimizer.fused else 8.0 * self._n_params / self._bw
-        launches = 2 + (0 if self.optimizer.fused else
-                        max(1, math.ceil(self._n_tensors / self.optimizer.tensors_per_launch)))
-        return unscale + launches * self._launch
+        unscale = 0.0 if self._opt.fused else 8.0 * self._n_params / r.bw
+        launches = 2 + (0 if self._opt.fused else
+                        max(1, math.ceil(self._n_tensors / self._opt.tensors_per_launch)))
+        return unscale + launches * r.launch
 
     # -- memory -----------------------------------------------------------------------------------
-    def memory_of(self, sch: Schedule, bwd: Backward, rules: RuleSet,
+    def memory_of(self, cost: StepHost, sch: Schedule, bwd: Backward, rules: RuleSet,
                   codes: np.ndarray) -> np.ndarray:
         """(T,) training-memory peak (``TrainMemory.peak_bytes``) of the plans."""
         region, prec, _ = rules.encode(codes)
-        weights = self._weight_bytes(region, prec, "train")
-        acts = saved_activation_bytes(sch, bwd, self._numel)
-        fixed = self._n_params * (4.0 + self.optimizer.state_bytes)
+        weights = cost.held_weight_bytes(region, prec, "train")
+        acts = saved_activation_bytes(sch, bwd, cost.forward.roofline.numel)
+        fixed = self._n_params * (4.0 + self._opt.state_bytes)
         return weights + acts + fixed
 
-    def train_memory(self, policy: Policy | dict[str, str], default: str = "fp32"
-                     ) -> TrainMemory:
+    def train_memory(self, cost: StepHost, policy: Policy | dict[str, str],
+                     default: str = "fp32") -> TrainMemory:
         """Weights, gradients, optimizer state and saved activations of one plan."""
-        rs, row = self._row(policy, default)
+        rs, row = cost.row(policy, default)
         region, prec, _ = rs.encode(row)
-        sch = self.schedule(policy, default)
+        sch = cost.schedule(policy, default)
         bwd = backward(sch, self.fp8_backward)
-        return TrainMemory(float(self._weight_bytes(region, prec, "train")[0]),
-                           4.0 * self._n_params, self.optimizer.state_bytes * self._n_params,
-                           float(saved_activation_bytes(sch, bwd, self._numel)[0]))
+        return TrainMemory(float(cost.held_weight_bytes(region, prec, "train")[0]),
+                           4.0 * self._n_params, self._opt.state_bytes * self._n_params,
+                           float(saved_activation_bytes(sch, bwd,
+                                                        cost.forward.roofline.numel)[0]))
 
-    def breakdown(self, policy: Policy | dict[str, str], default: str = "fp32") -> Breakdown:
-        fwd = super().breakdown(policy, default)
-        if self._form(policy) != "train":
-            return fwd
-        sch = self.schedule(policy, default)
+    def breakdown(self, cost: StepHost, fwd: Breakdown, policy: Policy | dict[str, str],
+                  default: str = "fp32") -> Breakdown:
+        """The step's breakdown of one train-form plan from its forward's (``fwd``)."""
+        sch = cost.schedule(policy, default)
         bwd = backward(sch, self.fp8_backward)
         fparts = np.array([[fwd.parts[p] for p in ("gemm", "cast", "gemm_format_scaling",
                                                    "other")]])
-        step = self._step_parts(sch, fparts, bwd)[0]
+        step = self._step_parts(cost, sch, fparts, bwd)[0]
         parts = {p: float(step[i]) for i, p in enumerate(STEP_PARTS)}
         opt = parts["optimizer"] + parts["scaler"]
         total = float(step.sum())
@@ -265,7 +295,7 @@ class StepCostModel(CostModel):
             fwd.kernels + sum(1 for k in bwd.kernels if k.on[0]), fwd.by_module,
             fwd.gemm_precision, fwd.invalid, forward_s=fwd.total_s,
             backward_s=total - fwd.total_s - opt if math.isfinite(fwd.total_s) else math.inf,
-            memory=self.train_memory(policy, default),
+            memory=self.train_memory(cost, policy, default),
             backward_casts=sum(1 for k in bwd.kernels if k.what == "cast" and k.on[0]),
             step_parts=parts)
 
@@ -282,9 +312,10 @@ def step_metrics(bd: Breakdown) -> dict[str, float]:
     return out
 
 
-def train_bytes(cost: CostModel, policy: Policy) -> int | None:
-    """The estimated training-memory peak of ``policy`` (None: not priced as a step)."""
-    if not isinstance(cost, StepCostModel) or policy.form != "train":
+def train_bytes(cost: Any, policy: Policy) -> int | None:
+    """The estimated training-memory peak of ``policy`` under the ``CostModel`` ``cost``
+    (None: not priced as a step)."""
+    if cost.step is None or policy.form != "train":
         return None
     return int(cost.train_memory(policy).peak_bytes)
 
@@ -298,12 +329,12 @@ def fp8_backward_of(backend: str | None) -> str:
     return "fp32" if backend == "emulated" else "fp8"
 
 
-def step_cost_model(cost: CostModel, **kwargs: Any) -> StepCostModel:
-    """The step cost model of the same graph, profile, batch and op timings as ``cost``."""
-    return StepCostModel(cost.graph, cost.profile, cost.batch_size,
-                         device_type=cost.device_type, op_times=cost.op_times, **kwargs)
+def step_cost_model(cost: Any, **kwargs: Any) -> Any:
+    """The step ``CostModel`` (``StepPart(**kwargs)``) of the same graph, profile, batch, op
+    timings and forward pricer as ``cost``."""
+    return cost.with_step(StepPart(**kwargs))
 
 
 __all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "ADAMW_LOOP", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
-           "StepBreakdown", "StepCostModel", "fp8_backward_of", "step_cost_model",
+           "StepBreakdown", "StepHost", "StepPart", "fp8_backward_of", "step_cost_model",
            "step_metrics", "train_bytes"]

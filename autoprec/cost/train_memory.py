@@ -2,7 +2,7 @@
 activations autograd saves for the backward, at the dtype each is held in.
 
 - weights: the fp32 masters (the training form keeps them), plus each GEMM-format leaf's
-  cached quantised weight (``CostModel._weight_bytes``, train form);
+  cached quantised weight (``CostModel.held_weight_bytes``, train form);
 - gradients: one per trainable parameter, in the master's dtype (fp32: autocast's backward
   casts a 16-bit weight copy's gradient to the master's dtype);
 - optimizer state: AdamW's ``exp_avg`` and ``exp_avg_sq``, fp32 (8 bytes per parameter);

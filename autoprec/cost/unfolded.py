@@ -14,15 +14,12 @@ Under a plan that casts that weight — autocast's per-call cast in the training
 GEMM's weight operand is the cast's output, which under ``no_grad`` does not require grad,
 and ``x`` is not contiguous: inductor does not fold. It lowers the Linear to
 ``bmm(x, W.t().expand(T, K, N))``, and on a CPU the batched GEMM copies the stride-0 expanded
-weight ``T`` times before it multiplies ``T`` small ``(B, K) @ (K, N)`` products. Measured
-on an AMD EPYC (AVX512-BF16), examples/nn_transformer (d=192, T=32, B=8) compiled under
-apply's bf16 autocast: each in-projection took ~1.3 ms of copy and ~0.9 ms of bmm against
-0.18 ms folded, and the whole forward ran at 0.60-0.75x of fp32 where the folded estimate
-said 2.6x. Eager autocast folds (its in-projection took 0.24 ms) and the deploy form's
-stored bf16 weight is a parameter (it requires grad), so both run the folded GEMM.
+weight ``T`` times before it multiplies ``T`` small ``(B, K) @ (K, N)`` products
+(measured: docs/cost_history.md). Eager autocast folds and the deploy form's stored bf16
+weight is a parameter (it requires grad), so both run the folded GEMM.
 
 ``unfolded_gemms`` finds these GEMMs in a recorded forward and gives each the recipe of the
-``bmm`` inductor runs instead; ``cost.op_measure`` times it on this machine
+``bmm`` inductor runs instead; ``measure.ops`` times it on this machine
 (``OpTimes.compute_unfolded``) and the compiled cost model prices a row with it wherever
 the row reads the GEMM's weight in another dtype than the parameter's (a cast weight). Only
 3-D inputs are matched (a 4-D one would flatten its leading dimensions first). Without op

@@ -60,7 +60,7 @@ class Assessment:
     fp8_backend: str | None
     first_nonfinite: tuple[str, int] | None  # (module path, eval batch) where inf/nan began
     graph: LayerGraph
-    cost: Any  # CostModel or CompiledCostModel
+    cost: Any  # CostModel (eager or compiled forward, with or without the step)
     breakdown: Breakdown
     est_speedup: float  # over all-fp32 on the target (0 / inf as the cost model gives it)
     infeasible: dict[str, str]  # precision -> why the target cannot run it

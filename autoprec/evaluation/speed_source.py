@@ -11,11 +11,11 @@ torch version; threads). Seen here: the shipped ``cpu`` profile (fitted on a CPU
 priced a bf16 policy 1.82x faster than fp32 on a CPU without AMX, where it measured 0.56x.
 
 For ``torch.compile`` deployments (``mode="compile"``) the same micro-benchmarks run
-compiled and the compiled call's own per-forward time (``calibrate.call_overhead``) is
+compiled and the compiled call's own per-forward time (``measure.call_overhead``) is
 fitted too: a second calibration, cached beside the first (``<profile>-compile-<key>``).
 Compiling ~25 tiny programs takes one to two minutes on a 2-core CPU, once per machine.
 
-On a CPU the model's own ops are timed too (``cost.op_times``: every distinct op in each
+On a CPU the model's own ops are timed too (``measure.op_times``: every distinct op in each
 dtype a plan may run it in, the casts, a module call), cached per op set, batch and
 machine beside the calibration; ``SpeedSource.cost_model`` is the one way a tune,
 ``eval`` and ``check`` get a cost model for a target, so the three print one price.
@@ -30,17 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoprec.cost import apply_calibration, fit, get_profile, measure_latency
-from autoprec.cost.calibrate import CPU_SHAPES, call_overhead, gpu_shapes, micro_samples
-from autoprec.cost.machine import (
+from autoprec.cost import apply_calibration, fit, get_profile
+from autoprec.cost.profiles import DeviceProfile
+from autoprec.measure import (
+    CPU_SHAPES,
     Machine,
     cached_calibration,
     calibration_path,
+    call_overhead,
+    gpu_shapes,
     local_device,
+    measure_latency,
+    micro_samples,
     this_machine,
     timing_threads,
 )
-from autoprec.cost.profiles import DeviceProfile
 from autoprec.policy import Policy, PolicyWarning
 from autoprec.targets import is_cpu
 
@@ -66,16 +70,15 @@ class SpeedSource:
         return self.device is not None
 
     def op_times(self, graph: Any, batch_size: int) -> Any:
-        """The model's ops timed on this CPU at ``batch_size`` (``cost.op_times``), cached;
+        """The model's ops timed on this CPU at ``batch_size`` (``measure.op_times``), cached;
         None for a remote target, a GPU, or a stored profile (nothing measured here)."""
-        from autoprec.cost.machine import timing_threads
-        from autoprec.cost.op_times import cached_or_measured
+        from autoprec.measure import measure_op_times, timing_threads
 
         if (not self.local or not is_cpu(self.device) or self.how == "stored profile"
                 or self.cache_dir is None or graph.ops is None):
             return None
         with timing_threads(self.device):
-            got = cached_or_measured(graph.ops, batch_size, self.cache_dir,
+            got = measure_op_times(graph.ops, batch_size, self.cache_dir,
                                      machine=self.machine.key if self.machine else "",
                                      measure_now=self.measure,
                                      precisions=[p for p in ("bf16", "fp16")

@@ -73,7 +73,7 @@ def interleaved_timer(model: Any, run: Callable[[], Any], device: str, target: s
 @contextlib.contextmanager
 def _timing(device: str) -> Iterator[None]:
     """Torch threads for timing on ``device``; the one-plan policies' warnings quiet."""
-    from autoprec.cost.machine import timing_threads
+    from autoprec.measure import timing_threads
 
     with timing_threads(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", PolicyWarning)
@@ -86,7 +86,7 @@ def _rounds(runs: Mapping[str, Callable[[], Any]], device: str, inner: int, seed
     """The interleaved rounds every timer runs (see the module doc). ``cold``: glibc's
     ``malloc_trim(0)`` untimed before every timed forward, so each starts from an allocator
     that has handed its free memory back (``cold_confirm``)."""
-    from autoprec.cost.measure import allocator_trim, measure_interleaved
+    from autoprec.measure import allocator_trim, measure_interleaved
 
     return measure_interleaved(runs, device, around=around, rounds=MIN_ROUNDS,
                                max_rounds=MAX_ROUNDS, more=_undecided,
@@ -171,7 +171,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
     measurement, and how many forwards make one sample). A compiled target (``--compile``)
     times each plan ``torch.compile``'d (``compiled_timer``). A training-form target with
     model.py's ``loss`` times each plan as a real training step instead (forward, loss,
-    backward, AdamW; a GradScaler where it has fp16: ``cost.measure_step``) on a copy of the
+    backward, AdamW; a GradScaler where it has fp16: ``measure.training_step``) on a copy of the
     model, eager."""
     import copy
 
@@ -202,7 +202,7 @@ def measure_rows(rows: list[Row], forward: Callable[[Any, Any], Any], net: Any, 
             how.replace("forwards", "steps") + ", training steps (forward, loss, backward, "
             "AdamW; GradScaler with fp16)")
     if timer is None:
-        from autoprec.cost.measure import allocator_trim
+        from autoprec.measure import allocator_trim
 
         kw = dict(inner=inner, seed=seed, force=force, fp8_backend=target.fp8_backend)
 
@@ -310,7 +310,7 @@ def step_timer(net: Any, forward: Callable[[Any, Any], Any], loss: Callable[[Any
     plan, a GradScaler for a plan with fp16)."""
     import copy
 
-    from autoprec.cost.measure_step import training_step, uses_fp16
+    from autoprec.measure import training_step, uses_fp16
 
     mine = copy.deepcopy(net)
     steps: dict[tuple, Callable[[], Any]] = {}

@@ -55,7 +55,7 @@ class Schedule:
     invalid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     reasons: dict[int, str] = field(default_factory=dict)  # plan row -> why it cannot run
     #: (T,) calls through a wrapper apply installs (a wrapped module's forward, and in the
-    #: deploy form a consumer's input rule): each costs host time (``cost.op_times``)
+    #: deploy form a consumer's input rule): each costs host time (``measure.op_times``)
     wrapper_calls: np.ndarray = field(default_factory=lambda: np.zeros(0))
     form: str = "train"
 

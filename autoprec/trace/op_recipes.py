@@ -1,6 +1,6 @@
 """An op's recipe: how to run one recorded op alone (``Op.recipe``).
 
-``cost.op_times`` times each op of a recorded forward on this machine by rebuilding it from
+``measure.op_times`` times each op of a recorded forward on this machine by rebuilding it from
 its recipe: the function (``F.linear``, ``aten.add.Tensor``) and its arguments, tensors as
 their value id, shape, strides and dtype; dtypes, devices, memory formats and layouts tagged.
 An argument that cannot be rebuilt (a Python object, a generator...) leaves the op without

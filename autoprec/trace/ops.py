@@ -63,7 +63,7 @@ class Op:
     #: an fp32 norm): the model's own dtype, which a plan changes — the deploy form's
     #: replay casts to the region's storage dtype instead of the traced one
     ambient: bool = False
-    #: how to run this op alone (``cost.op_times`` times it on this machine): the function
+    #: how to run this op alone (``measure.op_times`` times it on this machine): the function
     #: (``F.linear``, ``aten.add.Tensor``) and its arguments, tensors as their value id,
     #: shape, strides and dtype (``trace.op_recipes``); None where an argument cannot be rebuilt
     recipe: dict[str, Any] | None = None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from autoprec.cost import CostModel
-from autoprec.cost.compiled import make_cost_model
+from autoprec.cost.model import make_cost_model
 from autoprec.errors import InputError
 from autoprec.evaluation.speed_source import calibration_dir
 from autoprec.evaluation.target import Target, resolve_target

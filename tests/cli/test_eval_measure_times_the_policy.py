@@ -38,7 +38,7 @@ def test_eval_measure_of_a_compiled_deployment_times_the_rows_compiled(
     """``--compile`` (or ``target.mode: compile``): priced on this machine's compiled
     calibration (seeded here, not measured: minutes of compiling) and timed compiled."""
     from autoprec.cost import Calibration, get_profile
-    from autoprec.cost.machine import calibration_path, this_machine
+    from autoprec.measure.machine import calibration_path, this_machine
 
     m = this_machine("cpu")
     Calibration(device="cpu", machine=m.to_dict(), mode="compile", call_overhead_s=30e-6).save(

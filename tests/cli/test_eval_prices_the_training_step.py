@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autoprec.cost.step import STEP_PARTS
-from autoprec.policy import Policy
+from autoprec.policy import Policy, load_policy
 from tests.helpers import run_cli
 
 MODEL_PY = textwrap.dedent('''
@@ -120,3 +120,26 @@ def test_tune_memory_limit_binds_the_training_step(tmp_path: Path, model_py: Pat
     run = MlflowClient(uri).get_run(pol.provenance["mlflow_run"])  # the parent run
     assert run.data.metrics["est_train_peak_mb"] == pol.metrics["est_train_peak_mb"]
     assert run.data.metrics["est_step_us"] == pol.metrics["est_step_us"]
+
+
+def test_compile_train_tune_prices_the_step(tmp_path: Path, model_py: Path,
+                                            capsys: pytest.CaptureFixture[str]):
+    """``tune --compile --form train``: the forward priced as torch.compile runs it and the
+    backward, optimizer and scaler on top (cost.step.StepPart): the written policy's
+    figures include the backward."""
+    out = tmp_path / "p.yaml"
+    code, printed, err = run_cli(["tune", model_py, "--form", "train", "--compile",
+                                  "--target", "h100", "--batch-size", "4096", "--max-error",
+                                  "0.05", "--no-track", "--quiet", "--out", out], capsys)
+    assert code == 0, err
+    pol = load_policy(out)
+    assert pol.mode == "compile" and pol.form == "train"
+    m = pol.metrics
+    assert m["est_dgrad_us"] > 0 and m["est_wgrad_us"] > 0 and m["est_optimizer_us"] > 0
+    assert m["est_step_us"] == pytest.approx(
+        sum(m[f"est_{p}_us"] for p in STEP_PARTS), rel=1e-3)
+    code, printed, err = run_cli(["eval", model_py, "--policy", out, "--target", "h100",
+                                  "--batch-size", "4096", "--json"], capsys)
+    assert code == 0, err
+    b = json.loads(printed)["breakdown"]
+    assert b["backward_us"] > 0 and b["dgrad_us"] > 0

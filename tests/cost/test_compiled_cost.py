@@ -10,7 +10,9 @@ from torch import nn
 
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.calibrate import gemm_graph
-from autoprec.cost.compiled import CompiledCostModel, make_cost_model
+from autoprec.cost.compiled import CompiledPricer
+from autoprec.cost.model import make_cost_model
+from autoprec.cost.op_pricing import EagerPricer
 from autoprec.errors import InputError
 from autoprec.policy import Policy
 from autoprec.trace import trace
@@ -24,11 +26,11 @@ def test_bf16_gemm_by_hand_casts_fuse_into_one_kernel():
     gemm = 2e9 / 4e12 + L  # 2 B x 3e6 bytes of operands hide under 0.5 ms of FLOPs
     # one fused kernel before the GEMM: read x and w in fp32, write both in bf16
     casts = 1e6 * (4 + 2) * 2 / 1e11
-    cpu_like = CompiledCostModel(g, TOY, horizontal=True)
+    cpu_like = CostModel(g, TOY, horizontal=True, mode="compile")
     assert cpu_like.estimate(Policy(default="bf16")) == pytest.approx(gemm + casts + L)
-    triton = CompiledCostModel(g, TOY, horizontal=False)  # a weight cast is its own kernel
+    triton = CostModel(g, TOY, horizontal=False, mode="compile")  # a weight cast is its own kernel
     assert triton.estimate(Policy(default="bf16")) == pytest.approx(gemm + casts + 2 * L)
-    frozen = CompiledCostModel(g, TOY, horizontal=True, frozen=True)  # weight cast folded
+    frozen = CostModel(g, TOY, horizontal=True, frozen=True, mode="compile")  # weight cast folded
     assert frozen.estimate(Policy(default="bf16")) == pytest.approx(gemm + casts / 2 + L)
     # eager: the same bytes, one launch per cast
     assert CostModel(g, TOY).estimate(Policy(default="bf16")) == pytest.approx(
@@ -40,7 +42,7 @@ def test_bf16_gemm_by_hand_casts_fuse_into_one_kernel():
 
 def test_fp32_plan_prices_like_eager_when_nothing_fuses():
     g = gemm_graph(64, 128, 256)
-    assert CompiledCostModel(g, TOY).estimate({}) == pytest.approx(CostModel(g, TOY).estimate({}))
+    assert CostModel(g, TOY, mode="compile").estimate({}) == pytest.approx(CostModel(g, TOY).estimate({}))
 
 
 class Chain(nn.Module):
@@ -65,7 +67,7 @@ def _graph(model: nn.Module, x: torch.Tensor):
 def test_pointwise_and_casts_between_gemms_are_one_kernel_per_segment():
     g = _graph(Chain(), torch.randn(8, 64))
     cpu = get_profile("cpu")
-    comp, eager = CompiledCostModel(g, cpu), CostModel(g, cpu)
+    comp, eager = CostModel(g, cpu, mode="compile"), CostModel(g, cpu)
     # fp32: fc1 (addmm) | GELU | fc2 (addmm) | add + LayerNorm
     assert comp.breakdown(Policy(default="fp32")).kernels == 2 + 2
     # bf16: the casts join the segments: [x, w1, b1 casts] fc1 [GELU, w2, b2] fc2 [add, LN]
@@ -95,7 +97,7 @@ def test_one_value_cast_to_one_dtype_is_cast_once():
     x = torch.randn(32, 64)
     fused = {}
     for n in (1, 3):
-        cm = CompiledCostModel(_graph(Fanout(n), x), TOY, horizontal=True)
+        cm = CostModel(_graph(Fanout(n), x), TOY, horizontal=True, mode="compile")
         fused[n] = sum(k.bytes for _, k in cm.kernels(Policy(default="bf16"))
                        if k.what == "fused")
     # 3 projections: 2 more weights cast (read fp32, write bf16) and the LayerNorm output
@@ -108,8 +110,9 @@ def test_one_value_cast_to_one_dtype_is_cast_once():
 
 def test_make_cost_model_modes():
     g = gemm_graph(8, 16, 16)
-    assert type(make_cost_model(g, TOY)) is CostModel
-    assert isinstance(make_cost_model(g, TOY, mode="compile"), CompiledCostModel)
+    eager, compiled = make_cost_model(g, TOY), make_cost_model(g, TOY, mode="compile")
+    assert isinstance(eager.forward, EagerPricer) and eager.step is None
+    assert isinstance(compiled.forward, CompiledPricer) and compiled.mode == "compile"
     with pytest.raises(InputError, match="mode must be one of eager, compile"):
         make_cost_model(g, TOY, mode="jit")
 
@@ -118,7 +121,7 @@ def test_vectorised_prices_match_one_plan_at_a_time():
     import numpy as np
 
     g = _graph(Chain(), torch.randn(8, 64))
-    cm = CompiledCostModel(g, get_profile("cpu"))
+    cm = CostModel(g, get_profile("cpu"), mode="compile")
     rs = cm.rules(["fc1", "fc2", "norm"])
     codes = np.array([[0, -1, -1, -1], [2, -1, -1, -1], [0, 2, 3, -1], [2, 0, -1, 0],
                       [3, 2, -1, -1]])
@@ -163,7 +166,7 @@ def test_priced_kernels_match_what_inductor_launches():
 
     mod = _script()
     net, x = Chain().eval(), torch.randn(8, 64)
-    cm = CompiledCostModel(_graph(net, x), get_profile("cpu"))
+    cm = CostModel(_graph(net, x), get_profile("cpu"), mode="compile")
     for pol in (Policy(default="fp32"), Policy(default="bf16"),
                 Policy(default="fp32", layers={"fc2": "bf16"})):
         with torch.no_grad(), apply_policy(net, pol, target="cpu"):

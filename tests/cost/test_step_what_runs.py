@@ -1,6 +1,6 @@
 """What a training step runs is what the step is priced on: a real forward + ``loss.backward()``
 + AdamW step under ``apply_policy`` (training form), counted op by op by a dispatch mode
-written here (not the pricer's code), against ``StepCostModel``'s derivation — the gradient
+written here (not the pricer's code), against ``StepPart``'s derivation — the gradient
 GEMMs (their dtypes and FLOPs, dgrad and wgrad), the casts of the backward, and the saved
 activations (counted through ``torch.autograd.graph.saved_tensors_hooks``).
 
@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import get_profile
-from autoprec.cost.step import ADAMW_FOREACH, STEP_PARTS, StepCostModel
+from autoprec.cost import CostModel, get_profile
+from autoprec.cost.step import ADAMW_FOREACH, STEP_PARTS, StepPart
 from autoprec.plan.backward import backward
 from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.trace import trace
@@ -125,7 +125,7 @@ def _policies(model: torch.nn.Module) -> dict[str, Policy]:
 CASES = _cases()
 
 
-def _priced_gemms(cost: StepCostModel, pol: Policy) -> tuple[Counter, Counter, int]:
+def _priced_gemms(cost: CostModel, pol: Policy) -> tuple[Counter, Counter, int]:
     """The step pricer's gradient GEMMs as (dtype, FLOPs) and its backward casts."""
     sch = cost.schedule(pol)
     bwd = backward(sch)
@@ -148,7 +148,7 @@ def _priced_gemms(cost: StepCostModel, pol: Policy) -> tuple[Counter, Counter, i
 def test_gradient_gemms_casts_and_saved_bytes_match_a_real_step(case) -> None:
     name, model, fwd, batch = case
     graph = trace(model, batch, forward=fwd, tracers=("hooks",))
-    cost = StepCostModel(graph, get_profile("h100"))
+    cost = CostModel(graph, get_profile("h100"), step=StepPart())
     for label, pol in _policies(model).items():
         priced, att, bcasts = _priced_gemms(cost, pol)
         bd = cost.breakdown(pol)
@@ -172,7 +172,7 @@ def test_dgrad_and_wgrad_split_by_operand() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 16)).float().eval()
     x = torch.randn(8, 32)
-    cost = StepCostModel(trace(model, x, tracers=("hooks",)), get_profile("h100"))
+    cost = CostModel(trace(model, x, tracers=("hooks",)), get_profile("h100"), step=StepPart())
     bwd = backward(cost.schedule(Policy(default="bf16")))
     gemms = [(k.part, k.flops) for k in bwd.gemms(0)]
     assert sorted(gemms) == sorted([("wgrad", 2 * 8 * 32 * 64), ("wgrad", 2 * 8 * 64 * 16),
@@ -186,7 +186,7 @@ def test_step_parts_optimizer_scaler_and_fp8_backward() -> None:
     case = zoo.mlp()
     graph = trace(case.model, case.batch, tracers=("hooks",))
     prof = get_profile("h100")
-    cost = StepCostModel(graph, prof, batch_size=4096)
+    cost = CostModel(graph, prof, batch_size=4096, step=StepPart())
     n = sum(p.numel() for p in case.model.parameters())
     bd = cost.breakdown(Policy(default="fp32"))
     assert set(bd.parts) == set(STEP_PARTS)
@@ -195,11 +195,11 @@ def test_step_parts_optimizer_scaler_and_fp8_backward() -> None:
     assert bd.parts["scaler"] == 0.0
     assert cost.breakdown(Policy(default="fp16")).parts["scaler"] > 0.0
     assert cost.breakdown(Policy(default="bf16")).parts["scaler"] == 0.0
-    foreach = StepCostModel(graph, prof, batch_size=4096, optimizer=ADAMW_FOREACH)
+    foreach = CostModel(graph, prof, batch_size=4096, step=StepPart(optimizer=ADAMW_FOREACH))
     assert foreach.breakdown(Policy(default="fp32")).parts["optimizer"] > bd.parts["optimizer"]
     pol = Policy(default="bf16", layers={"fc2": "fp8"})
     te = cost.breakdown(pol)
-    deq = StepCostModel(graph, prof, batch_size=4096, fp8_backward="fp32").breakdown(pol)
+    deq = CostModel(graph, prof, batch_size=4096, step=StepPart(fp8_backward="fp32")).breakdown(pol)
     assert deq.parts["dgrad"] + deq.parts["wgrad"] > te.parts["dgrad"] + te.parts["wgrad"]
     assert te.parts["fp8_scaling"] > cost.breakdown(Policy(default="bf16")).parts["fp8_scaling"]
     sch = cost.schedule(pol)
@@ -211,7 +211,7 @@ def test_step_parts_optimizer_scaler_and_fp8_backward() -> None:
 
 def test_memory_limit_makes_a_plan_infeasible_with_the_reason() -> None:
     case = zoo.mlp()
-    cost = StepCostModel(trace(case.model, case.batch, tracers=("hooks",)), get_profile("h100"))
+    cost = CostModel(trace(case.model, case.batch, tracers=("hooks",)), get_profile("h100"), step=StepPart())
     mem = cost.train_memory(Policy(default="fp32"))
     assert mem.weights == mem.grads == mem.optimizer / 2  # fp32 masters, grads, AdamW m, v
     cost.max_train_bytes = mem.peak_bytes * 0.5

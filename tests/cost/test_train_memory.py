@@ -1,5 +1,5 @@
-"""The training step's memory estimate (``cost.train_memory`` via ``StepCostModel``) against
-the CPU allocator's measured peak of a real step (``cost.measure_step.step_peak_bytes``:
+"""The training step's memory estimate (``cost.train_memory`` via ``StepPart``) against
+the CPU allocator's measured peak of a real step (``measure.training_step.step_peak_bytes``:
 torch's profiler, ``profile_memory``) — weights, gradients, AdamW state and the activations
 saved for the backward, for fp32 and one global bf16 autocast."""
 
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from autoprec.apply.apply import apply_policy
-from autoprec.cost import get_profile
-from autoprec.cost.measure_step import live_bytes, step_peak_bytes, training_step
-from autoprec.cost.step import ADAMW_FOREACH, StepCostModel
+from autoprec.cost import CostModel, get_profile
+from autoprec.cost.step import ADAMW_FOREACH, StepPart
+from autoprec.measure.training_step import live_bytes, step_peak_bytes, training_step
 from autoprec.policy import Policy
 from autoprec.trace import trace
 
@@ -39,8 +39,8 @@ def _loss(out: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("default", ["fp32", "bf16"])
 def test_estimated_peak_is_within_15_percent_of_the_measured_step(default: str) -> None:
     model, ids = _gpt2()
-    cost = StepCostModel(trace(model, ids, forward=_fwd, tracers=("hooks",)),
-                         get_profile("cpu"), optimizer=ADAMW_FOREACH)
+    cost = CostModel(trace(model, ids, forward=_fwd, tracers=("hooks",)),
+                         get_profile("cpu"), step=StepPart(optimizer=ADAMW_FOREACH))
     pol = Policy(default=default)
     step = training_step(model, _fwd, _loss, ids)
     with apply_policy(model, pol, target="cpu"):
@@ -55,7 +55,7 @@ def test_estimated_peak_is_within_15_percent_of_the_measured_step(default: str) 
 
 def test_bf16_saves_less_than_fp32_and_fp8_saves_its_1_byte_copy() -> None:
     model, ids = _gpt2()
-    cost = StepCostModel(trace(model, ids, forward=_fwd, tracers=("hooks",)), get_profile("h100"))
+    cost = CostModel(trace(model, ids, forward=_fwd, tracers=("hooks",)), get_profile("h100"), step=StepPart())
     fp32 = cost.train_memory(Policy(default="fp32")).activations
     bf16 = cost.train_memory(Policy(default="bf16")).activations
     fp8 = cost.train_memory(Policy(default="bf16", layers={"transformer.h.0.mlp.c_fc": "fp8"}))

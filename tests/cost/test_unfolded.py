@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from autoprec.cost import get_profile
-from autoprec.cost.compiled import make_cost_model
-from autoprec.cost.op_runner import _Builder, _Runner
-from autoprec.cost.op_times import OpTimes, measure
+from autoprec.cost.model import make_cost_model
 from autoprec.cost.unfolded import unfolded_gemms
+from autoprec.measure.op_runner import _Builder, _Runner
+from autoprec.measure.op_times import OpTimes, measure
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests import zoo

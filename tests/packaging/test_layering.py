@@ -23,10 +23,13 @@ from tests.helpers import ROOT
 PACKAGE = ROOT / "autoprec"
 
 #: The stages in the order the data flows through them.
-#: Above the cost: ``evaluation`` (what tune, check and eval share: the target, scoring,
+#: ``measure`` runs ops on this machine (latency, the model's op times, a real training
+#: step, the calibration's micro-benchmarks): above the cost, whose records (``OpTimes``,
+#: a fitted profile) it fills; the cost stage prices what it is handed and never runs ops.
+#: Above them: ``evaluation`` (what tune, check and eval share: the target, scoring,
 #: baselines, timing, the decision), ``search`` (the algorithm alone: no Optuna, no files),
 #: ``study`` (the Optuna adapter) and ``tuning`` (tune's orchestration on top).
-STAGES = ("trace", "probe", "plan", "cost", "evaluation", "search", "study", "tuning",
+STAGES = ("trace", "probe", "plan", "cost", "measure", "evaluation", "search", "study", "tuning",
           "apply", "track")
 #: Later stages an earlier one may import: the evaluation scores and times plans by
 #: applying them (``Target.apply``, the audit), and tune logs its trials (``track``).
@@ -128,7 +131,7 @@ def test_stages_import_no_later_stage() -> None:
 
 def test_nothing_before_apply_imports_apply() -> None:
     graph = import_graph()
-    before = ("trace", "policy", "probe", "plan", "cost", "formats", "lower")
+    before = ("trace", "policy", "probe", "plan", "cost", "measure", "formats", "lower")
     offenders = sorted(p for p in before if "apply" in graph.get(p, ()))
     assert offenders == [], f"{offenders} import autoprec.apply; the graph:\n{_show(graph)}"
 
@@ -161,3 +164,21 @@ def test_check_and_eval_run_without_the_search() -> None:
     assert graph["evaluation"] & {"search", "study", "tuning"} == set(), _show(graph)
     assert "optuna" not in {m.split(".")[0] for p in (PACKAGE / "search").glob("*.py")
                             for m in _imported(p)}, "the search algorithm imports Optuna"
+
+
+def test_measure_is_used_through_its_interface() -> None:
+    """Code that runs ops on this machine sits behind ``autoprec.measure``'s exports: no
+    other part imports one of its submodules (``autoprec.measure.ops``, ``.op_runner``)."""
+    reached = sorted(
+        f"{path.relative_to(PACKAGE.parent)} -> {target}"
+        for path in PACKAGE.rglob("*.py") if path.parent.name != "measure"
+        for target in _imported(path)
+        if target.startswith("autoprec.measure.")
+        and target.split(".")[2] not in _measure_exports())
+    assert reached == [], f"past autoprec.measure's interface: {reached}"
+
+
+def _measure_exports() -> set[str]:
+    import autoprec.measure
+
+    return set(autoprec.measure.__all__)

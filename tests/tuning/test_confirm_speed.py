@@ -120,7 +120,7 @@ def test_a_near_tie_writes_the_simpler_plan_and_says_so():
 def test_a_timed_row_that_page_faults_in_every_forward_is_named_in_the_reason():
     """Fresh memory in every forward (glibc returning a large per-call buffer to the OS)
     makes a row's time depend on the process: the reason names it, the report keeps it."""
-    from autoprec.cost.measure import Samples
+    from autoprec.measure.latency import Samples
 
     base = timer_of({"tuned": 40, "next candidate (trial 3)": 45, label("fp32"): 34,
                      label("bf16"): 30})
@@ -292,7 +292,7 @@ def _local_gpu_profile() -> str | None:
     import torch
 
     from autoprec.cost import get_profile, known_devices
-    from autoprec.cost.machine import local_device
+    from autoprec.measure.machine import local_device
 
     if not torch.cuda.is_available():
         return None
@@ -342,7 +342,7 @@ def test_tune_for_a_compiled_cpu_deployment_times_its_plans_compiled(tmp_path: P
     in the cache here, so the test does not spend minutes calibrating), and the rows
     timed compiled."""
     from autoprec.cost import Calibration, get_profile
-    from autoprec.cost.machine import calibration_path, this_machine
+    from autoprec.measure.machine import calibration_path, this_machine
 
     m = this_machine("cpu")
     Calibration(device="cpu", efficiency={"fp32": 0.5, "bf16": 0.5}, machine=m.to_dict(),

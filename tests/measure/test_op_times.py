@@ -1,4 +1,4 @@
-"""The model's own ops timed on this CPU (autoprec.cost.op_times) and priced with.
+"""The model's own ops timed on this CPU (autoprec.measure.op_times) and priced with.
 
 Real timings of a tiny model (milliseconds each), and the cost model checked against
 op times set by hand, so every expected total is worked out below.
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from autoprec.cost import get_profile
-from autoprec.cost.compiled import make_cost_model
-from autoprec.cost.op_runner import _Builder
-from autoprec.cost.op_times import OpTimes, cached_or_measured, digest, is_conv, measure
+from autoprec.cost.model import make_cost_model
 from autoprec.evaluation.decision import contradictions
 from autoprec.evaluation.rows import Row
+from autoprec.measure.op_runner import _Builder
+from autoprec.measure.op_times import OpTimes, digest, is_conv, measure, measure_op_times
 from autoprec.policy import Policy
 from autoprec.trace import trace
 from tests import zoo
@@ -191,8 +191,8 @@ def test_weights_are_cycled_through_the_footprint_only_where_it_overflows_l2(
         graph, monkeypatch) -> None:  # noqa: ANN001
     """A stored weight is read cold where the forward's footprint overflows L2: the runner
     cycles each GEMM's weight through copies spanning it; where it fits, one hot copy."""
-    from autoprec.cost import op_runner
-    from autoprec.cost.op_measure import _footprint
+    from autoprec.measure import op_runner
+    from autoprec.measure.ops import _footprint
 
     gemm = next(op for op in graph.ops.ops if op.kind == "gemm")
     foot = _footprint(graph.ops, 1.0)
@@ -253,16 +253,16 @@ def test_op_times_at_another_batch_rebuild_the_scaled_tensors(graph) -> None:  #
 
 def test_cached_per_op_set_batch_and_machine(graph, tmp_path) -> None:  # noqa: ANN001
     torch.set_num_threads(1)
-    assert cached_or_measured(graph.ops, 2, tmp_path, machine="m", measure_now=False) is None
-    first = cached_or_measured(graph.ops, 2, tmp_path, machine="m", measure_now=True)
+    assert measure_op_times(graph.ops, 2, tmp_path, machine="m", measure_now=False) is None
+    first = measure_op_times(graph.ops, 2, tmp_path, machine="m", measure_now=True)
     files = list(tmp_path.glob("ops-*.json"))
     assert [f.name for f in files] == [f"ops-{digest(graph.ops, 2, 'm')}.json"]
-    again = cached_or_measured(graph.ops, 2, tmp_path, machine="m", measure_now=False)
+    again = measure_op_times(graph.ops, 2, tmp_path, machine="m", measure_now=False)
     assert again is not None and again.to_json() == first.to_json() and again.cached
     assert digest(graph.ops, 2, "m") != digest(graph.ops, 2, "other machine")
     assert digest(graph.ops, 2, "m") != digest(graph.ops, 4, "m")
     files[0].write_text("{not json")  # a damaged cache file is measured again
-    assert cached_or_measured(graph.ops, 2, tmp_path, machine="m", measure_now=False) is None
+    assert measure_op_times(graph.ops, 2, tmp_path, machine="m", measure_now=False) is None
 
 
 # -- the timing step: re-timed where the measured order contradicts the estimate ---------------
@@ -364,7 +364,7 @@ def test_each_call_through_an_installed_wrapper_costs_the_timed_wrapper(
 def test_the_footprint_counts_parameters_and_each_kernels_output_once(graph) -> None:  # noqa: ANN001
     """Between two reads of a weight a forward moves every parameter and every op's output
     (a view moves nothing); activations grow with the timed batch."""
-    from autoprec.cost.op_measure import _footprint
+    from autoprec.measure.ops import _footprint
 
     vals = graph.ops.values
     params = sum(v.numel for v in vals if v.source == "param")
@@ -377,7 +377,8 @@ def test_the_footprint_counts_parameters_and_each_kernels_output_once(graph) -> 
 
 def test_weight_casts_are_cycled_only_where_the_footprint_overflows_l2(graph, monkeypatch
                                                                        ) -> None:  # noqa: ANN001
-    from autoprec.cost import op_measure, op_runner
+    from autoprec.measure import op_runner
+    from autoprec.measure import ops as op_measure
 
     with one_torch_thread():
         monkeypatch.setattr(op_runner, "_cache_bytes", lambda: {2: 1 << 30})

@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprec.cost import Calibration, get_profile, measure_interleaved
-from autoprec.cost.machine import (
+from autoprec.cost import Calibration, get_profile
+from autoprec.errors import InputError
+from autoprec.evaluation.speed_source import speed_source
+from autoprec.measure import measure_interleaved
+from autoprec.measure.machine import (
     cached_calibration,
     calibration_path,
     local_device,
     this_machine,
     timing_threads,
 )
-from autoprec.errors import InputError
-from autoprec.evaluation.speed_source import speed_source
 
 
 def test_the_cpu_target_is_local_and_a_gpu_profile_is_not_on_a_cpu_machine():
@@ -122,13 +123,13 @@ def test_a_compile_calibration_is_cached_apart_and_carries_the_call_overhead(tmp
     assert src.profile.mode == "compile"
     assert src.profile.call_overhead_s == pytest.approx(80e-6)
     # the compiled cost model prices the call's own time once per forward
-    from autoprec.cost import CompiledCostModel
+    from autoprec.cost import CostModel
     from autoprec.trace import trace
 
     net = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
     graph = trace(net, torch.randn(2, 8))
-    with_call = CompiledCostModel(graph, src.profile).estimate({})
-    without = CompiledCostModel(graph, src.profile, call_overhead_s=0.0).estimate({})
+    with_call = CostModel(graph, src.profile, mode="compile").estimate({})
+    without = CostModel(graph, src.profile, call_overhead_s=0.0, mode="compile").estimate({})
     assert with_call - without == pytest.approx(80e-6)
 
 
@@ -171,7 +172,7 @@ def test_a_trimmed_allocator_serves_a_freed_buffer_from_fresh_pages_again():
     per 8 KiB: 1,024 faults; without the trim, after the first run, none)."""
     import mmap
 
-    from autoprec.cost.measure import allocator_trim
+    from autoprec.measure.latency import allocator_trim
 
     trim = allocator_trim()
     if trim is None:

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from autoprec.cost import Timing, measure_latency
 from autoprec.errors import CapabilityError, InputError
+from autoprec.measure import Timing, measure_latency
 
 
 def test_cpu_timing_counts_and_orders_percentiles():

@@ -3,7 +3,7 @@ cast a plan may insert, a module call and apply's wrapper around one (``measure`
 the batched GEMM inductor runs for a Linear it does not fold (``cost.unfolded``).
 
 Each is timed alone by ``op_runner``; the result is an ``OpTimes`` (``op_times_record``),
-cached by ``cost.op_times``.
+cached by ``measure.op_times``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from autoprec.cost.op_runner import (
+from autoprec.cost.op_times_record import OpTimes, cast_key
+from autoprec.cost.unfolded import unfolded_gemms
+from autoprec.measure.op_runner import (
     PASSES,
     _floating_specs,
     _key,
@@ -25,8 +27,6 @@ from autoprec.cost.op_runner import (
     _span,
     _time,
 )
-from autoprec.cost.op_times_record import OpTimes, cast_key
-from autoprec.cost.unfolded import unfolded_gemms
 from autoprec.trace.ops import Op, OpTrace
 
 #: Floating dtypes an op is timed in (the names of the plan stage).
@@ -61,8 +61,7 @@ def _module_call_s() -> float:
 def _wrapper_s() -> dict[str, float]:
     """Per form, the host seconds apply's wrapper adds to one module call: a bf16 region
     (train: ``lower.forward.lowered_forward``, an autocast block) or stored bf16 inputs
-    (deploy: ``lower.stored.deploy_forward``, autocast off) around a trivial forward.
-    Measured here: 8-15 us per wrapped Linear(4, 4), ~4 % of examples/trap's forward."""
+    (deploy: ``lower.stored.deploy_forward``, autocast off) around a trivial forward."""
     from autoprec.lower.forward import lowered_forward
     from autoprec.lower.stored import deploy_forward
 
@@ -105,9 +104,7 @@ def measure(trace: OpTrace, batch_size: int, *, precisions: Iterable[str] = DTYP
     A weight operand is read cold: the forward moved everything else since its last read,
     so it is cycled through copies spanning that footprint (``_footprint``,
     ``op_runner._span``). The training form's 16-bit GEMM reads the cast of its master it
-    has just written, and is priced at the same cold timing: priced hot, one global bf16
-    autocast came out +9..+15 % optimistic eager on five of six models, cold -5..+4 %;
-    compiled, both within 12 % (AMD EPYC, AVX512-BF16; benchmarks/results/train_form_gemms.md).
+    has just written, and is priced at the same cold timing (docs/cost_history.md).
     Only the unfolded ``bmm`` (which runs only where the weight is cast) is timed hot."""
     t_start = time.perf_counter()
     precisions = set(precisions) | {"fp32"}

@@ -3,8 +3,8 @@
 ``_Runner.seconds(recipe, dtype)`` rebuilds the op's tensors (``_Builder``: each recipe
 tensor in the dtype asked for, the batch dimension scaled), cycles its weight operands
 through copies spanning the cache they overflow (``_span``) and returns the median thread
-CPU time of one call (``_time``). What is timed is ``op_measure``'s; why so is in
-``cost.op_times``'s docs.
+CPU time of one call (``_time``). What is timed is ``measure.ops``'s; why so is in
+``measure.op_times``'s docs.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ SAMPLE_S = 5e-4
 #: Samples per op and pass; passes over all the ops. An op's time is the median of its
 #: passes' medians: its samples are spread over the whole measurement, interleaved with
 #: every other op's, so a drift (a process warming up, a neighbour's load) shifts all ops
-#: alike instead of landing on the few timed while it lasted. Timed in one pass of 7, the
-#: same 256 x 256 Linear at 32 rows (examples/trap) took 53-107 us fp32 and 43-78 us
-#: bf16 from one measurement to the next, and the model's bf16 estimate moved 0.98-1.41x.
+#: alike instead of landing on the few timed while it lasted (docs/cost_history.md).
 SAMPLES, PASSES = 3, 3
 #: The last-level cache assumed when the OS does not say, and the most believed (a VM's
 #: sysfs reported 260 MB on one of the team's machines).
@@ -41,10 +39,8 @@ L2_DEFAULT = 512 << 10
 COPIES_MAX = 256
 #: Before its samples, an op whose weight is cycled runs through its copies once (for at
 #: most this long), so that each copy sits where the forward leaves a weight, read one
-#: footprint earlier, rather than wherever the ops timed before it pushed it. Without it,
-#: examples/compile_mix's 64 x 256 x 256 fp32 Linear (28 copies spanning 7 MB, inside
-#: the L3) was timed 120-126 us, against 101-105 us cycled steadily and 97 us + 8 us of
-#: bias copy in the compiled forward (AMD EPYC, AVX512-BF16).
+#: footprint earlier, rather than wherever the ops timed before it pushed it
+#: (docs/cost_history.md).
 CYCLE_S = 0.01
 
 
@@ -72,7 +68,7 @@ def _llc_bytes() -> int:
 
 def _span(footprint: int) -> int:
     """Bytes (at fp32's width) a weight operand is cycled through when timed alone: what
-    one forward moves between two reads of that weight (``footprint``, ``op_measure``), at
+    one forward moves between two reads of that weight (``footprint``, ``measure.ops``), at
     most twice the last-level cache; 0 (timed hot) when it fits the core's L2."""
     l2 = _cache_bytes().get(2) or L2_DEFAULT
     return 0 if footprint <= l2 else min(footprint, 2 * _llc_bytes())
@@ -202,7 +198,7 @@ def _time(call: Callable[[], Any], cycle: int = 1) -> float:
     """Seconds of one ``call()``: thread CPU time (``measure_latency``, as tune's timings),
     median of SAMPLES samples of at least SAMPLE_S each (one pass). ``cycle``: the calls
     in one cycle of weight copies, run through once first (within ``CYCLE_S``)."""
-    from autoprec.cost.measure import measure_latency
+    from autoprec.measure.latency import measure_latency
 
     call()  # warm-up (first-call allocations, oneDNN primitive creation)
     t0 = time.thread_time()

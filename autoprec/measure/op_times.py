@@ -3,8 +3,8 @@
 A profile fitted on ~25 micro-benchmarks (``cost.calibrate``) prices every op by a roofline
 of FLOPs and bytes. On a CPU that misses what the model runs besides its GEMMs — the
 dispatch of every aten op and view, norms, softmax and activations that are no faster in
-16 bits, the 16-bit GEMMs' own shapes — and the estimate was off by up to +54 % against
-tune's own timing (issue 29). So for a local CPU target the recorded forward
+16 bits, the 16-bit GEMMs' own shapes (docs/cost_history.md). So for a local CPU target
+the recorded forward
 (``trace.ops``: every op with its recipe, ``Op.recipe``) is run here op by op:
 
 - every distinct op (same function, shapes, strides, dtypes and arguments) once per
@@ -12,9 +12,7 @@ tune's own timing (issue 29). So for a local CPU target the recorded forward
   and fp16 (what it computes in), every other op with its floating inputs in each dtype;
 - every convolution once more per precision in channels-last layout (``compute_cl``), the
   layout inductor's CPU backend gives every convolution of a graph (``torch._inductor
-  .graph.decide_layout_opt``: with oneDNN, always): the digits CNN's bf16 ``conv2``
-  (16 -> 32 channels, 64 x 8 x 8) took 20.6 ms NCHW and 8.8 ms channels-last on an AVX2
-  EPYC, and its compiled 16-bit rows were estimated 30-46 % too slow;
+  .graph.decide_layout_opt``: with oneDNN, always);
 - every cast a plan may insert: each floating value's size, fp32 <-> bf16 <-> fp16;
 - the host's cost of one module call (``nn.Module.__call__`` around a trivial forward),
   paid by every plan once per recorded call, and of apply's wrapper around one (per form),
@@ -27,9 +25,7 @@ ones true: a mask that attends everywhere). An op timed alone finds its weight i
 core's L2 cache, where the model's forward finds a stored weight only after moving every
 other weight and activation since its last read: where that footprint overflows L2, the
 weight operands are cycled through copies spanning it (``op_runner._span``, at most twice
-the last-level cache): on this team's AMD EPYC a 256 x 256 fp32 Linear at 64 rows took
-145 us alone and 200 us with its weight cycled through 18 copies, as in a model of 18 such
-layers. The training form's 16-bit GEMM, which reads the per-call cast of its master
+the last-level cache). The training form's 16-bit GEMM, which reads the per-call cast of its master
 weight just written, is priced at the same timing: end to end that fits the measured
 forward where a hot timing did not (``op_measure.measure`` has the figures). A master weight's per-call cast is cycled through copies spanning the
 same footprint (``op_measure._cast_times``). A parameter is rebuilt requiring grad, as
@@ -44,7 +40,7 @@ size rebuilds each tensor that scales with the batch with its leading dimension 
 (an op that then fails is timed at the recorded batch and scaled linearly).
 
 The parts live beside this module, which caches the result (``digest``,
-``cached_or_measured``): ``op_times_record`` (``OpTimes``, what is cached), ``op_measure``
+``measure_op_times``): ``op_times_record`` (``OpTimes``, what is cached), ``measure.ops``
 (what is timed: ``measure``) and ``op_runner`` (how one op is timed alone: ``SAMPLES``,
 ``SAMPLE_S``, ``_span``).
 """
@@ -59,10 +55,10 @@ from pathlib import Path
 
 import torch
 
-from autoprec.cost.op_measure import DTYPES, is_conv, measure
-from autoprec.cost.op_runner import _key
 from autoprec.cost.op_times_record import VERSION, OpTimes, cast_key
 from autoprec.fileio import atomic_write
+from autoprec.measure.op_runner import _key
+from autoprec.measure.ops import DTYPES, is_conv, measure
 from autoprec.trace.ops import OpTrace
 
 
@@ -76,7 +72,7 @@ def digest(trace: OpTrace, batch_size: int, machine: str) -> str:
     return h.hexdigest()[:16]
 
 
-def cached_or_measured(trace: OpTrace, batch_size: int, cache_dir: Path, *, machine: str,
+def measure_op_times(trace: OpTrace, batch_size: int, cache_dir: Path, *, machine: str,
                        measure_now: bool, precisions: Iterable[str] = DTYPES,
                        progress: Callable[[int, int], None] | None = None
                        ) -> OpTimes | None:
@@ -103,4 +99,4 @@ def cached_or_measured(trace: OpTrace, batch_size: int, cache_dir: Path, *, mach
     return got
 
 
-__all__ = ["OpTimes", "cached_or_measured", "cast_key", "digest", "is_conv", "measure"]
+__all__ = ["OpTimes", "measure_op_times", "cast_key", "digest", "is_conv", "measure"]
