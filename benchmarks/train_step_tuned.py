@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autoprec.cost import get_profile
-from autoprec.cost.step import StepCostModel
+from autoprec.cost import CostModel, get_profile
+from autoprec.cost.step import StepPart
 from autoprec.plan.compile import assignment
 from autoprec.policy import Policy
 
@@ -156,7 +156,7 @@ def kept_high(result: Any, model: torch.nn.Module, target: str, batch: int) -> l
     the policy's reason, the probe's fp8 verdict and what fp8 there alone would save on the
     step (priced on the target at the tune's batch)."""
     graph, pol = result.graph, result.policy
-    cm = StepCostModel(graph, get_profile(target), batch)
+    cm = CostModel(graph, get_profile(target), batch, step=StepPart(fp8_backward="fp8"))
     base = cm.estimate(pol)
     prec = assignment(pol, model)
     out = []
