@@ -259,13 +259,13 @@ def tuner(master: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     ``out_dir/tuned.yaml``. Returns (policy, a note saying what tune found)."""
 
     def run() -> tuple[Any, str]:
-        import autoprec
+        from autoprec.api import tune
 
         model = copy.deepcopy(master).to(device).eval()
         calib = [b[0][:2] for b in batches[:2]]
         ev = [b[0][:2] for b in batches[2:4]]
         t0 = time.perf_counter()
-        res = autoprec.tune(model, calibration=calib, eval=ev, forward=forward, loss=loss,
+        res = tune(model, calibration=calib, eval=ev, forward=forward, loss=loss,
                             name="gpu_train_step", target=target_of(device), form="train",
                             batch_size=batches[0][0].shape[0], max_error=max_error,
                             trials=8, timeout=seconds, out=out_dir / "tuned.yaml",

@@ -178,13 +178,13 @@ def run_tune(build: Callable[[int], torch.nn.Module], full_blocks: int, target: 
     ``full_blocks``. ``batch``: sequences of SEQ tokens the plans are priced at."""
     import time
 
-    import autoprec
+    from autoprec.api import tune
     from autoprec.evaluation.rows import format_rows
 
     model = build(REDUCED_BLOCKS)
     calib, ev = data()
     t0 = time.perf_counter()
-    result = autoprec.tune(model, calibration=calib, eval=ev, forward=logits,
+    result = tune(model, calibration=calib, eval=ev, forward=logits,
                            loss=next_token_loss, name=name, target=target, form="train",
                            batch_size=batch, trials=TRIALS, max_error=MAX_ERROR,
                            precisions=PRECISIONS, out=out, progress=False)

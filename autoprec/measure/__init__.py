@@ -69,9 +69,13 @@ def __getattr__(name: str) -> Any:
     where = _EXPORTS.get(name)
     if where is None:
         raise AttributeError(f"module 'autoprec.measure' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"autoprec.measure.{where}"), name)
-    globals()[name] = value
-    return value
+    mod = importlib.import_module(f"autoprec.measure.{where}")
+    # every export of that submodule at once: importing ``training_step.py`` binds the
+    # package attribute ``training_step`` to the submodule, which must not shadow the
+    # function of the same name (``from autoprec.measure import training_step`` after
+    # ``step_peak_bytes`` returned the module: "'module' object is not callable")
+    globals().update({n: getattr(mod, n) for n, w in _EXPORTS.items() if w == where})
+    return globals()[name]
 
 
 def __dir__() -> list[str]:

@@ -123,7 +123,7 @@ def test_the_tuned_row_tunes_for_training_then_times_the_plan(tmp_path) -> None:
     rows = _table(out)
     assert list(rows) == ["fp32", mod.TUNED_ROW]
     tuned = rows[mod.TUNED_ROW]
-    assert tuned["status"] == "ok", tuned
+    assert tuned["status"] == "ok", tuned["note"]
     assert float(tuned["ms_per_step"]) > 0 and tuned["note"].startswith("tuned in ")
     from autoprec.policy import load_policy
 
