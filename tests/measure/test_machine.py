@@ -185,13 +185,3 @@ def test_a_trimmed_allocator_serves_a_freed_buffer_from_fresh_pages_again():
     out = measure_interleaved({"alloc": run}, rounds=3, inner=2, before_each=trim)
     assert all(f >= n / mmap.PAGESIZE / 4 for f in out.faults["alloc"])
 
-
-def test_no_submodule_is_named_like_an_export() -> None:
-    """Importing a submodule sets the package's attribute of its name; an export of the
-    same name would then resolve to the module instead of the function."""
-    import pkgutil
-
-    import autoprec.measure as measure
-
-    submodules = {m.name for m in pkgutil.iter_modules(measure.__path__)}
-    assert not submodules & set(measure.__all__)
