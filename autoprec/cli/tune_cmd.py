@@ -139,6 +139,7 @@ def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, A
         "peak_memory_stage": (max(result.memory_stages, key=result.memory_stages.__getitem__)
                               if result.memory_stages else None),
         "stage_seconds": dict(result.stage_seconds),
+        "stage_cpu_seconds": dict(result.stage_cpu_seconds),
         "train_check_seconds": round(result.train_seconds, 2),
         "train_checks": list(result.train_checks),
     }
@@ -178,10 +179,7 @@ def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
             print("  per stage: " + ", ".join(f"{k} {v / 1e9:.2f} GB"
                                               for k, v in result.memory_stages.items()))
     if result.stage_seconds:
-        train = (f" (of which short training runs {result.train_seconds:.1f} s)"
-                 if result.train_checks else "")
-        print("time per stage: " + ", ".join(f"{k} {v:.1f} s"
-                                              for k, v in result.stage_seconds.items()) + train)
+        print(stage_time_line(result))
     if result.train_table:
         print("\n".join(result.train_table))
     if result.speed is not None:
@@ -201,6 +199,22 @@ def _not_feasible(result: TuneResult, min_speedup: float | None, error: Any) -> 
     return CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
                        f"closest (error {_sig(result.eval_error)}) to {result.path} marked "
                        "feasible: false")
+
+
+def stage_time_line(result: TuneResult) -> str:
+    """``time per stage (wall / CPU)``: each stage's wall and CPU seconds, and the confirm
+    stage's short training runs; the CPU time is what the tune itself spent (the wall time
+    also counts other processes' turns on a shared machine)."""
+    cpu = result.stage_cpu_seconds
+
+    def both(wall: float, c: float | None) -> str:
+        return f"{wall:.1f} s" if c is None else f"{wall:.1f} / {c:.1f} s"
+
+    train = (f" (of which short training runs "
+             f"{both(result.train_seconds, result.train_cpu_seconds if cpu else None)})"
+             if result.train_checks else "")
+    return ("time per stage (wall / CPU): " if cpu else "time per stage: ") + ", ".join(
+        f"{k} {both(v, cpu.get(k))}" for k, v in result.stage_seconds.items()) + train
 
 
 def _print_speed(speed: SpeedCheck) -> None:

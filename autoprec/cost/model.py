@@ -424,7 +424,8 @@ def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int |
     if step and kwargs.get("form", "train") == "train":
         from autoprec.cost.step import StepPart, fp8_backward_of
 
-        kwargs["step"] = StepPart(fp8_backward_of(fp8_backend))
+        kwargs["step"] = StepPart(fp8_backward_of(fp8_backend),
+                                  grad_times=kwargs.pop("grad_times", None))
     return CostModel(graph, profile, batch_size, mode=mode, **kwargs)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from autoprec.formats.gemm import is_forward_only
 from autoprec.probe.layers import lowered_call
-from autoprec.probe.ranges import grad_flush
+from autoprec.probe.ranges import GradFlush
 from autoprec.probe.shadow import Call
 from autoprec.workload.metrics import iter_floats, relative_error
 
@@ -69,10 +69,9 @@ def random_projection(outputs: Any, gen: torch.Generator) -> torch.Tensor | None
 SPLITS = ("sample", "row", "element")
 
 
-def _split(g: torch.Tensor, d: torch.Tensor, split: str) -> torch.Tensor:
-    """Σ g·δ per group, flattened: per sample (dim 0), per row (all dims but the last,
-    e.g. per token of a (B, T, C) output) or per element."""
-    prod = g.float() * d
+def _split(prod: torch.Tensor, split: str) -> torch.Tensor:
+    """Σ g·δ per group of the product ``prod = g·δ``, flattened: per sample (dim 0), per row
+    (all dims but the last, e.g. per token of a (B, T, C) output) or per element."""
     if prod.dim() == 0:
         return prod.reshape(1)
     if split == "sample":
@@ -96,13 +95,9 @@ class Projections:
 
     def add(self, calls: Sequence[Call], grads: list[list[Any]], weight: float = 1.0) -> None:
         """One backward's grads for this batch's calls; ``weight`` = 1 / probes."""
-        for split in SPLITS:
-            self._add(calls, grads, weight, split)
-
-    def _add(self, calls: Sequence[Call], grads: list[list[Any]], weight: float,
-             split: str) -> None:
-        # One (layer, precision) pair at a time: only its calls' split products are alive
-        # (all pairs at once held every call's products of every precision together).
+        # One (layer, precision) pair at a time: only its calls' products are alive (all
+        # pairs at once held every call's products of every precision together); each
+        # product g·δ is formed once and read by every split.
         keys: dict[Key, list[tuple[Any, torch.Tensor]]] = defaultdict(list)
         for call, gs in zip(calls, grads):
             for p, deltas in call.deltas.items():
@@ -111,17 +106,20 @@ class Projections:
                         self.seen.add((call.layer.path, p))
                     if g is not None:
                         keys[(call.layer.path, p)].append((g, d))
-        sq = self.sq[split]
         for key, pairs in keys.items():
-            parts = [_split(g, d, split) for g, d in pairs]
-            # A layer called twice contributes J1 δ1 + J2 δ2: sum before squaring when the
-            # calls line up group by group, else treat them as independent.
-            if len({t.shape for t in parts}) == 1:
-                total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
-                sq[key] += weight * float(total.pow(2).sum())
-            else:
-                sq[key] += weight * sum(float(t.pow(2).sum()) for t in parts)
-            del parts
+            prods = [g.float() * d for g, d in pairs]
+            for split in SPLITS:
+                parts = [_split(prod, split) for prod in prods]
+                # A layer called twice contributes J1 δ1 + J2 δ2: sum before squaring when
+                # the calls line up group by group, else treat them as independent.
+                sq = self.sq[split]
+                if len({t.shape for t in parts}) == 1:
+                    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+                    sq[key] += weight * float(total.pow(2).sum())
+                else:
+                    sq[key] += weight * sum(float(t.pow(2).sum()) for t in parts)
+                del parts
+            del prods
 
 
 @dataclass
@@ -170,14 +168,15 @@ class GradProbes:
         effect: dict[Key, float] = defaultdict(float)
         for call, gs in zip(calls, grads):
             live = [g for g in gs if g is not None]
+            flush = [GradFlush(g) for g in live]  # each gradient's nonzero mask, once
             for p, deltas in call.deltas.items():
                 key = (call.layer.path, p)
                 st = self.stats[key]
                 effect[key] += sum(float((g.float() * d).sum())
                                    for g, d in zip(gs, deltas) if g is not None)
-                for g in live:
-                    n, fl, _ = grad_flush(g, p)
-                    _, fls, ov = grad_flush(g, p, self.loss_scale)
+                for f in flush:
+                    n, fl, _ = f.count(p)
+                    _, fls, ov = f.count(p, self.loss_scale)
                     st.nonzero += n
                     st.flushed += fl
                     st.flushed_scaled += fls
@@ -213,15 +212,24 @@ class GradProbes:
                     low = _vjp(y, gs, wrt, scale)
                     if low is None:
                         continue
-                    bad = sum(int((~torch.isfinite(v)).sum()) for v in low)
-                    err = 0.0 if bad else sum(float((v - r).pow(2).sum())
-                                              for v, r in zip(low, ref))
+                    err, bad = _error_and_nonfinite(low, ref)
                     if scale == 1.0:
                         st.sq_err += err
                         st.nonfinite += bad
                     if scale != 1.0 or p != "fp16":
                         st.sq_err_scaled += err
                         st.nonfinite_scaled += bad
+
+
+def _error_and_nonfinite(low: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, int]:
+    """(Σ‖low − ref‖², 0) when every value of ``low`` is finite, else (0.0, how many are
+    not). One pass per tensor when all is finite (the common case): a non-finite value of
+    ``low`` makes its squared difference non-finite, so only then are they counted."""
+    sq = [float((v - r).pow(2).sum()) for v, r in zip(low, ref)]
+    if all(math.isfinite(x) for x in sq):
+        return sum(sq), 0
+    bad = sum(int((~torch.isfinite(v)).sum()) for v in low)
+    return (0.0 if bad else sum(sq)), bad
 
 
 def _requiring_grad(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any, Any]:
@@ -252,9 +260,11 @@ def _vjp(output: Any, gs: list[Any], wrt: list[torch.Tensor],
     for y, g in zip(iter_floats(output), gs):
         if g is not None and y.requires_grad:
             ys.append(y)
-            cots.append((g.float() * scale).to(y.dtype))
+            # x * 1.0 and x / 1.0 are x bit for bit: no pass over the tensor then
+            cots.append((g.float() if scale == 1.0 else g.float() * scale).to(y.dtype))
     if not ys:
         return None
     grads = torch.autograd.grad(ys, wrt, cots, allow_unused=True)
-    return [torch.zeros_like(w, dtype=torch.float32) if g is None else g.float() / scale
+    return [torch.zeros_like(w, dtype=torch.float32) if g is None
+            else g.float() if scale == 1.0 else g.float() / scale
             for g, w in zip(grads, wrt)]

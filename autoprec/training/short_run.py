@@ -146,7 +146,8 @@ class ShortRunCheck:
         self._init: torch.nn.Module | None = None
         self._fp32: ShortRun | None = None
         self._cache: dict[Any, ShortRunVerdict] = {}
-        self.seconds = 0.0  # every run so far, fp32's included
+        self.seconds = 0.0  # every run so far, fp32's included (wall)
+        self.cpu_seconds = 0.0  # ... their CPU time (this process)
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, **kwargs: Any) -> ShortRunCheck:
@@ -208,7 +209,7 @@ class ShortRunCheck:
     def _run(self, policy: Policy | None, label: str) -> ShortRun:
         from autoprec.training.train import _train, prepare_training
 
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         model = self._fresh()
         make_opt = _adamw(self.lr)
         with scoring_gemms() if self.emulate else contextlib.nullcontext() as wide:
@@ -229,6 +230,7 @@ class ShortRunCheck:
                     setup.remove()
         seconds = time.monotonic() - started
         self.seconds += seconds
+        self.cpu_seconds += time.process_time() - cpu
         return ShortRun(label, losses, ev, skipped, scaler, seconds,
                         getattr(wide, "calls", 0) if wide is not None else 0)
 

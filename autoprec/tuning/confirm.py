@@ -121,10 +121,13 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
         feasible = first.feasible
     else:
         rows = [row(chosen, "tuned", "tuned")]
+    # untimed rows: the estimates decide, and a one-liner estimated slower than a tuned
+    # plan that trains cannot be written: not trained (train_choice.baseline_check)
+    bar = rows[0] if feasible and not (target.local and cfg.measure) else None
     rows_after = tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
                                     prep.reference,
                                     train_check=None if trainer is None
-                                    else baseline_check(trainer))
+                                    else baseline_check(trainer, prep.cost.speedup, bar))
     for r in rows_after:  # the speed target binds on a baseline as on a trial
         if (r.feasible and cfg.min_speedup is not None
                 and (r.est_speedup or 0.0) < cfg.min_speedup):
@@ -156,7 +159,8 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                 make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode,
                                 form=target.form, step=target.step,
                                 fp8_backend=target.fp8_backend))
-    timing = time_rows(rows, target, prep.spec.forward, prep.net, prep.calib[0], prep.graph,
+    timing = time_rows(rows_to_time(rows) if timed else rows, target, prep.spec.forward,
+                       prep.net, prep.calib[0], prep.graph,
                        measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,
                        loss=prep.spec.loss,
                        not_measured="not measured (--no-measure)" if not cfg.measure else
@@ -170,6 +174,35 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     if win.role == "candidate":
         return check, win.source, rules_of(win.source)
     return check, *_baseline_candidate(prep, space, win)
+
+
+#: A training-form one-liner estimated below this share of fp32's speed is not timed: fp32
+#: is timed beside it and within budget, so it could be written only by measuring more than
+#: twice its estimate (where the target is here the estimate is priced from this machine's
+#: own op timings). A 16-bit GEMM the CPU has no kernel for is where this binds: one global
+#: fp16 autocast on an AVX512-BF16 EPYC, estimated 0.35x, times at 0.08x, and each of its
+#: timed steps costs twelve fp32 steps.
+SLOW_TO_TIME = 0.5
+
+
+def rows_to_time(rows: list[Row]) -> list[Row]:
+    """The rows worth timing: all but the training-form one-liners (other than fp32)
+    estimated below ``SLOW_TO_TIME`` x fp32's speed; such a row is not written either, and
+    says why."""
+    keep = []
+    for r in rows:
+        pol = r.policy
+        slow = (r.role == "baseline" and pol is not None and pol.form == "train"
+                and not (pol.default == "fp32" and not pol.layers)
+                and r.est_speedup is not None and r.est_speedup < SLOW_TO_TIME)
+        if not slow:
+            keep.append(r)
+            continue
+        if r.feasible:
+            r.feasible = False
+            r.why_not = (f"not timed: estimated {r.est_speedup:.2f}x, under "
+                         f"{SLOW_TO_TIME:g}x of fp32's speed here")
+    return keep
 
 
 def _why_not(ev: Any, budget: float) -> str:
@@ -284,4 +317,5 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     return rows
 
 
-__all__ = ["NEXT_CANDIDATES", "Chosen", "choose_plan", "confirm_tune", "reference_rows", "tune_baseline_rows"]
+__all__ = ["NEXT_CANDIDATES", "SLOW_TO_TIME", "Chosen", "choose_plan", "confirm_tune",
+           "reference_rows", "rows_to_time", "tune_baseline_rows"]

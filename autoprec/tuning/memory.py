@@ -207,6 +207,8 @@ class StagePeaks:
         self.model = model
         self.peaks: dict[str, int] = {}
         self.seconds: dict[str, float] = {}  # wall time of each stage
+        #: CPU time of each stage (this process, every thread: ``time.process_time``)
+        self.cpu_seconds: dict[str, float] = {}
         self.resettable = True
 
     def _cuda(self) -> bool:
@@ -221,12 +223,14 @@ class StagePeaks:
             reset_peak(self.model)
         elif not _reset_hwm():
             self.resettable = False
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         try:
             yield
         finally:
             self.peaks[name] = max(self.peaks.get(name, 0), self._peak())
             self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
+            self.cpu_seconds[name] = (self.cpu_seconds.get(name, 0.0)
+                                      + time.process_time() - cpu)
 
     def _peak(self) -> int:
         if self._cuda():

@@ -119,6 +119,12 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form,
                             step=target.step, fp8_backend=target.fp8_backend)
             if profile is not None else target.cost_model(graph, deploy_bs))
+    if spec.loss is not None and getattr(cost, "step", None) is not None:  # the step's loss
+        from autoprec.measure import record_loss, timing_threads
+
+        with timing_threads(target.device or "cpu"):  # timed here where the ops are
+            cost.step.set_loss(cost, record_loss(net, spec.forward, spec.loss, calib[0],
+                                                 measure=cost.op_times is not None))
     if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
         cost.shared_quant_inputs = True
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible

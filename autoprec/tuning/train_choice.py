@@ -9,6 +9,9 @@ its place.
   ``fp16=True``, the latter with a GradScaler) and uniform tf32 — are checked by the same
   contract (``baselines.baseline_rows(train_check=…)``); one estimated slower than fp32 is
   not trained (fp32 passes by definition and is faster).
+- Where the rows are not timed, a one-liner estimated slower than a tuned plan that passed
+  (by more than ``SAME_SPEED``) cannot be written, so it is not trained: its row says so
+  (``baseline_check(..., faster=...)``; a short run costs as much as the rest of the tune).
 - Where the rows are not timed, a checked one-liner estimated as fast as the tuned plan
   (within ``SAME_SPEED``) is written instead (the decision's ``Fallback.CHECKED_ONE_LINER``,
   ``evaluation.decision.one_liner_instead``); where they are timed,
@@ -40,12 +43,25 @@ def make_check(prep: Any, cfg: Any) -> ShortRunCheck | None:
                                    fp8_backend=prep.target.fp8_backend)
 
 
-def baseline_check(check: ShortRunCheck) -> Callable[[Policy, str], str]:
-    """``baseline_rows``' ``train_check``: '' when the one-liner passes, else why not."""
+def baseline_check(check: ShortRunCheck, speedup: Callable[[Policy], float] | None = None,
+                   faster: Any = None) -> Callable[[Policy, str], str]:
+    """``baseline_rows``' ``train_check``: '' when the one-liner passes, else why not.
+
+    ``faster``: the tuned row when it passed its short run and the rows are not timed (the
+    estimates decide); ``speedup``: the estimate of a policy. A one-liner estimated slower
+    than ``faster`` by more than ``SAME_SPEED`` cannot be written
+    (``evaluation.decision.one_liner_instead`` needs its estimate within ``SAME_SPEED`` of
+    the tuned row's), so it is not trained and its row says why."""
+    from autoprec.evaluation.decision import SAME_SPEED
 
     def run(policy: Policy, name: str) -> str:
         if policy.form == "deploy":
             return "--form train: it stores no fp32 masters"
+        if faster is not None and speedup is not None:
+            est, bar = speedup(policy), faster.est_speedup or 0.0
+            if bar > est * (1 + SAME_SPEED):
+                return (f"not training-checked: estimated {est:.2f}x, slower than the tuned "
+                        f"plan's {bar:.2f}x, which trains within the gap")
         return check.check(policy, name).why_not()
 
     return run

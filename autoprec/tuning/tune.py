@@ -80,6 +80,7 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     result.peak_memory = max(result.peak_memory, peaks.overall)
     result.memory_stages = dict(peaks.peaks)
     result.stage_seconds = {k: round(v, 2) for k, v in peaks.seconds.items()}
+    result.stage_cpu_seconds = {k: round(v, 2) for k, v in peaks.cpu_seconds.items()}
     return result
 
 

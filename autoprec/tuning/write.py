@@ -75,10 +75,14 @@ class TuneResult:
     peak_memory_how: str = ""  # what was measured (peak RSS on CPU, allocated on CUDA)
     memory_stages: dict[str, int] = field(default_factory=dict)  # stage -> its own peak bytes
     stage_seconds: dict[str, float] = field(default_factory=dict)  # stage -> its wall time
+    #: stage -> the CPU time this process spent in it (every thread; under a shared load
+    #: the wall time grows, this does not)
+    stage_cpu_seconds: dict[str, float] = field(default_factory=dict)
     #: --train-aware: every short run (train_check.ShortRunVerdict.to_dict), and as a table
     train_checks: list[dict[str, Any]] = field(default_factory=list)
     train_table: list[str] = field(default_factory=list)
     train_seconds: float = 0.0  # of the confirm stage, spent in the short runs
+    train_cpu_seconds: float = 0.0  # ... their CPU time
 
 
 # -- the last stage: write -------------------------------------------------------------------
@@ -181,7 +185,9 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       [v.to_dict() for v in search.train_check.verdicts()],
                       train_table=train_choice.table_lines(search.train_check),
                       train_seconds=0.0 if search.train_check is None
-                      else search.train_check.seconds)
+                      else search.train_check.seconds,
+                      train_cpu_seconds=0.0 if search.train_check is None
+                      else search.train_check.cpu_seconds)
 
 
 def _round(x: float) -> float:

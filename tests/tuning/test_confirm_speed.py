@@ -407,3 +407,25 @@ def test_with_no_trial_within_budget_the_fastest_baseline_within_budget_is_writt
     assert written(rs).name == label("fp32")
     rs[2].feasible = False  # nothing within budget: the closest plan stands
     assert written(rs) is None
+
+
+def test_a_training_one_liner_estimated_under_half_fp32_is_neither_timed_nor_written():
+    """On a CPU with no fp16 kernel, one global fp16 autocast is estimated ~0.35x and each of
+    its timed steps costs a dozen fp32 steps: it is not timed, not written, and says why;
+    fp32, the tuned plan, a fast one-liner and the deploy-form rows are timed as before."""
+    from autoprec.tuning.confirm import SLOW_TO_TIME, rows_to_time
+
+    rs = [Row("tuned", "tuned", Policy(default="fp32", layers={"a": "bf16"}, form="train"),
+              0.001, True, 1.3),
+          Row(label("fp32"), "baseline", Policy(default="fp32", form="train"), 0.0, True, 1.0),
+          Row(label("bf16"), "baseline", Policy(default="bf16", form="train"), 0.008, True,
+              1.35),
+          Row(label("fp16"), "baseline", Policy(default="fp16", form="train"), 0.001, True,
+              0.35),
+          Row(label("bf16", "deploy"), "baseline", Policy(default="bf16", form="deploy"),
+              0.01, False, 0.0, why_not="--form train: it stores no fp32 masters")]
+    kept = rows_to_time(rs)
+    assert [r.name for r in kept] == [rs[i].name for i in (0, 1, 2, 4)]
+    assert not rs[3].feasible and rs[3].why_not == (
+        f"not timed: estimated 0.35x, under {SLOW_TO_TIME:g}x of fp32's speed here")
+    assert rs[2].feasible and rs[4].why_not.startswith("--form train")

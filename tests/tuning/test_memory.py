@@ -76,3 +76,17 @@ def test_not_glibc_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory, "_libc", lambda: None)
     assert release_freed() is False
     assert map_large_allocations() is False
+
+
+def test_each_stage_records_its_cpu_seconds_beside_its_wall_seconds():
+    peaks = StagePeaks()
+    with peaks.stage("busy"):
+        x = torch.randn(256, 256)
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+    with peaks.stage("idle"):
+        import time
+
+        time.sleep(0.2)
+    assert peaks.cpu_seconds["busy"] > 0
+    assert peaks.seconds["idle"] >= 0.2 and peaks.cpu_seconds["idle"] < 0.1

@@ -119,3 +119,41 @@ def test_bad_training_check_settings_are_one_line(flag, value, capsys):
 
     code, _, err = run_cli(["tune", TRAP, "--train-aware", flag, value, "--no-track"], capsys)
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_one_liner_estimated_slower_than_a_tuned_plan_that_trains_is_not_trained():
+    """Untimed rows: a one-liner estimated slower than the tuned plan (beyond SAME_SPEED)
+    cannot be written (decision.one_liner_instead), so its short run is not paid for; one
+    within SAME_SPEED of it is trained, as is every one-liner when no tuned plan passed."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from autoprec.evaluation.decision import one_liner_instead
+    from autoprec.evaluation.rows import Row
+    from autoprec.policy.build import policy_for
+    from autoprec.training.short_run import ShortRunCheck
+    from autoprec.tuning.train_choice import baseline_check
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 8))
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(x, x[:, :8]) for x in (torch.randn(4, 16, generator=g) for _ in range(2))]
+    check = ShortRunCheck(build, batches, lambda out, b: F.mse_loss(out.float(), b[1]),
+                          forward=lambda m, b: m(b[0]), steps=2)
+    est = {"bf16": 1.5, "fp16": 2.0 / (1 + SAME_SPEED / 2)}
+    tuned = Row("tuned", "tuned", policy_for("fp32", {"0": "bf16"}), 0.0, True, 2.0)
+    run = baseline_check(check, lambda pol: est[pol.default], tuned)
+    why = run(policy_for("bf16", {}), "bf16 (one global autocast)")
+    assert why.startswith("not training-checked: estimated 1.50x, slower than the tuned")
+    assert check.verdicts() == []  # nothing trained, not even fp32's reference run
+    assert run(policy_for("fp16", {}), "fp16 (one global autocast)") == ""  # within SAME_SPEED
+    assert [v.run.label for v in check.verdicts()] == ["fp16 (one global autocast)"]
+    # the skipped row could not have been written: the decision is the same without it
+    rows = [tuned, Row("bf16", "baseline", policy_for("bf16", {}), 0.0, True, 1.5)]
+    assert one_liner_instead(rows) is None
+    # no tuned plan that trains: every one-liner is checked
+    assert baseline_check(check, lambda pol: est[pol.default], None)(
+        policy_for("bf16", {}), "bf16 (one global autocast)") == ""
