@@ -56,13 +56,16 @@ class LossKernels:
     #: per output dtype, the model's output itself not counted
     saved: dict[str, float] = field(default_factory=dict)
 
-    def table(self, bandwidth: float, launch: float) -> np.ndarray:
-        """Seconds of the loss (forward + backward) by dtype code (``plan.dtype_codes``):
-        measured where timed, else the roofline of its kernels; NaN for a dtype not run."""
+    def table(self, bandwidth: float, launch: float, scale: float = 1.0) -> np.ndarray:
+        """Seconds of the loss (forward + backward) by dtype code (``plan.dtype_codes``) at
+        ``scale`` times the recorded batch: measured where timed (scaled), else the roofline
+        of its kernels (their bytes scale, each kernel's launch does not); NaN for a dtype
+        not run."""
         out = np.full(len(DTYPES), math.nan)
         for d, ks in self.kernels.items():
-            out[DTYPES.index(d)] = self.seconds.get(
-                d, sum(k.bytes / bandwidth + launch for k in ks))
+            timed = self.seconds.get(d)
+            out[DTYPES.index(d)] = (timed * scale if timed is not None else
+                                    sum(k.bytes * scale / bandwidth + launch for k in ks))
         return out
 
 

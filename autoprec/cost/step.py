@@ -187,7 +187,7 @@ class StepPart:
         if v is None:
             raise ValueError(f"no output of {kernels.numel} elements in the recorded forward")
         scale = r.scale if r.trace.values[v].scales else 1.0
-        self._loss_s = kernels.table(r.bw, r.launch) * scale
+        self._loss_s = kernels.table(r.bw, r.launch, scale)
         self._loss_value = v
         self._loss_saved = {DTYPES.index(d): b * scale for d, b in kernels.saved.items()}
         cost._fp32, cost._given = cost._reference_times()  # the references pay it too

@@ -157,3 +157,17 @@ def test_attention_backward_and_backward_casts_are_priced_at_this_machines_timin
     for k in casts:
         v, src, dst = k.cast
         assert [w[0] for _, w in k.terms] == [WIDTH[src[0]], WIDTH[dst[0]]]
+
+
+def test_a_loss_priced_at_a_larger_batch_scales_its_bytes_not_its_launches() -> None:
+    """Scaled from the recorded batch to the priced one, a roofline loss pays each kernel's
+    launch once (a GPU profile at a large batch: the launch is not multiplied by it); a loss
+    timed here scales with the batch as a whole."""
+    from autoprec.cost.loss_step import LossKernel, LossKernels
+
+    ks = LossKernels(numel=64, kernels={"fp32": [LossKernel("a", "forward", 1e6),
+                                                   LossKernel("b", "backward", 3e6)]})
+    bw, launch = 1e12, 5e-6
+    assert ks.table(bw, launch, 1024.0)[0] == pytest.approx(4e6 * 1024 / bw + 2 * launch)
+    ks.seconds["fp32"] = 2e-5
+    assert ks.table(bw, launch, 8.0)[0] == pytest.approx(1.6e-4)
