@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,18 +37,25 @@ from autoprec.measure.op_runner import _time
 VERSION = 1
 
 
-def measure_optimizer(numels: Iterable[int]) -> float:
-    """Seconds of one default ``torch.optim.AdamW`` step over fp32 tensors of ``numels``."""
+def adamw_step(numels: Iterable[int]) -> Callable[[], Any]:
+    """A default ``torch.optim.AdamW``'s ``step`` over fp32 tensors of ``numels`` (with
+    gradients), its state allocated by one step already: the step ``measure_optimizer``
+    times."""
     params = []
     for n in numels:
         p = torch.nn.Parameter(torch.empty(int(n)).uniform_(-0.1, 0.1))
         p.grad = torch.empty(int(n)).uniform_(-1e-3, 1e-3)
         params.append(p)
     if not params:
-        return 0.0
+        return lambda: None
     opt = torch.optim.AdamW(params, lr=1e-5)
     opt.step()  # the state (exp_avg, exp_avg_sq) is allocated on the first step
-    return _time(opt.step)
+    return opt.step
+
+
+def measure_optimizer(numels: Iterable[int]) -> float:
+    """Seconds of one default ``torch.optim.AdamW`` step over fp32 tensors of ``numels``."""
+    return _time(adamw_step(numels))
 
 
 def cached_or_measured_optimizer(numels: list[int], cache_dir: Path, digest: str,
@@ -72,4 +80,4 @@ def cached_or_measured_optimizer(numels: list[int], cache_dir: Path, digest: str
     return got
 
 
-__all__ = ["cached_or_measured_optimizer", "measure_optimizer"]
+__all__ = ["adamw_step", "cached_or_measured_optimizer", "measure_optimizer"]

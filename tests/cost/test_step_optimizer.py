@@ -1,0 +1,103 @@
+"""The optimizer step of a CPU training step priced as it runs: torch's default AdamW (its
+per-parameter loop) timed here over the model's trainable parameter sizes
+(``measure.optimizer_time``). The step timed runs the same ops, as many and over as many
+bytes, as a real training step's ``optimizer.step()``, counted by the tests' own dispatch
+mode (``tests.helpers.op_count``); ``StepPart`` prices the CPU's default optimizer at that
+time, and the cache keeps it per parameter set."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.cost import CostModel, get_profile
+from autoprec.cost.step import ADAMW_FUSED, ADAMW_LOOP, StepPart
+from autoprec.measure.optimizer_time import adamw_step, cached_or_measured_optimizer
+from autoprec.policy import Policy
+from autoprec.trace import trace
+from tests.helpers import one_torch_thread
+from tests.helpers.op_count import OpCount
+
+pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight the output head shares (a tied parameter: AdamW sees it
+    once), a frozen norm (no optimizer state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.norm.requires_grad_(False)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, 50)
+        return self.head(self.norm(torch.relu(self.fc(self.emb(ids)))))
+
+
+def _numels(graph) -> list[int]:  # noqa: ANN001
+    """What the target passes the timing: the trace's trainable parameters' sizes."""
+    return [v.numel for v in graph.ops.values if v.source == "param" and v.trainable
+            and v.param]
+
+
+def _counted(step) -> Counter:  # noqa: ANN001
+    count = OpCount()
+    with count:
+        step()
+    return Counter((o.name, o.bytes) for o in count.kernels())
+
+
+def test_the_timed_adamw_step_runs_what_a_real_training_steps_optimizer_runs() -> None:
+    model = TiedLM().eval()
+    ids = torch.randint(0, 50, (2, 8))
+    graph = trace(model, ids, tracers=("hooks",))
+    numels = _numels(graph)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sorted(numels) == sorted(p.numel() for p in trainable)  # the tied weight once
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    for _ in range(2):  # the second step: its state allocated, as every step after
+        opt.zero_grad(set_to_none=True)
+        model(ids).float().sum().backward()
+        if _ == 0:
+            opt.step()
+    real = _counted(opt.step)
+    timed = _counted(adamw_step(numels))
+    assert timed == real
+    # torch's CPU default: a loop over the parameters (no foreach), the square root of
+    # exp_avg_sq out of place per parameter
+    assert not any(name.startswith("_foreach") for name, _ in real)
+    assert sum(n for (name, _), n in real.items() if name == "sqrt") == len(numels)
+
+
+def test_the_cpu_default_optimizer_is_priced_at_its_timing(tmp_path) -> None:  # noqa: ANN001
+    model = TiedLM().eval()
+    graph = trace(model, torch.randint(0, 50, (2, 8)), tracers=("hooks",))
+    with one_torch_thread():
+        timed = cached_or_measured_optimizer(_numels(graph), tmp_path, "d", measure_now=True)
+    assert timed is not None and timed > 0
+    cpu = get_profile("cpu")
+    cost = CostModel(graph, cpu, step=StepPart(optimizer_s=timed))
+    assert cost.step.optimizer is ADAMW_LOOP
+    for prec in ("fp32", "bf16"):
+        assert cost.breakdown(Policy(default=prec)).parts["optimizer"] == timed
+    bytes_only = CostModel(graph, cpu, step=StepPart()).breakdown(Policy(default="fp32"))
+    assert bytes_only.parts["optimizer"] != timed
+    # a timing of the default loop does not price another optimizer
+    fused = CostModel(graph, cpu, step=StepPart(optimizer=ADAMW_FUSED, optimizer_s=timed))
+    assert fused.breakdown(Policy(default="fp32")).parts["optimizer"] != timed
+
+
+def test_the_timing_is_cached_per_parameter_set(tmp_path) -> None:  # noqa: ANN001
+    with one_torch_thread():
+        got = cached_or_measured_optimizer([10, 20], tmp_path, "abc", measure_now=True)
+    assert got is not None and (tmp_path / "optim-abc.json").exists()
+    assert cached_or_measured_optimizer([10, 20], tmp_path, "abc", measure_now=False) == got
+    # another parameter set under the same digest is not read from the file
+    assert cached_or_measured_optimizer([10, 21], tmp_path, "abc", measure_now=False) is None
