@@ -291,9 +291,7 @@ class StepPart:
             if k.compute is None:
                 sec = nbytes / bw + launch
                 if k.cast is not None and tab.op_times is not None:  # timed here
-                    got = tab.cast_seconds(*k.cast, False)
-                    if got is not None:
-                        sec = np.where(np.isnan(got), sec, got)
+                    sec = _timed_cast(tab, k.cast, sec)
                 if k.what == "pointwise" and k.op >= 0 and tab.timed[k.op] is not None:
                     # reading dY and what it saved, writing dX: at least its forward's time
                     fwd_s = tab.op_seconds(k.op, sch, None)
@@ -375,6 +373,21 @@ class StepPart:
             memory=self.train_memory(cost, policy, default),
             backward_casts=sum(1 for k in bwd.kernels if k.what == "cast" and k.on[0]),
             step_parts=parts)
+
+
+def _timed_cast(tab: OpTable, cast: tuple[int, np.ndarray, np.ndarray], sec: np.ndarray
+                ) -> np.ndarray:
+    """(T,) seconds of a backward cast: this machine's timed cast of the value's size, or,
+    where only a parameter's cast of that size was timed (``measure.ops._cast_times`` times
+    a weight's cast cycled through copies when the weights overflow L2, and keeps only
+    that), that one — the gradient of a 16-bit weight copy cast to its fp32 master is a
+    cast of the parameter's size, into a fresh tensor as the forward's is; ``sec`` where
+    neither was timed."""
+    for weight in (True, False):  # the value's own size's cast last: it wins
+        got = tab.cast_seconds(*cast, weight)
+        if got is not None:
+            sec = np.where(np.isnan(got), sec, got)
+    return sec
 
 
 def step_metrics(bd: Breakdown) -> dict[str, float]:

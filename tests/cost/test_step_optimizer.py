@@ -101,3 +101,58 @@ def test_the_timing_is_cached_per_parameter_set(tmp_path) -> None:  # noqa: ANN0
     assert cached_or_measured_optimizer([10, 20], tmp_path, "abc", measure_now=False) == got
     # another parameter set under the same digest is not read from the file
     assert cached_or_measured_optimizer([10, 21], tmp_path, "abc", measure_now=False) is None
+
+
+class TwoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 32) -> (B, 8)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_weight_gradients_cast_to_their_masters_are_priced_at_the_timed_casts(monkeypatch
+                                                                              ) -> None:  # noqa: ANN001
+    """Under bf16 autocast each 16-bit weight copy's gradient is cast to its fp32 master in
+    the backward, as many as a real step runs; where the weights overflow L2 only a
+    weight's cast of each parameter size is timed (cycled through copies), and the backward's
+    cast of that size is priced at it, not at a bandwidth figure."""
+    import autoprec.measure.ops as ops_mod
+    from autoprec.cost.op_times_record import cast_key
+    from autoprec.measure.ops import measure
+    from autoprec.plan.backward import backward
+    from autoprec.plan.dtype_codes import DTYPES
+
+    model = TwoLinear().eval()
+    x = torch.randn(4, 32)
+    graph = trace(model, x, tracers=("hooks",))
+    monkeypatch.setattr(ops_mod, "_span", lambda footprint: 1 << 22)  # as past L2
+    with one_torch_thread():
+        times = measure(graph.ops, graph.batch_size, precisions=["bf16"])
+    cost = CostModel(graph, get_profile("cpu"), op_times=times, step=StepPart())
+    pol = Policy(default="bf16")
+    sch = cost.schedule(pol)
+    vals = graph.ops.values
+    priced = [(k, s) for k, s in cost.step._kernel_seconds(cost.forward.roofline,
+                                                           cost.forward.table, sch,
+                                                           backward(sch))
+              if k.what == "cast" and k.on[0] and vals[k.cast[0]].source == "param"]
+    # what a real step's backward casts: each weight's and bias's gradient, bf16 -> fp32
+    count = OpCount()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    with count:
+        count.phase = "backward"
+        out.float().sum().backward()
+    real = sorted(o.bytes // 6 for o in count.ops if o.phase == "backward" and o.cast
+                  and o.first == torch.bfloat16 and o.outs == (torch.float32,)
+                  and o.bytes // 6 != out.numel())  # (not out.float()'s own cast back)
+    sizes = sorted(vals[k.cast[0]].numel for k, _ in priced)
+    assert sizes == real == sorted(p.numel() for p in model.parameters())
+    for k, sec in priced:
+        v, src, dst = k.cast
+        assert DTYPES[int(src[0])] == "bf16" and DTYPES[int(dst[0])] == "fp32"
+        key = cast_key(vals[v].numel, "bf16", "fp32", True)
+        assert key in times.casts and cast_key(vals[v].numel, "bf16", "fp32") not in times.casts
+        assert sec[0] == pytest.approx(times.casts[key])
