@@ -156,3 +156,21 @@ def test_weight_gradients_cast_to_their_masters_are_priced_at_the_timed_casts(mo
         key = cast_key(vals[v].numel, "bf16", "fp32", True)
         assert key in times.casts and cast_key(vals[v].numel, "bf16", "fp32") not in times.casts
         assert sec[0] == pytest.approx(times.casts[key])
+
+
+def test_a_local_cpu_target_times_the_optimizer_with_the_ops(tmp_path) -> None:  # noqa: ANN001
+    """The target's cost model of a training step on this CPU (``SpeedSource.cost_model``)
+    times the optimizer beside the op and gradient timings, caches it, and prices it."""
+    from autoprec.evaluation.speed_source import SpeedSource
+    from autoprec.measure import this_machine
+
+    model = TiedLM().eval()
+    graph = trace(model, torch.randint(0, 50, (2, 8)), tracers=("hooks",))
+    src = SpeedSource(get_profile("cpu"), "cpu", this_machine(), "cached calibration", "",
+                      cache_dir=tmp_path, measure=True)
+    cost = src.cost_model(graph)
+    timed = cost.step.optimizer_s
+    assert timed is not None and timed > 0
+    [cached] = tmp_path.glob("optim-*.json")
+    assert cached.name == f"optim-{src.op_times(graph, graph.batch_size).digest}.json"
+    assert cost.breakdown(Policy(default="fp32")).parts["optimizer"] == timed
