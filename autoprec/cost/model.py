@@ -425,7 +425,8 @@ def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int |
         from autoprec.cost.step import StepPart, fp8_backward_of
 
         kwargs["step"] = StepPart(fp8_backward_of(fp8_backend),
-                                  grad_times=kwargs.pop("grad_times", None))
+                                  grad_times=kwargs.pop("grad_times", None),
+                                  optimizer_s=kwargs.pop("optimizer_s", None))
     return CostModel(graph, profile, batch_size, mode=mode, **kwargs)
 
 

@@ -17,7 +17,10 @@ or ``make_cost_model(..., step=True)``): a plan's time is
   plan gives the model's output, where it was recorded (``set_loss``);
 - the optimizer step over the fp32 masters (``Optimizer``; on a GPU fused AdamW: one pass
   reading parameter, gradient, exp_avg, exp_avg_sq and writing three of them; on a CPU
-  torch's default loop over the parameters, eight passes each);
+  torch's default loop over the parameters, eight passes each — or, where this machine
+  timed that loop over the model's parameter sizes (``optimizer_s``,
+  ``autoprec.measure.measure_optimizer``: its per-op host cost and the page faults of its
+  out-of-place temporaries, which no bandwidth figure has), that time);
 - where a plan has an fp16 region, the GradScaler: the loss scaling, the unscale and
   inf check of every gradient (a pass over the fp32 gradients unless the optimizer is
   fused, which takes the scale itself) and the scale update.
@@ -143,13 +146,17 @@ class StepPart:
     """
 
     def __init__(self, fp8_backward: str = "fp8", optimizer: Optimizer | None = None,
-                 grad_times: GradTimes | None = None) -> None:
+                 grad_times: GradTimes | None = None, optimizer_s: float | None = None
+                 ) -> None:
         if fp8_backward not in FP8_BACKWARDS:
             raise ValueError(f"fp8_backward must be one of {FP8_BACKWARDS}, got {fp8_backward!r}")
         self.fp8_backward = fp8_backward
         self.optimizer = optimizer
         #: this machine's dgrad / wgrad (and attention backward) timings per op and precision
         self.grad_times = grad_times
+        #: this machine's time of torch's default AdamW step over the model's trainable
+        #: parameters (``autoprec.measure.measure_optimizer``): the price of ``ADAMW_LOOP``
+        self.optimizer_s = optimizer_s
         self.max_train_bytes: float | None = None
         self._n_params = 0.0
         self._n_tensors = 0
@@ -160,7 +167,7 @@ class StepPart:
 
     def bound(self, graph: Any, device_type: str) -> StepPart:
         """This step part for ``graph``'s trainable parameters on ``device_type``."""
-        new = StepPart(self.fp8_backward, self.optimizer, self.grad_times)
+        new = StepPart(self.fp8_backward, self.optimizer, self.grad_times, self.optimizer_s)
         new._loss_s, new._loss_value = self._loss_s, self._loss_value
         new._loss_saved = self._loss_saved
         # what torch.optim.AdamW runs by default: fused / foreach on a GPU (a trainer's
@@ -284,9 +291,7 @@ class StepPart:
             if k.compute is None:
                 sec = nbytes / bw + launch
                 if k.cast is not None and tab.op_times is not None:  # timed here
-                    got = tab.cast_seconds(*k.cast, False)
-                    if got is not None:
-                        sec = np.where(np.isnan(got), sec, got)
+                    sec = _timed_cast(tab, k.cast, sec)
                 if k.what == "pointwise" and k.op >= 0 and tab.timed[k.op] is not None:
                     # reading dY and what it saved, writing dX: at least its forward's time
                     fwd_s = tab.op_seconds(k.op, sch, None)
@@ -312,6 +317,8 @@ class StepPart:
 
     def _optimizer_s(self, r: Roofline) -> float:
         o = self._opt
+        if o is ADAMW_LOOP and self.optimizer_s is not None:  # timed here, as it runs
+            return self.optimizer_s
         launches = o.passes * max(1, math.ceil(self._n_tensors / o.tensors_per_launch))
         return o.bytes_per_param * self._n_params / r.bw + launches * r.launch
 
@@ -366,6 +373,21 @@ class StepPart:
             memory=self.train_memory(cost, policy, default),
             backward_casts=sum(1 for k in bwd.kernels if k.what == "cast" and k.on[0]),
             step_parts=parts)
+
+
+def _timed_cast(tab: OpTable, cast: tuple[int, np.ndarray, np.ndarray], sec: np.ndarray
+                ) -> np.ndarray:
+    """(T,) seconds of a backward cast: this machine's timed cast of the value's size, or,
+    where only a parameter's cast of that size was timed (``measure.ops._cast_times`` times
+    a weight's cast cycled through copies when the weights overflow L2, and keeps only
+    that), that one — the gradient of a 16-bit weight copy cast to its fp32 master is a
+    cast of the parameter's size, into a fresh tensor as the forward's is; ``sec`` where
+    neither was timed."""
+    for weight in (True, False):  # the value's own size's cast last: it wins
+        got = tab.cast_seconds(*cast, weight)
+        if got is not None:
+            sec = np.where(np.isnan(got), sec, got)
+    return sec
 
 
 def step_metrics(bd: Breakdown) -> dict[str, float]:

@@ -101,13 +101,22 @@ class SpeedSource:
         extra = {}
         if (step and form == "train" and mode == "eager" and times is not None
                 and self.cache_dir is not None):
-            from autoprec.measure import cached_or_measured_grads, timing_threads
+            from autoprec.measure import (
+                cached_or_measured_grads,
+                cached_or_measured_optimizer,
+                timing_threads,
+            )
 
             with timing_threads(self.device):  # the step's gradient GEMMs timed here too
                 extra["grad_times"] = cached_or_measured_grads(
                     graph.ops, bs, self.cache_dir, times.digest,
                     [p for p in ("bf16", "fp16") if self.profile.supports(p)[0]],
                     measure_now=self.measure)
+                # the optimizer step as torch runs it on this device, timed here
+                extra["optimizer_s"] = cached_or_measured_optimizer(
+                    [v.numel for v in graph.ops.values
+                     if v.source == "param" and v.trainable and v.param],
+                    self.cache_dir, times.digest, measure_now=self.measure)
         return make_cost_model(graph, self.profile, bs, mode, form=form, op_times=times,
                                step=step, fp8_backend=fp8_backend, **extra)
 

@@ -38,6 +38,7 @@ _EXPORTS = {
     "micro_samples": "micro",
     "record_loss": "loss", "cached_or_measured_grads": "grad_times",
     "measure_grads": "grad_times",
+    "cached_or_measured_optimizer": "optimizer_time", "measure_optimizer": "optimizer_time",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from autoprec.measure.micro import CPU_SHAPES, call_overhead, gpu_shapes, micro_samples
     from autoprec.measure.op_times import measure_op_times
+    from autoprec.measure.optimizer_time import cached_or_measured_optimizer, measure_optimizer
     from autoprec.measure.train_steps import (
         live_bytes,
         step_peak_bytes,
@@ -101,6 +103,8 @@ __all__ = [
     "local_device",
     "measure_interleaved",
     "measure_grads",
+    "cached_or_measured_optimizer",
+    "measure_optimizer",
     "measure_latency",
     "measure_op_times",
     "micro_samples",
