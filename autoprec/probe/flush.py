@@ -68,7 +68,7 @@ class GradFlush:
         self.g = g.detach().float()
         a = self.g.abs().reshape(-1)
         if a.numel() and not math.isfinite(float(a.max())):  # NaN / inf: counted as zeros
-            a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype))
+            a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
         self._a = a
         self._zeros = int((a < _TINY).sum())
         self.n = a.numel() - self._zeros  # finite nonzero values
@@ -91,7 +91,7 @@ class GradFlush:
                 out[(precision, scale)] = self._cast(precision, scale)
         if fast:
             bounds = sorted({b for pair in fast.values() for b in pair if math.isfinite(b)})
-            edges = torch.tensor(bounds, dtype=torch.float32)
+            edges = torch.tensor(bounds, dtype=torch.float32, device=self._a.device)
             below = dict(zip(bounds, torch.bincount(
                 torch.bucketize(self._a, edges, right=True),
                 minlength=len(bounds) + 1).cumsum(0).tolist()))  # b -> #values < b
