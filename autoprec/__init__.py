@@ -14,7 +14,7 @@ The names are imported lazily, so ``import autoprec`` stays cheap (torch, optuna
 mlflow load when first used). ``autoprec.trace`` and ``autoprec.probe`` are the stages'
 packages (importing ``autoprec.trace.graph`` binds the package there), so their functions
 are exported as ``trace_model`` and ``probe_model``. The stages' own names stay in their
-packages (``autoprec.plan.compile_plan``, ``autoprec.capability.capability``, …).
+packages (``autoprec.plan.compile_plan``, ``autoprec.device.capability.capability``, …).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ iterable of batches: a list, a generator, a ``torch.utils.data.DataLoader``), ``
 (held-out batches; default: the calibration batches), ``forward(model, batch)``,
 ``metric(outputs, batch)``, ``loss(outputs, batch)`` and ``name`` (default: the model's class
 name) — exactly what a model.py provides; or the path of a model.py, as the CLI does
-(``autoprec.inputs.spec_of`` makes one ``ModelSpec`` of either). The model as given is the
+(``autoprec.workload.inputs.spec_of`` makes one ``ModelSpec`` of either). The model as given is the
 reference; it is run in eval mode and handed back as it came (``inputs.kept_as_given``:
 its train/eval flags and ``requires_grad``; the stages put back every weight, hook and
 forward they touch). This module orchestrates; the work is in ``autoprec.tuning.tune``,
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoprec.errors import InputError
-from autoprec.inputs import ModelLike, kept_as_given, spec_of
+from autoprec.workload.inputs import ModelLike, kept_as_given, spec_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

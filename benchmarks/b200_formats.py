@@ -32,13 +32,13 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import load_model_file
 from autoprec.plan import assignment
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.policy.modules import format_eligible
-from autoprec.scoring import reference, score
 from autoprec.trace import trace
 from autoprec.tuning.tune import tune
+from autoprec.workload.loading import load_model_file
+from autoprec.workload.scoring import reference, score
 from benchmarks.common import RESULTS, example
 
 HERE = Path(__file__).resolve().parent

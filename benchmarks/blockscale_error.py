@@ -32,8 +32,8 @@ from torch import nn
 
 from autoprec.formats import fake_quant_fp8, fake_quant_mxfp8, fake_quant_nvfp4
 from autoprec.formats.gemm import ineligible_reason
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.metrics import ErrorAccumulator, detach_floats
+from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.metrics import ErrorAccumulator, detach_floats
 from benchmarks.common import RESULTS, example
 
 OUT = RESULTS / "blockscale_error.md"

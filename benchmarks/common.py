@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from autoprec.loading import ModelSpec, load_model_file
+from autoprec.workload.loading import ModelSpec, load_model_file
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 EXAMPLES = ROOT / "examples"
@@ -40,7 +40,7 @@ def example(name: str) -> Path:
 
 
 def load_example(name: str) -> ModelSpec:
-    """The ModelSpec of ``examples/<name>/model.py`` (``autoprec.loading``)."""
+    """The ModelSpec of ``examples/<name>/model.py`` (``autoprec.workload.loading``)."""
     return load_model_file(example(name))
 
 

@@ -39,10 +39,10 @@ from torch import nn
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, apply_calibration, fit, get_profile
-from autoprec.loading import load_model_file
 from autoprec.measure import call_overhead, measure_latency, micro_samples
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from benchmarks.common import example
 
 MODELS = {"mixed8": example("mixed8"), "wide": example("wide"),

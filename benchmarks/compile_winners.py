@@ -38,11 +38,11 @@ import torch
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
 from autoprec.evaluation.speed_source import calibrate_here
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy, PolicyWarning
-from autoprec.scoring import reference, score
 from autoprec.trace import trace
 from autoprec.tuning.tune import tune
+from autoprec.workload.loading import load_model_file
+from autoprec.workload.scoring import reference, score
 from benchmarks import compile_cost
 from benchmarks.common import example
 

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.capability import cpu_facts
 from autoprec.cost import CostModel, Sample, fit, get_profile
+from autoprec.device.capability import cpu_facts
 from autoprec.measure import measure_latency, micro_samples
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.trace import trace

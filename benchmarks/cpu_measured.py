@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from autoprec.capability import cpu_facts
+from autoprec.device.capability import cpu_facts
 from autoprec.evaluation.rows import label
 from autoprec.tuning.tune import tune
 from benchmarks.common import example

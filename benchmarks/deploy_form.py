@@ -36,12 +36,12 @@ from typing import Any
 import torch
 
 from autoprec.apply.apply import apply_policy
-from autoprec.capability import cpu_facts
+from autoprec.device.capability import cpu_facts
 from autoprec.evaluation.rows import label
-from autoprec.loading import load_model_file
 from autoprec.lower.stored import cast_tree
-from autoprec.scoring import reference, score
 from autoprec.tuning.tune import tune
+from autoprec.workload.loading import load_model_file
+from autoprec.workload.scoring import reference, score
 from benchmarks.common import example
 
 #: (model folder, deployment batch size or None, budget) for the h100 part

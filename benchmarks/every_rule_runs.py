@@ -24,8 +24,8 @@ import torch
 from autoprec import apply_policy
 from autoprec.evaluation.check import check
 from autoprec.fused import fused_paths_off
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy
+from autoprec.workload.loading import load_model_file
 from benchmarks.common import example
 
 MODEL = example("nn_transformer")

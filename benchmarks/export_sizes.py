@@ -37,7 +37,7 @@ MODELS = ("minilm", "llama")
 
 
 def _minilm() -> tuple[torch.nn.Module, list[Any], dict[str, str], str]:
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     spec = load_model_file(example("minilm"))
     model = spec.model()

@@ -66,8 +66,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.capability import capability
 from autoprec.cost import CostModel, Sample, fit, get_profile
+from autoprec.device.capability import capability
 from autoprec.measure import gpu_shapes, measure_latency
 from autoprec.measure import micro_samples as micro_benchmarks
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths

@@ -67,13 +67,13 @@ def enlarge(batch: Any, rows: int) -> Any:
 def measure_policy(policy_path: Path, device: str, max_batch: int, dry_run: bool,
                    profile_name: str = "h200") -> dict[str, Any]:
     from autoprec.apply.apply import apply_policy
-    from autoprec.capability import capability
     from autoprec.cost import CostModel, get_profile
-    from autoprec.loading import load_model_file
+    from autoprec.device.capability import capability
     from autoprec.measure import measure_latency
-    from autoprec.metrics import batch_size_of
     from autoprec.policy import Policy, load_policy
     from autoprec.trace import trace
+    from autoprec.workload.loading import load_model_file
+    from autoprec.workload.metrics import batch_size_of
 
     pol = load_policy(policy_path)
     model_py = example(str(pol.model_name))

@@ -19,8 +19,17 @@ model is a pre-LN GPT stack of ``nn.Linear`` layers (default d_model 2048, 16 he
   block Linears) through ``prepare_training``: the train form's fp8 backend (torchao where
   its kernels run); its fp8 leaves are audited on a real step first
   (``audit_fp8_training``: fprop, dgrad and wgrad ran in fp8 through torchao);
+- ``tuned plan (tune --form train)`` (``--tune``, on by default on a GPU): first
+  ``autoprec.tune(form="train")`` of this model on the device at hand for its stored profile
+  (h200 on an H200; calibration two (2, seq) batches, priced at the micro-batch, budget
+  ``--max-error``, search capped at ``--tune-seconds``), written to ``tuned.yaml`` beside the
+  table; then its plan timed like the others, with what tune chose in the note;
 - ``--policy FILE`` (repeatable): a written plan (e.g. from ``tune --form train`` on this
   model) applied the same way.
+
+After the rows, on a GPU (``--calibrate``), the cost model's factors are fitted on
+micro-benchmarks run here (``speed_source.calibrate_here``) and written to
+``calibration.json``: the GPU-side check of the profile the priced tables use.
 
 The file is also a model.py (``build_model``, ``calibration_data``, ``forward``, ``loss`` at
 the default sizes): ``autoprec tune benchmarks/gpu_train_step.py --form train --target
@@ -34,6 +43,9 @@ two moments), counted from the tensors after the last step. A row that fails is 
 with its error, not fatal. The table is written after every row (``train_step.csv`` and
 ``train_step.md`` under ``--out``, else $OUT, else ./gpu_train_step_out), so a run cut short
 keeps what it measured; ``--time-limit`` stops starting new rows past that many seconds.
+No ``torch.compile`` (eager steps: nothing to compile on a fresh machine). At the default
+sizes on an H200 a row is ~15 steps of ~235 M parameters at 8 x 1024 tokens (seconds), the
+tune a couple of minutes: the whole run stays well under 8 minutes.
 """
 
 from __future__ import annotations
@@ -161,9 +173,11 @@ def _autocast(device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def rows_for(device: torch.device, emulate_fp8: bool, policies: list[Path]) -> list[Row]:
-    """The rows of the table, each with why it is skipped here (None: it runs)."""
-    from autoprec.capability import capability, torchao_fp8_kernels
+def rows_for(device: torch.device, emulate_fp8: bool, policies: list[Path],
+             tune: Callable[[], Any] | None = None) -> list[Row]:
+    """The rows of the table, each with why it is skipped here (None: it runs); ``tune``:
+    runs ``autoprec.tune --form train`` and returns (policy, note) for the tuned row."""
+    from autoprec.device.capability import capability, torchao_fp8_kernels
 
     def fp8_torchao(recipe: str) -> Callable[[nn.Module, torch.device], Setup]:
         def build(model: nn.Module, dev: torch.device) -> Setup:
@@ -212,8 +226,80 @@ def rows_for(device: torch.device, emulate_fp8: bool, policies: list[Path]) -> l
         Row("plan: bf16 + fp8 blocks", plan(None, "bf16 + fp8 blocks"),
             None if bf16_ok else bf16_why),
     ]
+    if tune is not None:
+        def tuned(model: nn.Module, dev: torch.device) -> Setup:
+            policy, how = tune()  # the tune's own time is not the step's: outside time_row
+            s = plan_setup(model, dev, policy, "tuned plan", emulate_fp8)
+            s.note = f"{how}; {s.note}"
+            return s
+
+        rows.append(Row(TUNED_ROW, tuned, None if bf16_ok else bf16_why))
     rows += [Row(f"policy: {p.name}", plan(p, p.name)) for p in policies]
     return rows
+
+
+TUNED_ROW = "tuned plan (tune --form train)"
+
+
+def target_of(device: torch.device) -> str:
+    """The stored profile of the GPU at hand (h100 / h200 / b200 / a100 / l4 / t4), "cpu"
+    on a CPU; a GPU none of them names is priced as an h100."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    return next((t for t in ("h200", "h100", "b200", "a100", "l4", "t4") if t in name), "h100")
+
+
+def tuner(master: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+          device: torch.device, out_dir: Path, seconds: float,
+          max_error: float) -> Callable[[], tuple[Any, str]]:
+    """What the tuned row runs first: ``autoprec.tune(form="train")`` of a copy of the
+    master on ``device`` for its stored profile, calibrated on two (2, seq) batches, priced
+    at the micro-batch, the search capped at ``seconds``; the policy is written to
+    ``out_dir/tuned.yaml``. Returns (policy, a note saying what tune found)."""
+
+    def run() -> tuple[Any, str]:
+        from autoprec.api import tune
+
+        model = copy.deepcopy(master).to(device).eval()
+        calib = [b[0][:2] for b in batches[:2]]
+        ev = [b[0][:2] for b in batches[2:4]]
+        t0 = time.perf_counter()
+        res = tune(model, calibration=calib, eval=ev, forward=forward, loss=loss,
+                            name="gpu_train_step", target=target_of(device), form="train",
+                            batch_size=batches[0][0].shape[0], max_error=max_error,
+                            trials=8, timeout=seconds, out=out_dir / "tuned.yaml",
+                            progress=False)
+        del model
+        kept = sorted(p for p, v in res.policy.layers.items() if v != "fp8")
+        fp8 = sorted(p for p, v in res.policy.layers.items() if v == "fp8")
+        how = (f"tuned in {time.perf_counter() - t0:.0f}s on {res.policy.target or '?'}: "
+               f"default {res.policy.default}, fp8 {fp8 or 'none'}, kept {kept or 'none'}, "
+               f"est. {res.est_speedup:.2f}x, error {res.eval_error:.3g}")
+        return res.policy, how
+
+    return run
+
+
+def calibrate_device(device: torch.device, out_dir: Path) -> str:
+    """The cost model's factors fitted on micro-benchmarks run here
+    (``speed_source.calibrate_here``), written to ``out_dir/calibration.json``; a line."""
+    import json
+
+    from autoprec.cost import get_profile
+    from autoprec.evaluation.speed_source import calibrate_here
+
+    t0 = time.perf_counter()
+    fit = calibrate_here(get_profile(target_of(device)), str(device))
+    cal = fit.calibration
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "calibration.json").write_text(json.dumps(
+        {**cal.to_dict(), "labels": fit.labels, "predicted_s": fit.predicted,
+         "measured_s": fit.measured}, indent=1, default=str))
+    return (f"calibration of the {target_of(device)} profile here: {cal.n_samples} "
+            f"micro-benchmarks in {time.perf_counter() - t0:.0f}s, rel. RMSE "
+            f"{cal.rel_rmse if cal.rel_rmse is None else f'{cal.rel_rmse:.0%}'}; "
+            "calibration.json")
 
 
 _BACKEND = {"tensorwise": "torchao", "rowwise": "torchao-rowwise"}
@@ -224,16 +310,16 @@ def plan_setup(model: nn.Module, device: torch.device, policy: Any, label: str,
     """An autoprec plan on ``model`` through ``prepare_training``; its fp8 leaves audited
     on one real step when they run through torchao."""
     from autoprec.apply.fp8_training_audit import audit_fp8_training
-    from autoprec.capability import TORCHAO_FP8_RECIPES
+    from autoprec.device.capability import TORCHAO_FP8_RECIPES
     from autoprec.policy import Policy
-    from autoprec.train import prepare_training
+    from autoprec.training.train import prepare_training
 
     if policy is None:
         policy = Policy.from_dict({"autoprec_policy": 1, "default": "bf16",
                                    "layers": {"blocks": "fp8"}})
     backend = None
     if emulate_fp8:
-        from autoprec.capability import best_fp8_backend
+        from autoprec.device.capability import best_fp8_backend
 
         best, _ = best_fp8_backend(device, training=True)
         backend = best if best in TORCHAO_FP8_RECIPES else "torchao"
@@ -373,8 +459,18 @@ def main(argv: list[str] | None = None) -> int:
                          "do not run (checks the script; numbers meaningless)")
     ap.add_argument("--only", default=None,
                     help="comma-separated row names to run (default: all)")
-    ap.add_argument("--time-limit", type=float, default=480.0,
+    ap.add_argument("--time-limit", type=float, default=420.0,
                     help="start no new row after this many seconds")
+    ap.add_argument("--tune", action=argparse.BooleanOptionalAction, default=None,
+                    help="add the tuned row: autoprec.tune --form train on this model here "
+                         "(default: on a GPU)")
+    ap.add_argument("--tune-seconds", type=float, default=90.0,
+                    help="the tuned row's search time limit")
+    ap.add_argument("--max-error", type=float, default=0.05,
+                    help="the tuned row's budget (relative L2 of the logits)")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                    help="fit the cost model's factors on this device after the rows "
+                         "(default: on a GPU)")
     args = ap.parse_args(argv)
     out_dir = args.out or Path(os.environ.get("OUT") or "gpu_train_step_out")  # CLI boundary
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -395,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"gpu_train_step: --policy {missing[0]}: no such file", file=sys.stderr)
         return 2
-    from autoprec.capability import cpu_facts
+    from autoprec.device.capability import cpu_facts
     from autoprec.policy import PolicyWarning
 
     warnings.simplefilter("ignore", PolicyWarning)  # the built-in plan has no fingerprint
@@ -418,7 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header), flush=True)
     only = None if args.only is None else {s.strip() for s in args.only.split(",")}
     rows: list[dict[str, Any]] = []
-    for row in rows_for(device, args.emulate_fp8, args.policy):
+    gpu = device.type == "cuda"
+    tune = (tuner(master, batches, device, out_dir, args.tune_seconds, args.max_error)
+            if (gpu if args.tune is None else args.tune) else None)
+    for row in rows_for(device, args.emulate_fp8, args.policy, tune):
         if only is not None and row.name not in only:
             continue
         rec: dict[str, Any] = {"row": row.name}
@@ -434,6 +533,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{rec.get('note', '')}", flush=True)
         write_table(out_dir, [*header, f"wall time so far: {time.perf_counter() - t0:.0f}s"],
                     rows)
+    if gpu if args.calibrate is None else args.calibrate:
+        try:
+            header.append(calibrate_device(device, out_dir))
+        except Exception as err:  # the rows are the point: a failed fit is noted
+            header.append(f"calibration failed: {type(err).__name__}: {err}"[:300])
+        print(header[-1], flush=True)
     md = write_table(out_dir, [*header, f"wall time: {time.perf_counter() - t0:.0f}s"], rows)
     print(md)
     print(f"wrote {out_dir}/train_step.csv and train_step.md")

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 
 from autoprec.apply.apply import apply_policy
-from autoprec.capability import cpu_facts
+from autoprec.device.capability import cpu_facts
 from autoprec.errors import GuardError
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy
+from autoprec.workload.loading import load_model_file
 from benchmarks.common import EXAMPLES, example
 
 SCALE = 3e4

@@ -7,7 +7,7 @@ plots the eval-loss curves beside it.
 
     nice python -m benchmarks.loss_parity --policy PLAN.yaml --steps 200 --out benchmarks/results
 
-The runs train under ``autoprec.train.prepare_training`` (fp32 masters, a GradScaler iff
+The runs train under ``autoprec.training.train.prepare_training`` (fp32 masters, a GradScaler iff
 the plan has fp16). 16-bit GEMMs this CPU has no fast kernel for run through
 ``lower/wide16`` (fp32 GEMMs of the 16-bit operands, rounded to 16 bits: the numerics of
 tensor cores), so a column of seconds per step is wall time here, not the plan's speed.
@@ -30,8 +30,8 @@ import torch
 
 from autoprec.lower.wide16 import scoring_gemms, slow_dtypes
 from autoprec.policy import Policy, load_policy
-from autoprec.train import prepare_training, train_step
-from autoprec.train_check import eval_loss
+from autoprec.training.short_run import eval_loss
+from autoprec.training.train import prepare_training, train_step
 from benchmarks.common import load_example
 
 

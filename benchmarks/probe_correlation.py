@@ -32,12 +32,12 @@ import torch
 from scipy.stats import spearmanr
 from torch import nn
 
-from autoprec.loading import ModelSpec, default_forward
 from autoprec.probe import probe
 from autoprec.probe.e2e import choose
 from autoprec.probe.layers import lowered_alone, select_layers
-from autoprec.scoring import reference, score
 from autoprec.trace import trace
+from autoprec.workload.loading import ModelSpec, default_forward
+from autoprec.workload.scoring import reference, score
 
 PRECISIONS = ("tf32", "bf16", "fp16", "fp8")
 N_BATCHES = 4

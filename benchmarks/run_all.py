@@ -43,16 +43,16 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.metrics import batch_size_of
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.plan import assignment
 from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.policy.modules import format_eligible
-from autoprec.precisions import PRECISIONS
-from autoprec.scoring import Score, reference, score
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.tuning.tune import TuneResult, tune
+from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.metrics import batch_size_of
+from autoprec.workload.scoring import Score, reference, score
 from benchmarks.common import RESULTS, example
 
 HERE = Path(__file__).resolve().parent

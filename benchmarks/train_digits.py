@@ -38,22 +38,24 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import importlib.util
 import math
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.loading import ModelSpec
 from autoprec.plan import assignment, resolve
 from autoprec.policy import Policy, PolicyWarning
-from autoprec.train import prepare_training, train_step
+from autoprec.training.train import prepare_training, train_step
+from autoprec.workload.loading import ModelSpec
 
 SEED = 0
 BATCH = 64
@@ -77,17 +79,19 @@ class TinyDigitsCNN(nn.Module):
         return self.head(h)  # (B, 10) logits
 
 
-@functools.lru_cache(maxsize=1)
 def split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    """The digits split of ``examples/digits_cnn/model.py`` (its ``split``: one place)."""
+    return _digits_example().split()
 
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8)
-    y = torch.tensor(digits.target, dtype=torch.long)
-    i_tr, i_te = train_test_split(torch.arange(len(y)).numpy(), test_size=0.25,
-                                  random_state=SEED, stratify=y.numpy())
-    return x[i_tr], y[i_tr], x[i_te], y[i_te]
+
+@functools.lru_cache(maxsize=1)
+def _digits_example() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "examples" / "digits_cnn" / "model.py"
+    spec = importlib.util.spec_from_file_location("digits_cnn_model", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def batches(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import tempfile
 import time
 from collections import defaultdict
@@ -43,10 +42,11 @@ from torch import nn
 import autoprec.tuning.prepare as prepare_mod
 import autoprec.tuning.tune as tune_mod
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.search import planner as planner_mod
 from autoprec.study.objective import PlanScorer
+from autoprec.workload.loading import ModelSpec
+from benchmarks.tables import load_average, load_line, markdown
 
 VOCAB, CONTEXT, B, T = 1024, 64, 4, 64
 
@@ -198,17 +198,16 @@ def main() -> None:
                 print("\n".join(planner_check("gpt2", n, args.budgets, Path(tmp) / str(n))))
         return
     rows = []
-    load0 = os.getloadavg()[0]
+    load0 = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         for kind, depths in (("gpt2", args.blocks), ("llama", args.llama)):
             for n in depths:
                 row = run_one(kind, n, Path(tmp) / f"{kind}{n}")
                 rows.append(row)
                 print(_line(row), flush=True)
-    load1 = os.getloadavg()[0]
+    load1 = load_average()
     print()
-    print(f"load average (1 min) {load0:.2f} before, {load1:.2f} after; "
-          f"{os.cpu_count()} CPUs; torch threads {args.threads}")
+    print(f"{load_line(load0, load1)}; torch threads {args.threads}")
     print()
     print(_table(rows))
     for kind in ("gpt2", "llama"):
@@ -223,20 +222,23 @@ def _line(r: dict[str, Any]) -> str:
             f"{r['priced']} plans priced ({r['method']}), {r['speedup']:.2f}x")
 
 
+COLUMNS = ("model", "blocks", "GEMM layers", "total s", "trace", "probes", "cost model",
+           "planner", "evaluations", "other", "forwards (refs+trace+probes+evals)",
+           "plans priced", "speed-up", "tf32 / bf16 / fp16", "error")
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    return [r["model"], str(r["blocks"]), str(r["layers"]),
+            *(f"{r[k]:.1f}" for k in ("total", "trace", "probe", "cost", "planner", "evaluate",
+                                      "other")),
+            f"{r['forwards']} ({r['fwd_other']}+{r['fwd_trace']}+{r['fwd_probe']}+"
+            f"{r['fwd_eval']} in {r['evaluated']} runs)", str(r["priced"]),
+            f"{r['speedup']:.2f}x", f"{r['alt_tf32']:.2f} / {r['alt_bf16']:.2f} / "
+            f"{r['alt_fp16']:.2f}", f"{r['error']:.4f}"]
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | blocks | GEMM layers | total s | trace | probes | cost model | planner "
-            "| evaluations | other | forwards (refs+trace+probes+evals) | plans priced | speed-up | tf32 / bf16 / fp16 "
-            "| error |")
-    out = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        out.append(
-            f"| {r['model']} | {r['blocks']} | {r['layers']} | {r['total']:.1f} | {r['trace']:.1f} "
-            f"| {r['probe']:.1f} | {r['cost']:.1f} | {r['planner']:.1f} | {r['evaluate']:.1f} "
-            f"| {r['other']:.1f} | {r['forwards']} ({r['fwd_other']}+{r['fwd_trace']}+"
-            f"{r['fwd_probe']}+{r['fwd_eval']} in {r['evaluated']} runs) | {r['priced']} | {r['speedup']:.2f}x "
-            f"| {r['alt_tf32']:.2f} / {r['alt_bf16']:.2f} / {r['alt_fp16']:.2f} "
-            f"| {r['error']:.4f} |")
-    return "\n".join(out)
+    return markdown(COLUMNS, map(_cells, rows))
 
 
 def planner_check(kind: str, blocks: int, budgets: list[float], workdir: Path) -> list[str]:
@@ -251,10 +253,7 @@ def planner_check(kind: str, blocks: int, budgets: list[float], workdir: Path) -
     prep = prepare_mod.prepare(spec(kind, blocks), cfg)
     space = prepare_mod.make_space(prep, cfg)
     est = prep.table.estimate
-    lines = [f"planner check, {kind} {blocks} blocks ({len(space.variables)} variables, "
-             f"space {space.size:.3g} plans):",
-             "| budget | planner (s/fwd) | method | plans priced | planner s | long descent "
-             "(s/fwd) | plans priced | descent s | planner / long |", "|" + "---|" * 9]
+    rows = []
     for b in budgets:
         t0 = time.perf_counter()
         pl = planner_mod.Planner(space, prep.cost, est, budget=b)
@@ -265,9 +264,12 @@ def planner_check(kind: str, blocks: int, budgets: list[float], workdir: Path) -
                                     lambdas=np.geomspace(1e-3, 1e3, 25), max_steps=400)
         t2 = time.perf_counter()
         long = min(t for t, p in found.values() if p <= b)
-        lines.append(f"| {b:g} | {mine:.4g} | {pl.method} | {pl.priced} | {t1 - t0:.1f} "
-                     f"| {long:.4g} | {len(found)} | {t2 - t1:.1f} | {mine / long:.4f} |")
-    return lines
+        rows.append([f"{b:g}", f"{mine:.4g}", pl.method, pl.priced, f"{t1 - t0:.1f}",
+                     f"{long:.4g}", len(found), f"{t2 - t1:.1f}", f"{mine / long:.4f}"])
+    cols = ("budget", "planner (s/fwd)", "method", "plans priced", "planner s",
+            "long descent (s/fwd)", "plans priced", "descent s", "planner / long")
+    return [f"planner check, {kind} {blocks} blocks ({len(space.variables)} variables, "
+            f"space {space.size:.3g} plans):", *markdown(cols, rows).splitlines()]
 
 
 if __name__ == "__main__":

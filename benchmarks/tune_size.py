@@ -7,7 +7,7 @@ cast afterwards would itself peak at 3x the bf16 weights):
 - ``llama``: HF ``LlamaForCausalLM`` from a ``LlamaConfig`` at TinyLlama-1.1B's widths —
   hidden 2048, intermediate 5632, 32 heads with 4 KV heads (GQA), vocabulary 32000,
   untied head — at 2 / 6 / 12 / 22 layers (22: ~1.1 B parameters), **weights in bf16**:
-  the reference is the bf16 model itself (``autoprec.reference``).
+  the reference is the bf16 model itself (``autoprec.workload.reference``).
 - ``gpt2``: HF ``GPT2LMHeadModel``, width 1024, 12 blocks, 16 heads, vocabulary 8192
   (~160 M parameters), **fp32** weights.
 
@@ -41,6 +41,7 @@ import yaml
 
 from benchmarks.common import RESULTS as RESULTS_DIR
 from benchmarks.common import ROOT
+from benchmarks.tables import cpu_name, load_average, load_line, markdown
 
 RESULTS = RESULTS_DIR / "tune_size.md"
 
@@ -132,20 +133,23 @@ def run_one(kind: str, layers: int, workdir: Path, max_error: float, batch_size:
             "stages": res.get("memory_stages") or {}, "peak_stage": res.get("peak_memory_stage")}
 
 
+COLUMNS = ("model", "layers", "weights", "params", "peak memory", "peak / weights",
+           "bound (2W + slack)", "within", "wall s", "error (budget)",
+           "est. speed-up over fp32", "over the model as given", "plan", "peak per stage (GB)")
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    return [f"{r['model']} ({r['dtype']})", str(r["layers"]), f"{r['weights'] / 1e9:.2f} GB",
+            f"{r['params'] / 1e6:.0f} M", f"{r['peak'] / 1e9:.2f} GB",
+            f"{r['peak_over_w']:.2f}x", f"{r['bound'] / 1e9:.2f} GB",
+            "yes" if r["within"] else "NO", f"{r['wall']:.0f}",
+            f"{r['error']:.4f} ({r['budget']:g})", f"{r['est']:.2f}x", f"{r['est_ref']:.2f}x",
+            f"default {r['default']}, {r['rules']} rules ({r['fp8']} fp8)",
+            ", ".join(f"{k} {v / 1e9:.2f}" for k, v in r["stages"].items())]
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | layers | weights | params | peak memory | peak / weights | bound "
-            "(2W + slack) | within | wall s | error (budget) | est. speed-up over fp32 "
-            "| over the model as given | plan | peak per stage (GB) |")
-    out = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        out.append(
-            f"| {r['model']} ({r['dtype']}) | {r['layers']} | {r['weights'] / 1e9:.2f} GB "
-            f"| {r['params'] / 1e6:.0f} M | {r['peak'] / 1e9:.2f} GB | {r['peak_over_w']:.2f}x "
-            f"| {r['bound'] / 1e9:.2f} GB | {'yes' if r['within'] else 'NO'} | {r['wall']:.0f} "
-            f"| {r['error']:.4f} ({r['budget']:g}) | {r['est']:.2f}x | {r['est_ref']:.2f}x "
-            f"| default {r['default']}, {r['rules']} rules ({r['fp8']} fp8) "
-            f"| {', '.join(f'{k} {v / 1e9:.2f}' for k, v in r['stages'].items())} |")
-    return "\n".join(out)
+    return markdown(COLUMNS, map(_cells, rows))
 
 
 def growth(rows: list[dict[str, Any]], kind: str) -> str:
@@ -163,18 +167,6 @@ def growth(rows: list[dict[str, Any]], kind: str) -> str:
             f"{len(sel)} sizes)")
 
 
-def _cpu_name() -> str:
-    """``lscpu``'s model name (what the wall times were measured on), or the platform's."""
-    import platform
-
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                 if ln.startswith("Model name:")), "unknown CPU")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama", type=int, nargs="*", default=[2, 6, 12, 22])
@@ -183,7 +175,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
     args = ap.parse_args()
-    load0 = os.getloadavg()[0]
+    load0 = load_average()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         runs = [("gpt2", 12)] if args.gpt2 else []
@@ -194,12 +186,10 @@ def main() -> None:
             print(f"{kind} {n} layers: {row['weights'] / 1e9:.2f} GB weights, peak "
                   f"{row['peak'] / 1e9:.2f} GB ({row['peak_over_w']:.2f}x), {row['wall']:.0f} s",
                   flush=True)
-    load1 = os.getloadavg()[0]
-    cpu = _cpu_name()
+    load1 = load_average()
     lines = [table(rows), "", *(g for g in (growth(rows, "llama"),) if g), "",
-             f"load average (1 min) {load0:.2f} before, {load1:.2f} after; {os.cpu_count()} "
-             f"CPUs ({cpu}); tune --target h100 --batch-size {args.batch_size} --max-error "
-             f"{args.max_error:g}"]
+             f"{load_line(load0, load1, cpu_name())}; tune --target h100 --batch-size "
+             f"{args.batch_size} --max-error {args.max_error:g}"]
     text = "\n".join(lines)
     print()
     print(text)

@@ -4,6 +4,8 @@ The cases are the issue-46 training tunes of the MiniLM masked-LM fine-tune
 (``examples/minilm_mlm``: pretrained all-MiniLM-L6-v2, stdlib docstrings):
 
     cpu        autoprec tune examples/minilm_mlm/model.py --form train --target cpu
+    cpu-train-aware
+               autoprec tune examples/minilm_mlm/model.py --train-aware --target cpu
     h100-train autoprec tune examples/minilm_mlm/model.py --train-aware --target h100
                --batch-size 64
 
@@ -16,7 +18,7 @@ after. ``--before FILE`` puts an earlier run's JSON (this script's ``--json-out`
 each figure. Under a shared load the wall time grows with the other processes' turns; the
 CPU seconds are what the tune itself spent.
 
-    python -m benchmarks.tune_time_train                      # both cases
+    python -m benchmarks.tune_time_train                      # every case
     python -m benchmarks.tune_time_train --cases cpu --model minilm_mlm
     python -m benchmarks.tune_time_train --before benchmarks/results/tune_time_train.json
 """
@@ -40,6 +42,7 @@ from benchmarks.common import RESULTS, _refuse, choose, example
 #: name -> the tune's options after the model.py (the issue's two training tunes).
 CASES: dict[str, list[str]] = {
     "cpu": ["--form", "train", "--target", "cpu"],
+    "cpu-train-aware": ["--train-aware", "--target", "cpu"],
     "h100-train": ["--train-aware", "--target", "h100", "--batch-size", "64"],
 }
 STAGES = ("reference", "trace", "probe", "search", "confirm")

@@ -32,7 +32,7 @@ from torch import nn
 
 import autoprec
 from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec
+from autoprec.workload.loading import ModelSpec
 
 BATCH = 8
 

@@ -78,6 +78,12 @@ def package_sizes(mods: dict[str, tuple[Path, ast.Module]]) -> dict[str, int]:
     return dict(count)
 
 
+def loose_modules(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """The modules directly in ``autoprec/`` (``__init__`` left out)."""
+    return sorted(name.split(".")[1] for name, (path, _t) in mods.items()
+                  if name.count(".") == 1 and path.name != "__init__.py")
+
+
 def largest_package(mods: dict[str, tuple[Path, ast.Module]]) -> tuple[str, int]:
     sizes = {k: v for k, v in package_sizes(mods).items() if k}
     name = max(sizes, key=lambda k: sizes[k])
@@ -210,7 +216,7 @@ def counts(root: Path) -> dict[str, str]:
     why = why_this_plan(mods)
     return {
         "files in the largest package": f"{n} ({pkg})",
-        "loose top-level modules": str(package_sizes(mods).get("", 1) - 1),
+        "loose top-level modules": str(len(loose_modules(mods))),
         'files to answer "why this plan"': str(len(why)),
         "target-deciding modules": str(len(target_deciders(mods))),
         "private names imported across packages (package, experiments, scripts)":
@@ -238,7 +244,8 @@ def main() -> int:
         for r in roots:
             mods = _modules(r)
             print(f"\n{r}:\n  why this plan: {', '.join(why_this_plan(mods))}"
-                  f"\n  target-deciding: {', '.join(target_deciders(mods))}")
+                  f"\n  target-deciding: {', '.join(target_deciders(mods))}"
+                  f"\n  loose top-level modules: {', '.join(loose_modules(mods))}")
             for h in private_imports(r, ["autoprec", "experiments", "benchmarks", "scripts",
                                          "examples", "tests"]):
                 print(f"  private: {h}")

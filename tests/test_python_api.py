@@ -195,7 +195,7 @@ def test_the_model_and_its_data_come_from_one_place(tmp_path: Path) -> None:
 
 
 def test_a_generator_is_read_once_and_every_stage_sees_the_same_batches() -> None:
-    from autoprec.inputs import spec_of
+    from autoprec.workload.inputs import spec_of
 
     data = _batches()
     spec = spec_of(_Net(), calibration=(x for x in data))  # a one-shot iterator

@@ -151,7 +151,7 @@ def test_the_model_py_contract_names_what_loading_reads() -> None:
     the rule MODEL_NAME must follow is loading's."""
     import inspect
 
-    from autoprec import loading
+    from autoprec.workload import loading
 
     (block,) = _blocks("python", "model.py")
     names = set(re.findall(r"^def (\w+)\(", block, flags=re.M))

@@ -40,7 +40,7 @@ def train_form_hint(source: str) -> str:
     return (f"{source} is applied in the deploy form: the model holds 16-bit / quantised "
             "copies of its weights and remove() puts the untouched fp32 masters back, so "
             "training these copies would be lost; train with form: train "
-            "(apply_policy(model, policy, form='train'), autoprec.train.prepare_training "
+            "(apply_policy(model, policy, form='train'), autoprec.training.train.prepare_training "
             "or autoprec.integrations.hf.PolicyTrainer) — the deploy form is for inference")
 
 

@@ -42,26 +42,26 @@ from autoprec.apply.compiled import audit_compiled
 from autoprec.apply.consumers import RerunCasts, consumer_wrappers, consumers, one_storage_dtype
 from autoprec.apply.guard import Guard, GuardCounts, GuardEvent, select_layers, stored_masters
 from autoprec.apply.stored import StoredWeights, model_bytes, store_weights
-from autoprec.capability import capability
+from autoprec.device.capability import capability
+from autoprec.device.targets import device_type, named_target
 from autoprec.errors import CapabilityError, InputError, warn
-from autoprec.fused import FASTPATH, has_fused_paths
-from autoprec.lower.backends import format_backends
-from autoprec.lower.forward import lowered_forward
-from autoprec.lower.fp8 import drop_weight_caches
-from autoprec.lower.stored import deploy_forward
-from autoprec.lower.wide16 import scoring_gemms
-from autoprec.paths import unwrap_model
-from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
-from autoprec.policy.guard_spec import GuardSpec, parse_guard
-from autoprec.policy.modules import Resolved, gemm_leaf_paths, module_table
-from autoprec.policy.schema import Policy
-from autoprec.precisions import (
+from autoprec.formats.precisions import (
     AUTOCAST_DTYPES,
     FORMS,
     PRECISIONS,
     is_gemm_format,
 )
-from autoprec.targets import device_type, named_target
+from autoprec.fused import FASTPATH, has_fused_paths
+from autoprec.io.paths import unwrap_model
+from autoprec.lower.backends import format_backends
+from autoprec.lower.forward import lowered_forward
+from autoprec.lower.fp8 import drop_weight_caches
+from autoprec.lower.stored import deploy_forward
+from autoprec.lower.wide16 import scoring_gemms
+from autoprec.plan.compile import ExecutionPlan, Wrapped, compile_plan
+from autoprec.policy.guard_spec import GuardSpec, parse_guard
+from autoprec.policy.modules import Resolved, gemm_leaf_paths, module_table
+from autoprec.policy.schema import Policy
 
 _LOW = (torch.float16, torch.bfloat16)
 _MISSING = object()

@@ -33,12 +33,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoprec.errors import CheckFailed
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.fused import FUSED_OPS, has_fused_paths
+from autoprec.io.paths import normalize_path, unwrap_model
 from autoprec.lower.forward import tf32_emulation_active
-from autoprec.paths import normalize_path, unwrap_model
 from autoprec.policy.modules import Resolved, is_gemm_leaf
 from autoprec.policy.schema import Policy, PolicyWarning
-from autoprec.precisions import PRECISIONS
 
 #: aten ops that are GEMMs/convolutions (after decomposition: linear -> addmm, matmul ->
 #: mm/bmm, einsum -> bmm). SDPA's fused kernels are matched by name prefix below.

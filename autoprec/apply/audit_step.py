@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoprec.apply.audit import _GEMM_OPS, AuditReport, AuditRow, gemm_precision
-from autoprec.paths import unwrap_model
+from autoprec.io.paths import unwrap_model
 from autoprec.policy.modules import is_gemm_leaf
 from autoprec.policy.schema import Policy
 

@@ -24,7 +24,7 @@ import torch
 
 from autoprec.apply.audit import _FP8, AuditReport, AuditRow, _fmt, gemm_precision
 from autoprec.fused import FUSED_OPS
-from autoprec.paths import normalize_path, unwrap_model
+from autoprec.io.paths import normalize_path, unwrap_model
 
 _GEMM_TARGETS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm")
 # a wrapped forward is a method bound to its module (apply._bound_to): `.forward.__func__`

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from autoprec.formats.precisions import PRECISIONS, STORAGE_DTYPES
 from autoprec.lower.stored import consumer_forward
 from autoprec.plan.compile import ExecutionPlan
-from autoprec.precisions import PRECISIONS, STORAGE_DTYPES
 
 _MISSING = object()
 

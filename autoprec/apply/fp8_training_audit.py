@@ -20,10 +20,10 @@ import torch
 
 from autoprec.apply.apply import PolicyHandle
 from autoprec.apply.audit import AuditError
-from autoprec.capability import TORCHAO_FP8_RECIPES
+from autoprec.device.capability import TORCHAO_FP8_RECIPES
 from autoprec.errors import InputError
 from autoprec.formats.gemm import format_of
-from autoprec.paths import unwrap_model
+from autoprec.io.paths import unwrap_model
 from autoprec.policy.modules import gemm_leaf_paths
 
 #: The operand formats each recipe's GEMMs read, output gradient first (TE and torchao:

@@ -49,11 +49,11 @@ from typing import Any
 import torch
 
 from autoprec.apply.consumers import RerunCasts
-from autoprec.capability import capability
+from autoprec.device.capability import capability
 from autoprec.errors import GuardError, GuardWarning, PolicyError
+from autoprec.formats.precisions import FORMATS, STORAGE_DTYPES, carrier_of, is_gemm_format, rank
 from autoprec.lower.stored import SCALE, SCALE_2, cast_tree, deploy_forward, dequantized_weight
 from autoprec.policy.guard_spec import ALL, GuardSpec
-from autoprec.precisions import FORMATS, STORAGE_DTYPES, carrier_of, is_gemm_format, rank
 
 #: Wider-range precisions a layer may be raised to, nearest first (fp32 at worst).
 FALLBACK_ORDER = ("bf16", "tf32", "fp32")

@@ -29,9 +29,9 @@ import torch
 
 from autoprec.errors import PolicyWarning
 from autoprec.formats.gemm import stores_in_out
+from autoprec.formats.precisions import PRECISIONS, STORAGE_DTYPES, is_gemm_format
 from autoprec.lower.stored import dequantized_weight, stored_weight
 from autoprec.plan.compile import ExecutionPlan
-from autoprec.precisions import PRECISIONS, STORAGE_DTYPES, is_gemm_format
 
 
 @dataclass

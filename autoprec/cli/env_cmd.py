@@ -22,8 +22,8 @@ def _version(dist: str) -> str | None:
 
 
 def env_info() -> dict[str, Any]:
-    """Versions and the capability answers (autoprec.capability) for this machine."""
-    from autoprec.capability import device_summary
+    """Versions and the capability answers (autoprec.device.capability) for this machine."""
+    from autoprec.device.capability import device_summary
 
     info = device_summary()
     versions = {"python": info.pop("python")}

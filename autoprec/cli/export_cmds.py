@@ -44,8 +44,8 @@ def save_cmd(
     """Write MODEL deployed under POLICY as a compressed-tensors HF checkpoint that
     transformers' from_pretrained and vLLM load."""
     from autoprec.export.checkpoint import save_pretrained
-    from autoprec.loading import load_model_file
     from autoprec.policy import load_policy
+    from autoprec.workload.loading import load_model_file
 
     spec = load_model_file(model)
     built = spec.model()
@@ -77,8 +77,8 @@ def export_recipe_cmd(
     """Write POLICY's training plan as Python a training script imports: a Transformer
     Engine CustomRecipe, or a torchao float8 module_filter_fn."""
     from autoprec.export.recipes import te_recipe_source, torchao_filter_source
-    from autoprec.fileio import atomic_write
-    from autoprec.loading import load_model_file
+    from autoprec.io.fileio import atomic_write
+    from autoprec.workload.loading import load_model_file
 
     if to not in _RECIPE_TARGETS:
         raise InputError(f"--to must be one of {', '.join(_RECIPE_TARGETS)}, got {to!r}")

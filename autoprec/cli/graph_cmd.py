@@ -23,9 +23,9 @@ def graph_cmd(
 ) -> None:
     """Trace MODEL on its first calibration batch: every layer's kind, shapes, FLOPs and
     the precisions it may take (with the reason for the others)."""
-    from autoprec.loading import load_model_file
+    from autoprec.io.validate import check_seconds
     from autoprec.trace import TRACERS, trace
-    from autoprec.validate import check_seconds
+    from autoprec.workload.loading import load_model_file
 
     check_seconds(export_timeout, "--export-timeout", allow_zero=True)
     spec = load_model_file(model)
@@ -45,7 +45,7 @@ def graph_cmd(
         typer.echo(json.dumps(graph.to_json(), indent=2))
         return
 
-    from autoprec.precisions import PRECISIONS
+    from autoprec.formats.precisions import PRECISIONS
 
     frame = graph.to_frame()
     every = ",".join(PRECISIONS)
@@ -102,7 +102,7 @@ def _fit(frame: Any, width: int | None) -> str:
 
 def _why_not(disallowed: dict[str, str]) -> str:
     """A non-GEMM layer's four reasons say one thing: show it once."""
-    from autoprec.precisions import PRECISIONS
+    from autoprec.formats.precisions import PRECISIONS
 
     if set(disallowed) >= set(PRECISIONS) - {"fp32"}:
         return disallowed["bf16"]  # `allowed` says fp32; the one reason for the others

@@ -102,9 +102,9 @@ def _cli_signals_and_warnings() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the process exit code."""
-    from autoprec.memory import map_large_allocations
+    from autoprec.tuning.memory import map_large_allocations
 
-    map_large_allocations()  # freed tensors go back to the OS (autoprec.memory)
+    map_large_allocations()  # freed tensors go back to the OS (autoprec.tuning.memory)
     with _cli_signals_and_warnings():
         _main(argv)
     return 0  # not reached: _main always exits

@@ -73,7 +73,7 @@ def show_cmd(
             pol = load_policy(policy)
             order: dict[str, int] = {}
         else:
-            from autoprec.loading import load_model_file
+            from autoprec.workload.loading import load_model_file
 
             net = load_model_file(model).model()
             pol = load_policy(policy, model=net, force=True)  # review: a mismatch is a warning

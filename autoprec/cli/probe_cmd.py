@@ -11,9 +11,9 @@ from typing import Annotated, Any
 import typer
 
 from autoprec.errors import InputError
-from autoprec.fileio import atomic_write, brief
-from autoprec.paths import check_dir, check_not_an_input, check_out_path
-from autoprec.precisions import parse_precisions
+from autoprec.formats.precisions import parse_precisions
+from autoprec.io.fileio import atomic_write, brief
+from autoprec.io.paths import check_dir, check_not_an_input, check_out_path
 
 #: What the printed table shows (the CSV / JSON carry every column).
 _SHOWN = ["layer", "precision", "local_error", "cheap_estimate", "e2e_error", "max_abs",
@@ -34,10 +34,10 @@ def probe_cmd(
 ) -> None:
     """Probe MODEL's GEMM layers in each precision: local error, range (overflow /
     underflow), a cheap end-to-end estimate and, where it matters, the measured one."""
-    from autoprec.loading import load_model_file
+    from autoprec.io.validate import check_budget
     from autoprec.probe import probe
-    from autoprec.scoring import reference
-    from autoprec.validate import check_budget
+    from autoprec.workload.loading import load_model_file
+    from autoprec.workload.scoring import reference
 
     precs = parse_precisions(precisions)  # a bad name: InputError, exit 2
     if e2e not in ("auto", "all", "none"):

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from autoprec.cli import target_names
+from autoprec.device.targets import DEFAULT_TARGET
 from autoprec.errors import CheckFailed
 from autoprec.evaluation.json_fields import batch_size_from, batch_size_words
-from autoprec.targets import DEFAULT_TARGET
 
 if TYPE_CHECKING:
     from autoprec.evaluation.speed_check import SpeedCheck
@@ -134,7 +134,7 @@ def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, A
             "est_speedup_over_reference", round(result.est_speedup, 4)),
         "model_weight_bytes": result.weight_bytes,
         "peak_memory_bytes": result.peak_memory, "peak_memory_measured": result.peak_memory_how,
-        # each stage's own peak (autoprec.memory.StagePeaks), and the stage that set the peak
+        # each stage's own peak (autoprec.tuning.memory.StagePeaks), and the stage that set the peak
         "memory_stages": dict(result.memory_stages),
         "peak_memory_stage": (max(result.memory_stages, key=result.memory_stages.__getitem__)
                               if result.memory_stages else None),

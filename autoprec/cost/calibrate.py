@@ -24,8 +24,8 @@ from autoprec.cost.model import CostModel, Kernel
 from autoprec.cost.profiles import Calibration, DeviceProfile
 from autoprec.errors import InputError
 from autoprec.formats.gemm import gemm_format
+from autoprec.formats.precisions import GEMM_FORMATS, REGIONS
 from autoprec.policy.schema import Policy
-from autoprec.precisions import GEMM_FORMATS, REGIONS
 from autoprec.trace.graph import LayerGraph, LayerNode
 from autoprec.trace.ops import Call, Op, OpTrace, Value
 

@@ -463,7 +463,7 @@ class CompiledPricer:
 
 
 def _prec_name(code: int) -> str:
-    from autoprec.precisions import PRECISIONS
+    from autoprec.formats.precisions import PRECISIONS
 
     return PRECISIONS[code]
 

@@ -56,12 +56,12 @@ from autoprec.cost.op_pricing import EagerPricer, ForwardPricer, OpTable, Roofli
 from autoprec.cost.op_times_record import OpTimes
 from autoprec.cost.price_types import PARTS, Breakdown, Kernel, Priced
 from autoprec.cost.profiles import DeviceProfile
+from autoprec.device.targets import device_type
 from autoprec.errors import InputError
+from autoprec.formats.precisions import BYTES, FORMS, GEMM_FORMATS, PRECISIONS, check_precision
 from autoprec.plan.compile import CODE, ModuleTree, RuleSet
 from autoprec.plan.schedule import Schedule, replay
 from autoprec.policy.schema import MODES, Policy
-from autoprec.precisions import BYTES, FORMS, GEMM_FORMATS, PRECISIONS, check_precision
-from autoprec.targets import device_type
 from autoprec.trace.graph import LayerGraph
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -424,7 +424,8 @@ def make_cost_model(graph: LayerGraph, profile: DeviceProfile, batch_size: int |
     if step and kwargs.get("form", "train") == "train":
         from autoprec.cost.step import StepPart, fp8_backward_of
 
-        kwargs["step"] = StepPart(fp8_backward_of(fp8_backend))
+        kwargs["step"] = StepPart(fp8_backward_of(fp8_backend),
+                                  grad_times=kwargs.pop("grad_times", None))
     return CostModel(graph, profile, batch_size, mode=mode, **kwargs)
 
 

@@ -27,9 +27,9 @@ from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Kernel
 from autoprec.cost.profiles import DeviceProfile
 from autoprec.cost.unfolded import non_contiguous
 from autoprec.formats.gemm import gemm_format
+from autoprec.formats.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.plan.compile import CODE, ModuleTree
 from autoprec.plan.schedule import DTYPES, OTHER, WIDTH, Schedule
-from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.ops import OpTrace
 
 #: The GEMM formats by precision code: each knows the quantisation passes of its activation

@@ -1,6 +1,6 @@
 """Device profiles: what a *target* device can run and how fast (datasheet peaks + factors).
 
-``autoprec.capability`` answers "can *this* machine run fp8 here?"; a profile answers the
+``autoprec.device.capability`` answers "can *this* machine run fp8 here?"; a profile answers the
 same question for the device a policy is tuned for, so that a laptop can tune for an H100.
 The figures live in ``devices.yaml`` beside this file, each with its source. Measured
 efficiency factors (``autoprec.cost.calibrate``) are stored as a small YAML file that
@@ -21,7 +21,7 @@ import yaml
 
 from autoprec.errors import InputError
 
-# autoprec.precisions (which imports torch) is imported where a profile is built or asked:
+# autoprec.formats.precisions (which imports torch) is imported where a profile is built or asked:
 # reading the profile names (``profile_names``, every command's --target help) needs no torch
 
 #: The profiles shipped with autoprec.
@@ -53,7 +53,7 @@ class DeviceProfile:
 
     def supports(self, precision: str) -> tuple[bool, str]:
         """``(ok, reason)``: can this device compute in ``precision``?"""
-        from autoprec.precisions import check_precision
+        from autoprec.formats.precisions import check_precision
 
         check_precision(precision)
         if self.peak_flops.get(precision) is not None:
@@ -66,7 +66,7 @@ class DeviceProfile:
     @property
     def precisions(self) -> tuple[str, ...]:
         """Precisions this device runs, in the canonical order."""
-        from autoprec.precisions import PRECISIONS
+        from autoprec.formats.precisions import PRECISIONS
 
         return tuple(p for p in PRECISIONS if self.peak_flops.get(p) is not None)
 
@@ -141,7 +141,7 @@ def _precision_map(raw: Any, what: str, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(raw, Mapping):
         raise InputError(f"{where}: {what} must be a mapping precision -> value, got {raw!r}")
-    from autoprec.precisions import check_precision
+    from autoprec.formats.precisions import check_precision
 
     for p in raw:
         check_precision(str(p), f"{where}: {what}")
@@ -149,7 +149,7 @@ def _precision_map(raw: Any, what: str, where: str) -> dict[str, Any]:
 
 
 def _profile_from_dict(key: str, raw: Mapping[str, Any], where: str) -> DeviceProfile:
-    from autoprec.precisions import PRECISIONS
+    from autoprec.formats.precisions import PRECISIONS
 
     where = f"{where}: device {key!r}"
     for required in ("peak_tflops", "memory_tbps", "launch_overhead_us"):
@@ -292,8 +292,8 @@ class Calibration:
 
     def save(self, path: str | Path) -> Path:
         """Write atomically: a unique temp file in the same folder, fsync, ``os.replace``
-        (autoprec.fileio); OutputError (exit 2) if it cannot be written, the old file kept."""
-        from autoprec.fileio import atomic_write
+        (autoprec.io.fileio); OutputError (exit 2) if it cannot be written, the old file kept."""
+        from autoprec.io.fileio import atomic_write
 
         return atomic_write(Path(path), yaml.safe_dump(self.to_dict(), sort_keys=False))
 

@@ -13,6 +13,8 @@ or ``make_cost_model(..., step=True)``): a plan's time is
   gradient quantisation (``fp8_backward``: "fp8" as Transformer Engine, torchao's
   ``Float8Linear`` and autoprec's ``torch`` backend run it, "fp32" as the ``emulated``
   backend does: dequantised fp32 GEMMs);
+- the loss (model.py's ``loss``, forward and backward: ``cost.loss_step``) at the dtype the
+  plan gives the model's output, where it was recorded (``set_loss``);
 - the optimizer step over the fp32 masters (``Optimizer``; on a GPU fused AdamW: one pass
   reading parameter, gradient, exp_avg, exp_avg_sq and writing three of them; on a CPU
   torch's default loop over the parameters, eight passes each);
@@ -24,12 +26,15 @@ Each backward kernel is priced like a forward one: ``max(FLOPs / peak, bytes / b
 + launch (+ GEMM set-up)``; on a CPU target with this machine's op timings, a gradient
 GEMM of an op timed here takes the forward GEMM's measured time at its precision (dgrad
 and wgrad have the forward's FLOPs over the same three dimensions), fused attention's
-backward ``ATTENTION_BACKWARD`` times its forward's, and a pointwise op's backward at least its forward's (it reads dY and what the
+backward ``ATTENTION_BACKWARD`` times its forward's — or, where this machine timed the
+gradient kernel itself (``grad_times``, ``autoprec.measure.measure_grads``: each GEMM's dgrad and wgrad at
+their own layouts, fused attention's backward), that time; a backward cast its timed
+cast — and a pointwise op's backward at least its forward's (it reads dY and what the
 op saved, and writes dX). ``--batch-size`` is
 the training micro-batch.
 
 ``breakdown`` splits the step into ``STEP_PARTS`` (fprop / dgrad / wgrad / casts /
-fp8_scaling / other / optimizer / scaler) and carries the step's memory
+fp8_scaling / other / loss / optimizer / scaler) and carries the step's memory
 (``cost.train_memory``); ``max_train_bytes`` makes a plan whose training memory is over it
 infeasible, with the reason.
 """
@@ -43,7 +48,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from autoprec.cost.op_pricing import _FORMAT_OF_CODE, OpTable, Roofline
+from autoprec.cost.loss_step import LossKernels, output_value
+from autoprec.cost.op_pricing import _FORMAT_OF_CODE, OpTable, Roofline, _precision_table
 from autoprec.cost.price_types import _CAST, _FP8, _GEMM, _OTHER, Breakdown, Priced
 from autoprec.cost.train_memory import (
     ADAMW_STATE_BYTES,
@@ -51,17 +57,20 @@ from autoprec.cost.train_memory import (
     saved_activation_bytes,
     trainable_numel,
 )
+from autoprec.device.targets import is_cpu
 from autoprec.plan.backward import ATTENTION_BACKWARD, FP8_BACKWARDS, Backward, backward
 from autoprec.plan.compile import CODE, RuleSet
-from autoprec.plan.dtype_codes import FP16
+from autoprec.plan.dtype_codes import DTYPES, FP16
 from autoprec.plan.schedule import Schedule
 from autoprec.policy.schema import Policy
-from autoprec.targets import is_cpu
 
 #: Where a training step's time goes.
-STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "optimizer",
-              "scaler")
+STEP_PARTS = ("fprop", "dgrad", "wgrad", "casts", "fp8_scaling", "other", "loss",
+              "optimizer", "scaler")
 _P = {p: i for i, p in enumerate(STEP_PARTS)}
+#: This machine's gradient-kernel timings (``autoprec.measure.measure_grads``): op index ->
+#: {"dgrad" | "wgrad": {precision: seconds}}.
+GradTimes = dict[int, dict[str, dict[str, float]]]
 
 
 class StepHost(Protocol):
@@ -133,18 +142,27 @@ class StepPart:
     whose training step holds more bytes cannot run (``--memory-limit``).
     """
 
-    def __init__(self, fp8_backward: str = "fp8", optimizer: Optimizer | None = None) -> None:
+    def __init__(self, fp8_backward: str = "fp8", optimizer: Optimizer | None = None,
+                 grad_times: GradTimes | None = None) -> None:
         if fp8_backward not in FP8_BACKWARDS:
             raise ValueError(f"fp8_backward must be one of {FP8_BACKWARDS}, got {fp8_backward!r}")
         self.fp8_backward = fp8_backward
         self.optimizer = optimizer
+        #: this machine's dgrad / wgrad (and attention backward) timings per op and precision
+        self.grad_times = grad_times
         self.max_train_bytes: float | None = None
         self._n_params = 0.0
         self._n_tensors = 0
+        #: the loss's seconds by the output's dtype code (None: the loss is not priced)
+        self._loss_s: np.ndarray | None = None
+        self._loss_value: int | None = None
+        self._loss_saved: dict[int, float] = {}  # what it saves, by the output's dtype code
 
     def bound(self, graph: Any, device_type: str) -> StepPart:
         """This step part for ``graph``'s trainable parameters on ``device_type``."""
-        new = StepPart(self.fp8_backward, self.optimizer)
+        new = StepPart(self.fp8_backward, self.optimizer, self.grad_times)
+        new._loss_s, new._loss_value = self._loss_s, self._loss_value
+        new._loss_saved = self._loss_saved
         # what torch.optim.AdamW runs by default: fused / foreach on a GPU (a trainer's
         # choice: fused), a loop over the parameters on a CPU
         new.optimizer = self.optimizer or (ADAMW_LOOP if is_cpu(device_type) else ADAMW_FUSED)
@@ -159,6 +177,45 @@ class StepPart:
         if self.optimizer is None:
             raise ValueError("a StepPart prices only once a CostModel has bound it")
         return self.optimizer
+
+    def set_loss(self, cost: Any, kernels: LossKernels) -> None:
+        """Price the loss of every step of ``cost`` (the ``CostModel`` holding this part):
+        ``cost.loss_step.record_loss``'s kernels and, on a local CPU, its timings, scaled
+        from the recorded batch to the priced one."""
+        r = cost.forward.roofline
+        v = output_value(r.trace, kernels.numel)
+        if v is None:
+            raise ValueError(f"no output of {kernels.numel} elements in the recorded forward")
+        scale = r.scale if r.trace.values[v].scales else 1.0
+        self._loss_s = kernels.table(r.bw, r.launch) * scale
+        self._loss_value = v
+        self._loss_saved = {DTYPES.index(d): b * scale for d, b in kernels.saved.items()}
+        cost._fp32, cost._given = cost._reference_times()  # the references pay it too
+
+    def _output_code(self, sch: Schedule) -> np.ndarray:
+        """(T,) dtype code the model's output arrives in at the loss (fp32 unless an op of
+        the replay wrote it otherwise)."""
+        code = np.zeros(sch.plans, dtype=np.int64)
+        for i, op in enumerate(sch.trace.ops):
+            if self._loss_value in op.outputs:
+                code = np.broadcast_to(np.asarray(
+                    sch.writes[i][op.outputs.index(self._loss_value)], dtype=np.int64),
+                    (sch.plans,))
+        return code
+
+    def _loss_saved_bytes(self, sch: Schedule) -> np.ndarray:
+        """(T,) bytes the loss saves for its backward."""
+        if not self._loss_saved:
+            return np.zeros(sch.plans)
+        return np.array([self._loss_saved.get(int(c), max(self._loss_saved.values()))
+                         for c in self._output_code(sch)])
+
+    def _loss_seconds(self, sch: Schedule) -> np.ndarray:
+        """(T,) seconds of the loss under each plan (0 where it is not priced)."""
+        if self._loss_s is None or self._loss_value is None:
+            return np.zeros(sch.plans)
+        sec = self._loss_s[np.minimum(self._output_code(sch), len(self._loss_s) - 1)]
+        return np.where(np.isnan(sec), np.nanmax(self._loss_s), sec)
 
     # -- pricing ----------------------------------------------------------------------------------
     def price(self, cost: StepHost, fwd: Priced, rules: RuleSet, codes: np.ndarray,
@@ -197,6 +254,7 @@ class StepPart:
         out[:, _P["other"]] = fwd[:, _OTHER]
         for k, sec in self._kernel_seconds(r, tab, sch, bwd):
             out[:, _P[k.part]] += np.where(k.on, sec, 0.0)
+        out[:, _P["loss"]] = self._loss_seconds(sch)
         out[:, _P["optimizer"]] = self._optimizer_s(r)
         fp16 = np.zeros(t, dtype=bool)
         for codes in sch.compute:
@@ -225,6 +283,10 @@ class StepPart:
                 continue
             if k.compute is None:
                 sec = nbytes / bw + launch
+                if k.cast is not None and tab.op_times is not None:  # timed here
+                    got = tab.cast_seconds(*k.cast, False)
+                    if got is not None:
+                        sec = np.where(np.isnan(got), sec, got)
                 if k.what == "pointwise" and k.op >= 0 and tab.timed[k.op] is not None:
                     # reading dY and what it saved, writing dX: at least its forward's time
                     fwd_s = tab.op_seconds(k.op, sch, None)
@@ -241,6 +303,10 @@ class StepPart:
             timed = tab.timed[k.op]
             if timed is not None:  # this machine's time of the forward op, per precision
                 got = timed[k.compute] * (ATTENTION_BACKWARD if k.what == "attention" else 1.0)
+                sec = np.where(np.isnan(got), sec, got)
+            grads = (self.grad_times or {}).get(k.op, {}).get(k.part)
+            if grads and k.what in ("gemm", "attention"):  # the gradient kernel, timed here
+                got = _precision_table(grads)[k.compute]
                 sec = np.where(np.isnan(got), sec, got)
             yield k, sec
 
@@ -263,7 +329,8 @@ class StepPart:
         """(T,) training-memory peak (``TrainMemory.peak_bytes``) of the plans."""
         region, prec, _ = rules.encode(codes)
         weights = cost.held_weight_bytes(region, prec, "train")
-        acts = saved_activation_bytes(sch, bwd, cost.forward.roofline.numel)
+        acts = (saved_activation_bytes(sch, bwd, cost.forward.roofline.numel)
+                + self._loss_saved_bytes(sch))
         fixed = self._n_params * (4.0 + self._opt.state_bytes)
         return weights + acts + fixed
 
@@ -277,7 +344,8 @@ class StepPart:
         return TrainMemory(float(cost.held_weight_bytes(region, prec, "train")[0]),
                            4.0 * self._n_params, self._opt.state_bytes * self._n_params,
                            float(saved_activation_bytes(sch, bwd,
-                                                        cost.forward.roofline.numel)[0]))
+                                                        cost.forward.roofline.numel)[0]
+                                 + self._loss_saved_bytes(sch)[0]))
 
     def breakdown(self, cost: StepHost, fwd: Breakdown, policy: Policy | dict[str, str],
                   default: str = "fp32") -> Breakdown:
@@ -288,7 +356,7 @@ class StepPart:
                                                    "other")]])
         step = self._step_parts(cost, sch, fparts, bwd)[0]
         parts = {p: float(step[i]) for i, p in enumerate(STEP_PARTS)}
-        opt = parts["optimizer"] + parts["scaler"]
+        opt = parts["optimizer"] + parts["scaler"] + parts["loss"]
         total = float(step.sum())
         return StepBreakdown(
             total if fwd.invalid is None else math.inf, parts, fwd.casts, fwd.weight_casts,

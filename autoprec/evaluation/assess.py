@@ -40,13 +40,13 @@ from autoprec.evaluation.speed_check import SpeedCheck
 from autoprec.evaluation.target import Target
 from autoprec.evaluation.timing import measure_rows
 from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec
-from autoprec.metrics import batch_size_of
 from autoprec.policy import Policy
 from autoprec.policy.modules import Resolved, gemm_leaf_paths
 from autoprec.probe.headroom import Headroom, measure_headroom
-from autoprec.scoring import Reference, Score, first_nonfinite_module, reference, score
 from autoprec.trace import LayerGraph, trace
+from autoprec.workload.loading import ModelSpec
+from autoprec.workload.metrics import batch_size_of
+from autoprec.workload.scoring import Reference, Score, first_nonfinite_module, reference, score
 
 
 @dataclass

@@ -46,7 +46,7 @@ def baseline_rows(cost: Any, errors: Callable[[Policy], tuple[float, float | Non
     the audit's errors on a real forward; ``precisions``: what the user asked for;
     ``baselines``: the (precision, form) rows (default: ``BASELINES``); ``train_check``
     (``--train-aware``): (policy, row name) -> '' when it trains like fp32 by the short-run
-    contract (``autoprec.train_check``), else why not — not run on a row estimated slower
+    contract (``autoprec.training.short_run``), else why not — not run on a row estimated slower
     than fp32 (fp32 passes by definition and is faster).
     """
     rows = []

@@ -43,13 +43,13 @@ from autoprec.evaluation.json_fields import (
     speedup,
 )
 from autoprec.evaluation.target import Target, resolve_target
+from autoprec.formats.precisions import FORMATS, PRECISIONS
 from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.metrics import iter_floats
+from autoprec.io.validate import check_batch_size
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
-from autoprec.precisions import FORMATS, PRECISIONS
 from autoprec.trace.graph import fingerprint
-from autoprec.validate import check_batch_size
+from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.metrics import iter_floats
 
 DEFAULT_MAX_ERROR = 0.01  # DESIGN.md: --max-error 0.01 when nothing else says
 

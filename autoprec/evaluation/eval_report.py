@@ -25,9 +25,9 @@ from autoprec.evaluation.json_fields import (
     verdict_reasons,
 )
 from autoprec.evaluation.target import resolve_target
-from autoprec.loading import ModelSpec, load_model_file
+from autoprec.io.validate import check_batch_size
 from autoprec.policy import Policy, load_policy
-from autoprec.validate import check_batch_size
+from autoprec.workload.loading import ModelSpec, load_model_file
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,9 @@ def eval_report(model: str | Path | ModelSpec, policy_path: str | Path | Policy,
                 force: bool = False, measure: bool = False,
                 compile: bool | None = None) -> dict[str, Any]:
     """What ``eval --json`` prints: a policy on model.py (or a ModelSpec: a model in hand,
-    ``autoprec.inputs``) scored, audited and priced (``assess``), beside its baselines
+    ``autoprec.workload.inputs``) scored, audited and priced (``assess``), beside its baselines
     (``assess.beside_baselines``)."""
-    check_batch_size(batch_size)  # autoprec.validate: [1, MAX_BATCH_SIZE]
+    check_batch_size(batch_size)  # autoprec.io.validate: [1, MAX_BATCH_SIZE]
     spec = model if isinstance(model, ModelSpec) else load_model_file(model)
     net = spec.model()
     if isinstance(policy_path, Policy):

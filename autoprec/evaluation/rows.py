@@ -80,7 +80,10 @@ class Row:
 
         out: dict[str, Any] = {"name": self.name, "role": self.role,
                                "error": num(self.error, 6), "feasible": self.feasible,
-                               "est_speedup": num(self.est_speedup),
+                               # 0: the cost model cannot price it (a model.to(bf16)
+                               # row of the train form: no fp32 masters to step) -> none
+                               "est_speedup": num(self.est_speedup) if self.est_speedup
+                               else None,
                                "measured_speedup": num(self.speedup),
                                "measured_p10": num(self.p10), "measured_p90": num(self.p90),
                                "weight_bytes": self.weight_bytes}

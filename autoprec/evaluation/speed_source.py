@@ -32,6 +32,7 @@ from typing import Any
 
 from autoprec.cost import apply_calibration, fit, get_profile
 from autoprec.cost.profiles import DeviceProfile
+from autoprec.device.targets import is_cpu
 from autoprec.measure import (
     CPU_SHAPES,
     Machine,
@@ -46,7 +47,6 @@ from autoprec.measure import (
     timing_threads,
 )
 from autoprec.policy import Policy, PolicyWarning
-from autoprec.targets import is_cpu
 
 
 @dataclass
@@ -96,10 +96,20 @@ class SpeedSource:
         from autoprec.cost import make_cost_model
 
         bs = batch_size or graph.batch_size
-        return make_cost_model(graph, self.profile, bs, mode, form=form,
-                               op_times=self.op_times(graph, bs),
-                               step=form == "train" if step is None else step,
-                               fp8_backend=fp8_backend)
+        step = form == "train" if step is None else step
+        times = self.op_times(graph, bs)
+        extra = {}
+        if (step and form == "train" and mode == "eager" and times is not None
+                and self.cache_dir is not None):
+            from autoprec.measure import cached_or_measured_grads, timing_threads
+
+            with timing_threads(self.device):  # the step's gradient GEMMs timed here too
+                extra["grad_times"] = cached_or_measured_grads(
+                    graph.ops, bs, self.cache_dir, times.digest,
+                    [p for p in ("bf16", "fp16") if self.profile.supports(p)[0]],
+                    measure_now=self.measure)
+        return make_cost_model(graph, self.profile, bs, mode, form=form, op_times=times,
+                               step=step, fp8_backend=fp8_backend, **extra)
 
     def describe_op_times(self) -> str | None:
         """One line on the op timings this source priced with (None: none)."""
@@ -174,7 +184,7 @@ def calibrate_here(profile: DeviceProfile, device: str, machine: Machine | None 
     import torch
 
     from autoprec.apply.apply import apply_policy
-    from autoprec.capability import capability
+    from autoprec.device.capability import capability
 
     machine = machine or this_machine(device)
     plans = {p: Policy(default=p) for p in ("fp32", "tf32", "bf16", "fp16")

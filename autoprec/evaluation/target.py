@@ -3,7 +3,7 @@
 ``Target`` is the one thing every stage above the cost model is handed (tune's search and
 confirmation, ``check``, ``eval``): what it runs as is decided here, by ``resolve_target``,
 and read from it; no stage re-derives the device, the mode, the batch or the fp8 backend
-from a string. Below it, ``autoprec.targets`` parses names, ``autoprec.capability``
+from a string. Below it, ``autoprec.device.targets`` parses names, ``autoprec.device.capability``
 answers what this machine runs and ``cost.profiles`` what a device has; they are the
 facts this module decides from.
 
@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoprec.device.targets import DEFAULT_TARGET, device_type, named_target
 from autoprec.evaluation.speed_source import SpeedSource, calibration_dir, speed_source
-from autoprec.metrics import batch_size_of
-from autoprec.targets import DEFAULT_TARGET, device_type, named_target
+from autoprec.workload.metrics import batch_size_of
 
 
 def target_name(given: str | None, recorded: str | None = None) -> str:
@@ -88,11 +88,11 @@ class Target:
         return self.profile.supports(precision)
 
     def runs_here(self, precision: str) -> tuple[bool, str] | None:
-        """This machine's answer for a local target (``autoprec.capability``: the device,
+        """This machine's answer for a local target (``autoprec.device.capability``: the device,
         torch and the backends here); None for a remote one."""
         if not self.local:
             return None
-        from autoprec.capability import capability
+        from autoprec.device.capability import capability
 
         return capability(precision, self.fp8_backend, self.device)
 
@@ -122,7 +122,7 @@ class Target:
         (``SpeedSource.cost_model``)."""
         backend = self.fp8_backend
         if backend is None and self.local and self.device is not None:
-            from autoprec.capability import best_fp8_backend  # what apply will run here
+            from autoprec.device.capability import best_fp8_backend  # what apply will run here
 
             backend = best_fp8_backend(self.device, training=self.form == "train")[0]
         return self.speed.cost_model(graph, batch_size, self.mode, form=self.form,

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from autoprec.device.targets import is_cpu
 from autoprec.evaluation.decision import (
     ColdConfirmed,
     ColdMove,
@@ -35,7 +36,6 @@ from autoprec.evaluation.decision import (
 from autoprec.evaluation.rows import Row, Timer, fill_measured
 from autoprec.evaluation.target import Target
 from autoprec.policy import Policy, PolicyWarning
-from autoprec.targets import is_cpu
 
 #: Rounds of the interleaved timing: at least, at most (more while the best two overlap).
 MIN_ROUNDS, MAX_ROUNDS = 7, 21

@@ -40,10 +40,10 @@ import torch
 
 from autoprec.errors import InputError
 from autoprec.export.schemes import CT_FORMAT, STATIC_ACTIVATION_SCALE, ct_scales, scheme_for
-from autoprec.extras import require
 from autoprec.formats.gemm import is_gemm_module
+from autoprec.formats.precisions import STORAGE_DTYPES, is_gemm_format
+from autoprec.io.extras import require
 from autoprec.policy import Policy, load_policy
-from autoprec.precisions import STORAGE_DTYPES, is_gemm_format
 from autoprec.trace.fused_groups import FusedGroup, fused_groups
 
 #: The key under config.json that records which policy made the checkpoint.
@@ -83,7 +83,7 @@ class CheckpointReport:
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    from autoprec.paths import unwrap_model
+    from autoprec.io.paths import unwrap_model
 
     return unwrap_model(model)
 
@@ -208,7 +208,7 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
         apply_quantization_config,
     )
 
-    from autoprec.loading import default_forward
+    from autoprec.workload.loading import default_forward
 
     root = _unwrap(model)
     if not (hasattr(root, "save_pretrained") and hasattr(root, "config")):

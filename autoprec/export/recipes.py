@@ -37,8 +37,8 @@ import torch
 
 from autoprec.errors import InputError
 from autoprec.formats.gemm import is_gemm_module
+from autoprec.formats.precisions import is_gemm_format
 from autoprec.policy import Policy, load_policy
-from autoprec.precisions import is_gemm_format
 
 #: autoprec format -> Transformer Engine's factory of the same recipe.
 TE_FACTORIES = {"fp8": "current_scaling_factory", "mxfp8": "mxfp8_factory",

@@ -30,7 +30,7 @@ so a new block-scaled format (say ``mxfp4``) touches these files and no others:
    test tolerance, the torch dtypes and ``scaled_mm`` recipe it needs. ``precisions``
    (``GEMM_FORMATS``, ``PRECISIONS``, ``FORMATS``, ``BYTES``, ``TOLERANCES``), the
    capability check, the tracer, probes, plan, cost model, search, apply and plots read it.
-3. ``autoprec/precisions.py``: its name in the ``Precision`` Literal (typing only; a test
+3. ``autoprec/formats/precisions.py``: its name in the ``Precision`` Literal (typing only; a test
    keeps it equal to ``PRECISIONS``).
 4. ``autoprec/lower/blockscale.py``: its backend — the emulated fake-quant GEMM and the real
    ``torch.nn.functional.scaled_mm`` call (and the backward, unless forward-only).
@@ -41,7 +41,7 @@ so a new block-scaled format (say ``mxfp4``) touches these files and no others:
 
 Optional: a colour in ``autoprec/track/plots.py`` (else the shared "other" one). A
 per-tensor-scaled format like fp8 would instead take a backend beside ``lower/fp8.py``,
-its dispatch in ``lower/backends.py`` and its backend check in ``autoprec/capability.py``.
+its dispatch in ``lower/backends.py`` and its backend check in ``autoprec/device/capability.py``.
 """
 
 import torch

@@ -11,7 +11,7 @@ whose gradients overflowed. Skipped steps are counted by the scaler itself
 
     from accelerate import Accelerator
     from autoprec.integrations.accel import use_accelerator
-    from autoprec.train import prepare_training
+    from autoprec.training.train import prepare_training
 
     accelerator = Accelerator(gradient_accumulation_steps=2)   # mixed_precision "no"
     setup = prepare_training(model, "policy.yaml")              # policy on, fp32 masters
@@ -38,7 +38,7 @@ import types
 from typing import Any
 
 from autoprec.errors import InputError
-from autoprec.train import TrainingSetup
+from autoprec.training.train import TrainingSetup
 
 
 def unscale_gradients(self: Any, optimizer: Any = None) -> None:

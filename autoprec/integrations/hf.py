@@ -45,9 +45,9 @@ import torch
 from autoprec.apply.apply import ApplyOptions, PolicyHandle, apply_policy
 from autoprec.errors import InputError
 from autoprec.integrations.accel import attach_scaler
-from autoprec.loss_scaler import CountingGradScaler
 from autoprec.policy import Policy, load_policy
-from autoprec.train import check_fp32_masters, needs_grad_scaler
+from autoprec.training.loss_scaler import CountingGradScaler
+from autoprec.training.train import check_fp32_masters, needs_grad_scaler
 
 try:
     from transformers import Trainer

@@ -12,7 +12,7 @@ from collections.abc import Collection
 
 import torch
 
-from autoprec.capability import (
+from autoprec.device.capability import (
     FP8_BACKENDS,
     TORCHAO_FP8_RECIPES,
     best_fp8_backend,

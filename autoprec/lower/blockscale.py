@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from autoprec.capability import BLOCK_BACKENDS, blockscale_capability
+from autoprec.device.capability import BLOCK_BACKENDS, blockscale_capability
 from autoprec.errors import CapabilityError
 from autoprec.formats import BlockShapeError
 from autoprec.formats.elements import pack_e2m1

@@ -34,9 +34,9 @@ from torch.overrides import TorchFunctionMode
 
 from autoprec.errors import CapabilityError, PolicyError
 from autoprec.formats.gemm import ineligible_reason
+from autoprec.formats.precisions import AUTOCAST_DTYPES, check_precision, is_gemm_format
 from autoprec.lower import backends, torchao_fp8
 from autoprec.lower.autocast import suspend_target_fp32_ops, target_fp32_ops
-from autoprec.precisions import AUTOCAST_DTYPES, check_precision, is_gemm_format
 
 _LOW_FLOATS = (torch.float16, torch.bfloat16)
 

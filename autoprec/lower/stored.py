@@ -43,8 +43,8 @@ from autoprec.formats.fp8 import E4M3, quantize_fp8
 from autoprec.formats.gemm import is_gemm_module, linear_weight
 from autoprec.formats.mx import MXTensor, dequantize_mx, quantize_mx
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from autoprec.formats.precisions import STORAGE_DTYPES, is_gemm_format
 from autoprec.lower.forward import region
-from autoprec.precisions import STORAGE_DTYPES, is_gemm_format
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: Names of the extra tensors a stored GEMM-format weight keeps beside ``weight``.

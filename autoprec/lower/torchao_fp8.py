@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoprec.capability import TORCHAO_FP8_RECIPES, TORCHAO_HINT, TORCHAO_MIN_SM
-from autoprec.extras import require
+from autoprec.device.capability import TORCHAO_FP8_RECIPES, TORCHAO_HINT, TORCHAO_MIN_SM
 from autoprec.formats.gemm import stores_in_out
+from autoprec.io.extras import require
 from autoprec.lower.autocast import compute_dtype
 
 #: fp8 backend name -> torchao float8 training recipe.
@@ -179,7 +179,7 @@ def torchao_mxfp8_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tens
     except ImportError as err:  # installed, but a release without MXFP8 training
         raise ImportError(f"the torchao mxfp8 backend needs torchao's MXFP8 training "
                           f"(prototype.moe_training): {INSTALL_HINT}") from err
-    from autoprec.capability import blockscale_capability
+    from autoprec.device.capability import blockscale_capability
     from autoprec.formats.gemm import linear_weight
 
     out_dtype = compute_dtype(x)

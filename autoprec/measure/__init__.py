@@ -9,7 +9,7 @@ The one interface the rest of autoprec uses (submodules are this package's own):
   record of them);
 - ``training_step(net, forward, loss, batch)``: a callable running one real training step
   (forward, loss, backward, AdamW, a GradScaler where fp16 runs), and its memory
-  (``step_peak_bytes``, ``live_bytes``) (``training_step``);
+  (``step_peak_bytes``, ``live_bytes``) (``train_steps``);
 - ``this_machine()`` and ``local_device(profile)``: which machine this is, whether a
   profile's device is at hand, and the calibration cached for it (``machine``);
 - ``micro_samples(...)`` / ``call_overhead(timer)``: the micro-benchmarks that
@@ -29,16 +29,19 @@ _EXPORTS = {
     "Samples": "latency", "Timing": "latency", "allocator_trim": "latency",
     "measure_interleaved": "latency", "measure_latency": "latency",
     "measure_op_times": "op_times",
-    "live_bytes": "training_step", "step_peak_bytes": "training_step",
-    "training_step": "training_step", "uses_fp16": "training_step",
+    "live_bytes": "train_steps", "step_peak_bytes": "train_steps",
+    "training_step": "train_steps", "uses_fp16": "train_steps",
     "CPU_THREADS": "machine", "Machine": "machine", "cached_calibration": "machine",
     "calibration_path": "machine", "local_device": "machine", "this_machine": "machine",
     "timing_threads": "machine",
     "CPU_SHAPES": "micro", "call_overhead": "micro", "gpu_shapes": "micro",
     "micro_samples": "micro",
+    "record_loss": "loss", "cached_or_measured_grads": "grad_times",
+    "measure_grads": "grad_times",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.measure.grad_times import cached_or_measured_grads, measure_grads
     from autoprec.measure.latency import (
         Samples,
         Timing,
@@ -46,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
         measure_interleaved,
         measure_latency,
     )
+    from autoprec.measure.loss import record_loss
     from autoprec.measure.machine import (
         CPU_THREADS,
         Machine,
@@ -57,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from autoprec.measure.micro import CPU_SHAPES, call_overhead, gpu_shapes, micro_samples
     from autoprec.measure.op_times import measure_op_times
-    from autoprec.measure.training_step import (
+    from autoprec.measure.train_steps import (
         live_bytes,
         step_peak_bytes,
         training_step,
@@ -69,9 +73,12 @@ def __getattr__(name: str) -> Any:
     where = _EXPORTS.get(name)
     if where is None:
         raise AttributeError(f"module 'autoprec.measure' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"autoprec.measure.{where}"), name)
-    globals()[name] = value
-    return value
+    module = importlib.import_module(f"autoprec.measure.{where}")
+    # every export of that submodule at once (no submodule shares a name with an export)
+    for n, w in _EXPORTS.items():
+        if w == where:
+            globals()[n] = getattr(module, n)
+    return globals()[name]
 
 
 def __dir__() -> list[str]:
@@ -87,14 +94,17 @@ __all__ = [
     "allocator_trim",
     "cached_calibration",
     "calibration_path",
+    "cached_or_measured_grads",
     "call_overhead",
     "gpu_shapes",
     "live_bytes",
     "local_device",
     "measure_interleaved",
+    "measure_grads",
     "measure_latency",
     "measure_op_times",
     "micro_samples",
+    "record_loss",
     "step_peak_bytes",
     "this_machine",
     "timing_threads",

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from autoprec.device.targets import device_kind, is_cpu
 from autoprec.errors import CapabilityError, InputError
-from autoprec.targets import device_kind, is_cpu
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from autoprec.capability import CPU_FLAGS, cpu_flags
 from autoprec.cost.profiles import Calibration, DeviceProfile, load_calibration
+from autoprec.device.capability import CPU_FLAGS, cpu_flags
+from autoprec.device.targets import cuda_index, device_kind, is_cpu, is_cpu_target
 from autoprec.errors import InputError
-from autoprec.targets import cuda_index, device_kind, is_cpu, is_cpu_target
 
 #: CPU timings run on one torch thread and read the thread's CPU time: on a shared,
 #: oversubscribed machine the wall time of one forward varied 10x (benchmarks/

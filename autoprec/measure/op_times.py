@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from autoprec.cost.op_times_record import VERSION, OpTimes, cast_key
-from autoprec.fileio import atomic_write
+from autoprec.io.fileio import atomic_write
 from autoprec.measure.op_runner import _key
 from autoprec.measure.ops import DTYPES, is_conv, measure
 from autoprec.trace.ops import OpTrace

@@ -19,7 +19,8 @@ as autograd runs them:
   gradient GEMMs run in fp32, the input's gradient cast back to its dtype;
 - fused attention (SDPA): one kernel, 2.5x the forward's FLOPs (flash attention's backward
   recomputes QK^T and runs four more matmuls: five against the forward's two);
-- the backward of every cast is a cast back (autocast's input casts, weights included: a
+- the backward of every cast is a cast back (its ``GradKernel.cast``: the value, from its
+  destination dtype to its source; autocast's input casts, weights included: a
   16-bit weight copy's gradient is cast to the fp32 master's dtype), of the model's own
   explicit casts too;
 - every other op that needs a gradient (norms, activations, softmax, residual adds): one
@@ -118,6 +119,8 @@ class GradKernel:
     flops: float = 0.0
     compute: np.ndarray | None = None  # (T,) precision code of a GEMM / attention
     quant: tuple[int, np.ndarray, np.ndarray] | None = None
+    #: a cast: (value, source dtype codes (T,), destination dtype codes (T,))
+    cast: tuple[int, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -131,6 +134,11 @@ class Backward:
     def gemms(self, row: int = 0) -> list[GradKernel]:
         """The gradient GEMMs (dgrad, wgrad; attention's backward too) plan ``row`` runs."""
         return [k for k in self.kernels if k.compute is not None and k.on[row]]
+
+
+def _codes(codes: np.ndarray, t: int) -> np.ndarray:
+    """(T,) dtype codes (a gradient's dtype: the value's, per plan)."""
+    return np.broadcast_to(np.asarray(codes, dtype=np.int64), (t,)).copy()
 
 
 def needs_grad(trace: OpTrace) -> np.ndarray:
@@ -207,13 +215,15 @@ class _Derive:
             elif op.kind == "cast":
                 src, dst = sch.reads[i][0], sch.writes[i][0]
                 self.emit("casts", "cast", i, kern, [(op.outputs[0], self.w(dst)),
-                                                     (op.inputs[0], self.w(src))])
+                                                     (op.inputs[0], self.w(src))],
+                          cast=(op.inputs[0], _codes(dst, self.t), _codes(src, self.t)))
             elif op.kind != "factory":
                 self.pointwise(i, op, kern)
         for c in sch.casts:  # the backward of a cast is a cast back
             if self.needs[c.value]:
                 self.emit("casts", "cast", -1, c.on, [(c.value, self.w(c.dst)),
-                                                      (c.value, self.w(c.src))])
+                                                      (c.value, self.w(c.src))],
+                          cast=(c.value, _codes(c.dst, self.t), _codes(c.src, self.t)))
         for v in np.flatnonzero(uses > 1):  # dX = dX_1 + dX_2 + ...: n-1 adds
             wv = self.w(self.made[v])
             for _ in range(int(uses[v]) - 1):
@@ -305,7 +315,8 @@ class _Derive:
         for k, v in enumerate(op.inputs):  # autograd casts a gradient to its input's dtype
             if self.floating[v] and self.needs[v]:
                 self.emit("casts", "cast", i, kern & (reads[k] != writes[0]),
-                          [(v, self.w(writes[0])), (v, self.w(reads[k]))])
+                          [(v, self.w(writes[0])), (v, self.w(reads[k]))],
+                          cast=(v, _codes(writes[0], self.t), _codes(reads[k], self.t)))
 
 
 __all__ = ["ATTENTION_BACKWARD", "Backward", "FP8_BACKWARDS", "GradKernel", "backward",

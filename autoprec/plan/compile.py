@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from autoprec.errors import PolicyError, warn
-from autoprec.paths import normalize_path, unwrap_model
+from autoprec.formats.precisions import GEMM_FORMATS, PRECISIONS
+from autoprec.io.paths import normalize_path, unwrap_model
 from autoprec.policy.modules import (
     Resolved,
     alias_paths,
@@ -54,7 +55,6 @@ from autoprec.policy.modules import (
     gemm_leaf_paths,
 )
 from autoprec.policy.schema import Policy
-from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import LayerGraph
 
 #: Precision codes (index into PRECISIONS): 0 fp32, 1 tf32, 2 bf16, 3 fp16, 4 fp8, 5 mxfp8,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from autoprec.formats.gemm import BLOCK_SCALED
+from autoprec.formats.precisions import BYTES, GEMM_FORMATS
 from autoprec.plan.compile import CODE, FORMAT_CODES
-from autoprec.precisions import BYTES, GEMM_FORMATS
 
 #: Value dtype codes ("fp8": a float8 tensor, trace.ops' name), then one per block-scaled
 #: format (codes 6, 7...), only as what a block-scaled GEMM reads its operands in.

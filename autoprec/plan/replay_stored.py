@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.plan.dtype_codes import CASTABLE, FP32, IS_FMT, IS_LOW, MIXED_NORMS, STORAGE
 from autoprec.plan.replay_autocast import AutocastReplay, where
 from autoprec.plan.schedule_types import Cast
-from autoprec.precisions import PRECISIONS
 from autoprec.trace.ops import OpTrace
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoprec.errors import PolicyError
-from autoprec.fileio import brief
-from autoprec.paths import normalize_path
-from autoprec.precisions import REGIONS
+from autoprec.formats.precisions import REGIONS
+from autoprec.io.fileio import brief
+from autoprec.io.paths import normalize_path
 
 #: The guard's modes, from no checks to an error.
 GUARD_MODES: tuple[str, ...] = ("off", "detect", "fallback", "raise")

@@ -27,9 +27,9 @@ import torch
 
 from autoprec.errors import FingerprintMismatch, PolicyError, warn
 from autoprec.formats import gemm
+from autoprec.formats.precisions import is_gemm_format
 from autoprec.fused import not_called_reason
-from autoprec.paths import normalize_path, unwrap_model
-from autoprec.precisions import is_gemm_format
+from autoprec.io.paths import normalize_path, unwrap_model
 from autoprec.trace.graph import fingerprint
 
 

@@ -22,12 +22,12 @@ import torch
 import yaml
 
 from autoprec.errors import FingerprintMismatch, PolicyError, PolicyWarning
-from autoprec.fileio import atomic_write, read_regular
+from autoprec.formats.precisions import LEGACY_FORM, PRECISIONS
+from autoprec.io.fileio import atomic_write, read_regular
 from autoprec.policy.guard_spec import GuardSpec
 from autoprec.policy.modules import check_model
 from autoprec.policy.validation import KEYS, MODES, REQUIRED, SCHEMA_VERSION, parse_fields
 from autoprec.policy.yaml_loader import MAX_POLICY_BYTES, read_yaml
-from autoprec.precisions import LEGACY_FORM, PRECISIONS
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Policy:
 
         A reader never sees a half-written policy, and a crash or a full disk leaves the
         old file intact (OutputError, exit 2). ``path`` must be a regular file or absent
-        (a FIFO or a device is refused); a symlink is followed (see autoprec.fileio).
+        (a FIFO or a device is refused); a symlink is followed (see autoprec.io.fileio).
         """
         path = Path(path)
         atomic_write(path, self.dumps())

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from autoprec.errors import PolicyError
-from autoprec.fileio import brief
-from autoprec.paths import normalize_path
+from autoprec.formats.precisions import FORMS, GEMM_FORMATS, LEGACY_FORM, PRECISIONS
+from autoprec.io.fileio import brief
+from autoprec.io.paths import normalize_path
+from autoprec.io.validate import MAX_BATCH_SIZE
 from autoprec.policy.guard_spec import parse_guard
-from autoprec.precisions import FORMS, GEMM_FORMATS, LEGACY_FORM, PRECISIONS
-from autoprec.validate import MAX_BATCH_SIZE
 
 #: The schema version this autoprec reads and writes.
 SCHEMA_VERSION = 1
@@ -29,7 +29,7 @@ KEYS = ("autoprec_policy", "model", "reference", "target", "form", "guard", "def
 REQUIRED = ("autoprec_policy", "default")  # no `layers`: no rules
 _MODEL_KEYS = ("name", "fingerprint")
 #: ``reference:`` — the model as given, what errors and speed-ups "over the model" refer
-#: to (autoprec.reference): the dtype most weights are stored in and the modules stored
+#: to (autoprec.workload.reference): the dtype most weights are stored in and the modules stored
 #: in another. Absent: an fp32 model (every file written before 16-bit models were tuned).
 _REFERENCE_KEYS = ("dtype", "layers")
 _REFERENCE_DTYPES = ("fp32", "bf16", "fp16")
@@ -94,7 +94,7 @@ def _unknown_keys(source: str, where: str, got: Mapping[Any, Any],
 
 
 def _parse_reference(source: str, value: Any) -> dict[str, Any]:
-    """``reference: {dtype: bf16, layers: {path: fp32}}`` (module doc of autoprec.reference)."""
+    """``reference: {dtype: bf16, layers: {path: fp32}}`` (module doc of autoprec.workload.reference)."""
     if value is None:
         return {}
     raw = _mapping(source, "reference", value)

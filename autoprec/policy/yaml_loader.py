@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from autoprec.errors import PolicyError
-from autoprec.fileio import MiB, brief
+from autoprec.io.fileio import MiB, brief
 
 #: A policy is a reviewed artifact that CI gates load: its size and shape are bounded
 #: before anything is built from it. A policy of a 10,000-layer model with reasons is

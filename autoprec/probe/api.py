@@ -20,14 +20,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from autoprec.capability import runnable_precisions
+from autoprec.device.capability import runnable_precisions
 from autoprec.errors import InputError
+from autoprec.formats.precisions import PRECISIONS, check_precision
 from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec, collect_batches, default_forward
+from autoprec.io.paths import normalize_path, unwrap_model
 from autoprec.lower.wide16 import scoring_gemms
-from autoprec.metrics import batch_size_of, detach_floats
-from autoprec.paths import normalize_path, unwrap_model
-from autoprec.precisions import PRECISIONS, check_precision
 from autoprec.probe import cache
 from autoprec.probe import e2e as e2emod
 from autoprec.probe.grad_rules import GRAD_ERROR_LIMIT, GRAD_FLUSH_LIMIT, GRAD_NOTE_FROM
@@ -37,8 +35,10 @@ from autoprec.probe.ranges import TensorRange
 from autoprec.probe.rows import build_row, judge
 from autoprec.probe.shadow import LocalStats, ShadowPass
 from autoprec.probe.table import ProbeRow, SensitivityTable
-from autoprec.scoring import Reference
 from autoprec.trace.graph import LayerGraph
+from autoprec.workload.loading import ModelSpec, collect_batches, default_forward
+from autoprec.workload.metrics import batch_size_of, detach_floats
+from autoprec.workload.scoring import Reference
 
 Forward = Callable[[nn.Module, Any], Any]
 

@@ -24,10 +24,10 @@ from torch import nn
 
 import autoprec
 from autoprec.errors import OutputError
-from autoprec.fileio import MiB, atomic_write, read_regular
-from autoprec.hashing import data_hash, function_code, module_code_hash, weights_hash
+from autoprec.io.fileio import MiB, atomic_write, read_regular
 from autoprec.probe.table import SCHEMA, SensitivityTable
 from autoprec.trace.graph import fingerprint
+from autoprec.workload.hashing import data_hash, function_code, module_code_hash, weights_hash
 
 
 def code_hash(fn: Callable[..., Any] | None) -> str:

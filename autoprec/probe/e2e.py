@@ -1,4 +1,4 @@
-"""End-to-end runs: the whole model with only one layer lowered, scored by autoprec.scoring.
+"""End-to-end runs: the whole model with only one layer lowered, scored by autoprec.workload.scoring.
 
 A run costs one pass over the calibration data, so the probe makes them only where asked
 (``e2e="all"`` or a list) or, with ``e2e="auto"``, where the cheap estimate is ambiguous:
@@ -18,9 +18,9 @@ from typing import Any
 from torch import nn
 
 from autoprec.errors import InputError
-from autoprec.loading import ModelSpec
 from autoprec.probe.layers import ProbeLayer, lowered_alone
-from autoprec.scoring import Reference, Score, score
+from autoprec.workload.loading import ModelSpec
+from autoprec.workload.scoring import Reference, Score, score
 
 Pair = tuple[str, str]
 

@@ -13,7 +13,7 @@ fp32 ∂L/∂y from the loss backward of every calibration batch:
 
 The rule (``GRAD_FLUSH_LIMIT``, ``GRAD_ERROR_LIMIT``; docs/training.md states it for users):
 
-- **fp16**: training in fp16 always runs with a GradScaler (``autoprec.train`` creates one
+- **fp16**: training in fp16 always runs with a GradScaler (``autoprec.training.train`` creates one
   iff a layer computes in fp16). A layer whose ∂L/∂y flush at the scaler's initial scale
   (``grad_underflow_scaled >= GRAD_FLUSH_LIMIT``), whose backward is non-finite even
   unscaled, or whose scaled backward is off by ``GRAD_ERROR_LIMIT`` or more, is

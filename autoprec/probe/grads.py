@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from autoprec.formats.gemm import is_forward_only
-from autoprec.metrics import iter_floats, relative_error
 from autoprec.probe.flush import GradFlush
 from autoprec.probe.layers import lowered_call
 from autoprec.probe.shadow import Call
+from autoprec.workload.metrics import iter_floats, relative_error
 
 Key = tuple[str, str]  # (layer path, precision)
 

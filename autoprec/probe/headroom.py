@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from autoprec.metrics import iter_floats
-from autoprec.precisions import FORMATS, GEMM_FORMATS, carrier_of
+from autoprec.formats.precisions import FORMATS, GEMM_FORMATS, carrier_of
+from autoprec.workload.metrics import iter_floats
 
 #: Precisions whose layers get a headroom row (tf32 / fp32 keep fp32's range and storage).
 LOW = ("bf16", "fp16", *GEMM_FORMATS)

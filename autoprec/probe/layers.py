@@ -7,7 +7,7 @@ GEMM modules *inside* it (an attention module's q/k/v Linears) held at their own
 (fp32 in an fp32 model): they are layers of their own with their own rows, so each row
 measures one layer's own compute.
 
-A 16-bit model (``autoprec.reference``) is probed as it is: each layer only in the
+A 16-bit model (``autoprec.workload.reference``) is probed as it is: each layer only in the
 precisions at or below its own (a bf16 Linear in bf16 — its own output, error 0 — fp16 and
 the GEMM formats; tf32 is above it), and a layer probed alone hands its output on in its
 own dtype, so the rest of the model runs as given.
@@ -26,11 +26,11 @@ from torch import nn
 
 from autoprec.errors import InputError
 from autoprec.formats.gemm import ineligible_reason, is_gemm_module
+from autoprec.formats.precisions import GEMM_FORMATS
 from autoprec.lower.forward import cast_floats, lowered_forward
 from autoprec.lower.fp8 import drop_weight_caches
-from autoprec.precisions import GEMM_FORMATS
-from autoprec.reference import offered, own_precision
 from autoprec.trace.graph import LayerGraph
+from autoprec.workload.reference import offered, own_precision
 
 _MISSING = object()
 
@@ -47,7 +47,7 @@ class ProbeLayer:
     inner_gemms: list[nn.Module] = field(default_factory=list)  # held at fp32 (see module doc)
     # Modules whose forward is pure in its inputs: their inputs need no snapshot.
     pure: bool = False
-    own: str = "fp32"  # the precision the layer is stored in (autoprec.reference)
+    own: str = "fp32"  # the precision the layer is stored in (autoprec.workload.reference)
 
     @property
     def name(self) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoprec.formats.gemm import format_of
-from autoprec.precisions import FORMATS
+from autoprec.formats.precisions import FORMATS
 from autoprec.probe.flush import GradFlush, grad_flush
 
 #: Smallest positive fp32 value (subnormal): "a < _TINY" means "a == 0".

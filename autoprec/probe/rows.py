@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 
 from autoprec.formats.gemm import format_of
-from autoprec.precisions import FORMATS, is_gemm_format
+from autoprec.formats.precisions import FORMATS, is_gemm_format
 from autoprec.probe.grad_rules import DEFAULT_LOSS_SCALE, grad_verdict
 from autoprec.probe.grads import GradStats
 from autoprec.probe.layers import ProbeLayer

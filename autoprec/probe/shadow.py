@@ -31,9 +31,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from autoprec.errors import AutoprecError
 from autoprec.fused import fused_paths_off
 from autoprec.lower.fp8 import drop_weight_caches
-from autoprec.metrics import iter_floats, relative_error
 from autoprec.probe.layers import ProbeLayer, lowered_call
 from autoprec.probe.ranges import TensorRange
+from autoprec.workload.metrics import iter_floats, relative_error
 
 #: The dtype a call's ``y_p - y_fp32`` is kept in for the gradient passes: they only enter
 #: dot products summed into an error estimate, where bf16's 8-bit mantissa (0.4 %) is far

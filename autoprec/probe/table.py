@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoprec.precisions import PRECISIONS
+from autoprec.formats.precisions import PRECISIONS
 
 if TYPE_CHECKING:  # pandas is imported lazily: it is for the boundary
     import pandas as pd

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from autoprec.cost import CostModel
+from autoprec.formats.precisions import PRECISIONS, REGIONS
 from autoprec.plan.schedule import replay, same_as
-from autoprec.precisions import PRECISIONS, REGIONS
 
 
 def _depth(path: str) -> int:

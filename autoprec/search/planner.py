@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from autoprec.cost import CostModel
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.plan.schedule import signature
-from autoprec.precisions import PRECISIONS
 from autoprec.search.space import Key, SearchSpace, Variable, group_key
 
 #: Spaces with at most this many plans are enumerated (all priced).

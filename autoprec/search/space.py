@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoprec.precisions import PRECISIONS, rank
-from autoprec.precisions import REGIONS as _REGIONS
+from autoprec.formats.precisions import PRECISIONS, rank
+from autoprec.formats.precisions import REGIONS as _REGIONS
 
 #: Above this many GEMM layers, repeated blocks share a variable (``layers.*.attn.q``).
 DEFAULT_MAX_VARIABLES = 1024

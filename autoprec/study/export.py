@@ -20,9 +20,9 @@ import torch
 
 import autoprec
 from autoprec.errors import InputError
-from autoprec.paths import check_not_an_input, check_out_path, storage_file
+from autoprec.formats.precisions import LEGACY_FORM
+from autoprec.io.paths import check_not_an_input, check_out_path, storage_file
 from autoprec.policy import Policy
-from autoprec.precisions import LEGACY_FORM
 from autoprec.search import select
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.space import REGION, SearchSpace, Variable

@@ -20,15 +20,15 @@ from typing import Any
 import torch
 
 from autoprec.evaluation.target import Target
-from autoprec.loading import ModelSpec
 from autoprec.policy import Policy
 from autoprec.policy.build import policy_for
-from autoprec.scoring import Reference, reference, score
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.plan_score import PlanScore
 from autoprec.search.planner import PlanSpace
 from autoprec.search.space import Key, SearchSpace
 from autoprec.trace.graph import fingerprint
+from autoprec.workload.loading import ModelSpec
+from autoprec.workload.scoring import Reference, reference, score
 
 #: A subset error this many times the budget is hopeless: the full set is not run.
 SCREEN_FACTOR = 3.0

@@ -44,7 +44,7 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 
 from autoprec.errors import AutoprecError, InputError, OutputError
-from autoprec.paths import check_sqlite_url, sqlite_file
+from autoprec.io.paths import check_sqlite_url, sqlite_file
 
 #: Seconds between heartbeats of a running trial (RDB storages only).
 HEARTBEAT_INTERVAL = 10

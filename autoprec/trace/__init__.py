@@ -17,17 +17,17 @@ import torch
 from torch import nn
 
 from autoprec.errors import AutoprecError
+from autoprec.formats.precisions import GEMM_FORMATS
 from autoprec.fused import fused_paths_off
-from autoprec.loading import default_forward
-from autoprec.metrics import batch_size_of
-from autoprec.paths import unwrap_model
-from autoprec.precisions import GEMM_FORMATS
+from autoprec.io.paths import unwrap_model
 from autoprec.trace.graph import GEMM_KINDS, KINDS, LayerGraph, LayerNode, fingerprint
 from autoprec.trace.kinds import classify, eligibility, format_reason
 from autoprec.trace.measure import Measurement, measure
 from autoprec.trace.op_recorder import record_ops
 from autoprec.trace.ops import OpTrace
 from autoprec.trace.structure import GemmLayout, TraceFailed, export_edges, fx_edges
+from autoprec.workload.loading import default_forward
+from autoprec.workload.metrics import batch_size_of
 
 __all__ = ["GEMM_KINDS", "KINDS", "LayerGraph", "LayerNode", "OpTrace", "TRACERS", "fingerprint",
            "trace"]

@@ -157,7 +157,7 @@ def fingerprint(model: torch.nn.Module) -> str:
     Wrapper prefixes (``_orig_mod.`` from torch.compile, ``module.`` from DDP) are removed
     so a compiled or wrapped model has the fingerprint of the model it wraps.
     """
-    from autoprec.paths import unwrap_model
+    from autoprec.io.paths import unwrap_model
 
     model = unwrap_model(model)
     items = []

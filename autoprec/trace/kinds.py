@@ -25,8 +25,8 @@ from torch import nn
 # One definition of "Linear-like" (nn.Linear, HF Conv1D) and of each format's alignment
 # rule: the formats' own.
 from autoprec.formats.gemm import gemm_format, is_linear_like, linear_dims
+from autoprec.formats.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.fused import not_called_reason
-from autoprec.precisions import GEMM_FORMATS, PRECISIONS
 from autoprec.trace.graph import GEMM_KINDS
 
 #: aten op names (``OpOverloadPacket.__name__``) and torch/fx function names of GEMMs.

@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from autoprec.metrics import iter_floats
 from autoprec.trace.kinds import ATTENTION_OPS, GEMM_OPS
+from autoprec.workload.metrics import iter_floats
 
 
 @dataclass

@@ -126,7 +126,7 @@ class _Recorder:
         self.hidden = 0  # > 0 inside a function recorded as one op
         # a 16-bit model: casts to its own dtype follow the plan (Op.ambient); an fp32
         # model's `.to(torch.float32)` and `.to(input_dtype)` cannot be told apart: none
-        from autoprec.reference import model_reference
+        from autoprec.workload.reference import model_reference
 
         ref = model_reference(model).default
         self.ambient = _DTYPE_OF.get(ref) if ref != "fp32" else None

@@ -29,8 +29,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autoprec.metrics import iter_floats
 from autoprec.trace.kinds import GEMM_OPS
+from autoprec.workload.metrics import iter_floats
 
 _ROOT = "model"  # attribute name of the user's model inside the wrapper
 

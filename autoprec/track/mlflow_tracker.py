@@ -43,8 +43,8 @@ from urllib.parse import urlparse
 
 from autoprec import __version__
 from autoprec.errors import TrackingError
-from autoprec.extras import require
-from autoprec.paths import check_sqlite_url, sqlite_file
+from autoprec.io.extras import require
+from autoprec.io.paths import check_sqlite_url, sqlite_file
 from autoprec.track.base import NullTracker, Tracker, TrackingWarning, check_status
 
 #: Seconds the reachability check waits for a tracking server to answer.
@@ -86,7 +86,7 @@ def _check_sqlite_writable(uri: str) -> None:
     """A SQLite store (and its mlruns/ beside it) can be written, checked in milliseconds:
     MLflow itself would retry for minutes and print dozens of warnings first."""
     from autoprec.errors import OutputError
-    from autoprec.fileio import check_writable
+    from autoprec.io.fileio import check_writable
 
     db = sqlite_file(uri)
     if db is None:

@@ -18,7 +18,7 @@ import pandas as pd
 
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
 
-#: One colour per precision (most to least precise, as autoprec.precisions.PRECISIONS).
+#: One colour per precision (most to least precise, as autoprec.formats.precisions.PRECISIONS).
 PRECISION_COLORS: dict[str, str] = {
     "fp32": "#7f7f7f",
     "tf32": "#1f77b4",

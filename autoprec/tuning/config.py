@@ -6,7 +6,7 @@ the data, once, before any work (no probe runs, no study database is made, no wo
 tracking run starts for a value that was wrong from the start), and returns the
 normalised config the stages read. The CLI builds and validates it once
 (``cli/tune_cmd.py``) and hands it to ``tune``, which validates only a config that was
-not (the Python API). The single-value rules are ``autoprec.validate``'s.
+not (the Python API). The single-value rules are ``autoprec.io.validate``'s.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.cost import get_profile
+from autoprec.device.targets import DEFAULT_TARGET, canonical_target
 from autoprec.errors import InputError
-from autoprec.fileio import brief
-from autoprec.paths import check_dir, check_out_path
-from autoprec.precisions import FORMS, PRECISIONS, check_precision, parse_precisions
-from autoprec.study.storage import check_storage_url
-from autoprec.targets import DEFAULT_TARGET, canonical_target
-from autoprec.train_check import DEFAULT_LR, DEFAULT_MAX_LOSS_GAP, DEFAULT_STEPS
-from autoprec.validate import (
+from autoprec.formats.precisions import FORMS, PRECISIONS, check_precision, parse_precisions
+from autoprec.io.fileio import brief
+from autoprec.io.paths import check_dir, check_out_path
+from autoprec.io.validate import (
     check_batch_size,
     check_budget,
     check_count,
@@ -34,6 +32,8 @@ from autoprec.validate import (
     check_seed,
     is_number,
 )
+from autoprec.study.storage import check_storage_url
+from autoprec.training.short_run import DEFAULT_LR, DEFAULT_MAX_LOSS_GAP, DEFAULT_STEPS
 
 DEFAULT_MAX_ERROR = 0.01
 #: ``--fuse-groups`` values.
@@ -69,7 +69,7 @@ class TuneConfig:
     progress: bool = True
     cache_dir: str | Path | None = None
     train_aware: bool = False
-    #: --train-aware's short-run contract (autoprec.train_check): steps from one init on
+    #: --train-aware's short-run contract (autoprec.training.short_run): steps from one init on
     #: the calibration batches, AdamW's rate, the largest relative eval-loss gap to fp32
     train_steps: int = DEFAULT_STEPS
     train_lr: float = DEFAULT_LR
@@ -84,7 +84,7 @@ class TuneConfig:
     #: a plan holding more weight bytes on the device cannot deploy (None: no limit)
     max_weight_mb: float | None = None
     #: the device's memory for the up-front check that the model fits twice
-    #: (autoprec.memory.check_fits; None: what the device reports)
+    #: (autoprec.tuning.memory.check_fits; None: what the device reports)
     memory_limit_gb: float | None = None
     #: a folder for the tables and plots (trials, front, per-layer, baselines)
     report: str | Path | None = None
@@ -152,7 +152,7 @@ class TuneConfig:
             raise InputError("--train-aware checks that the plan trains like fp32, which runs "
                              "the train form (autocast over fp32 masters): drop --form deploy")
         if self.report is not None:  # before any work: the folder, and matplotlib
-            from autoprec.extras import require
+            from autoprec.io.extras import require
 
             check_dir(Path(self.report), "--report")
             require("matplotlib", "tune --report's plots")

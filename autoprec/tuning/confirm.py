@@ -236,7 +236,7 @@ def _uniform_errors(ev: Any, p: str, budget: float, form: str
     search's own score when it measured that very plan, else runs of the model. The eval
     data is run only when the calibration error is within budget (as the search does)."""
     from autoprec.policy.build import policy_for
-    from autoprec.scoring import score
+    from autoprec.workload.scoring import score
 
     if p == "fp32":
         return 0.0, None
@@ -287,8 +287,8 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     model) other than the model itself. The training form's rows (autocast over fp32
     masters) have no fp32 masters to run over."""
     from autoprec.policy.build import policy_for
-    from autoprec.reference import offered
     from autoprec.study.objective import given_policy
+    from autoprec.workload.reference import offered
 
     name = reference.label()
     up = policy_for("fp32", {}, ev.fingerprint, ev.target.name, "deploy")
@@ -299,7 +299,7 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     why = cost.cannot_run(given)
     err = 0.0  # exact for a uniform 16-bit model; a mixed one's fp32 rules are measured
     if reference.islands:
-        from autoprec.scoring import score
+        from autoprec.workload.scoring import score
 
         with ev.scoring.apply(ev.model, given):
             err = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value

@@ -20,19 +20,19 @@ from autoprec.errors import InputError
 from autoprec.evaluation.speed_source import calibration_dir
 from autoprec.evaluation.target import Target, resolve_target
 from autoprec.formats.gemm import is_forward_only
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.memory import StagePeaks, check_fits, reset_peak
-from autoprec.metrics import batch_size_of
-from autoprec.paths import check_out_path
-from autoprec.precisions import PRECISIONS
+from autoprec.formats.precisions import PRECISIONS
+from autoprec.io.paths import check_out_path
+from autoprec.io.validate import check_out_not_input
 from autoprec.probe import probe
-from autoprec.reference import ModelReference, model_reference, offered, own_precision
-from autoprec.scoring import Reference, batch_tensors, reference, same_tensors, score
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.tuning.config import TuneConfig
-from autoprec.validate import check_out_not_input
+from autoprec.tuning.memory import StagePeaks, check_fits, reset_peak
+from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.metrics import batch_size_of
+from autoprec.workload.reference import ModelReference, model_reference, offered, own_precision
+from autoprec.workload.scoring import Reference, batch_tensors, reference, same_tensors, score
 
 # -- stage 1: prepare ---------------------------------------------------------------------
 
@@ -119,6 +119,12 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form,
                             step=target.step, fp8_backend=target.fp8_backend)
             if profile is not None else target.cost_model(graph, deploy_bs))
+    if spec.loss is not None and getattr(cost, "step", None) is not None:  # the step's loss
+        from autoprec.measure import record_loss, timing_threads
+
+        with timing_threads(target.device or "cpu"):  # timed here where the ops are
+            cost.step.set_loss(cost, record_loss(net, spec.forward, spec.loss, calib[0],
+                                                 measure=cost.op_times is not None))
     if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
         cost.shared_quant_inputs = True
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible

@@ -22,7 +22,6 @@ import optuna
 from tqdm.auto import tqdm
 
 from autoprec.errors import InputError
-from autoprec.hashing import code_hash, data_hash, weights_hash
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.planner import Planner
 from autoprec.search.space import SearchSpace
@@ -38,10 +37,11 @@ from autoprec.study.storage import (
     storage_errors,
 )
 from autoprec.track import Tracker
-from autoprec.train_check import ShortRunCheck
+from autoprec.training.short_run import ShortRunCheck
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.prepare import Prepared, reference_key
 from autoprec.tuning.train_choice import make_check
+from autoprec.workload.hashing import code_hash, data_hash, weights_hash
 
 #: The walk measures plans whose corrected prediction is within this factor of the budget.
 MARGIN = 1.25

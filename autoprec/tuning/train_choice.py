@@ -1,5 +1,5 @@
 """A training tune's choice (``--train-aware``): the plan written must train like fp32 by
-the short-run contract (``autoprec.train_check``), and so must the one-liner written in
+the short-run contract (``autoprec.training.short_run``), and so must the one-liner written in
 its place.
 
 - The search itself trains nothing (every trial would cost a training run): the chosen
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autoprec.policy import Policy
-from autoprec.train_check import ShortRunCheck, ShortRunVerdict
+from autoprec.training.short_run import ShortRunCheck, ShortRunVerdict
 
 #: Candidates the short run checks before the tuned row is declared infeasible.
 MAX_TRIES = 3

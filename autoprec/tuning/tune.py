@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autoprec.loading import ModelSpec
-from autoprec.memory import StagePeaks, peak_bytes, release_freed
 from autoprec.track import NullTracker, Tracker
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.confirm import choose_plan
+from autoprec.tuning.memory import StagePeaks, peak_bytes, release_freed
 from autoprec.tuning.prepare import make_space, prepare
 from autoprec.tuning.run import run_search
 from autoprec.tuning.write import TuneResult, per_layer, write
+from autoprec.workload.loading import ModelSpec
 
 
 def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
@@ -49,8 +49,8 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     measured confirmation times eager forwards, so it is skipped then); ``profile``: a
     DeviceProfile to price with (e.g. calibrated here) instead of ``target``'s.
     ``memory_limit_gb``: the device's memory for the up-front check that the model fits
-    twice (``autoprec.memory``; default: what the device reports). The model as given is
-    the reference (``autoprec.reference``): a bf16 model's errors are against its own
+    twice (``autoprec.tuning.memory``; default: what the device reports). The model as given is
+    the reference (``autoprec.workload.reference``): a bf16 model's errors are against its own
     outputs and its policy records ``reference:``.
     See DESIGN.md for the contract.
     """

@@ -20,9 +20,8 @@ import torch
 import autoprec
 from autoprec.cost.step import step_metrics
 from autoprec.evaluation.speed_check import SpeedCheck, speed_metrics
-from autoprec.paths import remove_stale_fronts
+from autoprec.io.paths import remove_stale_fronts
 from autoprec.policy import Policy
-from autoprec.reference import ModelReference
 from autoprec.search import compaction, select
 from autoprec.search.space import SearchSpace
 from autoprec.study.driver import trial_rows
@@ -35,6 +34,7 @@ from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.confirm import Chosen
 from autoprec.tuning.prepare import Prepared
 from autoprec.tuning.run import Search
+from autoprec.workload.reference import ModelReference
 
 #: Below this estimated gain of the best uniform precision, the batch is launch-bound.
 LAUNCH_BOUND = 1.10
@@ -71,7 +71,7 @@ class TuneResult:
     plot_plans: Any = None  # track.PlotPlans: what pareto.png shows beside the trials
     reference: ModelReference = field(default_factory=ModelReference)  # the model as given
     weight_bytes: int = 0  # the model's own weights (as given)
-    peak_memory: int = 0  # bytes at the peak of the tune (autoprec.memory.peak_bytes)
+    peak_memory: int = 0  # bytes at the peak of the tune (autoprec.tuning.memory.peak_bytes)
     peak_memory_how: str = ""  # what was measured (peak RSS on CPU, allocated on CUDA)
     memory_stages: dict[str, int] = field(default_factory=dict)  # stage -> its own peak bytes
     stage_seconds: dict[str, float] = field(default_factory=dict)  # stage -> its wall time

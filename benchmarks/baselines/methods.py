@@ -10,7 +10,7 @@ model (:meth:`baselines.problem.Problem.fastest`: every plan priced where the sp
 enumerated, else the planner's descent on time alone) — on a small GEMM fp8 is slower than
 fp16, and a tool that ignores it would start somewhere slower than it needs to. "Falling
 back" a variable moves it to its next more precise choice (fp8 -> fp16 -> bf16 -> tf32 ->
-fp32, the order of ``autoprec.precisions.PRECISIONS``).
+fp32, the order of ``autoprec.formats.precisions.PRECISIONS``).
 
 **The region.** The default region is the key's first variable, and the baselines search it
 as the tools they copy search the rest of the model (their fallback lists cover every op,
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoprec.precisions import PRECISIONS
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.probe.table import SensitivityTable
 from autoprec.search.space import Key, SearchSpace
 

@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.plan.schedule import signature
-from autoprec.precisions import PRECISIONS
 from autoprec.probe import probe
 from autoprec.probe.table import SensitivityTable
 from autoprec.search import compaction, select

@@ -50,7 +50,10 @@ class DigitsCNN(nn.Module):
 
 
 @functools.lru_cache(maxsize=1)
-def _split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test): the stratified 75/25 split (seed 0) of the module
+    docs, images ``(N, 1, 8, 8)`` scaled to [0, 1]. ``benchmarks/train_digits.py`` trains on
+    it too."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -65,7 +68,7 @@ def _split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @functools.lru_cache(maxsize=1)
 def _trained_state() -> dict[str, torch.Tensor]:
-    x, y, _, _ = _split()
+    x, y, _, _ = split()
     torch.manual_seed(SEED)
     model = DigitsCNN()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -100,12 +103,12 @@ def _batches(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch
 
 
 def calibration_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y, _, _ = _split()
+    x, y, _, _ = split()
     return _batches(x[:CALIBRATION_IMAGES], y[:CALIBRATION_IMAGES])
 
 
 def eval_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    _, _, x, y = _split()
+    _, _, x, y = split()
     return list(zip(x.chunk(EVAL_BATCHES), y.chunk(EVAL_BATCHES)))  # 6 batches of 75
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprec.precisions import dtype_tols
+from autoprec.formats.precisions import dtype_tols
 from tests import reference_formats as ref
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
+from autoprec.formats.precisions import PRECISIONS, dtype_tols
 from autoprec.policy import Policy
-from autoprec.precisions import PRECISIONS, dtype_tols
 from tests.apply.refs import DTYPES, assert_same_numerics, grads, ref_linear
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")

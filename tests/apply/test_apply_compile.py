@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from autoprec.apply.apply import apply_policy
+from autoprec.formats.precisions import dtype_tols
 from autoprec.policy import Policy
-from autoprec.precisions import dtype_tols
 from tests.apply.test_apply_mixed import MIXED, _model
 
 pytestmark = [pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning"),
@@ -75,7 +75,7 @@ def test_compile_then_apply_and_remove() -> None:
 
 
 def _cuda_reason() -> str:
-    from autoprec.capability import capability
+    from autoprec.device.capability import capability
 
     ok, why = capability("tf32", None, "cuda")
     return "" if ok else why

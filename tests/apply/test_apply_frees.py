@@ -1,6 +1,6 @@
 """A removed plan leaves nothing behind: its cast / quantised copies of the weights go.
 
-The search applies, scores and removes one candidate after another (autoprec.memory's
+The search applies, scores and removes one candidate after another (autoprec.tuning.memory's
 budget: the model plus one copy); a copy a removed plan kept would add up candidate by
 candidate. Freed here means: no reference left (a weakref to it dies), no cache attribute.
 """

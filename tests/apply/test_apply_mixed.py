@@ -206,7 +206,7 @@ def test_invalid_policy_leaves_model_unchanged(layers: dict[str, str], match: st
 
 
 def test_fp8_backend_that_cannot_run_here_is_a_capability_error() -> None:
-    from autoprec.capability import fp8_backend_capability
+    from autoprec.device.capability import fp8_backend_capability
 
     ok, why = fp8_backend_capability("torch", "cpu")
     if ok:
@@ -219,7 +219,7 @@ def test_fp8_backend_that_cannot_run_here_is_a_capability_error() -> None:
 
 
 def test_default_fp8_backend_is_the_best_available() -> None:
-    from autoprec.capability import best_fp8_backend
+    from autoprec.device.capability import best_fp8_backend
 
     m, _ = _model()
     with apply_policy(m, Policy(layers=MIXED)) as h:

@@ -12,9 +12,9 @@ from torch import nn
 from autoprec.apply.apply import apply_policy
 from autoprec.apply.audit import AuditError
 from autoprec.errors import AutoprecError
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.policy import Policy, PolicyWarning, gemm_leaf_paths
 from autoprec.policy.modules import format_eligible
-from autoprec.precisions import PRECISIONS
 from tests import zoo
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*fingerprint.*:autoprec.policy.PolicyWarning")

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from autoprec.apply.apply import apply_policy
-from autoprec.capability import capability
+from autoprec.device.capability import capability
 from autoprec.errors import GuardError, GuardWarning, InputError
 from autoprec.policy import Policy
-from autoprec.train import prepare_training
+from autoprec.training.train import prepare_training
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
 

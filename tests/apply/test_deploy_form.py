@@ -21,9 +21,9 @@ from autoprec.apply.apply import ApplyOptions, apply_policy
 from autoprec.apply.stored import model_bytes
 from autoprec.cost import CostModel, get_profile
 from autoprec.errors import InputError, PolicyError, PolicyWarning
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy, loads_policy
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from tests import zoo
 from tests.helpers import ROOT
 

@@ -244,8 +244,8 @@ def test_tune_eval_check_and_the_applied_model_measure_the_same_error(tmp_path: 
     check's and the applied model's own error under no_grad agree (before: 0 vs 0.0067)."""
     from autoprec import load_policy, tune
     from autoprec.evaluation.eval_report import eval_report
-    from autoprec.loading import load_model_file
-    from autoprec.scoring import reference, score
+    from autoprec.workload.loading import load_model_file
+    from autoprec.workload.scoring import reference, score
 
     res = tune(NN_MODEL, max_error=0.005, precisions=["fp8"], batch_size=4096, trials=6,
                out=tmp_path / "p.yaml", progress=False, cache_dir=tmp_path / "cache")

@@ -14,10 +14,10 @@ pytest.importorskip("transformers")
 from autoprec.apply.apply import apply_policy  # noqa: E402
 from autoprec.apply.audit import AuditError  # noqa: E402
 from autoprec.apply.fp8_training_audit import audit_fp8_training  # noqa: E402
-from autoprec.capability import torchao_fp8_kernels  # noqa: E402
+from autoprec.device.capability import torchao_fp8_kernels  # noqa: E402
 from autoprec.errors import InputError  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.train import prepare_training, train_step  # noqa: E402
+from autoprec.training.train import prepare_training, train_step  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
 
@@ -141,7 +141,7 @@ def test_torch_compile_traces_the_torchao_backend_without_graph_breaks() -> None
 @pytest.mark.skipif(not torchao_fp8_kernels("torchao")[0],
                     reason=torchao_fp8_kernels("torchao")[1])
 def test_on_an_fp8_gpu_the_train_form_runs_torchaos_kernels() -> None:  # pragma: no cover
-    from autoprec.capability import best_fp8_backend
+    from autoprec.device.capability import best_fp8_backend
 
     if best_fp8_backend("cuda", training=True)[0] != "torchao":
         pytest.skip("Transformer Engine runs here: the train form picks it first")

@@ -17,9 +17,9 @@ import torch
 
 from autoprec.apply.apply import ApplyOptions, apply_policy
 from autoprec.errors import GuardError, GuardWarning, InputError, PolicyError
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy, loads_policy
 from autoprec.policy.guard_spec import GuardSpec
+from autoprec.workload.loading import load_model_file
 from tests.helpers import ROOT
 
 SPEC = load_model_file(ROOT / "examples" / "mixed8" / "model.py")

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import torch
 
+from autoprec.formats.precisions import AUTOCAST_DTYPES, PRECISIONS
 from autoprec.plan import resolve
 from autoprec.policy import Policy, gemm_leaf_paths
-from autoprec.precisions import AUTOCAST_DTYPES, PRECISIONS
 from tests.apply import test_apply_boundaries as boundaries
 from tests.apply import test_apply_mixed as mixed
 

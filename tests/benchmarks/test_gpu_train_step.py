@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from autoprec.capability import torchao_fp8_kernels
+from autoprec.device.capability import torchao_fp8_kernels
 from tests.helpers import ROOT
 
 pytest.importorskip("torchao.float8")
@@ -101,7 +101,7 @@ def test_time_limit_and_bad_input(tmp_path, capsys) -> None:
 
 def test_the_script_is_a_model_py_for_tune() -> None:
     """`autoprec tune benchmarks/gpu_train_step.py --form train` loads it as a model.py."""
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     spec = load_model_file(ROOT / "benchmarks" / "gpu_train_step.py")
     mod = _script()
@@ -111,3 +111,20 @@ def test_the_script_is_a_model_py_for_tune() -> None:
     tiny = mod.GPT(256, 64, 2, 2, 16)
     ids = batches[0][:2, :16] % 256
     assert spec.loss(spec.forward(tiny, ids), ids).ndim == 0
+
+
+def test_the_tuned_row_tunes_for_training_then_times_the_plan(tmp_path) -> None:
+    """--tune (a GPU's default): autoprec.tune --form train on the model here, its policy
+    written beside the table and timed as a row with what tune found in its note."""
+    mod = _script()
+    out = tmp_path / "out"
+    assert mod.main(["--tiny", "--device", "cpu", "--out", str(out), "--tune",
+                     "--tune-seconds", "20", "--only", f"fp32,{mod.TUNED_ROW}"]) == 0
+    rows = _table(out)
+    assert list(rows) == ["fp32", mod.TUNED_ROW]
+    tuned = rows[mod.TUNED_ROW]
+    assert tuned["status"] == "ok", tuned["note"]
+    assert float(tuned["ms_per_step"]) > 0 and tuned["note"].startswith("tuned in ")
+    from autoprec.policy import load_policy
+
+    assert load_policy(out / "tuned.yaml").form == "train"

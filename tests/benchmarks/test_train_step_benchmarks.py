@@ -4,6 +4,7 @@ tables on tiny configs, so a change that breaks them fails here, not in a long r
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -18,6 +19,7 @@ def _script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -54,3 +56,51 @@ def test_cpu_script_offers_the_one_liners_and_a_plan(tmp_path: Path) -> None:
     assert [p.default for p in plans.values()] == ["fp32", "bf16", "fp16", "bf16"]
     mixed = list(plans.values())[-1]
     assert set(mixed.layers.values()) == {"fp32"} and mixed.form == "train"
+
+
+def test_cpu_script_measures_and_prices_each_plan_on_a_tiny_config(tmp_path: Path,
+                                                                    monkeypatch) -> None:  # noqa: ANN001
+    """The CPU side of the script, end to end on a tiny GPT-2: each plan's measured step,
+    its estimate (the loss priced in it) and peak memory, one row each."""
+    import torch.nn.functional as F
+
+    bench = _script("train_step_cpu")
+    model, _ = _tiny_gpt2()
+    ids = torch.randint(0, 128, (2, 16))
+
+    def tiny() -> tuple:
+        return ("tiny", model, lambda m, b: m(input_ids=b).logits,
+                lambda o, b: F.cross_entropy(o[:, :-1].float().flatten(0, 1),
+                                             b[:, 1:].flatten()), ids, None)
+
+    monkeypatch.setitem(bench.MODELS, "tiny", tiny)
+    monkeypatch.setattr(bench, "CACHE", tmp_path)
+    rows = bench.run("tiny", None, False)
+    table = [r for r in rows if r.startswith("| ") and not r.startswith("| plan | ")]
+    assert [r.split(" | ")[0] for r in table] == [
+        "| fp32", "| bf16 autocast", "| fp16 autocast + GradScaler",
+        "| plan (bf16, first/last GEMM fp32)"]
+    assert "loss" in rows[-1] and "optimizer" in rows[-1]  # fp32's estimated step, by part
+    for r in table:
+        est_ratio = float(r.split(" | ")[3])
+        assert 0 < est_ratio < 100  # an estimate and a measurement, both finite
+
+
+def test_a_reduced_tune_maps_by_block_role_and_is_priced_as_a_row() -> None:
+    tuned = _script("train_step_tuned")
+    rules = {"transformer.h.0.mlp": "fp8", "transformer.h.1.attn.c_attn": "fp8",
+             "transformer.h.2.mlp.c_proj": "bf16", "lm_head": "bf16"}
+    full = tuned.map_blocks(rules, 3, 5)
+    assert full == {"transformer.h.0.mlp": "fp8", "transformer.h.1.attn.c_attn": "fp8",
+                    "transformer.h.2.attn.c_attn": "fp8", "transformer.h.3.attn.c_attn": "fp8",
+                    "transformer.h.4.mlp.c_proj": "bf16", "lm_head": "bf16"}
+    assert tuned.block_of("model.layers.7.mlp.up_proj") == 7 and tuned.block_of("lm_head") is None
+    ids = tuned.text_ids(64)
+    assert ids.max() < 256 and bytes(ids.tolist()).decode("utf-8", "ignore").strip()
+    bench = _script("train_step_priced")
+    model, ids = _tiny_gpt2()
+    graph = trace(model, ids, tracers=("hooks",), forward=lambda m, b: m(input_ids=b).logits)
+    plan = tuned.Policy(default="bf16", form="train",
+                        layers=tuned.map_blocks({"transformer.h.1.mlp": "fp8"}, 3, 3))
+    lines = bench.table("tiny", graph, 8, {d: plan for d in bench.DEVICES})
+    assert sum(ln.startswith(f"| {bench.TUNED} |") for ln in lines) == len(bench.DEVICES)

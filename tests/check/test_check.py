@@ -12,9 +12,9 @@ import pytest
 
 from autoprec.errors import InputError, PolicyError
 from autoprec.evaluation.check import check
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy
 from autoprec.trace.graph import fingerprint
+from autoprec.workload.loading import load_model_file
 from tests.helpers import CLI, ROOT, run_cli
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mlp_model.py"

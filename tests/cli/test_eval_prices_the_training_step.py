@@ -68,11 +68,14 @@ def test_eval_json_has_the_step_breakdown_and_memory(tmp_path: Path, model_py: P
     rows = {r["name"]: r for r in out["baselines"]["rows"]}
     assert rows["policy"]["train_memory_bytes"] > 0
     assert rows["bf16 (model.to(bfloat16))"]["why_not"] == "--form train: it stores no fp32 masters"
+    assert rows["bf16 (model.to(bfloat16))"]["est_speedup"] is None  # not priced: not 0x
     code, printed, err = run_cli(["eval", model_py, "--policy", pol, "--target", "h100",
                                   "--batch-size", "4096"], capsys)
     assert code == 0, err
     assert "est. training step: fprop" in printed and "est. training memory: peak" in printed
     assert "train memory" in printed
+    stored = next(ln for ln in printed.splitlines() if ln.startswith("bf16 (model.to("))
+    assert "0.00x" not in stored and "no fp32 masters" in stored
 
 
 def test_eval_measure_times_training_steps_on_this_cpu(tmp_path: Path, model_py: Path,

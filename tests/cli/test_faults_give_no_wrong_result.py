@@ -20,9 +20,9 @@ import yaml
 from optuna.trial import TrialState
 
 from autoprec.errors import OutputError
-from autoprec.loading import load_model_file
-from autoprec.paths import remove_stale_fronts
+from autoprec.io.paths import remove_stale_fronts
 from autoprec.policy import Policy, load_policy
+from autoprec.workload.loading import load_model_file
 from tests.helpers import CLI, MODELS, TRAP, cli_env, run_cli
 
 SLOW = MODELS / "slow_trap.py"
@@ -322,7 +322,7 @@ def test_probe_cache_sees_a_module_forward_edit(tmp_path: Path) -> None:
 
 
 def test_code_hash_covers_file_functions_and_classes(tmp_path: Path) -> None:
-    from autoprec.hashing import code_hash, module_code_hash
+    from autoprec.workload.hashing import code_hash, module_code_hash
 
     model = tmp_path / "model.py"
     model.write_text(TRAP_SRC)
@@ -341,8 +341,8 @@ def test_code_hash_covers_file_functions_and_classes(tmp_path: Path) -> None:
 
 def test_code_hash_is_the_same_in_every_process(tmp_path: Path) -> None:
     """Workers and later runs must agree (str hash() is salted per process)."""
-    script = ("from autoprec.loading import load_model_file\n"
-              "from autoprec.hashing import code_hash\n"
+    script = ("from autoprec.workload.loading import load_model_file\n"
+              "from autoprec.workload.hashing import code_hash\n"
               f"s = load_model_file({str(TRAP)!r})\n"
               "print(code_hash(s, s.model()))\n")
     got = {subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True,

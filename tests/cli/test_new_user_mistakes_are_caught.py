@@ -229,7 +229,7 @@ def test_an_aliased_module_tunes_to_one_precision(tmp_path: Path, capsys, monkey
 
     assert f"next: {autoprec_command()} check {path} --policy {tmp_path / 'p.yaml'}" in out, out
     assert 'autoprec.apply_policy(model, "' in out
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     net = load_model_file(path).model()
     policy = load_policy(tmp_path / "p.yaml", model=net)

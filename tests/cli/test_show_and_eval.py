@@ -70,7 +70,7 @@ def model_py(tmp_path: Path) -> Path:
 
 
 def _fp(model_py: Path) -> str:
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     return fingerprint(load_model_file(model_py).model())
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from autoprec.device.targets import canonical_target, device_type
 from autoprec.policy import load_policy
-from autoprec.targets import canonical_target, device_type
 from autoprec.tuning.config import TuneConfig
 from tests.helpers import TRAP
 from tests.helpers import run_cli as run

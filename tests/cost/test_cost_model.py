@@ -203,7 +203,7 @@ def test_vectorised_prices_equal_single_estimates_and_are_fast():
     t0 = time.perf_counter()
     got = cm.price(rules, codes).time
     per_second = len(codes) / (time.perf_counter() - t0)
-    from autoprec.precisions import PRECISIONS
+    from autoprec.formats.precisions import PRECISIONS
 
     for i, row in enumerate(codes[:5]):
         layers = {p: PRECISIONS[c] for p, c in zip(leaves, row[1:], strict=True)}

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from tests.helpers import MODELS
 
 

@@ -1,6 +1,6 @@
 """What a training step runs is what the step is priced on: a real forward + ``loss.backward()``
 + AdamW step under ``apply_policy`` (training form), counted op by op by a dispatch mode
-written here (not the pricer's code), against ``StepPart``'s derivation — the gradient
+of the tests' own (``tests.helpers.op_count``, not the pricer's code), against ``StepPart``'s derivation — the gradient
 GEMMs (their dtypes and FLOPs, dgrad and wgrad), the casts of the backward, and the saved
 activations (counted through ``torch.autograd.graph.saved_tensors_hooks``).
 
@@ -16,7 +16,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoprec.apply.apply import apply_policy
@@ -26,53 +25,9 @@ from autoprec.plan.backward import backward
 from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.trace import trace
 from tests import zoo
+from tests.helpers.op_count import OpCount
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_MM = {"mm", "addmm", "bmm", "baddbmm"}
-
-
-def _flops(name: str, args: tuple, out: object) -> float:
-    """FLOPs of one GEMM op, from its operands (2 m k n per batch)."""
-    if name in ("mm", "bmm"):
-        a, b = args[0], args[1]
-    elif name in ("addmm", "baddbmm"):
-        a, b = args[1], args[2]
-    else:
-        return 0.0
-    batch = a.shape[0] if a.dim() == 3 else 1
-    return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
-
-
-class StepCount(TorchDispatchMode):
-    """GEMMs (dtypes, FLOPs), attention and casts, forward and backward apart."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase = "forward"
-        self.gemms: dict[str, Counter] = {"forward": Counter(), "backward": Counter()}
-        self.casts = Counter()
-        self.attention = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if self.phase == "optimizer":
-            return out
-        if (name == "_to_copy" and ins and outs and ins[0].dtype != outs[0].dtype
-                and ins[0].dim() > 0):  # a 0-dim cast: the test's loss, summing outputs
-            self.casts[self.phase] += 1
-        if name in _MM:
-            dts = ",".join(sorted({_NAMES[t.dtype] for t in ins if t.is_floating_point()}))
-            self.gemms[self.phase][(dts, _flops(name, args, out))] += 1
-        if name.startswith("_scaled_dot_product"):
-            self.attention[self.phase] += 1
-        return out
-
-
 def _loss(out: object) -> torch.Tensor:
     t = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
     return sum(x.sum() for x in t)  # its scalars' casts are not counted (the model's are)
@@ -91,7 +46,7 @@ def _step(model, policy, fwd, batch):  # noqa: ANN001
         return t
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    count = StepCount()
+    count = OpCount()
     with apply_policy(model, policy, target="h100"):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), count:
             loss = _loss(fwd(model, batch))
@@ -155,12 +110,14 @@ def test_gradient_gemms_casts_and_saved_bytes_match_a_real_step(case) -> None:
         assert bd.invalid is None, (name, label, bd.invalid)
         got, saved = _step(model, pol, fwd, batch)
         # every GEMM of the backward, at the dtype and FLOPs priced (dgrad and wgrad)
-        assert got.gemms["backward"] == priced["backward"], (name, label)
-        assert got.gemms["forward"] == priced["forward"], (name, label)
-        assert got.attention["backward"] == att["backward"], (name, label)
-        # the backward of every cast is a cast back
-        assert got.casts["backward"] == bcasts == bd.backward_casts, (name, label)
-        assert got.casts["forward"] == bd.casts + bd.weight_casts, (name, label)
+        assert got.gemms("backward") == priced["backward"], (name, label)
+        assert got.gemms("forward") == priced["forward"], (name, label)
+        attention = sum(n for k, n in got.names("backward").items()
+                        if k.startswith("_scaled_dot_product"))
+        assert attention == att["backward"], (name, label)
+        # the backward of every cast is a cast back (a 0-dim cast: the test's loss's)
+        assert got.casts("backward", min_dim=1) == bcasts == bd.backward_casts, (name, label)
+        assert got.casts("forward", min_dim=1) == bd.casts + bd.weight_casts, (name, label)
         # saved activations: the estimate against what autograd packed
         assert bd.memory is not None
         assert bd.memory.activations == pytest.approx(saved, rel=0.1), (name, label)

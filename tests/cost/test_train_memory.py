@@ -1,5 +1,5 @@
 """The training step's memory estimate (``cost.train_memory`` via ``StepPart``) against
-the CPU allocator's measured peak of a real step (``measure.training_step.step_peak_bytes``:
+the CPU allocator's measured peak of a real step (``measure.train_steps.step_peak_bytes``:
 torch's profiler, ``profile_memory``) — weights, gradients, AdamW state and the activations
 saved for the backward, for fp32 and one global bf16 autocast."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
 from autoprec.cost.step import ADAMW_FOREACH, StepPart
-from autoprec.measure.training_step import live_bytes, step_peak_bytes, training_step
+from autoprec.measure.train_steps import live_bytes, step_peak_bytes, training_step
 from autoprec.policy import Policy
 from autoprec.trace import trace
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from autoprec.evaluation.check import check
-from autoprec.loading import ModelSpec, load_model_file
 from autoprec.policy import load_policy
+from autoprec.workload.loading import ModelSpec, load_model_file
 from tests.helpers import ROOT
 
 POLICIES = sorted((ROOT / "policies").glob("*.yaml"))  # not recursive: examples/ excluded

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from autoprec.loading import ModelSpec, load_model_file
-from autoprec.metrics import iter_floats, mean_metric
+from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.metrics import iter_floats, mean_metric
 from tests.helpers import ROOT
 
 EXPERIMENTS = ROOT / "examples"

@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 
 from autoprec.apply.apply import apply_policy  # noqa: E402
 from autoprec.export import ExportRefused, keep_islands, save_pretrained  # noqa: E402
-from autoprec.loading import load_model_file  # noqa: E402
+from autoprec.formats.precisions import FORMATS  # noqa: E402
 from autoprec.lower.stored import dequantized_weight  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.precisions import FORMATS  # noqa: E402
+from autoprec.workload.loading import load_model_file  # noqa: E402
 from tests.helpers import MODELS  # noqa: E402
 
 L = "model.layers"

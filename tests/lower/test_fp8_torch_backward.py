@@ -80,7 +80,7 @@ def test_backward_is_two_fp8_gemms_with_the_emulated_recipes_numbers(dtype) -> N
 
 
 def _fp8_gpu() -> tuple[bool, str]:
-    from autoprec.capability import fp8_backend_capability
+    from autoprec.device.capability import fp8_backend_capability
 
     return fp8_backend_capability("torch")
 

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from autoprec.capability import best_fp8_backend, fp8_backend_capability
+from autoprec.device.capability import best_fp8_backend, fp8_backend_capability
 from autoprec.errors import InputError
 from autoprec.lower.backends import format_backends
 from autoprec.lower.fp8 import fp8_linear

@@ -21,7 +21,7 @@ pytest.importorskip("torchao.float8")
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
-from autoprec.capability import (  # noqa: E402
+from autoprec.device.capability import (  # noqa: E402
     best_fp8_backend,
     blockscale_capability,
     capability,
@@ -219,7 +219,7 @@ def test_fp8_kernels_on_the_gpu_match_the_emulation() -> None:  # pragma: no cov
 
 def test_missing_torchao_at_run_time_is_one_line_naming_the_extra(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from autoprec.extras import MissingExtra
+    from autoprec.io.extras import MissingExtra
 
     monkeypatch.setattr(torchao_fp8, "_FLOAT8", None)
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed

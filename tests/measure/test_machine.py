@@ -184,3 +184,4 @@ def test_a_trimmed_allocator_serves_a_freed_buffer_from_fresh_pages_again():
 
     out = measure_interleaved({"alloc": run}, rounds=3, inner=2, before_each=trim)
     assert all(f >= n / mmap.PAGESIZE / 4 for f in out.faults["alloc"])
+

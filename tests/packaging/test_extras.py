@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.extras import EXTRAS, MissingExtra, installed, require
+from autoprec.io.extras import EXTRAS, MissingExtra, installed, require
 from autoprec.track import make_tracker
 from tests.helpers import MODELS, ROOT, run_cli
 

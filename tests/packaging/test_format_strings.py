@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
-from autoprec.precisions import PRECISIONS, REGIONS
+from autoprec.formats.precisions import PRECISIONS, REGIONS
 from tests.packaging.test_layering import PACKAGE
 
 #: The format names a decision may not spell (every GEMM format autoprec has, and the MX
@@ -28,11 +28,9 @@ from tests.packaging.test_layering import PACKAGE
 NAMES = frozenset(GEMM_FORMAT_BY_NAME) | {"mxfp4", "mxfp6"}
 #: Where a format's name is the subject: the formats and the backends that run them.
 OWNERS = ("formats", "lower")
-#: Files outside those allowed to compare format names, each with why. ``precisions.py``
-#: defines the vocabulary (the names and their order); today it spells them only in its
-#: tables and never compares one, so the entry is a licence it does not use, kept because a
-#: vocabulary check (``is_gemm_format``) is where such a comparison would belong.
-ALLOWED = {"precisions.py": "defines the precision vocabulary (names, order, tables)"}
+#: Files outside those allowed to compare format names, each with why (none today: the
+#: precision vocabulary, ``formats/precisions.py``, lives with the formats).
+ALLOWED: dict[str, str] = {}
 
 
 def _format_prefix(s: str) -> bool:

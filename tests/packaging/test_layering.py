@@ -1,15 +1,19 @@
 """The package's layering, read from the source: which part of ``autoprec`` imports which.
 
-A *part* is a subpackage (``autoprec.probe``) or a top-level module (``autoprec.metrics``).
+A *part* is a subpackage (``autoprec.probe``) or a top-level module (``autoprec.api``).
 Every import counts: module-level, lazy ones inside functions and ``TYPE_CHECKING`` blocks
 (a lazy import is still a dependency, only a later one). The root ``autoprec/__init__.py``
 is left out: it is the public facade, re-exporting every stage lazily, and
 ``from autoprec import __version__`` reads a constant, not a stage.
 
-The rules (STYLE.md, "the folders show the flow"): the number formats and the lowering of a
-module to a precision sit below every stage; the stages trace -> probe -> plan -> cost ->
-search -> apply -> track never import a later one, except the search, which runs the
-others; and no part imports itself back through another.
+The rules (STYLE.md, "the folders show the flow"): the foundations (the number formats and
+precisions, the lowering of a module to a precision, the device facts, the user-boundary
+helpers, the workload, the errors, torch.nn's fused paths) sit below every stage; the stages
+trace -> probe -> plan -> cost -> measure -> evaluation -> search -> study -> tuning ->
+apply -> track never import a later one, except where ``LATER_ALLOWED`` says; training
+under a policy sits beside ``apply``, and nothing before ``apply`` imports either; nearly
+everything lives in a package (``LOOSE``: the few top-level modules); and no part imports
+itself back through another.
 """
 
 from __future__ import annotations
@@ -34,8 +38,16 @@ STAGES = ("trace", "probe", "plan", "cost", "measure", "evaluation", "search", "
 #: Later stages an earlier one may import: the evaluation scores and times plans by
 #: applying them (``Target.apply``, the audit), and tune logs its trials (``track``).
 LATER_ALLOWED = {("evaluation", "apply"), ("tuning", "apply"), ("tuning", "track")}
-#: Parts below every stage: they import no stage (and no policy).
-FOUNDATIONS = ("formats", "lower", "precisions", "capability", "errors")
+#: Parts below every stage: they import no stage (and no policy). ``formats`` holds the
+#: precisions too; ``device`` the target names and the capability check; ``io`` files,
+#: paths, argument checks and optional dependencies; ``workload`` the model and data a
+#: command works on and their error against the fp32 reference.
+FOUNDATIONS = ("formats", "lower", "device", "io", "workload", "errors", "fused")
+#: The only modules directly in ``autoprec/``: the public entry points (``api``: tune,
+#: check and evaluate for the model in hand; ``errors``: the root exception) and ``fused``
+#: (torch.nn's fused paths: below ``formats``, which asks it which children never run, and
+#: above nothing else, so no package can hold it without an import circle).
+LOOSE = ("api", "errors", "fused")
 
 
 def _parts() -> set[str]:
@@ -130,10 +142,19 @@ def test_stages_import_no_later_stage() -> None:
 
 
 def test_nothing_before_apply_imports_apply() -> None:
+    """Nor training under a policy, which applies it (``training`` imports ``apply``)."""
     graph = import_graph()
-    before = ("trace", "policy", "probe", "plan", "cost", "measure", "formats", "lower")
-    offenders = sorted(p for p in before if "apply" in graph.get(p, ()))
-    assert offenders == [], f"{offenders} import autoprec.apply; the graph:\n{_show(graph)}"
+    assert "apply" in graph["training"], _show(graph)
+    before = ("trace", "policy", "probe", "plan", "cost", "measure", *FOUNDATIONS)
+    offenders = sorted((p, q) for p in before for q in ("apply", "training")
+                       if q in graph.get(p, ()))
+    assert offenders == [], f"{offenders} import a later part; the graph:\n{_show(graph)}"
+
+
+def test_the_loose_modules_are_the_few_named() -> None:
+    """A new module joins the package of what it holds; only ``LOOSE`` sits at the top."""
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert loose == sorted(LOOSE), f"loose top-level modules: {loose}; expected {LOOSE}"
 
 
 def test_foundations_import_no_stage() -> None:

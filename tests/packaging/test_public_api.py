@@ -1,7 +1,7 @@
 """The names ``autoprec`` exports: each resolves to one thing, whatever was imported first.
 
 ``autoprec.trace`` and ``autoprec.probe`` are the stages' packages and
-``autoprec.capability`` a module (importing ``autoprec.trace.graph`` binds the package
+``autoprec.device.capability`` a module (importing ``autoprec.trace.graph`` binds the package
 there); the functions they hold are exported as ``trace_model`` and ``probe_model``. The
 list is the few names a user needs (issue 48), each one thing: ``autoprec.check`` is the
 gate's function (its module is ``autoprec.evaluation.check``), never a module."""
@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 import autoprec
-import autoprec.capability  # noqa: F401  (binds the module to autoprec.capability)
+import autoprec.device.capability  # noqa: F401  (binds the module to autoprec.device.capability)
 import autoprec.probe.table  # noqa: F401  (binds the package to autoprec.probe)
 import autoprec.trace.graph  # noqa: F401  (binds the package to autoprec.trace)
 
@@ -27,7 +27,7 @@ def test_the_stage_entry_points_do_not_collide_with_their_packages() -> None:
     assert inspect.ismodule(autoprec.trace) and inspect.ismodule(autoprec.probe)
     assert autoprec.trace_model is autoprec.trace.trace
     assert autoprec.probe_model is autoprec.probe.probe
-    assert inspect.ismodule(autoprec.capability)
+    assert inspect.ismodule(autoprec.device.capability)
     assert not {"trace", "probe", "capability"} & set(autoprec.__all__)
 
 

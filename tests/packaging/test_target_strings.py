@@ -1,6 +1,6 @@
-"""No stage parses a target or device name: it asks ``autoprec.targets``.
+"""No stage parses a target or device name: it asks ``autoprec.device.targets``.
 
-Read from the source (an AST walk, lazy code included): outside ``autoprec/targets.py`` no
+Read from the source (an AST walk, lazy code included): outside ``autoprec/device/targets.py`` no
 code may take a target name ("h100", "cpu", "cpu-<key>") or a device string ("cuda:1")
 apart itself — ``device.split(":")``, ``name.startswith("cuda")``, ``device == "cpu"``,
 ``kind in ("cpu", "cuda")``. Each of those was written in cost/machine, cost/measure,
@@ -28,7 +28,7 @@ from tests.packaging.test_layering import PACKAGE as ROOT
 #: The device words a decision may not compare a name with.
 WORDS = frozenset({"cpu", "cuda"})
 #: Where target and device names are parsed: the one module that knows what they mean.
-OWNER = "targets.py"
+OWNER = "device/targets.py"
 #: Files besides the owner allowed to parse names, each with why (none today).
 ALLOWED: dict[str, str] = {}
 
@@ -74,7 +74,7 @@ def offenders(root: Path = ROOT) -> dict[str, list[tuple[int, str]]]:
 
 def test_no_stage_parses_a_target_or_device_name() -> None:
     bad = offenders()
-    assert not bad, "ask autoprec.targets (is_cpu, device_kind, cuda_index, device_type):\n" \
+    assert not bad, "ask autoprec.device.targets (is_cpu, device_kind, cuda_index, device_type):\n" \
         + "\n".join(f"  autoprec/{f}:{line}: {code}" for f, hits in bad.items()
                     for line, code in hits)
 
@@ -100,6 +100,8 @@ def test_the_reader_finds_each_kind_of_parsing(tmp_path: Path) -> None:
         "          device_type_of(name) == 'cpu', torch.device('cpu'), {'cpu': 1}.get(name),\n"
         "          name.split(','), name.startswith('h1'), target_type == 'cuda')\n"
         "    return a, b, c, d, e, g, ok\n")
-    (pkg / "targets.py").write_text("def is_cpu(d):\n    return d.split(':')[0] == 'cpu'\n")
+    (pkg / "device").mkdir()
+    (pkg / "device" / "targets.py").write_text(
+        "def is_cpu(d):\n    return d.split(':')[0] == 'cpu'\n")
     assert [line for line, _ in offenders(pkg)["stage.py"]] == [2, 3, 4, 5, 6, 7]
-    assert "targets.py" not in offenders(pkg)
+    assert "device/targets.py" not in offenders(pkg)

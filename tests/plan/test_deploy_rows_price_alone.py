@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import load_model_file
 from autoprec.plan.compile import CODE
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from tests.helpers import ROOT
 
 

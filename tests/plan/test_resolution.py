@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from autoprec.formats.precisions import GEMM_FORMATS
 from autoprec.plan import compile_plan, resolve, resolve_path
 from autoprec.policy import Policy, Resolved
 from autoprec.policy.modules import format_eligible
-from autoprec.precisions import GEMM_FORMATS
 from tests import zoo
 from tests.apply.test_every_rule_runs import _mixed_policy
 

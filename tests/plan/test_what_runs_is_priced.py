@@ -10,66 +10,38 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from autoprec.apply.apply import apply_policy, audit_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import load_model_file
 from autoprec.plan.compile import compile_plan
 from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from tests import zoo
 from tests.helpers import ROOT
+from tests.helpers.op_count import GEMMS, OpCount
 
 pytestmark = pytest.mark.filterwarnings("ignore::autoprec.policy.PolicyWarning")
-_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution"}
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-class Count(TorchDispatchMode):
+@dataclass
+class Count:
     """Casts (``_to_copy`` changing the dtype), GEMMs by operand dtype and module, bytes."""
 
-    def __init__(self, stack: list[str], skip: list[int]) -> None:
-        super().__init__()
-        self.stack, self.skip = stack, skip
-        self.casts = 0
-        self.gemms: dict[str, Counter[str]] = {}
-        self.bytes = 0
+    casts: int
+    gemms: dict[str, Counter[str]]
+    bytes: int
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.skip[0]:
-            return out
-        name = func.overloadpacket.__name__
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        schema = func._schema
-        if any(r.alias_info is not None for r in schema.returns) and not schema.is_mutable:
-            return out  # a view: no kernel
-        if name == "_to_copy" and ins and outs and ins[0].dtype == outs[0].dtype:
-            return out  # a no-op copy (an explicit .float() of an fp32 tensor)
-        if name == "_to_copy":
-            self.casts += 1
-        if name in _GEMMS or name.startswith("_scaled_dot_product"):
-            dts = {_NAMES.get(t.dtype, str(t.dtype)) for t in ins if t.is_floating_point()}
-            where = self.stack[-1] if self.stack else ""
-            self.gemms.setdefault(where, Counter())[",".join(sorted(dts))] += 1
-        if name == "embedding":  # the rows it gathers, as the plan prices it
-            self.bytes += 2 * sum(t.numel() * t.element_size() for t in outs)
-        else:
-            self.bytes += sum(_nbytes(t) for t in (*ins, *outs))
-        return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes a kernel moves for ``t``: its elements, but no more than its storage holds
-    (an ``expand``-ed operand, stride 0, reads its storage once)."""
-    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+    @classmethod
+    def of(cls, count: OpCount) -> Count:
+        gemms: dict[str, Counter[str]] = {}
+        for o in count.kernels():
+            if o.name in GEMMS or o.name.startswith("_scaled_dot_product"):
+                gemms.setdefault(o.where or "", Counter())[o.dtypes] += 1
+        return cls(sum(o.cast for o in count.kernels()), gemms,
+                   sum(o.bytes for o in count.kernels()))
 
 
 def run_counted(model: torch.nn.Module, policy: Policy, fwd, batch,
@@ -88,14 +60,14 @@ def run_counted(model: torch.nn.Module, policy: Policy, fwd, batch,
             skip[0] -= p in fp8
 
         handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-    counter = Count(stack, skip)
+    counter = OpCount(stack, skip)
     try:
         with apply_policy(model, policy, target=target), torch.no_grad(), counter:
             fwd(model, batch)
     finally:
         for h in handles:
             h.remove()
-    return counter
+    return Count.of(counter)
 
 
 def _cases():
@@ -182,9 +154,10 @@ def test_one_uniform_policy_runs_like_one_global_autocast() -> None:
     GEMM), and the plan counts them."""
     spec = load_model_file(ROOT / "examples" / "wide" / "model.py")
     model, batch = spec.model(), spec.calibration_batches()[0]
-    theirs = Count([], [0])
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), theirs:
+    count = OpCount()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), count:
         spec.forward(model, batch)
+    theirs = Count.of(count)
     mine = run_counted(model, Policy(default="bf16"), spec.forward, batch, target="cpu")
     assert (mine.casts, mine.bytes) == (theirs.casts, theirs.bytes)
     assert sum(mine.gemms.values(), Counter()) == sum(theirs.gemms.values(), Counter())
@@ -208,9 +181,10 @@ def test_deploy_default_bf16_runs_what_model_to_bf16_runs() -> None:
         mine_out = spec.forward(model, batch)
     mine = run_counted(model, pol, spec.forward, batch, target="cpu")
     theirs_model = copy.deepcopy(model).to(torch.bfloat16)
-    theirs = Count([], [0])
-    with torch.no_grad(), theirs:
+    count = OpCount()
+    with torch.no_grad(), count:
         theirs_out = spec.forward(theirs_model, batch.to(torch.bfloat16))
+    theirs = Count.of(count)
     assert torch.equal(mine_out, theirs_out)
     # the input's cast: the plan's root wrapper, and the user's batch.to() (counted too)
     assert (mine.casts, mine.bytes) == (theirs.casts, theirs.bytes)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from autoprec.loading import load_model_file
 from autoprec.probe.layers import select_layers
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from tests.helpers import MODELS
 
 ENCODER = MODELS / "encoder4.py"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.loading import load_model_file
 from autoprec.probe import probe
 from autoprec.probe.grad_rules import grad_verdict
 from autoprec.probe.table import ProbeRow
+from autoprec.workload.loading import load_model_file
 
 HAZARD = Path(__file__).resolve().parents[2] / "examples" / "grad_hazard" / "model.py"
 

@@ -8,11 +8,11 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.loading import load_model_file
 from autoprec.plan.schedule import signature
 from autoprec.policy import Policy, gemm_leaf_paths
 from autoprec.search.compaction import compact
 from autoprec.trace import trace
+from autoprec.workload.loading import load_model_file
 from tests import zoo
 from tests.helpers import ROOT
 

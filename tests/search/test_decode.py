@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.plan.compile import assignment
 from autoprec.plan.schedule import replay, same_as
 from autoprec.policy import Policy
 from autoprec.policy.build import plan_id
-from autoprec.precisions import PRECISIONS
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.plan_score import PlanScore
 from autoprec.search.planner import enumerate_keys

@@ -53,7 +53,7 @@ def _trials(out: Path) -> list[optuna.trial.FrozenTrial]:
 
 @pytest.mark.slow
 def test_fuse_groups_auto_and_off(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     model = load_model_file(MODEL).model()
     groups = [(f"model.layers.{i}.self_attn.{{q_proj,k_proj,v_proj}}",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoprec.cost import CostModel, get_profile
-from autoprec.precisions import PRECISIONS
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.search import planner as planner_mod
 from autoprec.search.planner import Planner, PlanSpace, descend, enumerate_keys
 from autoprec.search.space import build_space

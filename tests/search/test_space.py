@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from autoprec.precisions import PRECISIONS
+from autoprec.formats.precisions import PRECISIONS
 from autoprec.search.space import REGION, build_space, group_key
 
 

@@ -25,8 +25,8 @@ def test_tune_is_tracked_end_to_end(
     mlflow_server_uri: str, experiment: str, tmp_path: Path
 ) -> None:
     from autoprec.apply.apply import apply_policy
-    from autoprec.loading import load_model_file
     from autoprec.policy import load_policy
+    from autoprec.workload.loading import load_model_file
 
     tracker = make_tracker(mlflow_server_uri, experiment, workdir=tmp_path)
     out = tmp_path / "policies" / "mlp3.yaml"

@@ -19,9 +19,9 @@ from transformers import TrainingArguments  # noqa: E402
 from autoprec.errors import InputError  # noqa: E402
 from autoprec.integrations.accel import use_accelerator  # noqa: E402
 from autoprec.integrations.hf import PolicyTrainer  # noqa: E402
-from autoprec.loss_scaler import CountingGradScaler  # noqa: E402
 from autoprec.policy import Policy, PolicyWarning  # noqa: E402
-from autoprec.train import prepare_training  # noqa: E402
+from autoprec.training.loss_scaler import CountingGradScaler  # noqa: E402
+from autoprec.training.train import prepare_training  # noqa: E402
 from tests.helpers import lm_examples as _lm_data  # noqa: E402
 
 FP16 = Policy(default="fp32", layers={"transformer.h.0": "fp16", "transformer.h.1": "fp16"})

@@ -11,7 +11,7 @@ from torch import nn
 
 from autoprec.errors import InputError
 from autoprec.policy import Policy, PolicyWarning
-from autoprec.train import (
+from autoprec.training.train import (
     fidelity_check,
     needs_grad_scaler,
     prepare_training,
@@ -180,8 +180,8 @@ def test_fidelity_check_input_errors() -> None:
 
 
 def test_fidelity_check_spec_uses_model_py_parts(tmp_path) -> None:
-    from autoprec.loading import ModelSpec
-    from autoprec.train import fidelity_check_spec
+    from autoprec.training.train import fidelity_check_spec
+    from autoprec.workload.loading import ModelSpec
 
     batches = _batches()
     spec = ModelSpec(path=tmp_path / "model.py", name="mlp", build_model=_mlp,
@@ -197,7 +197,7 @@ def test_fidelity_check_spec_uses_model_py_parts(tmp_path) -> None:
 def test_an_nvfp4_layer_is_refused_for_training_with_the_reason() -> None:
     from autoprec.errors import CapabilityError
     from autoprec.policy import Policy
-    from autoprec.train import prepare_training
+    from autoprec.training.train import prepare_training
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     with pytest.raises(CapabilityError, match="layer '0' runs nvfp4, which autoprec runs "

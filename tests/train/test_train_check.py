@@ -1,4 +1,4 @@
-"""The short-run contract (autoprec/train_check.py): N steps from one init on the
+"""The short-run contract (autoprec/training/short_run.py): N steps from one init on the
 calibration batches, the eval loss against fp32's within a relative gap — on real
 optimizers and real low-precision arithmetic."""
 
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoprec.errors import InputError
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy
-from autoprec.train_check import ShortRunCheck
+from autoprec.training.short_run import ShortRunCheck
+from autoprec.workload.loading import load_model_file
 
 HAZARD = Path(__file__).resolve().parents[2] / "examples" / "grad_hazard" / "model.py"
 

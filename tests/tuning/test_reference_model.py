@@ -1,4 +1,4 @@
-"""A 16-bit model is its own reference (autoprec.reference): bf16 / mixed tiny Llamas.
+"""A 16-bit model is its own reference (autoprec.workload.reference): bf16 / mixed tiny Llamas.
 
 The error budget binds against the model's own outputs, the policy records ``reference:``,
 each layer is offered the precisions at or below its own plus an fp32 island, training
@@ -17,14 +17,14 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.errors import InputError
-from autoprec.loading import load_model_file
 from autoprec.policy import Policy, load_policy
-from autoprec.reference import model_reference, offered, own_precision
-from autoprec.scoring import reference, score
 from autoprec.study.objective import given_policy
 from autoprec.tuning import prepare as prepare_mod
 from autoprec.tuning import tune as tune_mod
 from autoprec.tuning.config import TuneConfig
+from autoprec.workload.loading import load_model_file
+from autoprec.workload.reference import model_reference, offered, own_precision
+from autoprec.workload.scoring import reference, score
 from tests.helpers import MODELS, run_cli
 
 BF16 = MODELS / "bf16_llama.py"
@@ -109,7 +109,7 @@ def test_old_policies_have_no_reference_and_bad_ones_are_refused() -> None:
 
 def test_training_refuses_a_16_bit_model(tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from autoprec.train import fidelity_check_spec
+    from autoprec.training.train import fidelity_check_spec
 
     spec = load_model_file(BF16)
     spec.loss = lambda out, batch: out.float().mean()  # type: ignore[assignment]
@@ -138,7 +138,7 @@ def test_peak_memory_is_in_the_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 0, err
     got = json.loads(out)
     assert got["peak_memory_bytes"] > got["model_weight_bytes"] > 0
-    stages = got["memory_stages"]  # each stage's own peak (autoprec.memory.StagePeaks)
+    stages = got["memory_stages"]  # each stage's own peak (autoprec.tuning.memory.StagePeaks)
     assert list(stages) == ["load", "reference", "trace", "probe", "search",
                             "confirm"]
     assert all(v > 0 for v in stages.values()), stages

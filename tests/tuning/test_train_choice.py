@@ -102,7 +102,7 @@ def test_a_plan_that_does_not_train_like_fp32_is_not_written(tmp_path: Path):
 
 
 def _model(path: Path):
-    from autoprec.loading import load_model_file
+    from autoprec.workload.loading import load_model_file
 
     return load_model_file(path).model()
 
@@ -132,7 +132,7 @@ def test_a_one_liner_estimated_slower_than_a_tuned_plan_that_trains_is_not_train
     from autoprec.evaluation.decision import one_liner_instead
     from autoprec.evaluation.rows import Row
     from autoprec.policy.build import policy_for
-    from autoprec.train_check import ShortRunCheck
+    from autoprec.training.short_run import ShortRunCheck
     from autoprec.tuning.train_choice import baseline_check
 
     def build():

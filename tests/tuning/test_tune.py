@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autoprec.loading import load_model_file
 from autoprec.policy import load_policy
 from autoprec.tuning.tune import tune
+from autoprec.workload.loading import load_model_file
 from tests.helpers import TRAP, run_cli
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}

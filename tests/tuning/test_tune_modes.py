@@ -72,7 +72,7 @@ def test_train_aware_checks_training_fidelity(tmp_path: Path):
                trials=4, out=tmp_path / "p.yaml", progress=False, train_aware=True)
     pol = load_policy(res.path)
     assert pol.layers or pol.default != "fp32"  # lowered; fp32-vs-policy training agreed
-    # the written plan passed the short-run contract (autoprec.train_check), and so did the
+    # the written plan passed the short-run contract (autoprec.training.short_run), and so did the
     # one global bf16 autocast it was weighed against
     assert pol.metrics["train_check_passed"] is True
     assert abs(pol.metrics["train_loss_gap"]) <= pol.metrics["max_loss_gap"] == 0.01

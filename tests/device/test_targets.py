@@ -1,11 +1,10 @@
-"""``autoprec.targets``: the one reading of target and device names."""
+"""``autoprec.device.targets``: the one reading of target and device names."""
 
 from __future__ import annotations
 
 import pytest
 
-from autoprec.errors import InputError
-from autoprec.targets import (
+from autoprec.device.targets import (
     cuda_index,
     device_kind,
     device_type,
@@ -13,6 +12,7 @@ from autoprec.targets import (
     is_cpu_target,
     named_target,
 )
+from autoprec.errors import InputError
 
 
 def test_a_target_given_wins_over_the_policys_and_neither_is_none() -> None:

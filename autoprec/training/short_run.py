@@ -3,7 +3,7 @@
 **The contract** (docs/training.md states it for users): from one initial model
 (``build_model()`` once, deep-copied per run), train ``steps`` optimizer steps on the
 calibration batches (cycled, in order) with ``AdamW(lr)`` and the same seed (the same
-dropout masks) — once in fp32 and once under the plan (``autoprec.train.prepare_training``:
+dropout masks) — once in fp32 and once under the plan (``autoprec.training.train.prepare_training``:
 fp32 master weights, a GradScaler iff a layer computes in fp16). Then the **eval loss** —
 the mean of model.py's ``loss`` over ``eval_data()`` (the calibration batches when there is
 none), in eval mode, the plan still applied (as the trained model is evaluated) — must be
@@ -40,9 +40,9 @@ import torch
 
 from autoprec.errors import InputError
 from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec, default_forward
 from autoprec.lower.wide16 import scoring_gemms
 from autoprec.policy import Policy
+from autoprec.workload.loading import ModelSpec, default_forward
 
 #: Default optimizer steps of the check (a few passes over a handful of calibration batches).
 DEFAULT_STEPS = 16
@@ -160,7 +160,7 @@ class ShortRunCheck:
 
     def _fresh(self) -> torch.nn.Module:
         if self._init is None:
-            from autoprec.train import check_fp32_masters
+            from autoprec.training.train import check_fp32_masters
 
             self._init = self.build_model()
             check_fp32_masters(self._init, "build_model()")
@@ -207,7 +207,7 @@ class ShortRunCheck:
                                reasons)
 
     def _run(self, policy: Policy | None, label: str) -> ShortRun:
-        from autoprec.train import _train, prepare_training
+        from autoprec.training.train import _train, prepare_training
 
         started, cpu = time.monotonic(), time.process_time()
         model = self._fresh()

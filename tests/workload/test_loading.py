@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autoprec.errors import ModelFileError
-from autoprec.loading import default_forward, load_model_file
+from autoprec.workload.loading import default_forward, load_model_file
 from tests.helpers import CLI, MODELS, cli_env, run_cli
 
 

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from autoprec.errors import ModelFileError
-from autoprec.fileio import brief
 from autoprec.fused import fused_paths_off
-from autoprec.loading import ModelSpec
+from autoprec.io.fileio import brief
 from autoprec.lower.wide16 import scoring_gemms
-from autoprec.metrics import (
+from autoprec.workload.loading import ModelSpec
+from autoprec.workload.metrics import (
     ErrorAccumulator,
     batch_size_of,
     detach_floats,

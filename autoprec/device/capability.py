@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from autoprec.formats.gemm import BLOCK_SCALED, format_of, gemm_format
-from autoprec.precisions import PRECISIONS, check_precision, is_gemm_format
+from autoprec.formats.precisions import PRECISIONS, check_precision, is_gemm_format
 
 FP8_BACKENDS = ("emulated", "torch", "te", "te-delayed", "torchao", "torchao-rowwise")
 #: The torchao fp8 backends -> torchao float8 training recipe (``lower.torchao_fp8``).

@@ -38,11 +38,11 @@ import torch
 from autoprec.apply.apply import ApplyOptions, PolicyHandle, apply_policy
 from autoprec.errors import CapabilityError, InputError
 from autoprec.formats.gemm import is_forward_only
-from autoprec.loading import ModelSpec, default_forward
-from autoprec.loss_scaler import CountingGradScaler
-from autoprec.metrics import mean_metric
 from autoprec.plan import compile_plan
 from autoprec.policy import Policy, load_policy
+from autoprec.training.loss_scaler import CountingGradScaler
+from autoprec.workload.loading import ModelSpec, default_forward
+from autoprec.workload.metrics import mean_metric
 
 Batch = Any
 LossFn = Callable[[Any, Batch], torch.Tensor]

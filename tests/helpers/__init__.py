@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository root
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 TRAP = ROOT / "examples" / "trap" / "model.py"  # the example every CLI test tunes
 MODELS = ROOT / "tests" / "fixtures" / "models"  # small model.py files, good and broken
 

@@ -16,7 +16,7 @@ casts its inputs up, so the layer computes on the very values the model holds, w
 accumulation and an fp32 output. tf32 is above a 16-bit layer and not offered (it would be
 an upcast that still rounds). A model with fp32 weights offers everything, as before.
 
-Training stays fp32-master only (``autoprec.train.check_fp32_masters``; ``tune
+Training stays fp32-master only (``autoprec.training.train.check_fp32_masters``; ``tune
 --train-aware`` and ``--form train`` refuse a 16-bit model up front): autocast and the
 GradScaler assume fp32 weights, and a 16-bit weight updated in place loses small steps.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from autoprec.precisions import BYTES, rank
+from autoprec.formats.precisions import BYTES, rank
 
 #: Floating parameter dtypes a model may arrive in, and the precision each one is.
 DTYPE_PRECISION: dict[torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autoprec.loading import USER_MODULE_PREFIX
+from autoprec.workload.loading import USER_MODULE_PREFIX
 
 
 def _feed(h: Any, obj: Any) -> None:
@@ -60,11 +60,38 @@ def weights_hash(model: torch.nn.Module) -> str:
     return "sha256:" + h.hexdigest()
 
 
+#: autoprec's own modules hashed under the names they had when studies were first named.
+#: A function autoprec provides (``default_forward`` when model.py has no ``forward``) is
+#: hashed with its module's name, which is part of every study's name and probe cache key;
+#: moving autoprec's code into packages (issue 48) must not rename the studies and
+#: invalidate the caches a user already has. A module moved later joins this table.
+HASHED_AS = {
+    "autoprec.device.capability": "autoprec.capability",
+    "autoprec.device.targets": "autoprec.targets",
+    "autoprec.formats.precisions": "autoprec.precisions",
+    "autoprec.io.extras": "autoprec.extras",
+    "autoprec.io.fileio": "autoprec.fileio",
+    "autoprec.io.paths": "autoprec.paths",
+    "autoprec.io.validate": "autoprec.validate",
+    "autoprec.training.loss_scaler": "autoprec.loss_scaler",
+    "autoprec.training.short_run": "autoprec.train_check",
+    "autoprec.training.train": "autoprec.train",
+    "autoprec.tuning.memory": "autoprec.memory",
+    "autoprec.workload.hashing": "autoprec.hashing",
+    "autoprec.workload.inputs": "autoprec.inputs",
+    "autoprec.workload.loading": "autoprec.loading",
+    "autoprec.workload.metrics": "autoprec.metrics",
+    "autoprec.workload.reference": "autoprec.reference",
+    "autoprec.workload.scoring": "autoprec.scoring",
+}
+
+
 def _module(obj: Any) -> str:
     """The module name, with model.py's import name (it holds a hash of the file's
-    path) replaced by "model.py": the same code in another checkout hashes the same."""
+    path) replaced by "model.py": the same code in another checkout hashes the same;
+    autoprec's moved modules by their ``HASHED_AS`` names."""
     name = str(getattr(obj, "__module__", "") or "")
-    return "model.py" if name.startswith(USER_MODULE_PREFIX) else name
+    return "model.py" if name.startswith(USER_MODULE_PREFIX) else HASHED_AS.get(name, name)
 
 
 def _code_blob(code: Any) -> str:

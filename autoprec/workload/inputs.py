@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from autoprec.errors import InputError
-from autoprec.fileio import brief
-from autoprec.loading import (
+from autoprec.io.fileio import brief
+from autoprec.io.paths import unwrap_model
+from autoprec.workload.loading import (
     PLAIN_NAME,
     WEIGHT_DTYPES,
     ModelSpec,
@@ -39,7 +40,6 @@ from autoprec.loading import (
     default_forward,
     load_model_file,
 )
-from autoprec.paths import unwrap_model
 
 Batch = Any
 #: What a command accepts as the model: a model.py path, a ModelSpec, or a module in hand.

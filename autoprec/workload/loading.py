@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from autoprec.errors import ModelFileError
-from autoprec.fileio import brief, file_kind
-from autoprec.metrics import batch_size_of
+from autoprec.io.fileio import brief, file_kind
+from autoprec.workload.metrics import batch_size_of
 
 #: model.py is imported as a module named this prefix + a hash of its resolved path.
 USER_MODULE_PREFIX = "autoprec_user_model_"
@@ -232,7 +232,7 @@ class ModelSpec:
     """What model.py provides, with the defaults of the contract filled in.
 
     ``path`` is the model.py file; None for a model handed over in Python
-    (``autoprec.inputs.spec_of``): messages then name the model (``where``).
+    (``autoprec.workload.inputs.spec_of``): messages then name the model (``where``).
     """
 
     path: Path | None
@@ -277,7 +277,7 @@ class ModelSpec:
                 f"({type(model).__name__}); autoprec tunes and applies the eager "
                 "nn.Module: return it before torch.jit.script / torch.jit.trace")
         for pname, p in model.named_parameters():
-            # The model as given is the reference (autoprec.reference): fp32, bf16 or fp16
+            # The model as given is the reference (autoprec.workload.reference): fp32, bf16 or fp16
             # weights, mixed too (HF's _keep_in_fp32_modules); fp64 and fp8 are not.
             if p.is_floating_point() and p.dtype not in WEIGHT_DTYPES:
                 raise ModelFileError(

@@ -53,7 +53,7 @@ def check_out_path(path: Path) -> None:
     ``path`` must be a regular file — a FIFO or a device (``/dev/null``) is refused, never
     replaced; a symlink is followed (the file it points to is replaced). See fileio.
     """
-    from autoprec.fileio import check_writable
+    from autoprec.io.fileio import check_writable
 
     check_writable(path)
 
@@ -91,7 +91,7 @@ def check_dir(path: Path, what: str) -> None:
     """``path`` is, or can be created as, a folder autoprec may write in (a cache, the
     policy folder): OutputError (exit 2) naming it and ``what`` it is for otherwise.
     Creates nothing."""
-    from autoprec.fileio import check_writable
+    from autoprec.io.fileio import check_writable
 
     path = Path(path)
     if path.exists() and not path.is_dir():

@@ -1,4 +1,4 @@
-"""autoprec.memory: per-stage peaks, handing freed memory back, the mmap threshold."""
+"""autoprec.tuning.memory: per-stage peaks, handing freed memory back, the mmap threshold."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprec import memory
-from autoprec.memory import StagePeaks, map_large_allocations, release_freed
+from autoprec.tuning import memory
+from autoprec.tuning.memory import StagePeaks, map_large_allocations, release_freed
 
 LINUX = sys.platform.startswith("linux") and memory.CLEAR_REFS.exists()
 

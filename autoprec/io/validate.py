@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.errors import InputError
-from autoprec.fileio import brief
+from autoprec.io.fileio import brief
 
 #: numpy's RandomState (Optuna's samplers) takes seeds in [0, 2**32 - 1].
 MAX_SEED = 2**32 - 1
@@ -92,7 +92,7 @@ def check_out_not_input(out: Path, *, model: Any = None, storage: Any = None,
                         mlflow_uri: Any = None) -> None:
     """tune's ``--out`` is not model.py, the study's SQLite / journal file or the MLflow
     database: OutputError (exit 2) instead of overwriting one of them with the policy."""
-    from autoprec.paths import check_not_an_input, sqlite_file, storage_file
+    from autoprec.io.paths import check_not_an_input, sqlite_file, storage_file
 
     check_not_an_input(out, {
         "the model file": Path(model) if isinstance(model, (str, Path)) else None,

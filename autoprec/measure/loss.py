@@ -1,0 +1,121 @@
+"""The loss of a training step run here: model.py's ``loss`` forward and backward on the
+model's output, per dtype the output may arrive in, its kernels counted and, on a CPU,
+timed (``record_loss``). What it records (``cost.loss_step.LossKernels``) and how the step
+prices it are the cost stage's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autoprec.cost.loss_step import OUTPUT_DTYPES, LossKernel, LossKernels
+from autoprec.measure.op_runner import PASSES, _time
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a kernel moves for ``t``: its elements, at most its storage (a broadcast
+    operand reads its storage once)."""
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+class _Count(TorchDispatchMode):
+    """Every kernel (non-view aten op) run inside, with its bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.kernels: list[LossKernel] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        if any(r.alias_info is not None for r in schema.returns) and not schema.is_mutable:
+            return out  # a view: no kernel
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func.overloadpacket.__name__ == "_to_copy" and ins and outs and \
+                ins[0].dtype == outs[0].dtype:
+            return out  # a no-op copy
+        self.kernels.append(LossKernel(func.overloadpacket.__name__, self.phase,
+                                       float(sum(_nbytes(t) for t in (*ins, *outs)))))
+        return out
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    """The floating tensor of a forward's result the loss differentiates (the largest)."""
+    ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not ts:
+        raise ValueError("the forward returned no floating tensor to take a loss of")
+    return max(ts, key=lambda t: t.numel())
+
+
+def _replace(out: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    """``out`` with tensor ``old`` replaced by ``new`` (a tensor, or a tuple / list / dict of
+    them; an object with attributes, such as a HF ``ModelOutput``, as a dict)."""
+    if out is old:
+        return new
+    if isinstance(out, (list, tuple)):
+        return type(out)(_replace(x, old, new) for x in out)
+    if isinstance(out, dict):
+        got = {k: _replace(v, old, new) for k, v in out.items()}
+        try:
+            return type(out)(**got)
+        except TypeError:
+            return got
+    return out
+
+
+def record_loss(net: torch.nn.Module, forward: Callable[[Any, Any], Any],
+                loss: Callable[[Any, Any], torch.Tensor], batch: Any, *,
+                measure: bool = False) -> LossKernels:
+    """The loss's kernels forward and backward per output dtype (see the module docs), timed
+    here too with ``measure`` (the caller holds torch at the timing threads)."""
+    with torch.no_grad():
+        out = forward(net, batch)
+    logits = _output_tensor(out)
+    got = LossKernels(int(logits.numel()))
+    runs: dict[str, Callable[[], None]] = {}
+    for name, dt in OUTPUT_DTYPES.items():
+        leaf = logits.detach().to(dt).requires_grad_(True)
+        feed = _replace(out, logits, leaf)
+
+        def run(leaf: torch.Tensor = leaf, feed: Any = feed) -> None:
+            leaf.grad = None
+            loss(feed, batch).backward()
+
+        count = _Count()
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, leaf: torch.Tensor = leaf, kept: dict = kept) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() != leaf.untyped_storage().data_ptr() and t.is_floating_point():
+                kept[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), count:
+            value = loss(feed, batch)
+        with count:
+            count.phase = "backward"
+            value.backward()
+        got.kernels[name] = count.kernels
+        got.saved[name] = float(sum(kept.values()))
+        runs[name] = run
+    if measure:
+        passes: dict[str, list[float]] = {d: [] for d in runs}
+        for _ in range(PASSES):  # interleaved, as cost.op_measure times ops
+            for d, run in runs.items():
+                passes[d].append(_time(run))
+        got.seconds = {d: float(np.median(v)) for d, v in passes.items()}
+    return got
+
+
+
+
+__all__ = ["record_loss"]
