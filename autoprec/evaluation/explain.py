@@ -81,7 +81,8 @@ def words(reason: Reason) -> str:
                                           ": none slower]"))
         case PageFaults(rows=rows):
             each = ", ".join(f"{name} {faults:,.0f}" for name, faults in rows)
-            return (f" [page faults per forward: {each}. These forwards touch memory the "
+            return (f" [page faults per timed call (a forward, or a training step): {each}. "
+                    "These calls touch memory the "
                     "allocator got fresh from the OS (glibc returns large freed buffers, "
                     "such as per-call weight casts); another process, or another allocator, "
                     "may run them without the faults]")

@@ -132,7 +132,7 @@ def test_a_timed_row_that_page_faults_in_every_forward_is_named_in_the_reason():
 
     rs = rows()
     check = check_speed(rs, timer, device="cpu", batch_size=16)
-    assert f"page faults per forward: {label('bf16')} 15,000." in check.reason
+    assert f"page faults per timed call (a forward, or a training step): {label('bf16')} 15,000." in check.reason
     assert rs[3].faults == 15000 and rs[2].faults == 3
     assert rs[3].to_dict()["page_faults_per_forward"] == 15000
     assert "page faults" not in check_speed(rows(), base, device="cpu", batch_size=16).reason
