@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from autoprec.formats.gemm import is_forward_only
+from autoprec.probe.flush import GradFlush
 from autoprec.probe.layers import lowered_call
-from autoprec.probe.ranges import GradFlush
 from autoprec.probe.shadow import Call
 from autoprec.workload.metrics import iter_floats, relative_error
 
@@ -168,15 +168,17 @@ class GradProbes:
         effect: dict[Key, float] = defaultdict(float)
         for call, gs in zip(calls, grads):
             live = [g for g in gs if g is not None]
-            flush = [GradFlush(g) for g in live]  # each gradient's nonzero mask, once
+            # every precision's and scale's counts of a gradient from one pass (flush.py)
+            pairs = [(p, s) for p in call.deltas for s in (1.0, self.loss_scale)]
+            flush = [GradFlush(g).counts(pairs) for g in live]
             for p, deltas in call.deltas.items():
                 key = (call.layer.path, p)
                 st = self.stats[key]
                 effect[key] += sum(float((g.float() * d).sum())
                                    for g, d in zip(gs, deltas) if g is not None)
                 for f in flush:
-                    n, fl, _ = f.count(p)
-                    _, fls, ov = f.count(p, self.loss_scale)
+                    n, fl, _ = f[(p, 1.0)]
+                    _, fls, ov = f[(p, self.loss_scale)]
                     st.nonzero += n
                     st.flushed += fl
                     st.flushed_scaled += fls
@@ -207,9 +209,10 @@ class GradProbes:
                 st = self.stats[(layer.path, p)]
                 st.sq_ref += ref_sq
                 scales = (1.0, self.loss_scale) if p == "fp16" else (1.0,)
-                for scale in scales:
-                    y = lowered_call(layer, p, args, kwargs, self.fp8_backend)
-                    low = _vjp(y, gs, wrt, scale)
+                # one lowered forward for both scales: its graph is kept for the second
+                y = lowered_call(layer, p, args, kwargs, self.fp8_backend)
+                for i, scale in enumerate(scales):
+                    low = _vjp(y, gs, wrt, scale, retain=i + 1 < len(scales))
                     if low is None:
                         continue
                     err, bad = _error_and_nonfinite(low, ref)
@@ -253,9 +256,10 @@ def _requiring_grad(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any
 
 
 def _vjp(output: Any, gs: list[Any], wrt: list[torch.Tensor],
-         scale: float) -> list[torch.Tensor] | None:
+         scale: float, retain: bool = False) -> list[torch.Tensor] | None:
     """Gradients of ``wrt`` for output cotangents ``gs`` (cast to the output's dtype after
-    multiplying by ``scale``, as a GradScaler'd backward sees them), divided by ``scale``."""
+    multiplying by ``scale``, as a GradScaler'd backward sees them), divided by ``scale``;
+    ``retain`` keeps the output's graph for another call."""
     ys, cots = [], []
     for y, g in zip(iter_floats(output), gs):
         if g is not None and y.requires_grad:
@@ -264,7 +268,7 @@ def _vjp(output: Any, gs: list[Any], wrt: list[torch.Tensor],
             cots.append((g.float() if scale == 1.0 else g.float() * scale).to(y.dtype))
     if not ys:
         return None
-    grads = torch.autograd.grad(ys, wrt, cots, allow_unused=True)
+    grads = torch.autograd.grad(ys, wrt, cots, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(w, dtype=torch.float32) if g is None
             else g.float() if scale == 1.0 else g.float() / scale
             for g, w in zip(grads, wrt)]

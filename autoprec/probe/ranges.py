@@ -24,6 +24,7 @@ import torch
 
 from autoprec.formats.gemm import format_of
 from autoprec.formats.precisions import FORMATS
+from autoprec.probe.flush import GradFlush, grad_flush
 
 #: Smallest positive fp32 value (subnormal): "a < _TINY" means "a == 0".
 _TINY = 1.4e-45
@@ -95,45 +96,11 @@ class TensorRange:
         return self.underflow.get(precision, 0) / self.nonzero if self.nonzero else 0.0
 
 
-def grad_flush(g: torch.Tensor, precision: str, scale: float = 1.0) -> tuple[int, int, int]:
-    """(nonzero, flushed to zero, overflowed) when gradient ``g`` is cast to ``precision``.
-
-    The cast is the real one (``g * scale`` to fp16/bf16, e5m2 with current scaling for
-    fp8), so subnormals count as kept; tf32/fp32 gradients stay fp32.
-    """
-    return GradFlush(g).count(precision, scale)
-
-
-class GradFlush:
-    """``grad_flush`` of one gradient for many (precision, scale): the gradient's nonzero
-    mask and count are found once, not once per precision and scale (the gradient probes
-    ask for every precision of a layer, unscaled and scaled)."""
-
-    def __init__(self, g: torch.Tensor) -> None:
-        self.g = g.detach().float()
-        self.nz = (self.g != 0) & torch.isfinite(self.g)
-        self.n = int(self.nz.sum())
-
-    def count(self, precision: str, scale: float = 1.0) -> tuple[int, int, int]:
-        """(nonzero, flushed to zero, overflowed) of the gradient cast to ``precision``."""
-        g, nz, n = self.g, self.nz, self.n
-        if precision in ("fp32", "tf32") or n == 0:
-            return n, 0, 0
-        gemm = format_of(precision)
-        if gemm is not None and gemm.forward_only:  # no gradients flow in it
-            return n, 0, 0
-        gs = g * scale
-        if gemm is not None:  # as its backward reads dY (fp8: e5m2, mxfp8: e4m3 blocks of 32)
-            low = gemm.fake_quant_grad(torch.where(nz, gs, torch.zeros_like(gs)))
-        else:
-            low = gs.to(torch.float16 if precision == "fp16" else torch.bfloat16).float()
-        flushed = int((nz & (low == 0)).sum())
-        over = int((nz & torch.isinf(low)).sum())
-        return n, flushed, over
-
-
 def fmt_num(x: float) -> str:
     """Compact number for reasons: 3.1e+05, 0.0042, inf."""
     if not math.isfinite(x):
         return "inf" if x > 0 else str(x)
     return f"{x:.2g}"
+
+
+__all__ = ["GradFlush", "TensorRange", "fmt_num", "grad_flush"]
