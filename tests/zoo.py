@@ -318,3 +318,14 @@ PLAIN = {"mlp": mlp, "branchy": branchy, "shared": shared, "cnn": cnn}
 NN_TRANSFORMERS = {"nn_encoder": nn_encoder, "nn_seq2seq": nn_seq2seq, "mha": mha}
 HF = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "vit": vit, "whisper": whisper}
 ALL = {**PLAIN, **NN_TRANSFORMERS, **HF}
+
+
+def runnable(names: tuple[str, ...]) -> list[tuple[str, nn.Module, Callable[[nn.Module, Any], Any], Any]]:
+    """(name, model, forward, batch) of each named case, the forward autoprec's default
+    where the case gives none (keyword batches called with ``**``)."""
+    out = []
+    for name in names:
+        case = ALL[name]()
+        fwd = case.forward or (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
+        out.append((name, case.model, fwd, case.batch))
+    return out

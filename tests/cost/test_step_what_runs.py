@@ -59,12 +59,7 @@ def _step(model, policy, fwd, batch):  # noqa: ANN001
 
 
 def _cases():
-    out = []
-    for name in ("mlp", "gpt2", "bert"):
-        case = zoo.ALL[name]()
-        fwd = case.forward or (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
-        out.append((name, case.model, fwd, case.batch))
-    return out
+    return zoo.runnable(("mlp", "gpt2", "bert"))
 
 
 def _policies(model: torch.nn.Module) -> dict[str, Policy]:

@@ -75,11 +75,7 @@ def _cases():
     for name in ("mixed8", "wide"):
         spec = load_model_file(ROOT / "examples" / name / "model.py")
         out.append((name, spec.model(), spec.forward, spec.calibration_batches()[0]))
-    for name in ("bert", "gpt2", "vit", "mha"):
-        case = zoo.ALL[name]()
-        fwd = case.forward or (lambda m, b: m(**b) if isinstance(b, dict) else m(b))
-        out.append((name, case.model, fwd, case.batch))
-    return out
+    return out + zoo.runnable(("bert", "gpt2", "vit", "mha"))
 
 
 def _policies(model: torch.nn.Module) -> dict[str, Policy]:
