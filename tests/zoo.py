@@ -320,7 +320,10 @@ HF = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "vit": vit, "whisper
 ALL = {**PLAIN, **NN_TRANSFORMERS, **HF}
 
 
-def runnable(names: tuple[str, ...]) -> list[tuple[str, nn.Module, Callable[[nn.Module, Any], Any], Any]]:
+Runnable = tuple[str, nn.Module, Callable[[nn.Module, Any], Any], Any]
+
+
+def runnable(names: tuple[str, ...]) -> list[Runnable]:
     """(name, model, forward, batch) of each named case, the forward autoprec's default
     where the case gives none (keyword batches called with ``**``)."""
     out = []
