@@ -19,31 +19,32 @@ packages (``autoprec.plan.compile_plan``, ``autoprec.device.capability.capabilit
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from autoprec.io.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-#: public name -> "module" (the same name there) or "module:name there"
+#: public name -> its module under autoprec: "module" (the same name) or "module:name"
 _EXPORTS = {
-    "tune": "autoprec.api",
-    "TuneConfig": "autoprec.tuning.config",
-    "TuneResult": "autoprec.tuning.write",
-    "Target": "autoprec.evaluation.target",
-    "check": "autoprec.api",
-    "CheckResult": "autoprec.evaluation.check",
-    "evaluate": "autoprec.api",
-    "Evaluation": "autoprec.evaluation.eval_report",
-    "Policy": "autoprec.policy",
-    "load_policy": "autoprec.policy",
-    "apply_policy": "autoprec.apply.apply",
-    "ApplyOptions": "autoprec.apply.apply",
-    "PolicyHandle": "autoprec.apply.apply",
-    "trace_model": "autoprec.trace:trace",
-    "LayerGraph": "autoprec.trace.graph",
-    "probe_model": "autoprec.probe:probe",
-    "SensitivityTable": "autoprec.probe",
-    "AutoprecError": "autoprec.errors",
+    "tune": "api",
+    "TuneConfig": "tuning.config",
+    "TuneResult": "tuning.write",
+    "Target": "evaluation.target",
+    "check": "api",
+    "CheckResult": "evaluation.check",
+    "evaluate": "api",
+    "Evaluation": "evaluation.eval_report",
+    "Policy": "policy",
+    "load_policy": "policy",
+    "apply_policy": "apply.apply",
+    "ApplyOptions": "apply.apply",
+    "PolicyHandle": "apply.apply",
+    "trace_model": "trace:trace",
+    "LayerGraph": "trace.graph",
+    "probe_model": "probe:probe",
+    "SensitivityTable": "probe",
+    "AutoprecError": "errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -64,11 +65,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.tuning.write import TuneResult
 
 
-def __getattr__(name: str) -> Any:
-    where = _EXPORTS.get(name)
-    if where is None:
-        raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
-    module, _, attr = where.partition(":")
-    value = getattr(importlib.import_module(module), attr or name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

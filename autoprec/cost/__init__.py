@@ -10,8 +10,9 @@ factors.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from autoprec.io.lazy import lazy_exports
 
 #: public name -> the submodule that holds it. Imported on first use (as the root package
 #: does): ``autoprec.cost.profiles`` is then readable without torch, and every command's
@@ -44,17 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.cost.step import StepPart
 
 
-def __getattr__(name: str) -> Any:
-    where = _EXPORTS.get(name)
-    if where is None:
-        raise AttributeError(f"module 'autoprec.cost' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"autoprec.cost.{where}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 
 __all__ = [

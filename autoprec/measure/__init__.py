@@ -21,8 +21,9 @@ fitted profile).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from autoprec.io.lazy import lazy_exports
 
 #: public name -> the submodule that holds it, imported on first use (torch is heavy).
 _EXPORTS = {
@@ -71,20 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
 
 
-def __getattr__(name: str) -> Any:
-    where = _EXPORTS.get(name)
-    if where is None:
-        raise AttributeError(f"module 'autoprec.measure' has no attribute {name!r}")
-    module = importlib.import_module(f"autoprec.measure.{where}")
-    # every export of that submodule at once (no submodule shares a name with an export)
-    for n, w in _EXPORTS.items():
-        if w == where:
-            globals()[n] = getattr(module, n)
-    return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 
 __all__ = [
