@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from autoprec._version import __version__
 from autoprec.io.lazy import lazy_exports
-
-__version__ = "0.1.0"
 
 #: public name -> its module under autoprec: "module" (the same name) or "module:name"
 _EXPORTS = {

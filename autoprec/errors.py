@@ -1,6 +1,6 @@
 """One root exception; subclasses carry the CLI exit code.
 
-Exit codes (DESIGN.md): 0 done/passed, 1 check failed or nothing feasible, 2 bad input.
+Exit codes (docs/overview.md): 0 done/passed, 1 check failed or nothing feasible, 2 bad input.
 User-facing messages name the file, the layer or the value and the rule broken.
 """
 

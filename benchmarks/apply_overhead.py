@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                   "that requires grad (every parameter, also under no_grad) alive until the "
                   "region exits: 200 16-bit copies per forward (13 MB at width 256) written to "
                   "fresh, cold memory and hashed into the cache, where apply's regions (cache "
-                  "off: DESIGN.md, tied weights) reuse one freed, hot buffer. The control row "
+                  "off: docs/overview.md, tied weights) reuse one freed, hot buffer. The control row "
                   "(the cached global autocast with the parameters' requires_grad off, so "
                   "nothing is cached) runs like the cache-off one. The cache-off row is the "
                   "like-for-like cost of the wrappers."]

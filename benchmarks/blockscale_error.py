@@ -9,7 +9,7 @@ calibration data:
   ``autoprec.formats.fp8.fake_quant_fp8``; mxfp8: E4M3 + E8M0 per 32 along K, the OCP spec's
   floor scale, and ``mxfp8r`` the same with NVIDIA's rceil scale; nvfp4: E2M1 + E4M3 per
   16 along K + per-tensor fp32), fp32 accumulate, on the layer's fp32 input;
-- e2e error: relative L2 error of the model's outputs (DESIGN.md's default error) with
+- e2e error: relative L2 error of the model's outputs (docs/overview.md's default error) with
   that layer alone lowered, the rest fp32;
 - outliers: max over input columns of the column's max|x|, divided by the median column
   max; a layer is marked an outlier layer when that ratio is >= 10.

@@ -13,7 +13,7 @@ would rank by), the share of estimates within 2x of the measurement, and the cos
 each approach in forward-pass equivalents and CPU seconds.
 
 CPU seconds understate the saving: on these CPUs fp16/bf16 matmuls run ~90x slower than
-fp32 (DESIGN.md), and the probe and the naive loop lower each layer once per precision
+fp32 (docs/overview.md), and the probe and the naive loop lower each layer once per precision
 alike; the forward-pass count is what a GPU pays.
 
 Run: ``.venv/bin/python -m benchmarks.probe_correlation`` (about a minute on 2 cores).

@@ -71,7 +71,7 @@ class Model:
 
 
 # Deployment batch sizes: large enough that the GEMMs are past launch-bound on an H100 (a
-# calibration-sized batch prices every precision alike, DESIGN.md), ~16k tokens for the
+# calibration-sized batch prices every precision alike, docs/overview.md), ~16k tokens for the
 # transformers.
 MODELS = {
     "trap": Model("trap", 65536, "65536 rows"),

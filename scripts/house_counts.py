@@ -11,6 +11,10 @@ ROOT is a checkout (default: this one); to count an older commit, extract it fir
 - **files to answer "why this plan"**: the modules on the static call paths from ``tune``
   (the function a reader opens first) to the function that makes the decision (a
   ``decide``), following calls through imported names and ``module.function`` attributes;
+- **files that shape the decision's rows**: beyond that call path, the modules that build
+  the rows the decision is given (``Row(...)``) or set a field it reads on one
+  (``ROW_FIELDS``: feasible, why_not, the estimates and timings), and the one holding
+  ``decide`` — what a reader must open to know why each row stood where it did;
 - **target-deciding modules**: modules of ``autoprec/`` that decide themselves which
   target a run is for or what it runs as — they use the primitives ``named_target``,
   ``canonical_target``, ``DEFAULT_TARGET``, ``mode_of``, ``speed_source`` or
@@ -158,6 +162,80 @@ def why_this_plan(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
     return sorted({funcs[q][0] for q in on_path})
 
 
+#: A row's fields the decision reads (``evaluation.rows.Row``): a module that sets one, or
+#: builds a ``Row``, shapes what is decided.
+ROW_FIELDS = {"feasible", "why_not", "est_speedup", "speedup", "p10", "p90", "same_as",
+              "warm", "faults", "est_measured_batch", "error"}
+
+
+def row_shapers(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """Every file that shapes "why this plan" beyond the call path: the modules that build
+    the rows or set what the decision reads on them (``_row_builders``), and those that
+    pick among rows or candidates or define a constant of the decision's (``_pickers``)."""
+    return sorted(set(_row_builders(mods)) | set(_pickers(mods)))
+
+
+#: The decision's constants: a module defining one of its own shapes the choice too.
+RULE_CONSTANTS = {"SAME_SPEED", "SLOW_TO_TIME", "NEXT_CANDIDATES", "MAX_TRIES",
+                  "RETIME_MARGIN"}
+#: What a pick among rows or candidates ranks them by.
+RANKED_BY = {"calib", "est_speedup", "speedup", "est_time"}
+
+
+def _pickers(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """Modules that pick among rows or candidates themselves (a ``min``/``max`` whose key
+    reads ``RANKED_BY``) or define a constant of the decision's (``RULE_CONSTANTS``)."""
+    out = []
+    for name, (_path, tree) in mods.items():
+        consts = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                  if isinstance(t, ast.Name)}
+        picks = any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id in ("min", "max")
+            and any(k.arg == "key" and any(isinstance(a, ast.Attribute) and a.attr in RANKED_BY
+                                           for a in ast.walk(k.value)) for k in n.keywords)
+            for n in ast.walk(tree))
+        if picks or consts & RULE_CONSTANTS:
+            out.append(name)
+    return out
+
+
+def _row_builders(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """Modules that handle the decision's rows (import ``evaluation.rows``, ``decision`` or
+    ``reasons``, or are one of them) and build one (``Row(...)``) or set a field the
+    decision reads on one (``ROW_FIELDS``, on anything but ``self``), and the module holding
+    ``decide``."""
+    handles = ("autoprec.evaluation.rows", "autoprec.evaluation.decision",
+               "autoprec.evaluation.reasons")
+    out = []
+    for name, (path, tree) in mods.items():
+        if name in handles[1:] and any(isinstance(n, ast.FunctionDef) and n.name == "decide"
+                                       for n in tree.body):
+            out.append(name)
+            continue
+        if name not in handles and not any(v.startswith(handles) or v in handles
+                                           for v in _imports(name, path, tree).values()):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                hit = (isinstance(f, ast.Name) and f.id == "Row") or (
+                    isinstance(f, ast.Attribute) and f.attr == "Row")
+            elif isinstance(node, ast.Assign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                flat = [e for t in targets
+                        for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                hit = any(isinstance(t, ast.Attribute) and t.attr in ROW_FIELDS
+                          and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                          for t in flat)
+            else:
+                continue
+            if hit:
+                out.append(name)
+                break
+    return sorted(out)
+
+
 def target_deciders(mods: dict[str, tuple[Path, ast.Module]]) -> list[str]:
     out = []
     for name, (_path, tree) in mods.items():
@@ -218,6 +296,7 @@ def counts(root: Path) -> dict[str, str]:
         "files in the largest package": f"{n} ({pkg})",
         "loose top-level modules": str(len(loose_modules(mods))),
         'files to answer "why this plan"': str(len(why)),
+        "files that shape the decision's rows": str(len(row_shapers(mods))),
         "target-deciding modules": str(len(target_deciders(mods))),
         "private names imported across packages (package, experiments, scripts)":
             str(len(private_imports(root, ["autoprec", "experiments", "benchmarks",
@@ -244,6 +323,7 @@ def main() -> int:
         for r in roots:
             mods = _modules(r)
             print(f"\n{r}:\n  why this plan: {', '.join(why_this_plan(mods))}"
+                  f"\n  shape the rows: {', '.join(row_shapers(mods))}"
                   f"\n  target-deciding: {', '.join(target_deciders(mods))}"
                   f"\n  loose top-level modules: {', '.join(loose_modules(mods))}")
             for h in private_imports(r, ["autoprec", "experiments", "benchmarks", "scripts",

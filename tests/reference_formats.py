@@ -12,7 +12,7 @@ it), as the recipes autoprec follows do.
   (E4M3: bias 7, no inf, S.1111.111 is NaN, max 448; E5M2: bias 15, exponent 31 is
   inf/NaN, max 57344; E2M1: bias 1, no inf/NaN, max 6). Positive codes order the
   magnitudes, so "ties to even" picks the neighbour with the even code.
-- Per-tensor fp8 current scaling (DESIGN.md): s = fmax / amax(x), q = RNE(x * s),
+- Per-tensor fp8 current scaling (docs/overview.md): s = fmax / amax(x), q = RNE(x * s),
   value q / s, in fp32.
 - MXFP8 (OCP MX spec v1.0 section 6.3; the E8M0 exponent chosen as cuBLAS / Transformer
   Engine do, X = 2**ceil(log2(amax_b / 448)), "rceil"): blocks of 32 along the last dim.

@@ -63,7 +63,7 @@ def _bert(vocab_size: int) -> nn.Module:
 
 
 def _relative_l2(model: nn.Module, policy: autoprec.Policy, loader: DataLoader[Any]) -> float:
-    """The error as DESIGN.md defines it, computed here with apply_policy alone."""
+    """The error as docs/overview.md defines it, computed here with apply_policy alone."""
     model.eval()
     with torch.no_grad():
         refs = [model(**b).logits for b in loader]

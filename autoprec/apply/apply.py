@@ -331,11 +331,15 @@ class ApplyOptions:
     accelerator) and ``remove()`` restores them exactly; False frees them, and ``remove()``
     restores fp32 weights rebuilt from the deployed values (with a warning). ``on_event``:
     called with a GuardEvent for each layer that overflowed in a forward (``guard``).
+    ``whole_plan``: the plan of the whole model when this installs a part of it (a streamed
+    model's shell, ``apply.streamed``): the choices that depend on every region (one
+    storage dtype, one autocast dtype) are the whole plan's.
     """
 
     device: str | torch.device | None = None
     keep_masters: bool = True
     on_event: Callable[[GuardEvent], None] | None = None
+    whole_plan: ExecutionPlan | None = None
 
 
 def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
@@ -434,14 +438,15 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
         # nothing the plan makes arrives in another (the root casts the inputs): the
         # rules then run only in a guard's re-run, which raises layers to another dtype
         pairs = consumers(plan, by_path, {id(mod) for mod, _ in chosen})
-        rerun_casts = RerunCasts(pairs if one_storage_dtype(plan) else [])
-        if not one_storage_dtype(plan):
+        single = one_storage_dtype(opts.whole_plan or plan)
+        rerun_casts = RerunCasts(pairs if single else [])
+        if not single:
             wrappers += consumer_wrappers(pairs)
         stored = store_weights(root, plan, by_path, format_backend, keep_masters)
     else:
         # one 16-bit autocast dtype in the whole plan: autocast's cast cache is safe (and
         # the fast path, lower.forward.lowered_forward)
-        low = {PRECISIONS[int(r)] for r in plan.region} & set(AUTOCAST_DTYPES)
+        low = {PRECISIONS[int(r)] for r in (opts.whole_plan or plan).region} & set(AUTOCAST_DTYPES)
         wrappers = [(mod, _wrapper(mod, w.precision, format_backend.get(w.precision, "emulated"),
                                    notify_compute if is_gemm_format(w.precision) else None,
                                    cast_exit=w.path != "", emulate_cuda=emulate,
@@ -477,7 +482,8 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *,
 
 def audit_policy(model: torch.nn.Module, policy: Policy, run: Callable[[], Any], *,
                  fp8_backend: str | None = None, force: bool = False,
-                 target: str | None = None) -> AuditReport:
+                 target: str | None = None, options: ApplyOptions | None = None
+                 ) -> AuditReport:
     """The audit of ``policy`` on one real forward: applied to ``model``, ``run()`` under
     ``no_grad`` (the handle holds torch.nn's fused paths off), removed again.
 
@@ -488,7 +494,8 @@ def audit_policy(model: torch.nn.Module, policy: Policy, run: Callable[[], Any],
     # 16-bit GEMMs this CPU has no kernel for run wide (lower/wide16), below the audit's
     # recorder: it still sees each GEMM's 16-bit operands first
     with scoring_gemms(), apply_policy(model, policy, fp8_backend=fp8_backend, force=force,
-                                       target=target) as handle, torch.no_grad():
+                                       target=target, options=options) as handle, \
+            torch.no_grad():
         report = handle.audit(run, strict=False)
     report.layers, report.fp8_backend = dict(handle.layers), handle.fp8_backend
     return report

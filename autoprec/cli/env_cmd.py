@@ -31,9 +31,9 @@ def env_info() -> dict[str, Any]:
     for dist in PACKAGES:
         versions[dist] = _version(dist)
     if versions.get("autoprec") is None:  # running from a source tree, not installed
-        import autoprec
+        from autoprec._version import __version__
 
-        versions["autoprec"] = autoprec.__version__
+        versions["autoprec"] = __version__
     return {"versions": versions, **info}
 
 

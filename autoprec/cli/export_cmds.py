@@ -45,9 +45,9 @@ def save_cmd(
     transformers' from_pretrained and vLLM load."""
     from autoprec.export.checkpoint import save_pretrained
     from autoprec.policy import load_policy
-    from autoprec.workload.loading import load_model_file
+    from autoprec.workload.checkpoint_spec import load_model
 
-    spec = load_model_file(model)
+    spec = load_model(model)
     built = spec.model()
     pol = load_policy(policy, model=built, force=force)  # its warnings shown, not hidden
     batches = spec.calibration_batches()
@@ -78,11 +78,11 @@ def export_recipe_cmd(
     Engine CustomRecipe, or a torchao float8 module_filter_fn."""
     from autoprec.export.recipes import te_recipe_source, torchao_filter_source
     from autoprec.io.fileio import atomic_write
-    from autoprec.workload.loading import load_model_file
+    from autoprec.workload.checkpoint_spec import load_model
 
     if to not in _RECIPE_TARGETS:
         raise InputError(f"--to must be one of {', '.join(_RECIPE_TARGETS)}, got {to!r}")
-    built = load_model_file(model).model()
+    built = load_model(model).model()
     source = (te_recipe_source if to == "te" else torchao_filter_source)(policy, built, force)
     atomic_write(out, source)
     typer.echo(f"wrote {out}")

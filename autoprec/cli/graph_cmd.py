@@ -25,10 +25,10 @@ def graph_cmd(
     the precisions it may take (with the reason for the others)."""
     from autoprec.io.validate import check_seconds
     from autoprec.trace import TRACERS, trace
-    from autoprec.workload.loading import load_model_file
+    from autoprec.workload.checkpoint_spec import load_model
 
     check_seconds(export_timeout, "--export-timeout", allow_zero=True)
-    spec = load_model_file(model)
+    spec = load_model(model)
     net = spec.model()
     batch = spec.calibration_batches()[0]
     # A batch the model rejects is the user's error (exit 2), found before tracing.

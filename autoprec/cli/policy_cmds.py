@@ -73,9 +73,9 @@ def show_cmd(
             pol = load_policy(policy)
             order: dict[str, int] = {}
         else:
-            from autoprec.workload.loading import load_model_file
+            from autoprec.workload.checkpoint_spec import load_model
 
-            net = load_model_file(model).model()
+            net = load_model(model).model()
             pol = load_policy(policy, model=net, force=True)  # review: a mismatch is a warning
             order = {name: i for i, name in enumerate(n for n, _ in net.named_modules())}
     typer.echo(f"policy: {policy}  (schema 1)")

@@ -36,7 +36,7 @@ def probe_cmd(
     underflow), a cheap end-to-end estimate and, where it matters, the measured one."""
     from autoprec.io.validate import check_budget
     from autoprec.probe import probe
-    from autoprec.workload.loading import load_model_file
+    from autoprec.workload.checkpoint_spec import load_model
     from autoprec.workload.scoring import reference
 
     precs = parse_precisions(precisions)  # a bad name: InputError, exit 2
@@ -50,7 +50,7 @@ def probe_cmd(
         check_not_an_input(out, {"the model file": model})
     if cache_dir is not None:
         check_dir(cache_dir, "--cache-dir")
-    spec = load_model_file(model)
+    spec = load_model(model)
     if max_drop is not None and spec.metric is None:
         raise InputError(f"{spec.where}: --max-drop needs a metric(outputs, batch) in model.py")
     net = spec.model()

@@ -419,12 +419,6 @@ def fp8_backward_of(backend: str | None) -> str:
     return "fp32" if backend == "emulated" else "fp8"
 
 
-def step_cost_model(cost: Any, **kwargs: Any) -> Any:
-    """The step ``CostModel`` (``StepPart(**kwargs)``) of the same graph, profile, batch, op
-    timings and forward pricer as ``cost``."""
-    return cost.with_step(StepPart(**kwargs))
-
-
 __all__ = ["ADAMW_FOREACH", "ADAMW_FUSED", "ADAMW_LOOP", "OPTIMIZERS", "Optimizer", "STEP_PARTS",
-           "StepBreakdown", "StepHost", "StepPart", "fp8_backward_of", "step_cost_model",
+           "StepBreakdown", "StepHost", "StepPart", "fp8_backward_of",
            "step_metrics", "train_bytes"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from autoprec.errors import InputError
 
-#: What tune, eval and check price for when no target is given (DESIGN.md).
+#: What tune, eval and check price for when no target is given (docs/overview.md).
 DEFAULT_TARGET = "h100"
 
 #: The device kinds autoprec runs and times on (torch's device types).

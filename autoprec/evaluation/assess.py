@@ -11,7 +11,8 @@ audits every policy, ``Target.apply`` / ``Target.audit``, and prices it,
 2. **audit** — one real forward under the policy: every GEMM at its rule's precision,
    every rule run (``Target.audit``), and the casts it ran;
 3. **price** — the whole forward traced on a calibration batch and priced under the
-   policy's plan on the target at the deployment batch size (eager or compiled);
+   policy's plan on the target at the deployment batch size (eager or compiled), the
+   training step's loss included for the train form (``Target.plan_cost``, tune's price);
 4. **beside the baselines, timed** (``time_rows``) — the plan next to what a user writes
    instead (``evaluation.baselines.baseline_rows``, the one table), each priced on the same
    cost model, and timed where the target is this machine (``timing.measure_rows``).
@@ -131,7 +132,9 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Tar
     # "price at the deployment shape"): GEMMs, casts, norms, activations, GEMM-format scaling.
     graph = trace(net, calib0, forward=spec.forward, model_name=spec.name)
     bs = target.deploy_batch(calib0, graph.batch_size)
-    cost = target.cost_model(graph, bs)
+    # tune's price (Target.plan_cost): a training step's loss included
+    cost = target.plan_cost(graph, bs, net=net, forward=spec.forward, loss=spec.loss,
+                            batch=calib0)
     return Assessment(
         reference=ref, score=sc, audit=report, layers=layers, fp8_backend=backend,
         first_nonfinite=bad, graph=graph, cost=cost, breakdown=cost.breakdown(policy),
@@ -154,7 +157,8 @@ def time_rows(rows: list[Row], target: Target, forward: Callable[[Any, Any], Any
     if not (measure and target.local):
         return Timing(note=target.speed.note if not target.local else not_measured)
     if at_batch is None:
-        at_batch = target.cost_model(graph, batch_size_of(batch) or 1)
+        at_batch = target.plan_cost(graph, batch_size_of(batch) or 1, net=net,
+                                    forward=forward, loss=loss, batch=batch)
     return measure_rows(rows, forward, net, batch, target, at_batch, timer=timer, seed=seed,
                         force=force, loss=loss)
 

@@ -45,13 +45,12 @@ from autoprec.evaluation.json_fields import (
 from autoprec.evaluation.target import Target, resolve_target
 from autoprec.formats.precisions import FORMATS, PRECISIONS
 from autoprec.fused import fused_paths_off
-from autoprec.io.validate import check_batch_size
+from autoprec.io.validate import DEFAULT_MAX_ERROR, check_batch_size
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
 from autoprec.trace.graph import fingerprint
-from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.checkpoint_spec import load_model
+from autoprec.workload.loading import ModelSpec
 from autoprec.workload.metrics import iter_floats
-
-DEFAULT_MAX_ERROR = 0.01  # DESIGN.md: --max-error 0.01 when nothing else says
 
 
 @dataclass
@@ -262,7 +261,7 @@ def check(
     if min_headroom is not None and not (isinstance(min_headroom, (int, float))
                                          and math.isfinite(min_headroom) and min_headroom > 0):
         raise InputError(f"--min-headroom must be a finite number > 0, got {min_headroom!r}")
-    spec = model if isinstance(model, ModelSpec) else load_model_file(model)
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
     # the target resolved once (name, mode, form, fp8 backend, batch, speed source), as eval and

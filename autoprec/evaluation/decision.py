@@ -4,13 +4,14 @@ The rows (``rows.Row``: the tuned plan, the next candidates, the baselines) arri
 and timed where the target is this machine (``timing.measure_rows``, described by a
 ``Timing``). ``decide`` applies the rules in one place and returns a ``Decision``: the
 winner, the runner-up and the reasons, each a small frozen dataclass naming its rule
-(``Rule``) and carrying the figures it was decided on. ``explain.render`` puts them into
-words; nothing here formats text.
+(``Rule``) and carrying the figures it was decided on (``reasons``: the data, re-exported
+here). ``explain.render`` puts them into words; nothing here formats text.
 
 The rules, in the order they apply:
 
 1. **by estimate** (``ByEstimate``): the search's pick, the fastest plan within budget by
-   the cost model (``search.select.choose``; the closest one when none is within budget).
+   the cost model (``by_estimate``; the closest one, ``closeness``, when none is within
+   budget).
 2. **not timed** (``NotMeasured``): where the target is not this machine, or timing was
    not asked for, the estimates stand. A tune then writes, instead of the tuned plan
    (``EstimatedInstead``), the model as given when it is a 16-bit model estimated faster
@@ -27,15 +28,54 @@ The rules, in the order they apply:
    again with a trimmed allocator, each row keeping its slower state (``ColdConfirmed``);
    rows that page-faulted in every forward are named (``PageFaults``). A tune that writes
    another row than its tuned plan says so (``WroteInstead``).
+
+Before the decision, the rules that make the rows it is given (each over plain rows or a
+study's candidates; tune's ``confirm`` builds the rows and calls them, ``write`` writes):
+
+- **eligibility**: a baseline below ``--min-speedup`` (``demote_below_min_speedup``) or
+  stored 16-bit under ``--form train`` (``demote_stored_under_train``) is not feasible; with
+  no trial within budget the baselines may be written instead (``baselines_instead``);
+- **what is timed**: the next ``NEXT_CANDIDATES`` feasible candidates beside the chosen
+  plan (``next_candidates``), not the training-form one-liners estimated below
+  ``SLOW_TO_TIME`` of fp32 (``rows_to_time``);
+- **a training tune** (``--train-aware``): candidates are checked in ``training_tries``'
+  order, at most ``MAX_TRIES`` (``first_that_trains``), and a one-liner is not trained
+  where it could not be written (``not_worth_training``);
+- **the timing step's second look**: a winner that casts per call (``casts_per_call``) is
+  timed again cold with ``cold_rows``, each keeping its slower timing (``keep_slower``);
+- **the pick** a user is told (``recommend``), and one tolerance for "as fast"
+  (``SAME_SPEED``: ``as_fast``, ``same_speed``).
+
+tests/evaluation/test_decision.py holds each rule as a table of cases.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
+from autoprec.evaluation.reasons import (
+    ByEstimate,
+    ColdConfirmed,
+    ColdMove,
+    Decision,
+    EstimatedInstead,
+    Fallback,
+    MeasuredFastest,
+    NothingMeasured,
+    NotMeasured,
+    PageFaults,
+    Reason,
+    Retimed,
+    Rule,
+    SimplerTie,
+    Timed,
+    Timing,
+    TunedSlower,
+    WroteInstead,
+)
+from autoprec.evaluation.reasons import rule_count as _rules
 from autoprec.evaluation.rows import FAULTS_NOTED, Row
 
 #: How far the estimate may be off (issue 29 holds it to 20 %): a measured order that
@@ -43,189 +83,194 @@ from autoprec.evaluation.rows import FAULTS_NOTED, Row
 #: noise, is timed again before anything is written (``contradictions``).
 RETIME_MARGIN = 0.2
 
-#: Estimates this close (relative) read as "as fast" (``one_liner_instead``).
+#: Estimates this close (relative) read as "as fast": the one tolerance of every rule that
+#: compares two estimates (``as_fast``, ``same_speed``).
 SAME_SPEED = 0.005
 
+#: Candidates from the study timed after the chosen one (the next fastest feasible ones).
+NEXT_CANDIDATES = 2
 
-class Rule(enum.Enum):
-    """The rule a reason records."""
+#: A training-form one-liner estimated below this share of fp32's speed is not timed: fp32
+#: is timed beside it and within budget, so it could be written only by measuring more than
+#: twice its estimate (where the target is here the estimate is priced from this machine's
+#: own op timings). A 16-bit GEMM the CPU has no kernel for is where this binds: one global
+#: fp16 autocast on an AVX512-BF16 EPYC, estimated 0.35x, times at 0.08x, and each of its
+#: timed steps costs twelve fp32 steps.
+SLOW_TO_TIME = 0.5
 
-    BY_ESTIMATE = "fastest within budget by estimate"
-    NOT_MEASURED = "not timed: the estimates stand"
-    ESTIMATED_INSTEAD = "another row written by estimate"
-    NOTHING_MEASURED = "nothing within budget was timed"
-    MEASURED_FASTEST = "fastest measured within budget"
-    SIMPLER_TIE = "a simpler plan as fast within the noise"
-    TUNED_SLOWER = "the tuned plan measured slower"
-    RETIMED = "timed again: the measurement contradicted the estimate"
-    COLD_CONFIRMED = "timed again with the allocator trimmed"
-    PAGE_FAULTS = "rows that page-faulted in every forward"
-    WROTE_INSTEAD = "another row than the tuned plan is written"
+#: Candidates the short run checks (``--train-aware``) before the tuned row is declared
+#: infeasible.
+MAX_TRIES = 3
 
-
-class Fallback(enum.Enum):
-    """Why a tune that timed nothing writes another row than its tuned plan."""
-
-    GIVEN_FASTER = "the model as given is estimated faster than the tuned plan"
-    BASELINE_WITHIN_BUDGET = "the tuned plan is over budget; a baseline is within it"
-    CHECKED_ONE_LINER = "a one-liner that trains like fp32 is estimated as fast (--train-aware)"
+#: Why a stored-weights (deploy-form) row cannot be written by a training tune.
+NO_MASTERS = "--form train: it stores no fp32 masters"
 
 
-@dataclass(frozen=True)
-class Reason:
-    """One reason of a decision; ``rule`` names it."""
-
-    rule: ClassVar[Rule]
-
-
-@dataclass(frozen=True)
-class ByEstimate(Reason):
-    rule: ClassVar[Rule] = Rule.BY_ESTIMATE
-    trial: int  # the study's trial (-1: the model as given, no trial)
-    est_speedup: float
-    feasible: bool  # False: nothing was within budget, this is the closest plan
+def as_fast(a: float, b: float) -> bool:
+    """Estimate ``a`` is at least ``b``'s, within ``SAME_SPEED`` (``b`` no more than
+    ``SAME_SPEED`` above it)."""
+    return not b > a * (1 + SAME_SPEED)
 
 
-@dataclass(frozen=True)
-class NotMeasured(Reason):
-    rule: ClassVar[Rule] = Rule.NOT_MEASURED
-    note: str  # why not: the speed source's note, or the option that turned timing off
+def same_speed(a: float, b: float) -> bool:
+    """Estimates ``a`` and ``b`` within ``SAME_SPEED`` of ``b`` either way (what a person
+    reads as "the same speed")."""
+    return abs(a - b) <= SAME_SPEED * b
 
 
-@dataclass(frozen=True)
-class EstimatedInstead(Reason):
-    rule: ClassVar[Rule] = Rule.ESTIMATED_INSTEAD
-    row: str
-    fallback: Fallback
+# -- rule 1: the search's pick, by estimate --------------------------------------------
+
+class Scored(Protocol):
+    """A candidate of the study (``search.select.Candidate``): its trial and its scores
+    (``calib``: ``search.plan_score.PlanScore``)."""
+
+    number: int
+    calib: Any
 
 
-@dataclass(frozen=True)
-class NothingMeasured(Reason):
-    rule: ClassVar[Rule] = Rule.NOTHING_MEASURED
+C = TypeVar("C", bound=Scored)
 
 
-@dataclass(frozen=True)
-class Timed:
-    """A row's measured speed-up over fp32 and its p10-p90 spread."""
-
-    name: str
-    speedup: float | None
-    p10: float | None
-    p90: float | None
-    rules: int = 0
-    weight_bytes: int = 0
-
-    @classmethod
-    def of(cls, r: Row) -> Timed:
-        return cls(r.name, r.speedup, r.p10, r.p90, _rules(r), r.weight_bytes or 0)
+def closeness(ev: Any, budget: float, min_speedup: float | None) -> float:
+    """How far a plan's scores (``PlanScore``) are from feasible (0 = feasible): relative
+    budget overshoot + speed shortfall."""
+    err = ev.error if ev.eval_error is None else max(ev.error, ev.eval_error)
+    over = 0.0 if err <= budget else (err - budget) / max(budget, 1e-12)
+    if not math.isfinite(over):
+        over = 1e30
+    short = 0.0
+    if min_speedup is not None and ev.est_speedup < min_speedup:
+        short = (min_speedup - ev.est_speedup) / min_speedup
+    return over + short
 
 
-@dataclass(frozen=True)
-class MeasuredFastest(Reason):
-    rule: ClassVar[Rule] = Rule.MEASURED_FASTEST
-    winner: Timed
-    runner_up: Timed | None  # the next fastest other plan
+def by_estimate(cands: Sequence[C], *, budget: float, min_speedup: float | None
+                ) -> tuple[C, bool]:
+    """Rule 1 on distinct plans (``search.select.dedupe``): the fastest feasible candidate
+    by estimate (then the smaller error, the earlier trial); else (the closest candidate,
+    False)."""
+    if not cands:
+        raise ValueError("no completed trials to choose from")
+    feasible = [c for c in cands if c.calib.feasible]
+    if feasible:
+        return min(feasible, key=lambda c: (c.calib.est_time, c.calib.error, c.number)), True
+    closest = min(cands, key=lambda c: (closeness(c.calib, budget, min_speedup),
+                                        c.calib.est_time, c.number))
+    return closest, False
 
 
-@dataclass(frozen=True)
-class SimplerTie(Reason):
-    rule: ClassVar[Rule] = Rule.SIMPLER_TIE
-    winner: Timed
-    fastest: Timed  # the faster median, with more rules (or as many and more weights)
+# -- which rows may be written, tried, timed ----------------------------------------------
+
+def demote_below_min_speedup(rows: Iterable[Row], min_speedup: float | None) -> None:
+    """The speed target binds on a baseline as on a trial: a row within budget estimated
+    below ``--min-speedup`` is not feasible, and says why."""
+    if min_speedup is None:
+        return
+    for r in rows:
+        if r.feasible and (r.est_speedup or 0.0) < min_speedup:
+            r.feasible, r.why_not = False, f"below --min-speedup {min_speedup:g}"
 
 
-@dataclass(frozen=True)
-class TunedSlower(Reason):
-    rule: ClassVar[Rule] = Rule.TUNED_SLOWER
-    tuned: Timed
-    tuned_est: float | None
-    tuned_feasible: bool
-    tuned_why_not: str  # why it could not be timed (when ``tuned.speedup`` is None)
-    winner: Timed
-    overlap: bool  # their p10-p90 ranges overlap: the faster median is kept
+def demote_stored_under_train(rows: Iterable[Row], form: str) -> None:
+    """A tune asked for fp32 masters (``--form train``): a stored 16-bit (deploy-form) row
+    cannot train, so it is not feasible (``NO_MASTERS``)."""
+    if form != "train":
+        return
+    for r in rows:
+        if r.feasible and r.policy is not None and r.policy.form == "deploy":
+            r.feasible, r.why_not = False, NO_MASTERS
 
 
-@dataclass(frozen=True)
-class Retimed(Reason):
-    rule: ClassVar[Rule] = Rule.RETIMED
-    rows: tuple[str, ...]  # the rows timed again (fp32 besides)
-    faster: str  # measured faster at first, estimated slower
-    faster_first: float
-    faster_est: float
-    slower: str
-    slower_first: float
-    slower_est: float
-    still: bool  # the second timing contradicts the estimate too: the measurement stands
+def baselines_instead(tuned_feasible: bool, baselines: Sequence[Row]) -> bool:
+    """No trial within budget, a baseline is: the baselines are what may be written (timed
+    where the target is here), never the closest over-budget plan."""
+    return not tuned_feasible and any(r.feasible and r.policy is not None for r in baselines)
 
 
-@dataclass(frozen=True)
-class ColdMove:
-    """A row the cold timing measured slower than the first: it keeps the slower state."""
-
-    name: str
-    warm: float
-    cold: float
-    faults: float | None
-
-
-@dataclass(frozen=True)
-class ColdConfirmed(Reason):
-    rule: ClassVar[Rule] = Rule.COLD_CONFIRMED
-    winner: str  # the preliminary winner, which casts its weights on every call
-    rows: tuple[str, ...]  # timed again
-    moved: tuple[ColdMove, ...]
-
-
-@dataclass(frozen=True)
-class PageFaults(Reason):
-    rule: ClassVar[Rule] = Rule.PAGE_FAULTS
-    rows: tuple[tuple[str, float], ...]  # (row, minor page faults per forward)
+def next_candidates(rows: Iterable[Row], taken: set[Any],
+                    trains: Callable[[Row], bool] | None = None,
+                    n: int = NEXT_CANDIDATES) -> list[Row]:
+    """The next candidates timed beside the chosen plan: from ``rows`` (the feasible
+    candidates' rows, fastest estimate first), the first ``n`` plans not in ``taken`` (row
+    keys; the ones added are added to it) — for a training tune only those that passed the
+    short run (``trains``)."""
+    out: list[Row] = []
+    more = iter(rows)  # a row is made only when one more is wanted
+    while len(out) < n and (r := next(more, None)) is not None:
+        if r.key in taken or (trains is not None and not trains(r)):
+            continue
+        taken.add(r.key)
+        out.append(r)
+    return out
 
 
-@dataclass(frozen=True)
-class WroteInstead(Reason):
-    rule: ClassVar[Rule] = Rule.WROTE_INSTEAD
-    row: str
+def rows_to_time(rows: list[Row]) -> list[Row]:
+    """The rows worth timing: all but the training-form one-liners (other than fp32)
+    estimated below ``SLOW_TO_TIME`` x fp32's speed; such a row is not written either, and
+    says why."""
+    keep = []
+    for r in rows:
+        pol = r.policy
+        slow = (r.role == "baseline" and pol is not None and pol.form == "train"
+                and not (pol.default == "fp32" and not pol.layers)
+                and r.est_speedup is not None and r.est_speedup < SLOW_TO_TIME)
+        if not slow:
+            keep.append(r)
+            continue
+        if r.feasible:
+            r.feasible = False
+            r.why_not = (f"not timed: estimated {r.est_speedup:.2f}x, under "
+                         f"{SLOW_TO_TIME:g}x of fp32's speed here")
+    return keep
 
 
-@dataclass(frozen=True)
-class Timing:
-    """How the rows were timed (or why not): the measurement's facts beside the rows'
-    own figures, and the timing step's second looks (``Retimed``, ``ColdConfirmed``)."""
+# -- a training tune's choice (--train-aware: the short run) ----------------------------
 
-    device: str | None = None  # where the rows were timed; None: not timed
-    batch_size: int | None = None
-    how: str = ""  # clock, threads, forwards per sample
-    rounds: int = 0
-    note: str = ""  # why not timed
-    retimed: Retimed | None = None
-    cold: ColdConfirmed | None = None
-
-    @property
-    def measured(self) -> bool:
-        return self.device is not None
+def training_tries(chosen: C, cands: Sequence[C]) -> list[C]:
+    """The order a training tune checks candidates in (distinct plans,
+    ``search.select.dedupe``): the chosen one, then the other feasible ones, fastest
+    estimate first."""
+    return [chosen] + sorted((c for c in cands if c.calib.feasible and c is not chosen),
+                             key=lambda c: (c.calib.est_time, c.number))
 
 
-@dataclass(frozen=True)
-class Decision:
-    """The row to write (None: nothing, e.g. eval, or nothing timed within budget), the
-    runner-up, and why."""
+def first_that_trains(tries: Iterable[tuple[Any, Row]], verdict: Callable[[Row], str]
+                      ) -> tuple[Any, Row] | None:
+    """(candidate, row): the first of ``tries`` whose row passes the short run
+    (``verdict``: '' when it does, else why not), at most ``MAX_TRIES`` distinct plans
+    checked; None when none does — then the first row is marked infeasible with the first
+    failure's reason."""
+    seen: set[Any] = set()
+    failed: list[str] = []
+    first: Row | None = None
+    for c, r in tries:
+        first = r if first is None else first
+        if r.key in seen:
+            continue
+        seen.add(r.key)
+        why = verdict(r)
+        if not why:
+            return c, r
+        failed.append(why)
+        if len(seen) >= MAX_TRIES:
+            break
+    if first is not None:
+        first.feasible = False
+        first.why_not = failed[0] if failed else "short run: not checked"
+    return None
 
-    winner: Row | None
-    runner_up: Row | None
-    reasons: tuple[Reason, ...]
 
-    def reason(self, rule: Rule) -> Reason | None:
-        """The reason recording ``rule``, if any."""
-        return next((r for r in self.reasons if r.rule is rule), None)
-
-    @property
-    def rules(self) -> tuple[Rule, ...]:
-        return tuple(r.rule for r in self.reasons)
-
-
-def _rules(r: Row) -> int:
-    return 0 if r.policy is None else len(r.policy.layers)
+def not_worth_training(form: str, est: float | None, bar: float | None) -> str:
+    """Why a one-liner is not given the short run ('' when it is): a stored-weights row
+    cannot train (``NO_MASTERS``); where the rows are not timed, one estimated slower than
+    the tuned plan that passed (``bar``) by more than ``SAME_SPEED`` cannot be written
+    (``one_liner_instead``), so it is not trained."""
+    if form == "deploy":
+        return NO_MASTERS
+    if bar is not None and est is not None and not as_fast(est, bar):
+        return (f"not training-checked: estimated {est:.2f}x, slower than the tuned "
+                f"plan's {bar:.2f}x, which trains within the gap")
+    return ""
 
 
 def _overlap(a: Row, b: Row) -> bool:
@@ -289,6 +334,46 @@ def contradictions(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
     return out
 
 
+def fp32_row(rows: Sequence[Row]) -> Row:
+    """The all-fp32 baseline row (every timing's reference)."""
+    return next(r for r in rows if r.role == "baseline" and r.policy is not None
+                and r.policy.default == "fp32" and not r.policy.layers)
+
+
+def casts_per_call(policy: Any) -> bool:
+    """The training form with a 16-bit or narrower rule: it casts weights on every call, so
+    a winner of this kind is timed again cold (``timing.cold_confirm``)."""
+    return policy.form == "train" and any(
+        p not in ("fp32", "tf32") for p in (policy.default, *policy.layers.values()))
+
+
+def cold_rows(rows: Sequence[Row], winner: Row) -> list[str]:
+    """The rows timed again cold beside a winner that casts per call: fp32, the winner and
+    the three fastest timed rows within budget (distinct plans)."""
+    base = fp32_row(rows)
+    timed = sorted((r for r in rows if r.same_as is None and r.speedup is not None
+                    and r.policy is not None and r.feasible),
+                   key=lambda r: -(r.speedup or 0.0))
+    return list(dict.fromkeys([base.same_as or base.name, winner.same_as or winner.name,
+                               *(r.name for r in timed[:3])]))
+
+
+def keep_slower(rows: Sequence[Row], cold: Sequence[Row], names: Sequence[str]
+                ) -> tuple[ColdMove, ...]:
+    """Each row of ``names`` keeps the slower of its two timings (``cold``: its copies,
+    timed with the allocator trimmed, in ``rows``' order); the first timing is kept in
+    ``Row.warm``. Returns the rows (other than fp32's) that moved."""
+    base = fp32_row(rows)
+    moved = []
+    for r, c in zip((r for r in rows if (r.same_as or r.name) in names), cold, strict=True):
+        if c.speedup is not None and r.speedup is not None and c.speedup < r.speedup:
+            if r.same_as is None and r is not base:
+                moved.append(ColdMove(r.name, r.speedup, c.speedup, c.faults))
+            r.warm = (r.speedup, r.p10 or r.speedup, r.p90 or r.speedup)
+            r.speedup, r.p10, r.p90, r.faults = c.speedup, c.p10, c.p90, c.faults
+    return tuple(moved)
+
+
 def page_faults(rows: Sequence[Row]) -> PageFaults | None:
     """Timed rows that page-faulted on fresh memory in every forward (``FAULTS_NOTED`` or
     more per forward, median): their time includes the allocator's state in this process,
@@ -336,10 +421,48 @@ def one_liner_instead(rows: Sequence[Row]) -> Row | None:
     if not ok:
         return None
     best = max(ok, key=lambda r: (r.est_speedup or 0.0, -len(r.policy.layers)))
-    if tuned.feasible and (tuned.est_speedup or 0.0) > (best.est_speedup or 0.0) * (
-            1 + SAME_SPEED):
+    if tuned.feasible and not as_fast(best.est_speedup or 0.0, tuned.est_speedup or 0.0):
         return None
     return best
+
+
+def recipe_instead(rows: Sequence[Row]) -> Row | None:
+    """Unmeasured rows of a training tune: the fastest fixed recipe that may be written
+    (role "recipe": within budget, and trained within the gap where checked) when the tuned
+    row does not beat it — it is not within budget, or not estimated faster; None when it
+    does, or a baseline that may be written is estimated faster than that recipe (the
+    other rules then apply). The tuned plan is written only where it beats the recipes."""
+    tuned = rows[0]
+    ok = [r for r in rows if r.role == "recipe" and r.feasible and r.policy is not None
+          and r.est_speedup is not None]
+    if not ok:
+        return None
+    best = max(ok, key=lambda r: (r.est_speedup or 0.0, -len(r.policy.layers)))
+    if tuned.feasible and (tuned.est_speedup or 0.0) > (best.est_speedup or 0.0):
+        return None
+    if any(r.role == "baseline" and r.feasible and r.policy is not None
+           and (r.est_speedup or 0.0) > (best.est_speedup or 0.0) for r in rows):
+        return None
+    return best
+
+
+def speed_of(r: Row, measured: bool) -> float:
+    """A row's speed-up as a pick reads it: measured where timed, else estimated
+    (-inf: neither)."""
+    v = r.speedup if measured and r.speedup is not None else r.est_speedup
+    return -math.inf if v is None else v
+
+
+def recommend(rows: Sequence[Row], winner: Row | None, measured: bool) -> Row | None:
+    """The row a user should pick (tune's and eval's ``pick:``): the decision's winner
+    where it is within budget (an estimate tie goes to what was written), else the fastest
+    row within budget (``speed_of``); None: nothing within budget."""
+    ok = [r for r in rows if r.feasible and r.policy is not None]
+    if not ok:
+        return None
+    if winner is not None and winner in ok:
+        return winner
+    return max(ok, key=lambda r: speed_of(r, measured))
 
 
 def _runner_up_by_estimate(rows: Sequence[Row], winner: Row | None) -> Row | None:
@@ -371,6 +494,7 @@ def decide(rows: Sequence[Row], timing: Timing, *, estimate: ByEstimate | None =
         winner = next((r for r in rows if r.role == "tuned"), None)
         fallback, instead = None, None
         for kind, rule in ((Fallback.GIVEN_FASTER, _given_if_faster),
+                           (Fallback.RECIPE_FASTER, recipe_instead),
                            (Fallback.BASELINE_WITHIN_BUDGET, _best_baseline_if_infeasible),
                            (Fallback.CHECKED_ONE_LINER, one_liner_instead if trains else None)):
             if rule is not None and rows and (instead := rule(rows)) is not None:
@@ -388,8 +512,4 @@ def decide(rows: Sequence[Row], timing: Timing, *, estimate: ByEstimate | None =
     return Decision(winner, runner, tuple(reasons))
 
 
-__all__ = ["RETIME_MARGIN", "SAME_SPEED", "ByEstimate", "ColdConfirmed", "ColdMove", "Decision",
-           "EstimatedInstead", "Fallback", "MeasuredFastest", "NotMeasured", "NothingMeasured",
-           "PageFaults", "Reason", "Retimed", "Rule", "SimplerTie", "Timed", "Timing",
-           "TunedSlower", "WroteInstead", "contradictions", "decide", "fastest_measured",
-           "one_liner_instead", "page_faults"]
+__all__ = ["MAX_TRIES", "NEXT_CANDIDATES", "NO_MASTERS", "RETIME_MARGIN", "SAME_SPEED", "SLOW_TO_TIME", "ByEstimate", "ColdConfirmed", "ColdMove", "Decision", "EstimatedInstead", "Fallback", "MeasuredFastest", "NotMeasured", "NothingMeasured", "PageFaults", "Reason", "Retimed", "Rule", "Scored", "SimplerTie", "Timed", "Timing", "TunedSlower", "WroteInstead", "as_fast", "baselines_instead", "by_estimate", "casts_per_call", "closeness", "cold_rows", "contradictions", "decide", "demote_below_min_speedup", "demote_stored_under_train", "fastest_measured", "first_that_trains", "fp32_row", "keep_slower", "next_candidates", "not_worth_training", "one_liner_instead", "page_faults", "recipe_instead", "recommend", "rows_to_time", "same_speed", "speed_of", "training_tries"]

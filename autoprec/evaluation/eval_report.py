@@ -27,7 +27,8 @@ from autoprec.evaluation.json_fields import (
 from autoprec.evaluation.target import resolve_target
 from autoprec.io.validate import check_batch_size
 from autoprec.policy import Policy, load_policy
-from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.checkpoint_spec import load_model
+from autoprec.workload.loading import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def eval_report(model: str | Path | ModelSpec, policy_path: str | Path | Policy,
     ``autoprec.workload.inputs``) scored, audited and priced (``assess``), beside its baselines
     (``assess.beside_baselines``)."""
     check_batch_size(batch_size)  # autoprec.io.validate: [1, MAX_BATCH_SIZE]
-    spec = model if isinstance(model, ModelSpec) else load_model_file(model)
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
     net = spec.model()
     if isinstance(policy_path, Policy):
         policy_path.validate(net, force=force)

@@ -7,18 +7,12 @@ and the ``decision.Decision``; its ``reason`` is the decision in words
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from autoprec.evaluation.decision import Decision, Rule, Timing
+from autoprec.evaluation.decision import Decision, Rule, Timing, recommend, speed_of
 from autoprec.evaluation.explain import render
 from autoprec.evaluation.rows import Row, format_rows
-
-
-def _speed(r: Row, measured: bool) -> float:
-    v = r.speedup if measured and r.speedup is not None else r.est_speedup
-    return -math.inf if v is None else v
 
 
 @dataclass
@@ -67,18 +61,16 @@ class SpeedCheck:
         return () if again is None else again.rows  # type: ignore[attr-defined]
 
     def recommendation(self) -> str:
-        """Which one a user should pick (by measured speed where timed, else estimated)."""
-        ok = [r for r in self.rows if r.feasible and r.policy is not None]
-        if not ok:
+        """Which one a user should pick (``decision.recommend``), in words."""
+        fast = recommend(self.rows, self.winner, self.measured)
+        if fast is None:
             return "nothing within budget: keep fp32"
-        # the row that was written where one was (an estimate tie goes to what was written)
-        fast = (self.winner if self.winner is not None and self.winner in ok
-                else max(ok, key=lambda r: _speed(r, self.measured)))
         what = "measured" if self.measured else "estimated"
-        if fast.role == "baseline":
+        speed = speed_of(fast, self.measured)
+        if fast.role in ("baseline", "recipe"):
             return (f"{fast.name}: the fastest within budget ({what} "
-                    f"{_speed(fast, self.measured):.2f}x); the tuned plan does not beat it")
-        return f"{fast.name} ({what} {_speed(fast, self.measured):.2f}x)"
+                    f"{speed:.2f}x); the tuned plan does not beat it")
+        return f"{fast.name} ({what} {speed:.2f}x)"
 
     def to_dict(self) -> dict[str, Any]:
         return {"measured_on": self.device, "measured_batch_size": self.batch_size,

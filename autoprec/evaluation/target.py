@@ -28,7 +28,8 @@ against 3.01x for one policy (issue 30). ``resolve_target`` decides all of it on
   datasheet's; ``runs_here``: this machine's, for a local target);
 - the **speed source** (``speed_source.SpeedSource``): the profile the cost model prices
   with and where it comes from, measured here for a local target, with the model's own
-  ops timed on a local CPU; ``Target.cost_model`` is the one way a price is made.
+  ops timed on a local CPU; ``Target.plan_cost`` is the one way a price is made (the
+  cost model, and a training step's loss where model.py has one).
 
 ``Target.apply`` and ``Target.audit`` are the one way a stage of tune, eval or check
 applies and audits a policy for the target. The device type (whose autocast op lists a plan follows) is
@@ -128,11 +129,41 @@ class Target:
         return self.speed.cost_model(graph, batch_size, self.mode, form=self.form,
                                      fp8_backend=backend, step=self.step)
 
+    def plan_cost(self, graph: Any, batch_size: int | None, *, net: Any,
+                  forward: Callable[[Any, Any], Any],
+                  loss: Callable[[Any, Any], Any] | None, batch: Any,
+                  profile: Any = None) -> Any:
+        """The one price of tune, ``eval`` and ``check``: ``cost_model`` at ``batch_size``
+        and, where it prices a training step and model.py has a ``loss``, that loss's
+        forward and backward (``measure.record_loss`` on ``batch``, timed here where the
+        model's ops are: ``StepPart.set_loss``). ``profile``: price by that profile alone
+        (tests, experiments), in the target's mode and form."""
+        if profile is not None:
+            from autoprec.cost.model import make_cost_model
+
+            cost = make_cost_model(graph, profile, batch_size, self.mode, form=self.form,
+                                   step=self.step, fp8_backend=self.fp8_backend)
+        else:
+            cost = self.cost_model(graph, batch_size)
+        if loss is not None and getattr(cost, "step", None) is not None:
+            from autoprec.measure import record_loss, timing_threads
+
+            with timing_threads(self.device or "cpu"):  # timed here where the ops are
+                cost.step.set_loss(cost, record_loss(net, forward, loss, batch,
+                                                     measure=cost.op_times is not None))
+        return cost
+
     def apply(self, model: Any, policy: Any, *, force: bool = False) -> Any:
         """``policy`` applied to ``model`` as this target runs it (its autocast op lists,
         its fp8 backend; each policy keeps its own form): a removable ``PolicyHandle``."""
         from autoprec.apply.apply import apply_policy
 
+        if getattr(model, "autoprec_stream", None) is not None:  # blocks load as they run
+            from autoprec.apply.streamed import apply_streamed
+
+            return apply_streamed(model, policy, lambda root, pol, opts: apply_policy(
+                root, pol, target=self.name, fp8_backend=self.fp8_backend, force=True,
+                options=opts), force=force)
         return apply_policy(model, policy, target=self.name, fp8_backend=self.fp8_backend,
                             force=force)
 
@@ -144,6 +175,12 @@ class Target:
         and ``check``."""
         from autoprec.apply.apply import audit_policy
 
+        if getattr(model, "autoprec_stream", None) is not None:  # blocks load as they run
+            from autoprec.apply.streamed import audit_streamed
+
+            return audit_streamed(model, policy, run, lambda root, pol, call, opts: audit_policy(
+                root, pol, call, fp8_backend=self.fp8_backend, force=True,
+                target=self.name, options=opts), force=force)
         return audit_policy(model, policy, run, fp8_backend=self.fp8_backend, force=force,
                             target=self.name)
 

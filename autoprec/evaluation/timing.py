@@ -27,11 +27,14 @@ import numpy as np
 from autoprec.device.targets import is_cpu
 from autoprec.evaluation.decision import (
     ColdConfirmed,
-    ColdMove,
     Retimed,
     Timing,
+    casts_per_call,
+    cold_rows,
     contradictions,
     fastest_measured,
+    fp32_row,
+    keep_slower,
 )
 from autoprec.evaluation.rows import Row, Timer, fill_measured
 from autoprec.evaluation.target import Target
@@ -241,7 +244,7 @@ def time_plans(rows: list[Row], timer: Timer, *, device: str, batch_size: int | 
     bad = contradictions(rows)
     again = None
     if bad:
-        base = _fp32_row(rows)
+        base = fp32_row(rows)
         names = dict.fromkeys([base.same_as or base.name, *(x.name for ab in bad for x in ab)])
         before = {r.name: r.speedup for r in rows}
         second = timer({n: plans[n] for n in names})
@@ -256,23 +259,13 @@ def time_plans(rows: list[Row], timer: Timer, *, device: str, batch_size: int | 
     return Timing(device, batch_size, how, n, retimed=again, cold=cold)
 
 
-def _fp32_row(rows: Sequence[Row]) -> Row:
-    return next(r for r in rows if r.role == "baseline" and r.policy is not None
-                and r.policy.default == "fp32" and not r.policy.layers)
-
-
-def _casts_per_call(policy: Policy) -> bool:
-    """The training form with a 16-bit or narrower rule: it casts weights on every call."""
-    return policy.form == "train" and any(
-        p not in ("fp32", "tf32") for p in (policy.default, *policy.layers.values()))
-
-
 def cold_confirm(rows: Sequence[Row], winner: Row | None, cold_timer: Timer | None
                  ) -> ColdConfirmed | None:
-    """Before a plan that casts its weights on every call is written, time it, fp32 and
-    the next two fastest rows again with the allocator trimmed before every forward, and
-    keep each row's slower state; the decision is made on the rows after. Returns what was
-    done (None: nothing to confirm).
+    """Before a plan that casts its weights on every call is written
+    (``decision.casts_per_call``), time it, fp32 and the next two fastest rows again
+    (``decision.cold_rows``) with the allocator trimmed before every forward, and keep each
+    row's slower state (``decision.keep_slower``); the decision is made on the rows after.
+    Returns what was done (None: nothing to confirm).
 
     Why: the per-call casts allocate fresh buffers every forward, and whether glibc serves
     them from fresh, faulting pages depends on what the process allocated before
@@ -281,26 +274,14 @@ def cold_confirm(rows: Sequence[Row], winner: Row | None, cold_timer: Timer | No
     lucky state alone must not be written: issue 29's tune wrote an autocast plan it
     measured at 1.43x where ``eval --measure`` measured 0.79x."""
     if (cold_timer is None or winner is None or winner.policy is None
-            or not _casts_per_call(winner.policy)):
+            or not casts_per_call(winner.policy)):
         return None
-    base = _fp32_row(rows)
-    timed = sorted((r for r in rows if r.same_as is None and r.speedup is not None
-                    and r.policy is not None and r.feasible),
-                   key=lambda r: -(r.speedup or 0.0))
-    names = list(dict.fromkeys([base.same_as or base.name, winner.same_as or winner.name,
-                                *(r.name for r in timed[:3])]))
+    names = cold_rows(rows, winner)
     plans = {r.name: r.policy for r in rows if r.name in names and r.policy is not None}
     got = cold_timer(plans)
     shadow = [copy.copy(r) for r in rows if (r.same_as or r.name) in names]
     fill_measured(shadow, got)
-    moved = []
-    for r, c in zip((r for r in rows if (r.same_as or r.name) in names), shadow, strict=True):
-        if c.speedup is not None and r.speedup is not None and c.speedup < r.speedup:
-            if r.same_as is None and r is not base:
-                moved.append(ColdMove(r.name, r.speedup, c.speedup, c.faults))
-            r.warm = (r.speedup, r.p10 or r.speedup, r.p90 or r.speedup)
-            r.speedup, r.p10, r.p90, r.faults = c.speedup, c.p10, c.p90, c.faults
-    return ColdConfirmed(winner.name, tuple(names), tuple(moved))
+    return ColdConfirmed(winner.name, tuple(names), keep_slower(rows, shadow, names))
 
 
 

@@ -1,7 +1,7 @@
 """The GEMM formats — fp8, mxfp8, nvfp4 — as objects: what each is and which layers may run it.
 
 A GEMM format is not an autocast region but a module backend for a Linear-like *leaf*
-(DESIGN.md): the leaf quantises its input and weight and runs a low-precision GEMM, taking
+(docs/overview.md): the leaf quantises its input and weight and runs a low-precision GEMM, taking
 and giving its region's dtype. Every stage asks the format object, none re-derives its
 facts: the tracer (which leaves may take a format, and why not), policy validation, the
 probes (how gradients flow in it), the plan and the cost model (the leaves a format rule

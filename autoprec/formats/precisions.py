@@ -40,7 +40,7 @@ PRECISIONS: tuple[str, ...] = (*REGIONS, *GEMM_FORMATS)
 #: Precisions expressible by ``torch.autocast``.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-#: The two forms a plan runs in (DESIGN.md, "Execution plan"):
+#: The two forms a plan runs in (docs/overview.md, "Execution plan"):
 #: - ``deploy``: each module's weights stored once in the dtype of its region (bf16/fp16
 #:   layers hold 16-bit weights, as ``model.to(torch.bfloat16)`` does; GEMM-format leaves
 #:   hold their quantised weight and scales; fp32/tf32 layers keep fp32), activations flow

@@ -75,6 +75,11 @@ def check_count(value: Any, flag: str, optional: bool = False) -> int | None:
     return value
 
 
+#: The error budget when nothing else says (DESIGN.md: ``--max-error 0.01``): tune's and
+#: check's one default.
+DEFAULT_MAX_ERROR = 0.01
+
+
 def check_budget(max_error: Any, max_drop: Any) -> None:
     """At most one budget, a finite number >= 0."""
     if max_error is not None and max_drop is not None:
@@ -102,5 +107,5 @@ def check_out_not_input(out: Path, *, model: Any = None, storage: Any = None,
     })
 
 
-__all__ = ["MAX_BATCH_SIZE", "MAX_SEED", "check_batch_size", "check_budget", "check_count",
+__all__ = ["DEFAULT_MAX_ERROR", "MAX_BATCH_SIZE", "MAX_SEED", "check_batch_size", "check_budget", "check_count",
            "check_out_not_input", "check_seconds", "check_seed", "is_number"]

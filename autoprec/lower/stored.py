@@ -5,7 +5,7 @@ does, region by region: each module's own parameters and floating buffers are st
 in its region's dtype (``apply.stored`` casts them at apply), activations flow in that
 dtype and every op runs in the dtype type promotion gives it — norms, softmax, residual
 adds included, as in a 16-bit checkpoint. A tensor keeps the dtype its producer gave it
-and is cast only where a consumer needs another (DESIGN.md), which is what keeps a fp32
+and is cast only where a consumer needs another (docs/overview.md), which is what keeps a fp32
 island's precision alive past its own output (HF's ``_keep_in_fp32_modules`` work so):
 
 - entering a wrapped module (one whose precision differs from its caller's region, and

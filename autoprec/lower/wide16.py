@@ -1,7 +1,7 @@
 """16-bit GEMMs a CPU has no kernel for, computed the way a GPU computes them.
 
 A CPU without AVX512-FP16 / AMX-FP16 runs an fp16 matmul in a reference loop, orders of
-magnitude slower than fp32 (the measurements: docs/internals.md, "Measured facts behind the
+magnitude slower than fp32 (the measurements: docs/overview.md, "Measured facts behind the
 code"). A tune for a GPU target runs its 16-bit candidates on this CPU only to *score*
 them (error against the reference), so scoring must not pay for that loop.
 

@@ -29,11 +29,11 @@ import torch
 
 from autoprec.io.fileio import atomic_write
 from autoprec.measure.op_runner import PASSES, _Builder, _key, _resolve, _tensor_specs, _time
+from autoprec.measure.ops import DTYPES  # the dtypes an op is timed in: one map
 from autoprec.trace.ops import OpTrace
 
 #: Bump when what is timed or how changes.
 VERSION = 2
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: (op index) -> {"dgrad" | "wgrad": {precision: seconds}}
 GradTimes = dict[int, dict[str, dict[str, float]]]
 

@@ -48,6 +48,13 @@ class _Count(TorchDispatchMode):
         return out
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    """Which storage ``t`` reads: its address, or on the meta device (a shape-only trace,
+    ``trace.shape_only``: every address is 0) the storage object's own."""
+    s = t.untyped_storage()
+    return s._cdata if t.device.type == "meta" else s.data_ptr()
+
+
 def _output_tensor(out: Any) -> torch.Tensor:
     """The floating tensor of a forward's result the loss differentiates (the largest)."""
     ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -95,8 +102,8 @@ def record_loss(net: torch.nn.Module, forward: Callable[[Any, Any], Any],
 
         def pack(t: torch.Tensor, leaf: torch.Tensor = leaf, kept: dict = kept) -> torch.Tensor:
             s = t.untyped_storage()
-            if s.data_ptr() != leaf.untyped_storage().data_ptr() and t.is_floating_point():
-                kept[s.data_ptr()] = s.nbytes()
+            if _storage_id(t) != _storage_id(leaf) and t.is_floating_point():
+                kept[_storage_id(t)] = s.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), count:

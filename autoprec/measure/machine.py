@@ -4,7 +4,7 @@ A *local* target is one whose device is at hand: the ``cpu`` profile (this
 machine's CPU), or a GPU profile whose name matches a CUDA device here (``h200`` and
 "NVIDIA H200"). Its speed can be measured instead of taken from a profile fitted
 elsewhere: the team's CPUs differ (one with AMX-BF16 ran bf16 matmuls ~3x faster than
-fp32, one with AVX512-BF16 alone slower; DESIGN.md), so the shipped ``cpu`` figures are
+fp32, one with AVX512-BF16 alone slower; docs/overview.md), so the shipped ``cpu`` figures are
 one machine's, not this one's.
 
 ``Machine`` holds the facts that decide 16-bit speed here — the CPU's matmul features

@@ -2,7 +2,7 @@
 included), which of them are GEMM leaves, the checks of a policy's rules against them
 (``check_model``, behind ``Policy.validate``), and the record of one module's resolution.
 
-Precedence (DESIGN.md): a rule covers its module and every child; the most specific path
+Precedence (docs/overview.md): a rule covers its module and every child; the most specific path
 wins; ``default`` covers what no rule does. A GEMM format (fp8, mxfp8, nvfp4) is not an
 autocast region but a module backend, so such a rule only reaches Linear-like *leaves*
 eligible for it: every other module it covers takes the nearest enclosing region rule, or

@@ -333,6 +333,6 @@ def _meta(graph: LayerGraph, sel: list[ProbeLayer], n_batches: int, e2e_runs: in
 
 
 def _version() -> str:
-    import autoprec
+    from autoprec._version import __version__
 
-    return autoprec.__version__
+    return __version__

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import autoprec
+from autoprec._version import __version__
 from autoprec.errors import OutputError
 from autoprec.io.fileio import MiB, atomic_write, read_regular
 from autoprec.probe.table import SCHEMA, SensitivityTable
@@ -45,7 +45,7 @@ def cache_key(model: nn.Module, batches: Iterable[Any], options: Mapping[str, An
         "modules": module_code_hash(model),
         "data": data_hash(batches),
         "options": {k: options[k] for k in sorted(options)},
-        "versions": {"autoprec": autoprec.__version__, "torch": torch.__version__,
+        "versions": {"autoprec": __version__, "torch": torch.__version__,
                      "schema": SCHEMA},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()

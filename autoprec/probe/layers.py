@@ -178,7 +178,7 @@ def lowered_alone(layer: ProbeLayer, precision: str,
 
     The layer's outputs are cast on the way out to the dtype its input came in (fp32 in an
     fp32 model; a bf16 model's layer hands on bf16, as it does unlowered) — what its
-    consumer does with them (DESIGN.md: a fp32 layer upcasts its inputs) — so the run measures
+    consumer does with them (docs/overview.md: a fp32 layer upcasts its inputs) — so the run measures
     this layer's rounding and nothing else: without it, a bf16 ``query`` next to fp32
     ``key``/``value`` fails in SDPA ("Expected query, key, and value to have the same
     dtype") and a 16-bit activation would re-round every non-GEMM op it passes through.

@@ -8,7 +8,7 @@ outputs), accumulated over every call on the calibration data, and counts per pr
   they lose precision as subnormals and flush to zero below 2**-24;
 - non-finite values already present in fp32.
 
-fp8 uses per-tensor current scaling (DESIGN.md): a tensor is multiplied by
+fp8 uses per-tensor current scaling (docs/overview.md): a tensor is multiplied by
 ``448 / amax`` before the cast, so it never overflows; a value underflows when it is
 below ``amax * 2**-6 / 448`` (OCP FP8 spec: e4m3 smallest normal 2**-6, max 448).
 tf32 and bf16 have fp32's exponent range (FORMATS in precisions.py).

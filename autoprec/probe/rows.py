@@ -41,7 +41,7 @@ def build_row(layer: ProbeLayer, precision: str, local: LocalStats | None,
     r.overflow = r.in_overflow + r.w_overflow + r.out_overflow
     r.in_underflow_frac = rin.underflow_frac(precision)
     r.w_underflow_frac = rw.underflow_frac(precision)
-    # An fp8 GEMM reads e4m3 operands but writes 16-bit output (DESIGN.md): its output is
+    # An fp8 GEMM reads e4m3 operands but writes 16-bit output (docs/overview.md): its output is
     # not held in e4m3, so output underflow is not counted against fp8.
     r.out_underflow_frac = 0.0 if is_gemm_format(precision) else rout.underflow_frac(precision)
     r.underflow_frac = max(r.in_underflow_frac, r.w_underflow_frac, r.out_underflow_frac)

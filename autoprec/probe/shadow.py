@@ -116,6 +116,9 @@ class ShadowPass:
         self.busy = False
         self._handles: list[Any] = []
         self._pending: dict[int, list[Any]] = {}
+        #: layers of a streamed model (``autoprec.stream``) whose weights are on ``meta``
+        #: until their block runs: their weight range is counted at their first call
+        self._weights_later: set[str] = set()
         # Shared, never copied, by snapshot(): the model's own modules and tensors.
         self._memo: dict[int, Any] = {id(m): m for m in model.modules()}
         self._memo.update({id(t): t for t in [*model.parameters(), *model.buffers()]})
@@ -124,9 +127,12 @@ class ShadowPass:
 
     def __enter__(self) -> ShadowPass:
         for layer in self.layers:
-            ranged = [*layer.precisions, *layer.disallowed]
             w = TensorRange()
-            w.add(layer.module.parameters(recurse=False), ranged)
+            if any(p.device.type == "meta" for p in layer.module.parameters(recurse=False)):
+                self._weights_later.add(layer.path)  # streamed: counted when it is loaded
+            else:
+                w.add(layer.module.parameters(recurse=False),
+                      [*layer.precisions, *layer.disallowed])
             self.ranges[layer.path] = {"in": TensorRange(), "w": w, "out": TensorRange()}
             for p in layer.precisions:
                 self.local[(layer.path, p)] = LocalStats()
@@ -149,6 +155,10 @@ class ShadowPass:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.busy:
                 return
+            if layer.path in self._weights_later:
+                self._weights_later.discard(layer.path)
+                self.ranges[layer.path]["w"].add(module.parameters(recurse=False),
+                                                 [*layer.precisions, *layer.disallowed])
             # A pure leaf (Linear/Conv) cannot change its inputs: no copy needed.
             saved = None if layer.pure else (snapshot(args, self._memo),
                                              snapshot(kwargs, self._memo))

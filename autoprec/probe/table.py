@@ -2,7 +2,7 @@
 
 Rows are dataclasses (the search reads them in its loops); pandas is the boundary for
 people and files (``to_frame``, ``to_csv``). Units: ``local_error``, ``cheap_estimate``,
-``e2e_output_error`` are relative L2 errors (DESIGN.md "Default error"); ``e2e_error`` is
+``e2e_output_error`` are relative L2 errors (docs/overview.md "Default error"); ``e2e_error`` is
 the budget's unit — the output error, or the metric drop when the probe had a metric.
 """
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pandas is imported lazily: it is for the boundary
 #: Bump when rows change meaning: cached tables of another schema are recomputed.
 SCHEMA = 1
 
-#: Columns every table has, first, in this order (DESIGN.md "autoprec probe").
+#: Columns every table has, first, in this order (docs/overview.md "autoprec probe").
 CORE_COLUMNS = ("layer", "precision", "local_error", "e2e_error", "max_abs", "overflow",
                 "underflow_frac", "nonfinite", "reason")
 
@@ -134,7 +134,7 @@ class SensitivityTable:
     # -- the boundary ----------------------------------------------------------------------
 
     def to_frame(self) -> pd.DataFrame:
-        """Every row; the DESIGN.md CSV columns first, then the rest."""
+        """Every row; the docs/overview.md CSV columns first, then the rest."""
         import pandas as pd
 
         names = [f.name for f in dataclasses.fields(ProbeRow)]

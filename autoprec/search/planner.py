@@ -443,10 +443,5 @@ class Planner:
         return None
 
 
-def uniform_keys(space: SearchSpace) -> dict[str, Key]:
-    """The uniform plans (one global precision), for baselines and reports."""
-    return {p: space.uniform(p) for p in PRECISIONS}
-
-
-__all__ = ["ENUMERATE", "SLACK", "SPREAD_AFTER", "TIE", "PlanSpace", "Planner", "descend", "enumerate_keys", "refine", "tie_by_position", "uniform_keys",
+__all__ = ["ENUMERATE", "SLACK", "SPREAD_AFTER", "TIE", "PlanSpace", "Planner", "descend", "enumerate_keys", "refine", "tie_by_position",
            "untie"]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoprec.evaluation.decision import by_estimate, closeness
 from autoprec.search.plan_score import PlanScore
 
 
@@ -51,30 +52,11 @@ def pareto_front(cands: Sequence[Candidate]) -> list[Candidate]:
     return front
 
 
-def closeness(ev: PlanScore, budget: float, min_speedup: float | None) -> float:
-    """How far from feasible (0 = feasible): relative budget overshoot + speed shortfall."""
-    err = ev.error if ev.eval_error is None else max(ev.error, ev.eval_error)
-    over = 0.0 if err <= budget else (err - budget) / max(budget, 1e-12)
-    if not math.isfinite(over):
-        over = 1e30
-    short = 0.0
-    if min_speedup is not None and ev.est_speedup < min_speedup:
-        short = (min_speedup - ev.est_speedup) / min_speedup
-    return over + short
-
-
 def choose(cands: Sequence[Candidate], *, budget: float, min_speedup: float | None
            ) -> tuple[Candidate, bool]:
-    """The fastest feasible candidate; else (the closest candidate, False)."""
-    cands = dedupe(cands)
-    if not cands:
-        raise ValueError("no completed trials to choose from")
-    feasible = [c for c in cands if c.calib.feasible]
-    if feasible:
-        return min(feasible, key=lambda c: (c.calib.est_time, c.calib.error, c.number)), True
-    closest = min(cands, key=lambda c: (closeness(c.calib, budget, min_speedup),
-                                        c.calib.est_time, c.number))
-    return closest, False
+    """The decision's rule 1 (``evaluation.decision.by_estimate``) on a study's candidates,
+    one per distinct plan: the fastest feasible one; else (the closest one, False)."""
+    return by_estimate(dedupe(cands), budget=budget, min_speedup=min_speedup)
 
 
 __all__ = ["Candidate", "choose", "closeness", "dedupe", "pareto_front"]

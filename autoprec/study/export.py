@@ -18,7 +18,7 @@ from typing import Any
 import optuna
 import torch
 
-import autoprec
+from autoprec._version import __version__
 from autoprec.errors import InputError
 from autoprec.formats.precisions import LEGACY_FORM
 from autoprec.io.paths import check_not_an_input, check_out_path, storage_file
@@ -121,7 +121,7 @@ def export_policy(storage: str, study_name: str, out: str | Path) -> tuple[Polic
     chosen, feasible = select.choose(cands, budget=float(meta["budget"]),
                                      min_speedup=meta.get("min_speedup"))
     provenance = {
-        "autoprec": autoprec.__version__, "torch": str(torch.__version__),
+        "autoprec": __version__, "torch": str(torch.__version__),
         "optuna": optuna.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "study": study_name, "storage": describe_storage(storage), "exported": True,

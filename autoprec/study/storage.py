@@ -1,6 +1,6 @@
 """Where studies live: ``--storage`` URLs, opening them, and joining a study safely.
 
-Accepted URLs (DESIGN.md, "Studies"):
+Accepted URLs (docs/overview.md, "Studies"):
 
 ==========================  ================================================================
 ``None``                    a SQLite file at ``default_path`` (beside the output)

@@ -5,7 +5,7 @@ A module's kind comes from its type when the type says it (``nn.Linear``, ``nn.C
 forward (children excluded): a module whose own code runs SDPA or a matmul next to a
 softmax is "attention" even though forward hooks never see those functional calls.
 
-Eligibility follows DESIGN.md "Precisions":
+Eligibility follows docs/overview.md "Precisions":
 - GEMM kinds (linear, conv, attention, matmul) may take fp32, tf32, bf16 and fp16;
   fp8 only Linear-like leaves (``nn.Linear``, HF ``Conv1D``) with both dims multiples of 16
   (``torch._scaled_mm`` wants K and N divisible by 16).
@@ -195,7 +195,7 @@ def eligibility(
     is_leaf = not any(True for _ in module.children())
     below = subtree_formats or {}
     if not is_leaf and (subtree_gemms or kind in GEMM_KINDS):
-        # A format rule here applies to the eligible Linear leaves inside (DESIGN.md).
+        # A format rule here applies to the eligible Linear leaves inside (docs/overview.md).
         for f in GEMM_FORMATS:
             if isinstance(module, nn.MultiheadAttention):
                 disallowed[f] = ("nn.MultiheadAttention computes in_proj and out_proj from "

@@ -97,9 +97,7 @@ class _Recorder:
         self.producers: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.edges: dict[tuple[str, str], None] = {}  # ordered set
         self.param_storages = {
-            t.untyped_storage().data_ptr()
-            for t in [*model.parameters(), *model.buffers()]
-            if t.device.type != "meta"
+            _storage_key(t) for t in [*model.parameters(), *model.buffers()]
         }
         self.leaves = {name for name, m in model.named_modules() if not any(m.children())}
 
@@ -166,9 +164,16 @@ class _Recorder:
 
     def _is_param(self, t: torch.Tensor) -> bool:
         try:
-            return t.untyped_storage().data_ptr() in self.param_storages
+            return _storage_key(t) in self.param_storages
         except (RuntimeError, NotImplementedError):  # tensors without storage
             return False
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage a tensor (or a view of it) reads: its address, or on the meta device
+    (no data: every address is 0; ``trace.shape_only``) the storage object's own."""
+    s = t.untyped_storage()
+    return s._cdata if t.device.type == "meta" else s.data_ptr()
 
 
 class _AttributingFlopCounter(FlopCounterMode):

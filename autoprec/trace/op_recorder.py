@@ -151,6 +151,12 @@ class _Recorder:
         self.keep.append(t)
         return vid
 
+    def follow(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` replaces the parameter ``old`` (a streamed model's load): one value."""
+        got = self.ids.get(old)
+        if got is not None:
+            self.ids[new] = got
+
     def vid(self, t: torch.Tensor) -> int:
         """The id of a tensor read by an op; an unknown tensor is a model input."""
         got = self.ids.get(t)
@@ -392,6 +398,12 @@ def record_ops(model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any],
     """
     rec = _Recorder(model, batch_size)
     handles = []
+    # a model streamed from its checkpoint (autoprec.stream) replaces a block's parameters
+    # when it loads and offloads them: the new objects are the same values of the trace
+    listeners = getattr(getattr(model, "autoprec_stream", None), "listeners", None)
+    follow = rec.follow
+    if listeners is not None:
+        listeners.append(follow)
     try:
         for mod in model.modules():
             handles.append(mod.register_forward_pre_hook(
@@ -403,6 +415,8 @@ def record_ops(model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any],
     finally:
         for h in handles:
             h.remove()
+        if listeners is not None:
+            listeners.remove(follow)
     return rec.trace
 
 

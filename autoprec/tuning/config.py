@@ -24,6 +24,7 @@ from autoprec.formats.precisions import FORMS, PRECISIONS, check_precision, pars
 from autoprec.io.fileio import brief
 from autoprec.io.paths import check_dir, check_out_path
 from autoprec.io.validate import (
+    DEFAULT_MAX_ERROR,
     check_batch_size,
     check_budget,
     check_count,
@@ -35,14 +36,13 @@ from autoprec.io.validate import (
 from autoprec.study.storage import check_storage_url
 from autoprec.training.short_run import DEFAULT_LR, DEFAULT_MAX_LOSS_GAP, DEFAULT_STEPS
 
-DEFAULT_MAX_ERROR = 0.01
 #: ``--fuse-groups`` values.
 FUSE_GROUPS = ("auto", "off")
 
 
 @dataclass(frozen=True)
 class TuneConfig:
-    """Every option of a tune (DESIGN.md's ``autoprec tune``), as the user gives it.
+    """Every option of a tune (docs/overview.md's ``autoprec tune``), as the user gives it.
 
     ``precisions``: a sequence or the CLI's comma list (None: every precision the target
     runs); ``locked``: paths the search may not change; ``form``: None is "deploy", or

@@ -14,8 +14,9 @@ deployment runs), the step eval's ``--measure`` takes too. Which row is written 
 *measured* one within budget — a tuned plan measured slower than fp32 or a one-liner
 within budget is never written, the next candidate or the baseline is. Where the target is
 not here, the estimates stand, and a 16-bit model's own layout (or, with no trial within
-budget, the fastest baseline within it) is written when the decision says so. This module
-builds the rows and maps the winning row back to what ``write`` writes.
+budget, the fastest baseline within it) is written when the decision says so. Every rule that
+picks, demotes or leaves out a row is ``evaluation.decision``'s; this module builds the
+rows and maps the winning row back to what ``write`` writes.
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autoprec.evaluation import decision
 from autoprec.evaluation.assess import fill_train_bytes, time_rows
 from autoprec.evaluation.baselines import BASELINES, baseline_rows
-from autoprec.evaluation.decision import ByEstimate, decide
+from autoprec.evaluation.decision import ByEstimate
 from autoprec.evaluation.rows import Row, Timer
 from autoprec.evaluation.speed_check import SpeedCheck
 from autoprec.policy import Policy
 from autoprec.search import select
 from autoprec.study.objective import given_policy
 from autoprec.tuning.prepare import reference_key
+from autoprec.tuning.recipe_rows import tune_recipe_rows
 from autoprec.tuning.train_choice import baseline_check, tuned_that_trains
 
 
@@ -51,7 +54,7 @@ class Chosen:
 def choose_plan(prep: Any, space: Any, search: Any, cfg: Any) -> Chosen:
     """tune's decision: the study's completed trials (and, for a 16-bit model none of whose
     trials is within budget, the model as given), the fastest within budget by estimate
-    (``search.select.choose``), confirmed beside its baselines (``confirm_tune``: timed
+    (``evaluation.decision.by_estimate``), confirmed beside its baselines (``confirm_tune``: timed
     where the target is here, decided by ``evaluation.decision.decide``)."""
     from autoprec.study.driver import completed
 
@@ -65,7 +68,8 @@ def choose_plan(prep: Any, space: Any, search: Any, cfg: Any) -> Chosen:
         cands = [*cands, given]
     if not cands:
         raise search.driver.nothing_measured(search.study_name)
-    chosen, feasible = select.choose(cands, budget=cfg.budget, min_speedup=cfg.min_speedup)
+    chosen, feasible = decision.by_estimate(select.dedupe(cands), budget=cfg.budget,
+                                            min_speedup=cfg.min_speedup)
     speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible)
     return Chosen(chosen, rules, speed, cands)
 
@@ -88,17 +92,12 @@ def _given_candidate(prep: Any, space: Any) -> Any:
                                     "form": "deploy"})
 
 
-#: Candidates from the study timed after the chosen one (the next fastest feasible ones).
-NEXT_CANDIDATES = 2
-
-
 def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[Any],
                  chosen: Any, feasible: bool,
                  timer: Timer | None = None) -> tuple[SpeedCheck, Any, tuple[str, dict[str, str]]]:
     """tune's last step: the rows beside the chosen plan, timed where the tune's target
     (``prep.target``) is local (compiled, for a ``--compile`` tune); returns the check, the
     candidate to write and its (default, rules)."""
-    from autoprec.cost import make_cost_model
     from autoprec.policy.build import policy_for
 
     ev, target = search.scorer, prep.target
@@ -128,47 +127,38 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
                                     prep.reference,
                                     train_check=None if trainer is None
                                     else baseline_check(trainer, prep.cost.speedup, bar))
-    for r in rows_after:  # the speed target binds on a baseline as on a trial
-        if (r.feasible and cfg.min_speedup is not None
-                and (r.est_speedup or 0.0) < cfg.min_speedup):
-            r.feasible, r.why_not = False, f"below --min-speedup {cfg.min_speedup:g}"
-    # no trial within budget, a baseline is: the baselines are what may be written (timed
-    # where the target is here), never the closest over-budget plan
-    fallback = not feasible and any(r.feasible and r.policy is not None for r in rows_after)
-    timed = target.local and cfg.measure and (feasible or fallback)
+    # a training tune: the fixed recipes people copy, judged as the one-liners are
+    rows_after += tune_recipe_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
+                                   None if trainer is None
+                                   else baseline_check(trainer, prep.cost.speedup, bar))
+    decision.demote_below_min_speedup(rows_after, cfg.min_speedup)
+    timed = target.local and cfg.measure and (
+        feasible or decision.baselines_instead(feasible, rows_after))
     if timed:
-        seen = {rows[0].key}
         nxt = sorted((c for c in select.dedupe(cands) if c.calib.feasible),
                      key=lambda c: (c.calib.est_time, c.number))
-        for c in nxt:
-            if sum(x.role == "candidate" for x in rows) >= NEXT_CANDIDATES:
-                break
-            r = row(c, f"next candidate (trial {c.number})", "candidate")
-            if r.key not in seen and trainer is not None:  # only what trains is a choice
-                v = trainer.known(r.policy)
-                if v is None or not v.passed:
-                    continue
-            if r.key not in seen:
-                seen.add(r.key)
-                rows.append(r)
+        rows += decision.next_candidates(
+            (row(c, f"next candidate (trial {c.number})", "candidate") for c in nxt),
+            {rows[0].key}, None if trainer is None else _passed(trainer))
     rows += rows_after
     fill_train_bytes(rows, prep.cost)
     # an explicit profile (tune(profile=...): tests, experiments) prices the timed batch by
     # itself too; else the target's cost model at the calibration batch (time_rows)
     at_batch = (None if not timed or prep.cost.op_times is not None else
-                make_cost_model(prep.graph, prep.cost.profile, prep.calib_bs, target.mode,
-                                form=target.form, step=target.step,
-                                fp8_backend=target.fp8_backend))
-    timing = time_rows(rows_to_time(rows) if timed else rows, target, prep.spec.forward,
+                target.plan_cost(prep.graph, prep.calib_bs, net=prep.net,
+                                 forward=prep.spec.forward, loss=prep.spec.loss,
+                                 batch=prep.calib[0], profile=prep.cost.profile))
+    timing = time_rows(decision.rows_to_time(rows) if timed else rows, target, prep.spec.forward,
                        prep.net, prep.calib[0], prep.graph,
                        measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,
                        loss=prep.spec.loss,
                        not_measured="not measured (--no-measure)" if not cfg.measure else
                        "not measured: no plan within budget")
-    decision = decide(rows, timing, estimate=ByEstimate(chosen.number, chosen.calib.est_speedup,
-                                                        feasible), trains=trainer is not None)
-    check = SpeedCheck(rows, decision, timing)
-    win = decision.winner
+    decided = decision.decide(rows, timing, trains=trainer is not None,
+                              estimate=ByEstimate(chosen.number, chosen.calib.est_speedup,
+                                                  feasible))
+    check = SpeedCheck(rows, decided, timing)
+    win = decided.winner
     if win is None or win.role == "tuned":
         return check, chosen, rules_of(chosen)
     if win.role == "candidate":
@@ -176,33 +166,14 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
     return check, *_baseline_candidate(prep, space, win)
 
 
-#: A training-form one-liner estimated below this share of fp32's speed is not timed: fp32
-#: is timed beside it and within budget, so it could be written only by measuring more than
-#: twice its estimate (where the target is here the estimate is priced from this machine's
-#: own op timings). A 16-bit GEMM the CPU has no kernel for is where this binds: one global
-#: fp16 autocast on an AVX512-BF16 EPYC, estimated 0.35x, times at 0.08x, and each of its
-#: timed steps costs twelve fp32 steps.
-SLOW_TO_TIME = 0.5
+def _passed(trainer: Any) -> Callable[[Row], bool]:
+    """Whether a candidate row passed the short run already (only what trains is a
+    choice)."""
+    def passed(r: Row) -> bool:
+        v = trainer.known(r.policy)
+        return v is not None and v.passed
 
-
-def rows_to_time(rows: list[Row]) -> list[Row]:
-    """The rows worth timing: all but the training-form one-liners (other than fp32)
-    estimated below ``SLOW_TO_TIME`` x fp32's speed; such a row is not written either, and
-    says why."""
-    keep = []
-    for r in rows:
-        pol = r.policy
-        slow = (r.role == "baseline" and pol is not None and pol.form == "train"
-                and not (pol.default == "fp32" and not pol.layers)
-                and r.est_speedup is not None and r.est_speedup < SLOW_TO_TIME)
-        if not slow:
-            keep.append(r)
-            continue
-        if r.feasible:
-            r.feasible = False
-            r.why_not = (f"not timed: estimated {r.est_speedup:.2f}x, under "
-                         f"{SLOW_TO_TIME:g}x of fp32's speed here")
-    return keep
+    return passed
 
 
 def _why_not(ev: Any, budget: float) -> str:
@@ -271,10 +242,7 @@ def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[s
         lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target.name, form),
         precisions=precisions, train_aware=train_aware,
         audit=ev.audit_policy, baselines=baselines, train_check=train_check)
-    if ev.form == "train":  # asked for fp32 masters: the stored 16-bit form cannot train
-        for r in rows:
-            if r.feasible and r.policy is not None and r.policy.form == "deploy":
-                r.feasible, r.why_not = False, "--form train: it stores no fp32 masters"
+    decision.demote_stored_under_train(rows, ev.form)  # asked for fp32 masters
     return rows
 
 
@@ -317,5 +285,4 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     return rows
 
 
-__all__ = ["NEXT_CANDIDATES", "SLOW_TO_TIME", "Chosen", "choose_plan", "confirm_tune",
-           "reference_rows", "rows_to_time", "tune_baseline_rows"]
+__all__ = ["Chosen", "choose_plan", "confirm_tune", "reference_rows", "tune_baseline_rows"]

@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,9 +109,52 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def check_fits(model: torch.nn.Module, where: str, limit_bytes: int | None = None) -> int:
+#: Activations a streamed tune keeps, per token: the logits of the reference, of the plan
+#: being scored and one working copy (fp32, ``vocab`` each) and ~16 hidden-size fp32 vectors
+#: (a block's inputs, outputs and intermediates; the MLP's intermediate counted as 4).
+LOGIT_COPIES, HIDDEN_COPIES = 3, 16
+
+
+def streamed_need(stream: Any, tokens: int) -> tuple[int, int, int, str]:
+    """(bytes a streamed tune needs, resident bytes, activations, the largest block's path):
+    the resident parts, the largest block twice (its weights and a plan's copy of them)
+    and the activations of ``tokens`` tokens."""
+    mem = stream.memory
+    cfg = stream.model.config
+    act = tokens * 4 * (LOGIT_COPIES * int(getattr(cfg, "vocab_size", 0) or 0)
+                        + HIDDEN_COPIES * int(getattr(cfg, "hidden_size", 0) or 0))
+    need = mem.resident_bytes + 2 * mem.largest_block_bytes + act
+    return need, mem.resident_bytes, act, mem.largest_block
+
+
+def _check_streamed(stream: Any, where: str, limit_bytes: int | None, tokens: int) -> int:
+    need, resident, act, block = streamed_need(stream, tokens)
+    size = stream.memory.largest_block_bytes
+    if limit_bytes is not None:
+        limit, source = int(limit_bytes), "--memory-limit"
+    else:
+        got = available_bytes()
+        if got is None:
+            return need
+        limit, source = got + resident, "available host memory (/proc/meminfo) + the resident parts"
+    if need > limit:
+        raise InputError(
+            f"{where}: the largest block ({block}, {gb(size)}, held twice) plus activations "
+            f"({gb(act)}) and the resident embeddings and head ({gb(resident)}) do not fit in "
+            f"{gb(limit)} ({source}; {gb(need)} needed)")
+    return need
+
+
+def check_fits(model: torch.nn.Module, where: str, limit_bytes: int | None = None, *,
+               tokens: int = 256) -> int:
     """Refuse (InputError, one line) a model the device cannot hold twice; returns the
-    model's weight bytes. ``limit_bytes``: the device's memory (default: ``device_limit``)."""
+    model's weight bytes. ``limit_bytes``: the device's memory (default: ``device_limit``).
+    A model streamed from its checkpoint (``autoprec.stream``) needs its resident parts,
+    its largest block twice and the activations of ``tokens`` tokens (``streamed_need``)
+    instead; the refusal names the block."""
+    stream = getattr(model, "autoprec_stream", None)
+    if stream is not None:
+        return _check_streamed(stream, where, limit_bytes, tokens)
     w = weight_bytes(model)
     if limit_bytes is not None:
         limit, source = int(limit_bytes), "--memory-limit"

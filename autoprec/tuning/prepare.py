@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from autoprec.cost import CostModel
-from autoprec.cost.model import make_cost_model
 from autoprec.errors import InputError
 from autoprec.evaluation.speed_source import calibration_dir
 from autoprec.evaluation.target import Target, resolve_target
@@ -29,7 +28,8 @@ from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.memory import StagePeaks, check_fits, reset_peak
-from autoprec.workload.loading import ModelSpec, load_model_file
+from autoprec.workload.checkpoint_spec import load_model
+from autoprec.workload.loading import ModelSpec
 from autoprec.workload.metrics import batch_size_of
 from autoprec.workload.reference import ModelReference, model_reference, offered, own_precision
 from autoprec.workload.scoring import Reference, batch_tensors, reference, same_tensors, score
@@ -61,7 +61,7 @@ class Prepared:
 
 def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
             peaks: StagePeaks | None = None) -> Prepared:
-    spec = model if isinstance(model, ModelSpec) else load_model_file(model)
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
     if cfg.use_metric and spec.metric is None:
         raise InputError(f"{spec.where}: --max-drop needs a metric(outputs, batch) in model.py")
     if cfg.train_aware and spec.loss is None:
@@ -114,17 +114,11 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
                             batch_size=cfg.batch_size, measure=cfg.measure,
                             cache_dir=calibration_dir(out_path, cfg.cache_dir))
     deploy_bs = target.deploy_batch(calib[0])
-    # the one price source of a target (Target.cost_model): on a local CPU the model's
-    # own ops timed here; an explicit profile (tests, experiments) prices by it alone
-    cost = (make_cost_model(graph, profile, deploy_bs, target.mode, form=target.form,
-                            step=target.step, fp8_backend=target.fp8_backend)
-            if profile is not None else target.cost_model(graph, deploy_bs))
-    if spec.loss is not None and getattr(cost, "step", None) is not None:  # the step's loss
-        from autoprec.measure import record_loss, timing_threads
-
-        with timing_threads(target.device or "cpu"):  # timed here where the ops are
-            cost.step.set_loss(cost, record_loss(net, spec.forward, spec.loss, calib[0],
-                                                 measure=cost.op_times is not None))
+    # the one price of a target (Target.plan_cost, as eval and check price): on a local CPU
+    # the model's own ops timed here, a training step's loss included; an explicit profile
+    # (tests, experiments) prices by it alone
+    cost = target.plan_cost(graph, deploy_bs, net=net, forward=spec.forward, loss=spec.loss,
+                            batch=calib[0], profile=profile)
     if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
         cost.shared_quant_inputs = True
     if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible

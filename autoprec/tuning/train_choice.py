@@ -27,11 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from autoprec.evaluation.decision import MAX_TRIES
 from autoprec.policy import Policy
 from autoprec.training.short_run import ShortRunCheck, ShortRunVerdict
-
-#: Candidates the short run checks before the tuned row is declared infeasible.
-MAX_TRIES = 3
 
 
 def make_check(prep: Any, cfg: Any) -> ShortRunCheck | None:
@@ -48,52 +46,34 @@ def baseline_check(check: ShortRunCheck, speedup: Callable[[Policy], float] | No
     """``baseline_rows``' ``train_check``: '' when the one-liner passes, else why not.
 
     ``faster``: the tuned row when it passed its short run and the rows are not timed (the
-    estimates decide); ``speedup``: the estimate of a policy. A one-liner estimated slower
-    than ``faster`` by more than ``SAME_SPEED`` cannot be written
-    (``evaluation.decision.one_liner_instead`` needs its estimate within ``SAME_SPEED`` of
-    the tuned row's), so it is not trained and its row says why."""
-    from autoprec.evaluation.decision import SAME_SPEED
+    estimates decide); ``speedup``: the estimate of a policy. Whether a one-liner is worth
+    its short run at all is ``evaluation.decision.not_worth_training``'s rule."""
+    from autoprec.evaluation.decision import not_worth_training
 
     def run(policy: Policy, name: str) -> str:
-        if policy.form == "deploy":
-            return "--form train: it stores no fp32 masters"
-        if faster is not None and speedup is not None:
-            est, bar = speedup(policy), faster.est_speedup or 0.0
-            if bar > est * (1 + SAME_SPEED):
-                return (f"not training-checked: estimated {est:.2f}x, slower than the tuned "
-                        f"plan's {bar:.2f}x, which trains within the gap")
-        return check.check(policy, name).why_not()
+        timed_bar = faster is not None and speedup is not None
+        why = not_worth_training(policy.form, speedup(policy) if timed_bar else None,
+                                 (faster.est_speedup or 0.0) if timed_bar else None)
+        return why or check.check(policy, name).why_not()
 
     return run
 
 
 def tuned_that_trains(check: ShortRunCheck, chosen: Any, cands: Sequence[Any],
                       make_row: Callable[[Any, str, str], Any]) -> tuple[Any, Any]:
-    """(candidate, its tuned row): the chosen plan if it passes the short run, else the
-    next fastest feasible candidate that does (``MAX_TRIES`` in all); when none does, the
-    chosen plan's row marked infeasible with the first failure's reason."""
+    """(candidate, its tuned row): the first candidate in
+    ``evaluation.decision.training_tries``' order that passes the short run
+    (``decision.first_that_trains``: ``MAX_TRIES`` in all); when none does, the chosen
+    plan's row marked infeasible with the first failure's reason."""
+    from autoprec.evaluation.decision import first_that_trains, training_tries
     from autoprec.search import select
 
     first = make_row(chosen, "tuned", "tuned")
-    order = [chosen] + sorted(
-        (c for c in select.dedupe(cands) if c.calib.feasible and c is not chosen),
-        key=lambda c: (c.calib.est_time, c.number))
-    seen: set[Any] = set()
-    failed: list[str] = []
-    for c in order:
-        r = first if c is chosen else make_row(c, "tuned", "tuned")
-        if r.key in seen:
-            continue
-        seen.add(r.key)
-        v = check.check(r.policy, f"tuned (trial {c.number})")
-        if v.passed:
-            return c, r
-        failed.append(v.why_not())
-        if len(seen) >= MAX_TRIES:
-            break
-    first.feasible = False
-    first.why_not = failed[0] if failed else "short run: not checked"
-    return chosen, first
+    tries = ((c, first if c is chosen else make_row(c, "tuned", "tuned"))
+             for c in training_tries(chosen, select.dedupe(cands)))
+    got = first_that_trains(
+        tries, lambda r: check.check(r.policy, f"tuned (trial {r.trial})").why_not())
+    return got if got is not None else (chosen, first)
 
 
 def verdict_of(check: ShortRunCheck | None, policy: Policy) -> ShortRunVerdict | None:

@@ -52,7 +52,7 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     twice (``autoprec.tuning.memory``; default: what the device reports). The model as given is
     the reference (``autoprec.workload.reference``): a bf16 model's errors are against its own
     outputs and its policy records ``reference:``.
-    See DESIGN.md for the contract.
+    See docs/overview.md for the contract.
     """
     started = time.monotonic()
     if config is not None and options:

@@ -17,8 +17,9 @@ from typing import Any
 import optuna
 import torch
 
-import autoprec
+from autoprec._version import __version__
 from autoprec.cost.step import step_metrics
+from autoprec.evaluation.decision import same_speed
 from autoprec.evaluation.speed_check import SpeedCheck, speed_metrics
 from autoprec.io.paths import remove_stale_fronts
 from autoprec.policy import Policy
@@ -29,7 +30,7 @@ from autoprec.study.export import policy_from_candidate
 from autoprec.study.objective import given_policy
 from autoprec.trace.graph import LayerGraph
 from autoprec.track import PlotPlans, Tracker, log_tune_artifacts
-from autoprec.tuning import train_choice
+from autoprec.tuning import recipe_rows, train_choice
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.confirm import Chosen
 from autoprec.tuning.prepare import Prepared
@@ -89,7 +90,7 @@ class TuneResult:
 
 def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
     return {
-        "autoprec": autoprec.__version__, "torch": str(torch.__version__),
+        "autoprec": __version__, "torch": str(torch.__version__),
         "optuna": optuna.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "seed": cfg.seed, "sampler": "PlanSampler", "candidates": search.planner.method,
@@ -139,6 +140,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
             "train_fp32_eval_loss": _round(verdict.fp32.eval_loss),
             "train_loss_gap": _round(verdict.gap), "max_loss_gap": verdict.max_loss_gap})
     _note_headroom(prep, policy)
+    recipe_notes = _versus_recipe(prep, policy, speed) if cfg.form == "train" else []
     policy.save(prep.out_path)
     remove_stale_fronts(prep.out_path)  # an earlier --pareto run's front files are not this run's
     front_pols, front_paths = _write_front(prep, space, search, cfg, cands, provenance)
@@ -172,7 +174,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                       seconds=time.monotonic() - started, front=front_pols,
                       front_paths=front_paths, trials_table=rows, sensitivity=sens,
                       graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
-                      + _one_liner_note(prep, policy, speed)
+                      + _one_liner_note(prep, policy, speed) + recipe_notes
                       + [prep.target.speed.note]
                       + ([f"priced with this model's ops "
                           f"{prep.target.speed.describe_op_times()}"]
@@ -262,8 +264,21 @@ def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
     return pols, paths
 
 
-#: Estimates this close (relative) read as "the same speed" to a person.
-SAME_SPEED = 0.005
+def _versus_recipe(prep: Prepared, policy: Policy, speed: Any) -> list[str]:
+    """Record in ``policy`` where it differs from the best fixed recipe that may be written
+    (``tuning.recipe_rows``), and say it in a note."""
+    if speed is None:
+        return []
+    best = recipe_rows.best_recipe(speed.rows)
+    if best is None:
+        return []
+    diffs = recipe_rows.versus_best_recipe(prep.cost, policy, speed.rows, prep.table)
+    recipe_rows.record(policy, speed.rows, diffs)
+    if best.policy.layers == policy.layers and best.policy.default == policy.default:
+        return [f"wrote the fixed recipe {best.name} ({best.est_speedup:.2f}x): the tuned "
+                "plan does not beat it"]
+    return [f"differs from the best fixed recipe, {best.name} ({best.est_speedup:.2f}x), "
+            f"in {len(diffs)} layers (provenance.versus_recipe)"]
 
 
 def _one_liner_note(prep: Prepared, policy: Policy, speed: Any) -> list[str]:
@@ -276,7 +291,7 @@ def _one_liner_note(prep: Prepared, policy: Policy, speed: Any) -> list[str]:
     for row in speed.rows:
         if (row.role != "baseline" or row.policy is None or not row.feasible
                 or row.est_speedup is None or est is None
-                or abs(row.est_speedup - est) > SAME_SPEED * est):
+                or not same_speed(row.est_speedup, est)):
             continue
         base = row.policy.default
         diff = compaction.differences(prep.cost, (policy.default, policy.layers), (base, {}))

@@ -1,6 +1,6 @@
 """The model and data a command works on, and their error against the fp32 reference.
 
-- ``loading``: a user's model.py loaded into a ``ModelSpec`` (the contract in DESIGN.md).
+- ``loading``: a user's model.py loaded into a ``ModelSpec`` (the contract in docs/overview.md).
 - ``inputs``: the same ``ModelSpec`` from a model in hand and iterables of batches.
 - ``reference``: the model as given is the reference: its own dtypes, per module.
 - ``metrics``: the error of a model's outputs against the fp32 reference.

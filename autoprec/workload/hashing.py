@@ -52,7 +52,12 @@ def data_hash(batches: Iterable[Any]) -> str:
 
 
 def weights_hash(model: torch.nn.Module) -> str:
-    """``sha256:…`` of the parameter and buffer values, by name."""
+    """``sha256:…`` of the parameter and buffer values, by name; for a model streamed from a
+    checkpoint (``autoprec.stream``), of the checkpoint's index, headers, sizes and mtimes
+    (never the whole model in memory)."""
+    stream = getattr(model, "autoprec_stream", None)
+    if stream is not None:
+        return stream.weights_hash()
     h = hashlib.sha256()
     for name, t in model.state_dict(keep_vars=False).items():
         h.update(name.encode())

@@ -2,7 +2,8 @@
 
 ``spec_of`` turns what a Python caller holds — an ``nn.Module`` and iterables of batches
 (a list, a generator, a ``torch.utils.data.DataLoader``) — into the ``ModelSpec`` every
-stage reads; a ``str`` / ``Path`` is a model.py (``loading.load_model_file``), the CLI's way
+stage reads; a ``str`` / ``Path`` is a model.py or a checkpoint folder
+(``checkpoint_spec.load_model``), the CLI's way
 to produce the same arguments, and a ``ModelSpec`` passes through. A model in hand gets
 the checks model.py gets (``loading``), each one line naming the argument:
 
@@ -32,13 +33,13 @@ import torch
 from autoprec.errors import InputError
 from autoprec.io.fileio import brief
 from autoprec.io.paths import unwrap_model
+from autoprec.workload.checkpoint_spec import load_model
 from autoprec.workload.loading import (
     PLAIN_NAME,
     WEIGHT_DTYPES,
     ModelSpec,
     collect_batches,
     default_forward,
-    load_model_file,
 )
 
 Batch = Any
@@ -90,7 +91,7 @@ def spec_of(model: ModelLike, *, calibration: Iterable[Batch] | None = None,
             what = "model.py" if not isinstance(model, ModelSpec) else "the ModelSpec"
             raise InputError(f"{caller}: {', '.join(given)} go with a model in hand (an "
                              f"nn.Module); {what} gives its own")
-        return model if isinstance(model, ModelSpec) else load_model_file(model)
+        return model if isinstance(model, ModelSpec) else load_model(model)
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"{caller}: model must be a torch.nn.Module, the path of a model.py "
                          f"or a ModelSpec, got {type(model).__name__}")

@@ -1,4 +1,4 @@
-"""Load a user's model.py (the contract in DESIGN.md) into a ModelSpec.
+"""Load a user's model.py (the contract in docs/overview.md) into a ModelSpec.
 
 Required: ``build_model()`` and ``calibration_data()``. Optional: ``eval_data()``,
 ``forward(model, batch)``, ``metric(outputs, batch)``, ``loss(outputs, batch)``.
@@ -344,7 +344,8 @@ def _nul_line(path: Path) -> int | None:
 
 
 def load_model_file(path: str | Path) -> ModelSpec:
-    """Import model.py and return its ModelSpec; ModelFileError on any contract breach."""
+    """Import model.py and return its ModelSpec; ModelFileError on any contract breach
+    (``checkpoint_spec.load_model`` also takes a checkpoint folder)."""
     path = Path(path)
     try:
         mode = os.stat(path).st_mode
@@ -353,7 +354,8 @@ def load_model_file(path: str | Path) -> ModelSpec:
     except OSError as err:
         raise ModelFileError(f"{path}: cannot read: {err.strerror or err}") from None
     if stat.S_ISDIR(mode):
-        raise ModelFileError(f"{path}: is a directory, expected a model.py file")
+        raise ModelFileError(f"{path}: is a directory, expected a model.py file or a "
+                             "checkpoint folder (with a config.json)")
     if path.suffix != ".py":
         raise ModelFileError(f"{path}: not a Python file (expected a .py file)")
     if not stat.S_ISREG(mode):  # importing a FIFO would block forever

@@ -1,4 +1,4 @@
-"""The error of a model's outputs against the fp32 reference (DESIGN.md, "Default error").
+"""The error of a model's outputs against the fp32 reference (docs/overview.md, "Default error").
 
 Default: relative L2 over every floating tensor of the outputs, over the whole set:
 ``sqrt(sum ||y - y_ref||^2) / sqrt(sum ||y_ref||^2)``; any non-finite value makes it inf.

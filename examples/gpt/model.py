@@ -5,7 +5,7 @@ Model: HF ``GPT2LMHeadModel`` from a ``GPT2Config`` — n_embd 512, 4 layers, 8 
 (GPT-2's default). RANDOM INIT (seed 0): no GPT weights can be fetched here, and the point
 is the layer shapes (every GEMM 16-aligned, so fp8-eligible) and how their errors compound,
 not what the model says. ``use_cache=False``: no KV cache in the outputs, and
-``torch.export`` traces GPT-2 only without it (DESIGN.md).
+``torch.export`` traces GPT-2 only without it (docs/overview.md).
 
 Data: random token ids (seeded), batches of B=4 sequences of T=64 tokens; calibration and
 eval are 2 batches each from different seeds. Random tokens are as good as text for a

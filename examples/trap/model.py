@@ -5,7 +5,7 @@
 - ``offset`` writes a small signal riding a +256 offset that the next LayerNorm removes:
   bf16 keeps 8 significant bits, so at 256 its spacing is 2 and the signal is lost; fp16's
   spacing there is 0.25 (1.46% error after the next LayerNorm with CPU autocast, as
-  docs/DESIGN.md records under "Facts seen") — within a few-percent budget.
+  docs/overview.md records under "Facts seen") — within a few-percent budget.
 - the other layers are ordinary and take any precision.
 So the tuned policy must put ``blow`` in bf16 (or fp32) and ``offset`` in fp16 (or fp32).
 """

@@ -4,7 +4,7 @@ Layout (x: (B, 256) -> (B, 16)): ``inp`` 256->2048, four pre-norm residual block
 (LayerNorm, ``fc1`` 2048->2048, GELU, ``fc2`` 2048->2048, + residual), a final LayerNorm
 and ``head`` 2048->16. The 8 block GEMMs are large and 16-aligned: at tens of thousands of
 rows their fp8 GEMM time saves more than the amax and cast passes cost. ``inp`` (K = 256)
-and ``head`` (N = 16) are small: fp8 costs more there than it saves (DESIGN.md).
+and ``head`` (N = 16) are small: fp8 costs more there than it saves (docs/overview.md).
 
 Inputs carry outlier channels (every 64th feature x 50, as in LLM activations), so
 per-tensor scaling (fp8) and per-block scaling (MXFP8 / NVFP4, issue 17) differ on ``inp``.

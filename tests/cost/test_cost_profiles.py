@@ -1,4 +1,4 @@
-"""Device profiles: the DESIGN.md table, capability reasons, files and calibration overrides."""
+"""Device profiles: the docs/overview.md table, capability reasons, files and calibration overrides."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from autoprec.cost import Calibration, get_profile, known_devices, load_calibration
 from autoprec.errors import InputError
 
-# DESIGN.md "Device profiles" (dense TFLOP/s; TB/s)
+# docs/overview.md "Device profiles" (dense TFLOP/s; TB/s)
 TABLE = {
     "h100": ({"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 3.35),
     "h200": ({"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 4.8),

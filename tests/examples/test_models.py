@@ -1,4 +1,4 @@
-"""Every examples/*/model.py honours the model.py contract (DESIGN.md) and is sane in fp32.
+"""Every examples/*/model.py honours the model.py contract (docs/overview.md) and is sane in fp32.
 
 Each model is loaded and built once per session (the MiniLM load and the digits CNN's
 training take seconds); the checks then run on the shared instances.

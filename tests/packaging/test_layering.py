@@ -41,13 +41,16 @@ LATER_ALLOWED = {("evaluation", "apply"), ("tuning", "apply"), ("tuning", "track
 #: Parts below every stage: they import no stage (and no policy). ``formats`` holds the
 #: precisions too; ``device`` the target names and the capability check; ``io`` files,
 #: paths, argument checks and optional dependencies; ``workload`` the model and data a
-#: command works on and their error against the fp32 reference.
-FOUNDATIONS = ("formats", "lower", "device", "io", "workload", "errors", "fused")
+#: command works on and their error against the fp32 reference; ``stream`` a checkpoint
+#: folder's model streamed block by block (the workload's model when it is larger than
+#: memory).
+FOUNDATIONS = ("formats", "lower", "device", "io", "workload", "stream", "errors", "fused")
 #: The only modules directly in ``autoprec/``: the public entry points (``api``: tune,
 #: check and evaluate for the model in hand; ``errors``: the root exception) and ``fused``
 #: (torch.nn's fused paths: below ``formats``, which asks it which children never run, and
-#: above nothing else, so no package can hold it without an import circle).
-LOOSE = ("api", "errors", "fused")
+#: above nothing else, so no package can hold it without an import circle) and ``_version``
+#: (the version string: what records it imports it there, not the package root).
+LOOSE = ("_version", "api", "errors", "fused")
 
 
 def _parts() -> set[str]:

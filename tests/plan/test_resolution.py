@@ -1,5 +1,5 @@
 """The compiled plan is the one resolver: its resolution of every module path equals the
-rules as DESIGN.md states them (most specific path wins, formats only on eligible leaves,
+rules as docs/overview.md states them (most specific path wins, formats only on eligible leaves,
 a shared module one precision under every alias), walked here path by path as the
 reference, on every zoo model."""
 

@@ -1,0 +1,279 @@
+"""A model streamed from its checkpoint: one repeated block in memory at a time.
+
+``open_streamed(folder)`` builds the skeleton (``checkpoint.Checkpoint``), finds the
+repeated blocks (``find_blocks``: the ModuleList of same-class modules holding the most
+parameters, e.g. ``model.layers`` of a Llama) and loads everything else — embeddings,
+final norm, LM head — once (*resident*). The result is an ordinary ``nn.Module`` whose
+blocks are on ``meta`` until called:
+
+- **a plain forward** (the reference, the trace, the probes): a forward pre-hook on each
+  block reads its weights from the shards and a forward hook puts them back on ``meta``,
+  as accelerate's disk offload does; the numbers are the loaded model's, op for op.
+- **a forward under a plan** (``StreamedModel.lowered``): a plan cannot be installed on
+  ``meta`` weights (the deploy form casts and quantises each weight when it is applied), so
+  the model's own forward is run once per block on a *shell*: the blocks list replaced by
+  ``[Inject(h)] * i + [block_i]``, where ``Inject`` hands on what the blocks before returned
+  under the plan (``h``), and a forward hook on ``block_i`` stops the forward with its
+  output. The plan is applied to that shell (``lower(model, absent)``: the caller restricts
+  the rules to the modules present) after ``block_i`` is loaded and removed before it is
+  offloaded; a last pass with ``Inject`` alone runs the resident tail (norm, LM head).
+  Each block therefore runs inside the model's own forward, under the root's region, with
+  the keyword arguments (rotary embeddings, masks) the model computes under the same plan:
+  what the loaded model computes under that plan, block by block.
+
+Memory: the resident parts, one block (in its stored dtype, plus a plan's copies of it)
+and the activations of one batch; ``StreamedModel.memory`` names the largest block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.errors import ModelFileError
+from autoprec.stream.checkpoint import Checkpoint, offload, swap_in
+
+#: ``lower(model, absent, call)``: install the plan on the shell (restricted to the modules
+#: present: ``absent`` are the blocks not loaded), return ``call()``, remove the plan.
+Lower = Callable[[nn.Module, frozenset[str], Callable[[], Any]], Any]
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Loading and offloading weights are not the model's ops: hidden from the torch
+    function and dispatch modes a tracer, the op recorder or an audit has open."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The path and ModuleList of the model's repeated blocks: among the ModuleLists of at
+    least two children of one class, the one holding the most parameter elements."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2:
+            continue
+        if len({type(m) for m in mod}) != 1:
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if best is None or n > best[0]:
+            best = (n, path, mod)
+    if best is None:
+        raise ModelFileError(f"{type(model).__name__}: no list of repeated blocks to stream "
+                             "(a ModuleList of two or more modules of one class)")
+    return best[1], best[2]
+
+
+class _Stopped(Exception):  # noqa: N818 - control flow, never seen by a user
+    """Raised by the hook on the shell's last block: its output, as the model's loop got it."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__("streamed block finished")
+        self.output = output
+
+
+class Inject(nn.Module):
+    """Stands for the blocks before the one being run: returns what they returned."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
+
+
+@dataclass(frozen=True)
+class StreamMemory:
+    """What a streamed model holds, from the checkpoint's headers."""
+
+    resident_bytes: int
+    largest_block: str
+    largest_block_bytes: int
+    blocks: int
+
+
+class StreamedModel:
+    """The streaming state of one skeleton model (attached as ``model.autoprec_stream``)."""
+
+    def __init__(self, ckpt: Checkpoint, model: nn.Module, path: str,
+                 blocks: nn.ModuleList) -> None:
+        self.ckpt, self.model, self.path, self.blocks = ckpt, model, path, blocks
+        self.parent_path, _, self.attr = path.rpartition(".")
+        self.parent = model.get_submodule(self.parent_path) if self.parent_path else model
+        self.lower: Lower | None = None  # set while a plan is applied (``lowered``)
+        self._in_shell = False
+        self.loads = 0  # blocks read from the shards (tests, progress)
+        self.on_block: Callable[[int, int], None] | None = None  # progress: (i, n)
+        #: told (old, new) for every parameter replaced by a load or an offload (the op
+        #: recorder knows parameters by object: ``trace.op_recorder``)
+        self.listeners: list[Callable[[torch.Tensor, torch.Tensor], None]] = []
+        self._plain = model.forward
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(self._pre_hook(i))
+            block.register_forward_hook(self._post_hook)
+        model.forward = self._forward  # type: ignore[method-assign]
+
+    # -- loading ------------------------------------------------------------------------
+    def block_path(self, i: int) -> str:
+        return f"{self.path}.{i}"
+
+    def load_block(self, i: int) -> None:
+        block = self.blocks[i]
+        if any(p.device.type == "meta" for p in block.parameters()):
+            with unobserved():
+                self.ckpt.load(block, self.block_path(i), self._swapped)
+            self.loads += 1
+
+    def _pre_hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if not self._in_shell:
+                self.load_block(i)
+                if self.on_block is not None:
+                    self.on_block(i, len(self.blocks))
+        return hook
+
+    def _post_hook(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not self._in_shell:
+            with unobserved():
+                offload(module, self._swapped)
+
+    def _swapped(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        for fn in self.listeners:
+            fn(old, new)
+
+    @property
+    def memory(self) -> StreamMemory:
+        sizes = [(self.ckpt.bytes_under(self.block_path(i)), self.block_path(i))
+                 for i in range(len(self.blocks))]
+        top, where = max(sizes)
+        total = self.ckpt.bytes_under("")
+        return StreamMemory(total - sum(s for s, _ in sizes), where, top, len(self.blocks))
+
+    def weights_hash(self) -> str:
+        """The weights' identity from the checkpoint's headers, sizes and mtimes."""
+        return self.ckpt.fingerprint()
+
+    # -- a plan, block by block ---------------------------------------------------------
+    @contextlib.contextmanager
+    def lowered(self, lower: Lower) -> Iterator[StreamedModel]:
+        """While open, a forward of the model runs block by block, each shell's forward
+        through ``lower`` (``Lower``; module doc)."""
+        if self.lower is not None:
+            raise RuntimeError("a plan is already applied to this streamed model")
+        self.lower = lower
+        try:
+            yield self
+        finally:
+            self.lower = None
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._in_shell or self.lower is None:
+            return self._plain(*args, **kwargs)
+        lower, n = self.lower, len(self.blocks)
+        every = frozenset(self.block_path(j) for j in range(n))
+        h: Any = None
+        try:
+            for i in range(n):
+                block = self.blocks[i]
+                self.load_block(i)
+                if self.on_block is not None:
+                    self.on_block(i, n)
+                shell = nn.ModuleList([Inject(h) for _ in range(i)] + [block])
+                handle = block.register_forward_hook(_stop)
+                try:
+                    h = self._shell_call(shell, lower, every - {self.block_path(i)},
+                                         args, kwargs, stop=True)
+                finally:
+                    handle.remove()
+                    with unobserved():
+                        offload(block, self._swapped)
+            tail = nn.ModuleList([Inject(h) for _ in range(n)])
+            return self._shell_call(tail, lower, every, args, kwargs, stop=False)
+        finally:
+            setattr(self.parent, self.attr, self.blocks)
+
+    def _shell_call(self, shell: nn.ModuleList, lower: Lower, absent: frozenset[str],
+                    args: Any, kwargs: Any, stop: bool) -> Any:
+        stopped: list[Any] = []
+
+        def call() -> Any:
+            try:
+                return self.model(*args, **kwargs)
+            except _Stopped as s:
+                stopped.append(s.output)
+                return None
+
+        setattr(self.parent, self.attr, shell)
+        self._in_shell = True
+        try:
+            out = lower(self.model, absent, call)
+        finally:
+            self._in_shell = False
+            setattr(self.parent, self.attr, self.blocks)
+        if stop:
+            if not stopped:
+                raise ModelFileError(f"{self.ckpt.folder}: the model's forward did not call "
+                                     f"its blocks ({self.path}) in order; it cannot be "
+                                     "streamed")
+            return stopped[0]
+        return out
+
+
+def _stop(module: nn.Module, args: Any, out: Any) -> None:
+    raise _Stopped(out)
+
+
+def open_streamed(folder: str | Path) -> nn.Module:
+    """The causal LM of a checkpoint folder, streamed (module doc): resident parts loaded,
+    blocks on ``meta``, ``model.autoprec_stream`` its ``StreamedModel``."""
+    ckpt = Checkpoint(folder)
+    model = ckpt.skeleton()
+    path, blocks = find_blocks(model)
+    inside = path + "."
+    for name, mod in model.named_modules():
+        if name == path or name.startswith(inside):
+            continue
+        if any(True for _ in mod.parameters(recurse=False)):
+            _load_own(ckpt, mod, name)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    left = [n for n, p in model.named_parameters()
+            if p.device.type == "meta" and not n.startswith(inside)]
+    if left:
+        raise ModelFileError(f"{folder}: the checkpoint holds no tensor {left[0]!r}")
+    model.autoprec_stream = StreamedModel(ckpt, model, path, blocks)
+    return model
+
+
+def _load_own(ckpt: Checkpoint, mod: nn.Module, name: str) -> None:
+    """Load a module's own parameters (not its children's)."""
+    for pname, p in list(mod._parameters.items()):
+        if p is None:
+            continue
+        key = f"{name}.{pname}" if name else pname
+        if key not in ckpt.weight_map:
+            continue
+        for _, value in ckpt._tensors([key]):
+            if tuple(value.shape) != tuple(p.shape):
+                raise ModelFileError(f"{ckpt.folder}: tensor {key!r} has shape "
+                                     f"{tuple(value.shape)}, the config's model "
+                                     f"{tuple(p.shape)}")
+            swap_in(mod, pname, value)
+
+
+def stream_of(model: nn.Module) -> StreamedModel | None:
+    """The model's ``StreamedModel``, or None for a model held in memory."""
+    return getattr(model, "autoprec_stream", None)
+
+
+__all__ = ["Inject", "StreamMemory", "StreamedModel", "find_blocks", "open_streamed",
+           "stream_of"]

@@ -1,0 +1,178 @@
+"""A checkpoint folder streamed block by block computes what the loaded model computes.
+
+A tiny bf16 Llama saved by ``save_pretrained`` in small shards (several files, an index)
+is opened twice: loaded whole by transformers (``from_pretrained``) and streamed by
+autoprec (``stream.open_streamed``: blocks on ``meta`` until they run). Outputs, plans'
+outputs and audits, probe rows and the written policy must be identical, not close.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from autoprec.evaluation.target import resolve_target
+from autoprec.lower.wide16 import scoring_gemms
+from autoprec.policy.schema import Policy
+from autoprec.probe import probe
+from autoprec.stream import find_blocks, open_streamed
+from autoprec.workload.checkpoint_spec import checkpoint_spec
+from autoprec.workload.hashing import weights_hash
+from tests.helpers import run_cli
+
+#: deploy-form plans of a bf16 model: uniform, mixed with an fp8 leaf and fp32 / fp16
+#: islands on a block, and an fp16 default with an fp32 attention.
+PLANS = [
+    Policy(default="bf16", form="deploy"),
+    Policy(default="bf16", form="deploy", layers={"model.layers.1.mlp.down_proj": "fp8",
+                                                  "model.layers.2": "fp32", "lm_head": "fp16"}),
+    Policy(default="fp16", form="deploy", layers={"model.layers.0.self_attn": "fp32",
+                                                  "model.layers.1.mlp": "fp8"}),
+]
+
+
+def write_checkpoint(folder: Path, layers: int = 3, seed: int = 0) -> Path:
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                      max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-llama")
+
+
+def loaded(folder: Path) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model.config.use_cache = False
+    return model
+
+
+def test_checkpoint_is_sharded(ckpt: Path) -> None:
+    shards = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(shards.values())) >= 3
+
+
+def test_plain_forward_is_the_loaded_models(ckpt: Path) -> None:
+    ref, s = loaded(ckpt), open_streamed(ckpt)
+    path, blocks = find_blocks(s)
+    assert path == "model.layers" and len(blocks) == 3
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=x).logits, s(input_ids=x).logits)
+    st = s.autoprec_stream
+    assert st.loads == 3  # each block read once, and back on meta after it ran
+    assert all(p.device.type == "meta" for p in blocks.parameters())
+    assert s.lm_head.weight.device.type == "cpu"  # resident
+    mem = st.memory
+    assert mem.largest_block.startswith("model.layers.") and mem.blocks == 3
+    block = sum(p.numel() * 2 for p in ref.model.layers[0].parameters())
+    assert mem.largest_block_bytes == block
+    assert mem.resident_bytes == sum(p.numel() * 2 for p in ref.parameters()) - 3 * block
+
+
+@pytest.mark.parametrize("plan", range(len(PLANS)))
+def test_plan_streamed_equals_plan_applied(ckpt: Path, plan: int) -> None:
+    pol = PLANS[plan]
+    ref, s = loaded(ckpt), open_streamed(ckpt)
+    target = resolve_target("h100")
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    outs, audits = [], []
+    for m in (ref, s):
+        with torch.no_grad(), scoring_gemms(), target.apply(m, pol):
+            outs.append(m(input_ids=x).logits)
+        with pytest.warns(Warning):  # the hand-written plan has no fingerprint
+            audits.append(target.audit(m, pol, lambda m=m: m(input_ids=x)))
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], ref(input_ids=x).logits) or plan == 0
+    a, b = audits
+    assert a.errors == b.errors == []
+    assert {r.layer: r.to_dict() for r in a.rows} == {r.layer: r.to_dict() for r in b.rows}
+    assert len(a.rows) == len(b.rows) > 20
+    assert all(p.device.type == "meta" for p in s.model.layers.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in s.model.layers.parameters())  # restored
+
+
+def test_probe_rows_identical(ckpt: Path) -> None:
+    spec = checkpoint_spec(ckpt, seq_len=32)
+    batches = spec.calibration_batches()
+    tables = [probe(m, batches, precisions=["fp16", "fp8"], progress=False, e2e="all")
+              for m in (loaded(ckpt), open_streamed(ckpt))]
+    a, b = (t.to_frame() for t in tables)
+    assert len(a) > 20
+    assert a.equals(b)
+
+
+def test_weights_hash_reads_headers_not_weights(ckpt: Path, tmp_path: Path) -> None:
+    s = open_streamed(ckpt)
+    h = weights_hash(s)
+    assert h == weights_hash(open_streamed(ckpt))
+    assert all(p.device.type == "meta" for p in s.model.layers.parameters())
+    other = write_checkpoint(tmp_path / "other", seed=1)
+    assert weights_hash(open_streamed(other)) != h
+    shard = sorted(other.glob("*.safetensors"))[0]
+    before = weights_hash(open_streamed(other))
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    assert weights_hash(open_streamed(other)) != before  # a rewritten shard is new weights
+
+
+def test_block_that_does_not_fit_is_refused_in_one_line(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["tune", ckpt, "--target", "h100", "--no-track",
+                              "--memory-limit", "0.0001", "--out", tmp_path / "p.yaml"], capsys)
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert "largest block (model.layers." in line and "do not fit in 0.00 GB" in line
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_folder_without_config_is_one_line(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_cli(["tune", tmp_path / "empty", "--no-track"], capsys)
+    assert code == 2 and "checkpoint folder (with a config.json)" in err
+
+
+def test_calibration_is_real_text(ckpt: Path) -> None:
+    spec = checkpoint_spec(ckpt)
+    (cal,), (held,) = spec.calibration_batches(), spec.eval_batches()
+    assert cal["input_ids"].shape == (1, 64)
+    text = bytes(int(i) for i in cal["input_ids"][0]).decode("utf-8", "replace")
+    assert "JSON" in text or "json" in text  # json's docstring, bytes mod a 256 vocabulary
+    assert not torch.equal(cal["input_ids"], held["input_ids"])
+
+
+def _without_provenance(path: Path) -> str:
+    """The policy file's text with its provenance block (timestamps, study, versions) cut."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    data.pop("provenance", None)
+    return yaml.safe_dump(data, sort_keys=True)
+
+
+@pytest.mark.slow
+def test_streamed_tune_writes_the_in_memory_policy(ckpt: Path, tmp_path: Path) -> None:
+    import dataclasses
+
+    import autoprec
+
+    spec = checkpoint_spec(ckpt)  # the defaults the folder's own tune uses
+    in_memory = dataclasses.replace(spec, build_model=lambda: loaded(ckpt))
+    opts = {"target": "h100", "max_error": 0.02, "trials": 8, "progress": False}
+    streamed = autoprec.tune(str(ckpt), out=tmp_path / "s" / "p.yaml", **opts)
+    held = autoprec.tune(in_memory, out=tmp_path / "m" / "p.yaml", **opts)
+    a, b = (tmp_path / d / "p.yaml" for d in ("s", "m"))
+    assert _without_provenance(a) == _without_provenance(b)
+    assert "provenance" in a.read_text()
+    assert streamed.policy.layers == held.policy.layers
+    assert streamed.stage_seconds.keys() == held.stage_seconds.keys()
