@@ -42,6 +42,7 @@ from torch import nn
 import autoprec.tuning.prepare as prepare_mod
 import autoprec.tuning.tune as tune_mod
 from autoprec.cost import CostModel, get_profile
+from autoprec.evaluation.target import Target
 from autoprec.policy import Policy
 from autoprec.search import planner as planner_mod
 from autoprec.study.objective import PlanScorer
@@ -139,7 +140,7 @@ def run_one(kind: str, blocks: int, workdir: Path) -> dict[str, Any]:
                    forward=sp.forward)
     stages: list[tuple[Any, str, str]] = [
         (prepare_mod, "trace", "trace"), (prepare_mod, "probe", "probe"),
-        (prepare_mod, "make_cost_model", "cost"), (planner_mod.Planner, "__init__", "planner"),
+        (Target, "plan_cost", "cost"), (planner_mod.Planner, "__init__", "planner"),
         (PlanScorer, "error", "evaluate")]
     t0 = time.perf_counter()
     with _patches(clock, stages):

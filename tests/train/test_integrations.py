@@ -228,16 +228,16 @@ def test_accelerator_with_a_global_autocast_is_refused() -> None:
     setup.remove()
 
 
-def test_the_readmes_accelerate_loop_runs_as_written(capsys) -> None:
+def test_the_documented_accelerate_loop_runs_as_written(capsys) -> None:
     import re
 
     from tests.helpers import ROOT
 
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## Training loops and fp8 training\n")
+    text = (ROOT / "docs" / "training.md").read_text()
+    start = text.index("\n## 4. Training loops and fp8 training\n")
     section = text[start:text.find("\n## ", start + 1)]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    exec(compile(code, "README.md (accelerate loop)", "exec"), {})
+    exec(compile(code, "docs/training.md (accelerate loop)", "exec"), {})
     report = eval(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["steps"] == 2 and report["skipped_steps"] == 0  # 4 micro-batches / 2
     assert report["loss_scale"] == 2.0**16 and report["format_backends"] == {}
