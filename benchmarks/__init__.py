@@ -2,5 +2,6 @@
 
 Run each from the repository root as a module (``python -m benchmarks.deploy_form
 --help``); ``benchmarks.common`` is their one way to find and load the examples.
-tests/benchmarks/test_smoke.py runs each at a toy size.
+``benchmarks.registry`` is the suite (``python -m benchmarks list``);
+tests/benchmarks/test_smoke.py runs each at its toy size.
 """

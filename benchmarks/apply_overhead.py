@@ -1,4 +1,4 @@
-"""What applying a policy costs over what a user would write instead (issue 13).
+"""What applying a policy costs over what a user would write instead.
 
 Issue 13 asks: "A uniform policy (``default: fp16``, no rules) costs <= 1.03x one global
 autocast (benchmark on CPU thread time now, on GPU when lent)". This measures exactly that

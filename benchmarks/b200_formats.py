@@ -1,4 +1,4 @@
-"""Tune for a B200 with block-scaled formats in the search (issue 17), and set the tuned
+"""Tune for a B200 with block-scaled formats in the search, and set the tuned
 plan beside the uniform choices a user has, all priced by the same cost model.
 
 For each model: ``tune(target="b200")`` over fp32/tf32/bf16/fp16/fp8/mxfp8/nvfp4, then, on

@@ -1,4 +1,4 @@
-"""Per-layer error of per-tensor fp8 vs MXFP8 vs NVFP4 (emulated), issue 17.
+"""Per-layer error of per-tensor fp8 vs MXFP8 vs NVFP4 (emulated).
 
 For every Linear layer of (a) ``examples/wide`` (2048-wide MLP, random init, inputs
 with outlier channels) and (b) real all-MiniLM-L6-v2 (``examples/minilm``), over the

@@ -1,4 +1,4 @@
-"""Tuned for the CPU at hand, measured on it: tuned vs fp32 vs one CPU autocast (issue 21).
+"""Tuned for the CPU at hand, measured on it: tuned vs fp32 vs one CPU autocast.
 
 For each model, ``autoprec.tuning.tune.tune(..., target="cpu")`` as a user runs it: the
 ``cpu`` profile is calibrated on this machine first (micro-benchmarks, cached per machine:

@@ -1,4 +1,4 @@
-"""Is the CPU estimate right? Every timed row of a tune, estimated vs measured (issue 29).
+"""Is the CPU estimate right? Every timed row of a tune, estimated vs measured.
 
 For each example model (examples/) that runs on a CPU, eager and ``--compile``, this runs
 ``autoprec.tuning.tune.tune(..., target="cpu")`` as a user runs it: the ``cpu`` profile

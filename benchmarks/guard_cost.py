@@ -1,4 +1,4 @@
-"""What the run-time guard (apply.guard, issue 32) costs, and what it does on mixed8.
+"""What the run-time guard (apply.guard) costs, and what it does on mixed8.
 
 **Cost.** examples/minilm and examples/wide, deployed (``form: deploy``), with and
 without the guard, eager and compiled (inductor), on this CPU:

@@ -1,5 +1,5 @@
 """Tune every experiment model for its budgets and targets, and set each tuned policy beside
-what a user would do instead: one line of ``torch.autocast`` (issues 10, 13).
+what a user would do instead: one line of ``torch.autocast``.
 
 For each model x target x budget below, ``autoprec.tuning.tune.tune`` finds a plan at a
 deployment batch size where lowering matters on a GPU, and writes the compact policy to

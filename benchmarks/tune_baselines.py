@@ -1,4 +1,4 @@
-"""How does ``autoprec tune`` compare with the searches other tools use? (issues 6, 14)
+"""How does ``autoprec tune`` compare with the searches other tools use?
 
 For each model and error budget (max relative L2 error of the outputs), at a deployment
 batch size where lowering matters (estimated on the h100 profile), this reports the

@@ -1,11 +1,7 @@
 """Every benchmark runs end to end at a toy size, as a user runs it (``python -m
-benchmarks.NAME``), prints its table, and writes nothing into the checkout.
-
-The benchmarks tested elsewhere at toy size: gpu_latency, cost_model_cpu and apply_overhead
-(tests/cost/test_cost_experiments.py), gpu_policies, tune_baselines and tune_depth's fit
-(tests/benchmarks/), train_digits (tests/train/test_train_digits.py), export_sizes
-(tests/export/test_export_sizes.py). Not here: b200_formats (it writes its policies into
-policies/ by design)."""
+benchmarks.NAME``), prints its table, and writes nothing into the checkout; every script in
+benchmarks/ is in the suite's registry (``benchmarks/registry.py``), with its toy size or
+the reason it has none."""
 
 from __future__ import annotations
 
@@ -15,36 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.registry import BENCHMARKS, GROUPS, SUPPORT
 from tests.helpers import ROOT, cli_env
 
-#: benchmark -> its toy-size arguments ({tmp}: a temporary folder) and a line it prints
-SMOKE: dict[str, tuple[list[str], str]] = {
-    "blockscale_error": (["--models", "trap", "--out", "{tmp}/blockscale_error.md"], "| "),
-    "every_rule_runs": (["--out", "{tmp}"], "| "),
-    "probe_correlation": (["--models", "mlp"], "rho est"),
-    "compile_cost": (["--smoke", "--models", "mixed8"], "| "),
-    "estimate_accuracy": (["--models", "trap", "--modes", "eager", "--trials", "2"], "| "),
-    "cpu_measured": (["--models", "mixed8", "--trials", "2", "--out", "{tmp}"], "| "),
-    "run_all": (["--quick", "--models", "trap", "--trials", "2", "--out-dir", "{tmp}/out",
-                 "--policies", "{tmp}/policies", "--cache-dir", "{tmp}/cache"], "| "),
-    "tune_depth": (["--blocks", "1", "--budgets", "0.01"], "| "),
-    "vision_zoo": (["--only", "torchvision ResNet-18", "--trials", "2"], "| "),
-    "deploy_form": (["--part", "h100", "--trials", "2", "--out", "{tmp}"], "| "),
-    "compile_winners": (["--models", "mixed8", "--trials", "2", "--rounds", "1", "--inner",
-                         "1"], "| "),
-    "tune_size": (["--llama", "2", "--no-gpt2"], "| "),
-    "guard_cost": (["--smoke"], "| "),
-    "loss_parity": (["--policy", "benchmarks/results/minilm_mlm-h100-train.yaml", "--steps",
-                     "2", "--rows", "2", "--seq-len", "16", "--eval-every", "1", "--out",
-                     "{tmp}"], "| "),
-}
-#: exit 1 is a verdict, not a crash: the estimates missed their 20 % on this run (a loaded
-#: machine); the table is printed either way
-VERDICT_EXIT = {"estimate_accuracy"}
-#: the two that tune several examples even at toy size (minutes on a loaded 2-core machine)
-LONG = {"deploy_form": 2400, "compile_winners": 2400}
-#: what a benchmark needs beyond autoprec's dev extra
-NEEDS = {"vision_zoo": "torchvision"}
+SMOKE = {name: b for name, b in BENCHMARKS.items() if b.toy is not None}
 
 
 def _status() -> str:
@@ -54,20 +24,39 @@ def _status() -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.timeout(LONG.get(n, 900))) for n in sorted(SMOKE)])
+    pytest.param(n, marks=pytest.mark.timeout(b.timeout_s)) for n, b in sorted(SMOKE.items())])
 def test_the_benchmark_runs_at_toy_size(name: str, tmp_path: Path) -> None:
-    if name in NEEDS:
-        pytest.importorskip(NEEDS[name], reason=f"{name} needs {NEEDS[name]}")
-    args, printed = SMOKE[name]
+    bench = SMOKE[name]
+    if bench.needs:
+        pytest.importorskip(bench.needs, reason=f"{name} needs {bench.needs}")
     before = _status()
     run = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{name}",
-         *(a.replace("{tmp}", str(tmp_path)) for a in args)],
-        cwd=ROOT, env=cli_env(), capture_output=True, text=True,
-        timeout=LONG.get(name, 900))
-    assert run.returncode in ((0, 1) if name in VERDICT_EXIT else (0,)), run.stderr[-3000:]
-    assert printed in run.stdout
+         *(a.replace("{tmp}", str(tmp_path)) for a in bench.toy or [])],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=bench.timeout_s)
+    assert run.returncode in ((0, 1) if bench.verdict_exit else (0,)), run.stderr[-3000:]
+    assert bench.prints in run.stdout
     assert _status() == before, f"{name} wrote into the checkout"
+
+
+def test_every_script_is_in_the_suite() -> None:
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - SUPPORT
+    assert scripts - set(BENCHMARKS) == set(), "add these to benchmarks/registry.py"
+    assert set(BENCHMARKS) - scripts == set(), "registered, but no such script"
+    for name, b in BENCHMARKS.items():
+        assert b.group in GROUPS, name
+        assert (b.toy is None) == bool(b.untested_because), name
+
+
+def test_the_suite_lists_and_refuses_an_unknown_name() -> None:
+    listed = subprocess.run([sys.executable, "-m", "benchmarks", "list"], cwd=ROOT,
+                            env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert all(f"  {name} " in listed.stdout for name in BENCHMARKS)
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "run", "nope"], cwd=ROOT,
+                         env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().startswith("benchmarks: unknown benchmark 'nope'; known: ")
 
 
 def test_an_unknown_example_is_refused_in_one_line() -> None:
