@@ -29,7 +29,7 @@ _EXPORTS = {
     "tune": "api",
     "TuneConfig": "tuning.config",
     "TuneResult": "tuning.write",
-    "Target": "evaluation.target",
+    "Target": "pricing.target",
     "check": "api",
     "CheckResult": "evaluation.check",
     "evaluate": "api",
@@ -54,8 +54,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.errors import AutoprecError
     from autoprec.evaluation.check import CheckResult
     from autoprec.evaluation.eval_report import Evaluation
-    from autoprec.evaluation.target import Target
     from autoprec.policy import Policy, load_policy
+    from autoprec.pricing.target import Target
     from autoprec.probe import SensitivityTable
     from autoprec.probe import probe as probe_model
     from autoprec.trace import trace as trace_model

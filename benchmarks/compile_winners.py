@@ -37,8 +37,8 @@ import torch
 
 from autoprec.apply.apply import apply_policy
 from autoprec.cost import CostModel, get_profile
-from autoprec.evaluation.speed_source import calibrate_here
 from autoprec.policy import Policy, PolicyWarning
+from autoprec.pricing.speed_source import calibrate_here
 from autoprec.trace import trace
 from autoprec.tuning.tune import tune
 from autoprec.workload.loading import load_model_file

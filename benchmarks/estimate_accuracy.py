@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from autoprec.device.capability import cpu_facts, cpu_flags
-from autoprec.evaluation.speed_source import speed_source
+from autoprec.pricing.speed_source import speed_source
 from autoprec.tuning.tune import tune
 from benchmarks.common import RESULTS, example
 

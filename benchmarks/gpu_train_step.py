@@ -287,7 +287,7 @@ def calibrate_device(device: torch.device, out_dir: Path) -> str:
     import json
 
     from autoprec.cost import get_profile
-    from autoprec.evaluation.speed_source import calibrate_here
+    from autoprec.pricing.speed_source import calibrate_here
 
     t0 = time.perf_counter()
     fit = calibrate_here(get_profile(target_of(device)), str(device))

@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from autoprec.apply.apply import apply_policy
-from autoprec.evaluation.target import resolve_target
 from autoprec.evaluation.timing import step_timer
 from autoprec.measure import (
     live_bytes,
@@ -51,6 +50,7 @@ from autoprec.measure import (
     uses_fp16,
 )
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
+from autoprec.pricing.target import resolve_target
 from autoprec.trace import trace
 from autoprec.workload.loading import load_model_file
 

@@ -42,8 +42,8 @@ from torch import nn
 import autoprec.tuning.prepare as prepare_mod
 import autoprec.tuning.tune as tune_mod
 from autoprec.cost import CostModel, get_profile
-from autoprec.evaluation.target import Target
 from autoprec.policy import Policy
+from autoprec.pricing.target import Target
 from autoprec.search import planner as planner_mod
 from autoprec.study.objective import PlanScorer
 from autoprec.workload.loading import ModelSpec

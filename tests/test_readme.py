@@ -212,7 +212,7 @@ def test_the_results_links_reach_the_moved_sections() -> None:
 def test_the_readme_says_where_the_caches_and_the_report_go() -> None:
     """The paths the first command writes, as the code names them (the README said the
     calibration cache was `.autoprec/calibration/`; it is beside the policy)."""
-    from autoprec.evaluation.speed_source import calibration_dir
+    from autoprec.pricing.speed_source import calibration_dir
 
     out = Path("quickstart/mixed8-h100.yaml")
     assert calibration_dir(out).as_posix() == "quickstart/.autoprec/calibration"

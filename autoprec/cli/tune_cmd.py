@@ -79,8 +79,8 @@ def tune_cmd(
     target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile
-            from autoprec.evaluation.speed_source import calibration_dir
-            from autoprec.evaluation.target import resolve_target
+            from autoprec.pricing.speed_source import calibration_dir
+            from autoprec.pricing.target import resolve_target
 
             resolve_target(cfg.target, compile=cfg.compile, form=cfg.form, measure=True,
                            cache_dir=calibration_dir(cfg.out, cfg.cache_dir))

@@ -1,7 +1,7 @@
 """How a policy is judged on a target: what ``tune``, ``check`` and ``eval`` share.
 
-One ``Target`` (``target``: name, mode, form, fp8 backend, batch size, speed source,
-capability) is resolved once and handed to every step. A policy is scored, audited and
+One ``Target`` (``autoprec.pricing.target``: name, mode, form, fp8 backend, batch size,
+speed source, capability) is resolved once and handed to every step. A policy is scored, audited and
 priced on it (``assess``), shown beside what a user writes instead (``baselines``, the
 ``rows`` of the table), timed where the target is this machine (``timing``, with the
 profile from ``speed_source``), and the plan to write is chosen by one function

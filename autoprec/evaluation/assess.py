@@ -1,7 +1,7 @@
 """The one evaluation pipeline of a policy on a target: score, audit, price, baselines, time.
 
 tune's confirmation, ``check`` (the gate) and ``eval`` (the report) judge plans the same
-way, through these steps on one resolved ``Target`` (``evaluation.target``: it applies and
+way, through these steps on one resolved ``Target`` (``pricing.target``: it applies and
 audits every policy, ``Target.apply`` / ``Target.audit``, and prices it,
 ``Target.cost_model``), and differ only in what they conclude:
 
@@ -36,14 +36,14 @@ import torch
 from autoprec.apply.audit import AuditReport
 from autoprec.cost import Breakdown
 from autoprec.evaluation.decision import Timing, decide
+from autoprec.evaluation.headroom import Headroom, measure_headroom
 from autoprec.evaluation.rows import Row, Timer
 from autoprec.evaluation.speed_check import SpeedCheck
-from autoprec.evaluation.target import Target
 from autoprec.evaluation.timing import measure_rows
 from autoprec.fused import fused_paths_off
 from autoprec.policy import Policy
 from autoprec.policy.modules import Resolved, gemm_leaf_paths
-from autoprec.probe.headroom import Headroom, measure_headroom
+from autoprec.pricing.target import Target
 from autoprec.trace import LayerGraph, trace
 from autoprec.workload.loading import ModelSpec
 from autoprec.workload.metrics import batch_size_of
@@ -98,7 +98,7 @@ def assess(spec: ModelSpec, net: torch.nn.Module, policy: Policy, *, target: Tar
            force: bool = False, capture_warnings: bool = False) -> Assessment:
     """Score, audit and price ``policy`` on ``net`` (built from ``spec``) for ``target``.
 
-    ``target``: the run's one resolved target (``evaluation.target.resolve_target``): the
+    ``target``: the run's one resolved target (``pricing.target.resolve_target``): the
     policy applied as it runs there (its fp8 backend), and its cost model prices the plan
     as tune does (on a local CPU, with the model's ops timed here), in its mode.
     The deployment batch is the target's (``Target.deploy_batch``: given, the policy's,

@@ -42,11 +42,11 @@ from autoprec.evaluation.json_fields import (
     reasons_json,
     speedup,
 )
-from autoprec.evaluation.target import Target, resolve_target
 from autoprec.formats.precisions import FORMATS, PRECISIONS
 from autoprec.fused import fused_paths_off
 from autoprec.io.validate import DEFAULT_MAX_ERROR, check_batch_size
 from autoprec.policy import Policy, gemm_leaf_paths, load_policy
+from autoprec.pricing.target import Target, resolve_target
 from autoprec.trace.graph import fingerprint
 from autoprec.workload.checkpoint_spec import load_model
 from autoprec.workload.loading import ModelSpec

@@ -24,9 +24,9 @@ from autoprec.evaluation.json_fields import (
     speedup,
     verdict_reasons,
 )
-from autoprec.evaluation.target import resolve_target
 from autoprec.io.validate import check_batch_size
 from autoprec.policy import Policy, load_policy
+from autoprec.pricing.target import resolve_target
 from autoprec.workload.checkpoint_spec import load_model
 from autoprec.workload.loading import ModelSpec
 

@@ -37,8 +37,8 @@ from autoprec.evaluation.decision import (
     keep_slower,
 )
 from autoprec.evaluation.rows import Row, Timer, fill_measured
-from autoprec.evaluation.target import Target
 from autoprec.policy import Policy, PolicyWarning
+from autoprec.pricing.target import Target
 
 #: Rounds of the interleaved timing: at least, at most (more while the best two overlap).
 MIN_ROUNDS, MAX_ROUNDS = 7, 21

@@ -46,7 +46,7 @@ class Policy:
     #: ``form:`` means this, as it did before the deploy form existed)
     form: str = LEGACY_FORM
     #: whether the file wrote ``form:`` (False: a file from before the deploy form, read as
-    #: "train"; its speed figures are the forward's, and ``evaluation.target`` prices it so)
+    #: "train"; its speed figures are the forward's, and ``pricing.target`` prices it so)
     form_written: bool = field(default=True, compare=False, repr=False)
     #: the run-time check of a deployed plan (``policy.guard_spec``; absent: off); a mode
     #: name or a mapping is accepted here and parsed into a GuardSpec

@@ -146,8 +146,8 @@ def probe(
         isinstance(x, (tuple, list)) else x for x in e2e], "layers": list(layers or []),
         "budget": budget, "fp8_backend": fp8_backend, "loss_scale": loss_scale,
         "probes": probes, "seed": seed, "e2e_limit": e2e_limit,
-        "underflow_limit": underflow_limit, "split": split, "forward": cache.code_hash(forward),
-        "loss": cache.code_hash(loss), "metric": cache.code_hash(metric),
+        "underflow_limit": underflow_limit, "split": split, "forward": cache.function_hash(forward),
+        "loss": cache.function_hash(loss), "metric": cache.function_hash(metric),
         # the rows are cached judged: a change of the gradient rule is a new key
         "grad_rule": [2, GRAD_FLUSH_LIMIT, GRAD_ERROR_LIMIT, GRAD_NOTE_FROM],
     }

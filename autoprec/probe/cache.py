@@ -30,7 +30,7 @@ from autoprec.trace.graph import fingerprint
 from autoprec.workload.hashing import data_hash, function_code, module_code_hash, weights_hash
 
 
-def code_hash(fn: Callable[..., Any] | None) -> str:
+def function_hash(fn: Callable[..., Any] | None) -> str:
     """Identity of a user function: its qualified name and source (None -> "")."""
     if fn is None:
         return ""

@@ -40,16 +40,27 @@ def dedupe(cands: Sequence[Candidate]) -> list[Candidate]:
     return list(seen.values())
 
 
+def front_positions(errors: Sequence[float], speedups: Sequence[float]) -> list[int]:
+    """Positions of the non-dominated points (lower error, higher speed-up), by error.
+
+    A point is on the front when no other point has an error at most as large and a
+    strictly larger speed-up (or an equal speed-up and a strictly smaller error).
+    """
+    order = sorted(range(len(errors)), key=lambda i: (errors[i], -speedups[i]))
+    front: list[int] = []
+    best = -math.inf
+    for i in order:
+        if speedups[i] > best:
+            front.append(i)
+            best = speedups[i]
+    return front
+
+
 def pareto_front(cands: Sequence[Candidate]) -> list[Candidate]:
     """Non-dominated candidates on (error, est_time), fastest first."""
-    pts = sorted(dedupe(cands), key=lambda c: (c.calib.est_time, c.calib.error))
-    front: list[Candidate] = []
-    best_err = math.inf
-    for c in pts:
-        if c.calib.error < best_err:
-            front.append(c)
-            best_err = c.calib.error
-    return front
+    pts = dedupe(cands)
+    pos = front_positions([c.calib.error for c in pts], [-c.calib.est_time for c in pts])
+    return [pts[i] for i in reversed(pos)]
 
 
 def choose(cands: Sequence[Candidate], *, budget: float, min_speedup: float | None
@@ -59,4 +70,4 @@ def choose(cands: Sequence[Candidate], *, budget: float, min_speedup: float | No
     return by_estimate(dedupe(cands), budget=budget, min_speedup=min_speedup)
 
 
-__all__ = ["Candidate", "choose", "closeness", "dedupe", "pareto_front"]
+__all__ = ["Candidate", "choose", "closeness", "dedupe", "front_positions", "pareto_front"]

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from autoprec.evaluation.target import Target
 from autoprec.policy import Policy
 from autoprec.policy.build import policy_for
+from autoprec.pricing.target import Target
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.plan_score import PlanScore
 from autoprec.search.planner import PlanSpace

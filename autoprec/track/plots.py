@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from autoprec.formats.gemm import GEMM_FORMAT_BY_NAME
+from autoprec.search.select import front_positions
 
 #: One colour per precision (most to least precise, as autoprec.formats.precisions.PRECISIONS).
 PRECISION_COLORS: dict[str, str] = {
@@ -48,22 +49,6 @@ def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", bbox_inches="tight")
     return path
-
-
-def pareto_front(errors: Sequence[float], speedups: Sequence[float]) -> list[int]:
-    """Positions of the non-dominated points (lower error, higher speed-up), by error.
-
-    A point is on the front when no other point has an error at most as large and a
-    strictly larger speed-up (or an equal speed-up and a strictly smaller error).
-    """
-    order = sorted(range(len(errors)), key=lambda i: (errors[i], -speedups[i]))
-    front: list[int] = []
-    best = -math.inf
-    for i in order:
-        if speedups[i] > best:
-            front.append(i)
-            best = speedups[i]
-    return front
 
 
 def _completed(trials: pd.DataFrame) -> pd.DataFrame:
@@ -134,7 +119,7 @@ def pareto_data(
         ok = np.isfinite(errs) & np.isfinite(spds)
         errs, spds = errs[ok], spds[ok]
         data.priced_total = int(errs.size)
-        # pareto_front's rule, vectorised (an enumeration prices up to 2 M plans)
+        # front_positions' rule, vectorised (an enumeration prices up to 2 M plans)
         order = np.lexsort((-spds, errs))
         best = np.maximum.accumulate(spds[order])
         new_best = np.concatenate([[True], best[1:] > best[:-1]]) if order.size else order
@@ -163,7 +148,7 @@ def pareto_data(
                 continue
             (data.feasible if feasible[i] else data.infeasible).append((e, s))
         drawn = [*data.feasible, *data.infeasible]
-        front = pareto_front([e for e, _ in drawn], [s for _, s in drawn])
+        front = front_positions([e for e, _ in drawn], [s for _, s in drawn])
         data.measured_front = [drawn[i] for i in front]
         if chosen_trial is not None and "number" in df.columns:
             row = df[df["number"] == chosen_trial]

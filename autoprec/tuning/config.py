@@ -196,7 +196,7 @@ class TuneConfig:
     @property
     def mode(self) -> str:
         """The deployment mode plans are priced for: "compile" or "eager"."""
-        from autoprec.evaluation.target import mode_of
+        from autoprec.pricing.target import mode_of
 
         return mode_of(self.compile)
 

@@ -16,12 +16,12 @@ import torch
 
 from autoprec.cost import CostModel
 from autoprec.errors import InputError
-from autoprec.evaluation.speed_source import calibration_dir
-from autoprec.evaluation.target import Target, resolve_target
 from autoprec.formats.gemm import is_forward_only
 from autoprec.formats.precisions import PRECISIONS
 from autoprec.io.paths import check_out_path
 from autoprec.io.validate import check_out_not_input
+from autoprec.pricing.speed_source import calibration_dir
+from autoprec.pricing.target import Target, resolve_target
 from autoprec.probe import probe
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
 from autoprec.trace import trace

@@ -217,10 +217,10 @@ def _note_headroom(prep: Prepared, policy: Policy) -> None:
     """The winner's headroom (probe.headroom: one fp32 pass over the calibration data):
     ``metrics.min_headroom`` (and its layer), and a reason for each layer under
     NOTE_BELOW — what a reviewer reads before choosing ``guard`` layers."""
+    from autoprec.evaluation.headroom import NOTE_BELOW, measure_headroom, smallest
     from autoprec.fused import fused_paths_off
     from autoprec.plan import compile_plan
     from autoprec.policy import gemm_leaf_paths
-    from autoprec.probe.headroom import NOTE_BELOW, measure_headroom, smallest
 
     res = compile_plan(policy, prep.net).resolution()
     with fused_paths_off():

@@ -161,8 +161,8 @@ def test_weight_gradients_cast_to_their_masters_are_priced_at_the_timed_casts(mo
 def test_a_local_cpu_target_times_the_optimizer_with_the_ops(tmp_path) -> None:  # noqa: ANN001
     """The target's cost model of a training step on this CPU (``SpeedSource.cost_model``)
     times the optimizer beside the op and gradient timings, caches it, and prices it."""
-    from autoprec.evaluation.speed_source import SpeedSource
     from autoprec.measure import this_machine
+    from autoprec.pricing.speed_source import SpeedSource
 
     model = TiedLM().eval()
     graph = trace(model, torch.randint(0, 50, (2, 8)), tracers=("hooks",))

@@ -9,8 +9,8 @@ import torch
 
 from autoprec.evaluation.assess import time_rows
 from autoprec.evaluation.rows import Row
-from autoprec.evaluation.target import resolve_target
 from autoprec.policy import Policy
+from autoprec.pricing.target import resolve_target
 
 
 def test_the_target_carries_name_mode_form_and_backend(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from autoprec.evaluation.target import resolve_target
 from autoprec.policy import Policy
+from autoprec.pricing.target import resolve_target
 
 BASE = {"autoprec_policy": 1, "default": "bf16", "target": "h100"}
 

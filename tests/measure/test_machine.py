@@ -11,7 +11,6 @@ import torch
 
 from autoprec.cost import Calibration, get_profile
 from autoprec.errors import InputError
-from autoprec.evaluation.speed_source import speed_source
 from autoprec.measure import measure_interleaved
 from autoprec.measure.machine import (
     cached_calibration,
@@ -20,6 +19,7 @@ from autoprec.measure.machine import (
     this_machine,
     timing_threads,
 )
+from autoprec.pricing.speed_source import speed_source
 
 
 def test_the_cpu_target_is_local_and_a_gpu_profile_is_not_on_a_cpu_machine():

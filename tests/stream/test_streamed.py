@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from autoprec.evaluation.target import resolve_target
 from autoprec.lower.wide16 import scoring_gemms
 from autoprec.policy.schema import Policy
+from autoprec.pricing.target import resolve_target
 from autoprec.probe import probe
 from autoprec.stream import find_blocks, open_streamed
 from autoprec.workload.checkpoint_spec import checkpoint_spec

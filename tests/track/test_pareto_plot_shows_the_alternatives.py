@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 
 import autoprec
+from autoprec.search.select import front_positions
 from autoprec.track.plots import (
     MAX_PRICED_POINTS,
     pareto_data,
     pareto_figure,
-    pareto_front,
     pareto_plot,
 )
 from tests.helpers import TRAP
@@ -41,7 +41,7 @@ def test_pareto_data_holds_priced_measured_baselines_budget_and_chosen() -> None
     assert d.priced_total == 19_999
     assert len(d.priced) == MAX_PRICED_POINTS  # sampled; the front is kept whole
     keep = np.isfinite(errs)
-    want = pareto_front(errs[keep].tolist(), spds[keep].tolist())
+    want = front_positions(errs[keep].tolist(), spds[keep].tolist())
     assert d.priced_front == [(float(errs[keep][i]), float(spds[keep][i])) for i in want]
     assert d.feasible == [(0.004, 1.8)] and d.infeasible == [(0.02, 2.1)]
     assert [b[0] for b in d.baselines] == ["fp32", "one global bf16", "one global fp16"]
@@ -61,7 +61,7 @@ def test_pareto_plot_draws_every_series(tmp_path: Path) -> None:
     got = series(pareto_figure(_trials(), **kwargs))
     priced = list(zip(errs.tolist(), spds.tolist()))
     assert sorted(got.pop("priced plans (500, predicted error)")) == sorted(priced)  # all 500
-    assert got.pop("priced front") == [priced[i] for i in pareto_front(*zip(*priced))]
+    assert got.pop("priced front") == [priced[i] for i in front_positions(*zip(*priced))]
     edge = max(errs.max(), 0.02) * 1.5  # right of every finite error (0.02: trial 1's)
     assert got == {
         "measured, feasible (1)": [(0.004, 1.8)],  # trial 0; trial 2 was pruned

@@ -13,6 +13,7 @@ import matplotlib.image
 import pandas as pd
 import pytest
 
+from autoprec.search.select import front_positions
 from autoprec.track import Tracker, TrackingWarning, log_tune_artifacts, write_tune_report
 from autoprec.track.plots import (
     PRECISION_COLORS,
@@ -21,7 +22,6 @@ from autoprec.track.plots import (
     layers_figure,
     layers_plot,
     pareto_figure,
-    pareto_front,
     pareto_plot,
 )
 from tests.track.figures import bars, legend, series, texts
@@ -75,14 +75,14 @@ def trials_frame(n: int = 6) -> pd.DataFrame:
 def test_pareto_front_keeps_only_non_dominated_points() -> None:
     errors = [0.1, 0.05, 0.2, 0.05, 0.3, 0.01]
     speedups = [2.0, 1.5, 1.9, 1.2, 3.0, 1.0]
-    front = pareto_front(errors, speedups)
+    front = front_positions(errors, speedups)
     assert [(errors[i], speedups[i]) for i in front] == [
         (0.01, 1.0),
         (0.05, 1.5),
         (0.1, 2.0),
         (0.3, 3.0),
     ]
-    assert pareto_front([], []) == []
+    assert front_positions([], []) == []
 
 
 @pytest.mark.parametrize(

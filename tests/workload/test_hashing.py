@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from autoprec.probe.cache import code_hash as function_hash
+from autoprec.probe.cache import function_hash
 from autoprec.workload.hashing import HASHED_AS, function_code
 from autoprec.workload.loading import default_forward
 

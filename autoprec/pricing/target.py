@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.device.targets import DEFAULT_TARGET, device_type, named_target
-from autoprec.evaluation.speed_source import SpeedSource, calibration_dir, speed_source
+from autoprec.pricing.speed_source import SpeedSource, calibration_dir, speed_source
 from autoprec.workload.metrics import batch_size_of
 
 
