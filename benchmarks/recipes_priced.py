@@ -16,10 +16,11 @@ what ``TrainingArguments(bf16=True)`` runs), and every recipe of
 ``autoprec.evaluation.recipes`` the profile can run (``recipe_plans``: torchtitan's MXFP8 and
 NVFP4 with and without the bf16 tail, Megatron's first/last bf16 with fp8 or MXFP8 between,
 torchao's auto filter, fp8 everywhere). Printed per plan: the step, its ratio to bf16
-autocast (eager and compiled), where the time goes — GEMMs (fprop + dgrad + wgrad),
-casts + quantisation (autocast's casts, the formats' scaling passes), the rest (norms,
-activations, attention's and the loss's memory-bound kernels, the optimizer) — and the
-measured ratio where a library published one.
+autocast (eager and compiled), where the time goes — GEMMs (fprop + dgrad + wgrad: the
+Linears' and fused attention's), casts + quantisation (autocast's casts, the formats'
+scaling passes), the rest (norms, activations, RoPE, residual adds, the loss, the
+optimizer) — and the measured ratio where a library published one; for the measured runs,
+their step time against the priced one.
 
     .venv/bin/python -m benchmarks.recipes_priced [--models llama3-8b,llama3-70b] [--out FILE.md]
     .venv/bin/python -m benchmarks.recipes_priced --toy   # a 4-block, 256-wide smoke run
@@ -224,9 +225,10 @@ def main() -> None:
            f"{date.today()}, commit {commit or 'unknown'}; traced shape-only on {cpu_name()}, "
            f"torch {torch.__version__}; priced on the stored device profiles (dense datasheet "
            "peaks, `autoprec/cost/devices.yaml`), fused AdamW. Ratios are bf16 autocast's step "
-           "time over the plan's (higher is faster). GEMM = fprop + dgrad + wgrad; "
-           "casts+quant = autocast's casts and the formats' scaling passes; other = norms, "
-           "activations, attention's and the loss's memory-bound kernels, the optimizer.", "",
+           "time over the plan's (higher is faster). GEMM = fprop + dgrad + wgrad (the Linears' "
+           "GEMMs and fused attention); casts+quant = autocast's casts and the formats' "
+           "scaling passes; other = norms, activations, RoPE, residual adds, the loss over "
+           "the fp32 logits, the optimizer.", "",
            f"Measured: {SOURCES}.", ""]
     print("\n".join(out), flush=True)
     for key in keys:
