@@ -195,3 +195,17 @@ def test_the_tuned_plan_is_written_only_when_it_beats_the_best_recipe() -> None:
     assert decide(rows, t, trains=True).winner.name == "megatron"
     rows[1].est_speedup = 1.3  # a faster one-liner within budget: the other rules decide
     assert recipe_instead(rows) is None
+
+
+def test_priced_in_the_order_torchtitan_measured() -> None:
+    # Llama-3 8B's widths, 8 blocks (the tail keeps 2), 16 x 2048 tokens: GEMM-bound, as
+    # torchtitan's runs (bf16 < MXFP8 < NVFP4 + tail < NVFP4 everywhere on B200 tokens/s)
+    model, graph = _meta_llama(8, hidden=4096, inter=14336, heads=32, vocab=1024)
+    plans = {p.recipe.key: p.policy for p in recipe_plans(model, graph)}
+    for dev, order in (("b200", ("bf16", "mxfp8", "nvfp4-tail", "nvfp4")),
+                       ("h100", ("bf16", "megatron-first-last", "fp8"))):
+        cost = CostModel(graph, get_profile(dev), 2048, step=StepPart())
+        step = {k: cost.estimate(Policy(default="bf16", form="train") if k == "bf16"
+                                 else plans[k]) for k in order}
+        assert [step[k] for k in order] == sorted(step.values(), reverse=True), (dev, step)
+        assert step["bf16"] / step[order[-1]] < 2.0  # casts, quantisation, the rest stay
