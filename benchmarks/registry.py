@@ -99,6 +99,11 @@ BENCHMARKS: dict[str, Benchmark] = {
                              ["--policy", "benchmarks/results/minilm_mlm-h100-train.yaml",
                               "--steps", "2", "--rows", "2", "--seq-len", "16",
                               "--eval-every", "1", "--out", "{tmp}"]),
+    "recipes_priced": Benchmark("train", "the fixed training recipes (torchtitan MXFP8 / NVFP4 "
+                                "+ bf16 tail, Megatron first/last bf16, torchao's auto filter) "
+                                "priced as steps on Llama-3 8B and 70B (shape-only), H100 and "
+                                "B200, beside torchtitan's measured ratios", ["--toy"],
+                                prints="| nvfp4 + bf16 tail (torchtitan) | "),
     # -- tune -------------------------------------------------------------------------------
     "tune_baselines": Benchmark("tune", "tune against greedy, bisection, random search and "
                                 "the exhaustive optimum", untested_because=_ELSEWHERE),

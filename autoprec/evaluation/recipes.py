@@ -11,7 +11,10 @@ Each recipe is a rule chosen by hand, read from its library's source or docs:
   ``torchtitan/components/quantization/mx.py``);
 - ``nvfp4`` everywhere: every eligible Linear but the LM head — torchtitan's NVFP4
   converter: "The LM head must be excluded" (its vocabulary is not a multiple of 128;
-  ``torchtitan/components/quantization/nvfp4.py``);
+  ``torchtitan/components/quantization/nvfp4.py``). torchao's NVFP4 training kernels tile
+  every GEMM dimension by 128 (``_NVFP4_GEMM_ALIGNMENT = 128``; ``NVFP4Linear.Config``
+  refuses other widths), so a Linear whose in or out features are not multiples of 128
+  stays bf16 in both NVFP4 recipes (NVFP4's own 16-element block would allow it);
 - ``nvfp4 + bf16 tail``: NVFP4 in the leading blocks, the last ``ceil(0.15 L)`` blocks and
   the LM head in bf16 — torchtitan's ``llama3_8b_nvfp4_mixed`` ("layers 0-26 use NVFP4 and
   layers 27-31 remain bf16" for L = 32; ``nvfp4.md``), after NVIDIA's NVFP4 pre-training
@@ -19,7 +22,8 @@ Each recipe is a rule chosen by hand, read from its library's source or docs:
 - Megatron ``first_last_layers_bf16``: fp8 in every block but the first and the last
   (``num_layers_at_start_in_bf16 = num_layers_at_end_in_bf16 = 1``), the LM head in bf16
   (Megatron's output layer is not a Transformer Engine layer: it runs outside the fp8
-  region);
+  region); on Blackwell the same rule with ``--fp8-recipe mxfp8`` (MXFP8 between the two
+  bf16 blocks);
 - torchao's auto filter (``_auto_filter_for_recipe``, ``torchao/float8/float8_linear_utils.py``,
   H100-benchmarked shape thresholds; ``N, K = weight.shape``, i.e. N = out_features,
   K = in_features): *tensorwise* skips a Linear when ``K <= 4096 and N <= 1024``; *rowwise*
@@ -40,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from autoprec.policy import Policy
@@ -48,6 +53,9 @@ from autoprec.policy import Policy
 NVFP4_TAIL = 0.15
 #: Blocks Megatron keeps in bf16 at each end (``first_last_layers_bf16``'s defaults).
 MEGATRON_FIRST, MEGATRON_LAST = 1, 1
+#: Width torchao's NVFP4 training kernels need of every GEMM dimension (torchtitan's
+#: ``_NVFP4_GEMM_ALIGNMENT``: their tiling, not NVFP4's 16-element block).
+NVFP4_ALIGN = 128
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class Recipe:
     """One fixed recipe: its key, the name people know it by, its GEMM format, its source,
     and its rule: whether the LM head is converted, the blocks kept bf16 (a share at the
     end, rounded up; a count at each end), torchao's shape filter ("tensorwise" /
-    "rowwise")."""
+    "rowwise"), the width every converted Linear's dims must divide by."""
 
     key: str
     name: str
@@ -65,6 +73,8 @@ class Recipe:
     bf16_tail: float = 0.0
     bf16_ends: tuple[int, int] = (0, 0)
     torchao_filter: str | None = None
+    #: in and out features must be multiples of this (beyond the format's own alignment)
+    align: int = 1
 
 
 RECIPES: tuple[Recipe, ...] = (
@@ -79,13 +89,16 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("megatron-first-last", "fp8, first/last block bf16 (Megatron)", "fp8",
            "Megatron first_last_layers_bf16, 1 and 1",
            bf16_ends=(MEGATRON_FIRST, MEGATRON_LAST)),
+    Recipe("megatron-first-last-mxfp8", "mxfp8, first/last block bf16 (Megatron)", "mxfp8",
+           "Megatron first_last_layers_bf16, 1 and 1, --fp8-recipe mxfp8",
+           bf16_ends=(MEGATRON_FIRST, MEGATRON_LAST)),
     Recipe("mxfp8", "mxfp8 everywhere (torchtitan)", "mxfp8",
            "torchtitan MX converter, filter_fqns=['output']"),
     Recipe("nvfp4", "nvfp4 everywhere (torchtitan)", "nvfp4",
-           "torchtitan NVFP4 converter, LM head excluded"),
+           "torchtitan NVFP4 converter, LM head excluded", align=NVFP4_ALIGN),
     Recipe("nvfp4-tail", "nvfp4 + bf16 tail (torchtitan)", "nvfp4",
            "torchtitan llama3_8b_nvfp4_mixed: last ceil(0.15 L) blocks + LM head bf16",
-           bf16_tail=NVFP4_TAIL),
+           bf16_tail=NVFP4_TAIL, align=NVFP4_ALIGN),
 )
 RECIPE_BY_KEY = {r.key: r for r in RECIPES}
 
@@ -151,6 +164,15 @@ def torchao_keeps(recipe: str, out_features: int, in_features: int) -> bool:
     raise ValueError(f"torchao recipe must be 'tensorwise' or 'rowwise', got {recipe!r}")
 
 
+def aligned(mod: nn.Module, width: int) -> bool:
+    """Whether a Linear-like leaf's two weight dims (in and out features: ``nn.Linear``'s
+    (out, in), HF ``Conv1D``'s (in, out)) are both multiples of ``width``; a leaf without a
+    2-D weight is not."""
+    w = getattr(mod, "weight", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 2
+            and all(d % width == 0 for d in w.shape))
+
+
 # -- the plans ---------------------------------------------------------------------------------
 def _eligible(graph: Any, fmt: str) -> list[str]:
     """The Linear-like leaves that may run ``fmt`` (``LayerNode.allowed``), in model order."""
@@ -176,11 +198,12 @@ def recipe_plans(model: nn.Module, graph: Any, keys: Sequence[str] | None = None
         for p in leaves:
             if (p == head and not r.converts_head) or block_of(p, blocks) in keep_bf16:
                 continue
-            if r.torchao_filter is not None:
-                mod = modules[p]
-                if not isinstance(mod, nn.Linear) or not torchao_keeps(
-                        r.torchao_filter, mod.out_features, mod.in_features):
-                    continue
+            mod = modules[p]
+            if r.align > 1 and not aligned(mod, r.align):
+                continue
+            if r.torchao_filter is not None and (not isinstance(mod, nn.Linear) or not (
+                    torchao_keeps(r.torchao_filter, mod.out_features, mod.in_features))):
+                continue
             chosen.append(p)
         model_meta = {"fingerprint": fingerprint} if fingerprint else {}
         pol = Policy(default="bf16", layers=dict.fromkeys(chosen, r.fmt), form="train",
@@ -302,7 +325,8 @@ def diff_provenance(name: str, diffs: Sequence[LayerDiff], limit: int = 64) -> d
     return out
 
 
-__all__ = ["LayerDiff", "MEGATRON_FIRST", "MEGATRON_LAST", "NVFP4_TAIL", "RECIPES",
-           "RECIPE_BY_KEY", "Recipe", "RecipePlan", "block_of", "decoder_blocks",
+__all__ = ["LayerDiff", "MEGATRON_FIRST", "MEGATRON_LAST", "NVFP4_ALIGN", "NVFP4_TAIL",
+           "RECIPES", "RECIPE_BY_KEY", "Recipe", "RecipePlan", "aligned", "block_of",
+           "decoder_blocks",
            "diff_provenance", "differences", "lm_head", "recipe_plans", "recipe_rows",
            "torchao_keeps"]

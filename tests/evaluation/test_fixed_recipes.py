@@ -12,6 +12,7 @@ from autoprec.cost import CostModel, get_profile
 from autoprec.cost.step import StepPart
 from autoprec.evaluation.decision import Fallback, Timing, decide, recipe_instead
 from autoprec.evaluation.recipes import (
+    NVFP4_ALIGN,
     NVFP4_TAIL,
     RECIPES,
     decoder_blocks,
@@ -46,7 +47,8 @@ def _meta_llama(layers: int, hidden: int = 64, inter: int = 128, heads: int = 4,
 
 @pytest.fixture(scope="module")
 def seven() -> tuple:
-    return _meta_llama(7)
+    # 128 wide: k_proj / v_proj project to 2 KV heads x 32 = 64 features, under NVFP4's 128
+    return _meta_llama(7, hidden=128, inter=256)
 
 
 def _linears(blocks: range) -> set[str]:
@@ -65,19 +67,23 @@ def test_each_recipe_on_exact_paths(seven: tuple) -> None:
     assert set(plans) == {r.key for r in RECIPES}
     tail = math.ceil(NVFP4_TAIL * 7)
     assert tail == 2  # ceil(1.05): torchtitan keeps the last two of seven blocks
+    # torchao's NVFP4 kernels need every GEMM dim a multiple of 128: k_proj / v_proj
+    # (128 -> 64) stay bf16 in both NVFP4 recipes, as torchtitan cannot convert them
+    narrow = {f"model.layers.{b}.self_attn.{n}" for b in range(7) for n in ("k_proj", "v_proj")}
     p = plans["nvfp4-tail"]
-    assert set(p.policy.layers) == _linears(range(7 - tail))
+    assert set(p.policy.layers) == _linears(range(7 - tail)) - narrow
     assert set(p.policy.layers.values()) == {"nvfp4"}
     assert p.bf16_blocks == ("model.layers.5", "model.layers.6")
     assert p.policy.default == "bf16" and p.policy.form == "train"
-    assert set(plans["nvfp4"].policy.layers) == _linears(range(7))  # LM head excluded
-    assert set(plans["mxfp8"].policy.layers) == _linears(range(7))
-    meg = plans["megatron-first-last"]
-    assert set(meg.policy.layers) == _linears(range(1, 6))
-    assert set(meg.policy.layers.values()) == {"fp8"}
-    assert meg.bf16_blocks == ("model.layers.0", "model.layers.6")
+    assert set(plans["nvfp4"].policy.layers) == _linears(range(7)) - narrow  # no LM head
+    assert set(plans["mxfp8"].policy.layers) == _linears(range(7))  # 16-aligned suffices
+    for key, fmt in (("megatron-first-last", "fp8"), ("megatron-first-last-mxfp8", "mxfp8")):
+        meg = plans[key]
+        assert set(meg.policy.layers) == _linears(range(1, 6))
+        assert set(meg.policy.layers.values()) == {fmt}
+        assert meg.bf16_blocks == ("model.layers.0", "model.layers.6")
     assert set(plans["fp8"].policy.layers) == _linears(range(7)) | {"lm_head"}
-    # 64 wide: every block Linear is under torchao's thresholds; the 256-vocabulary head too
+    # 128 wide: every block Linear is under torchao's thresholds; the 256-vocabulary head too
     assert plans["torchao-tensorwise"].policy.layers == {}
     assert plans["torchao-rowwise"].policy.layers == {}
 
@@ -112,6 +118,23 @@ def test_torchao_filters_a_llama3_8b_block() -> None:
     assert set(plans["torchao-tensorwise"].policy.layers) == (
         _linears(range(2)) - {f"model.layers.{b}.self_attn.{p}" for b in range(2)
                               for p in ("k_proj", "v_proj")})
+    # every Llama-3-8B width is a multiple of 128: NVFP4 converts every block Linear, and
+    # with two blocks the tail keeps ceil(0.3) = 1 of them
+    assert set(plans["nvfp4"].policy.layers) == _linears(range(2))
+    assert set(plans["nvfp4-tail"].policy.layers) == _linears(range(1))
+
+
+def test_nvfp4_alignment_is_torchtitan_s() -> None:
+    from autoprec.evaluation.recipes import aligned
+
+    assert NVFP4_ALIGN == 128
+    with torch.device("meta"):
+        assert aligned(torch.nn.Linear(4096, 14336), 128)
+        assert not aligned(torch.nn.Linear(4096, 10944), 128)  # DeepSeek-V3 16B's FFN
+        assert not aligned(torch.nn.Linear(128, 64), 128)
+        assert not aligned(torch.nn.LayerNorm(128), 128)  # no 2-D weight
+        conv1d = transformers.pytorch_utils.Conv1D(256, 128)  # GPT-2's: weight (in, out)
+    assert aligned(conv1d, 128)
 
 
 def test_recipe_rows_priced_and_not_faked(seven: tuple) -> None:
@@ -172,3 +195,17 @@ def test_the_tuned_plan_is_written_only_when_it_beats_the_best_recipe() -> None:
     assert decide(rows, t, trains=True).winner.name == "megatron"
     rows[1].est_speedup = 1.3  # a faster one-liner within budget: the other rules decide
     assert recipe_instead(rows) is None
+
+
+def test_priced_in_the_order_torchtitan_measured() -> None:
+    # Llama-3 8B's widths, 8 blocks (the tail keeps 2), 16 x 2048 tokens: GEMM-bound, as
+    # torchtitan's runs (bf16 < MXFP8 < NVFP4 + tail < NVFP4 everywhere on B200 tokens/s)
+    model, graph = _meta_llama(8, hidden=4096, inter=14336, heads=32, vocab=1024)
+    plans = {p.recipe.key: p.policy for p in recipe_plans(model, graph)}
+    for dev, order in (("b200", ("bf16", "mxfp8", "nvfp4-tail", "nvfp4")),
+                       ("h100", ("bf16", "megatron-first-last", "fp8"))):
+        cost = CostModel(graph, get_profile(dev), 2048, step=StepPart())
+        step = {k: cost.estimate(Policy(default="bf16", form="train") if k == "bf16"
+                                 else plans[k]) for k in order}
+        assert [step[k] for k in order] == sorted(step.values(), reverse=True), (dev, step)
+        assert step["bf16"] / step[order[-1]] < 2.0  # casts, quantisation, the rest stay

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-CFG = LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+CFG = LlamaConfig(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=4, intermediate_size=256, vocab_size=256,
                   max_position_embeddings=64, use_cache=False)
 
 def build_model():
@@ -56,12 +56,12 @@ def test_every_recipe_is_a_row_priced_as_a_step(tuned) -> None:
     rows = {r.name: r for r in tuned.speed.rows if r.role == "recipe"}
     assert set(rows) == {r.name for r in RECIPES}
     for name in ("fp8, first/last block bf16 (Megatron)", "nvfp4 + bf16 tail (torchtitan)",
-                 "mxfp8 everywhere (torchtitan)"):
+                 "mxfp8 everywhere (torchtitan)", "mxfp8, first/last block bf16 (Megatron)"):
         r = rows[name]
         assert r.policy is not None and r.policy.form == "train", name
         assert r.error is not None and r.est_speedup is not None and r.est_speedup > 0
         assert r.train_bytes is not None  # priced as a training step
-    # 64 wide: torchao's shape rule converts nothing
+    # 128 wide (every dim a multiple of NVFP4's 128): torchao's shape rule converts nothing
     assert "converts no layer" in rows["fp8 torchao auto-filter (tensorwise)"].why_not
     table = tuned.speed.table()
     assert "nvfp4 + bf16 tail (torchtitan)" in table and "bf16 (one global autocast)" in table
