@@ -34,6 +34,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
                          "1"], "| "),
     "tune_size": (["--llama", "2", "--no-gpt2"], "| "),
     "guard_cost": (["--smoke"], "| "),
+    "fsdp2_plan": (["--steps", "2", "--out", "{tmp}/fsdp2_plan.md"], "| "),
     "loss_parity": (["--policy", "benchmarks/results/minilm_mlm-h100-train.yaml", "--steps",
                      "2", "--rows", "2", "--seq-len", "16", "--eval-every", "1", "--out",
                      "{tmp}"], "| "),
