@@ -110,10 +110,11 @@ def local_batch(batch: Batch, rank: int, world: int, replicated: bool) -> Batch:
 # -- one process ---------------------------------------------------------------------------
 
 
-def single_process(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+def single_process(steps: int = STEPS, fp8_backend: str | None = None
+                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """(loss per step, final fp32 weights) of one process on the whole global batches."""
     model = build()
-    with prepare_training(model, policy()) as setup:
+    with prepare_training(model, policy(), fp8_backend=fp8_backend) as setup:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         losses = [train_step(setup, opt, b, loss_fn, forward).loss for b in data(steps)]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -131,16 +132,17 @@ def shard(model: Net) -> None:
     fully_shard(model)
 
 
-def fsdp2_setup(order: str = "policy-first") -> tuple[nn.Module, TrainingSetup]:
+def fsdp2_setup(order: str = "policy-first", fp8_backend: str | None = None
+                ) -> tuple[nn.Module, TrainingSetup]:
     """The model under the policy and FSDP2: ``policy-first`` (prepare_training, then
     fully_shard per block and the root: the documented order) or ``shard-first``."""
     model = build()
     if order == "policy-first":
-        setup = prepare_training(model, policy())
+        setup = prepare_training(model, policy(), fp8_backend=fp8_backend)
         shard(model)
     else:
         shard(model)
-        setup = prepare_training(model, policy())
+        setup = prepare_training(model, policy(), fp8_backend=fp8_backend)
     return model, setup
 
 

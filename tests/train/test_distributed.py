@@ -40,6 +40,8 @@ def _scenarios(rank: int, world: int, workdir: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import FSDPModule
 
+    from autoprec.lower.torchao_fp8 import torchao_installed
+
     batches = D.data()
     out: dict[str, Any] = {}
 
@@ -56,6 +58,8 @@ def _scenarios(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         for replicated in (True, False):
             run(f"fsdp2 {order} {'replicated' if replicated else 'split'}",
                 lambda order=order: D.fsdp2_setup(order), replicated)
+    if torchao_installed():  # torchao's float8 training (its emulation on a CPU)
+        run("fsdp2 torchao replicated", lambda: D.fsdp2_setup(fp8_backend="torchao"), True)
     run("ddp replicated", D.ddp_setup, True)
     run("ddp split", D.ddp_setup, False)
 
@@ -176,6 +180,21 @@ def test_accelerate_loop_trains_the_plan_on_two_cpu_ranks(ranks, single) -> None
     got = _same_on_both_ranks(ranks, "accelerate fsdp plugin")
     assert _rel(got["losses"], single[0]) <= SPLIT
     assert _rel(got["losses"], ranks[0]["ddp split"]["losses"]) <= EXACT
+
+
+def test_fsdp2_trains_the_plan_with_torchao_fp8_like_one_process(ranks) -> None:
+    """The fp8 layer through torchao's Float8Linear (sharing the leaf's Parameters, which
+    FSDP2 swaps for its unsharded ones in each forward): the single process's losses."""
+    pytest.importorskip("torchao", reason="the torchao fp8 backend needs torchao")
+    import warnings
+
+    from autoprec.policy import PolicyWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyWarning)
+        ref, _ = D.single_process(fp8_backend="torchao")
+    got = _same_on_both_ranks(ranks, "fsdp2 torchao replicated")
+    assert _rel(got["losses"], ref) <= EXACT, (got["losses"], ref)
 
 
 @pytest.mark.xfail(strict=True, reason=(
