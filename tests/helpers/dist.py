@@ -110,14 +110,17 @@ def local_batch(batch: Batch, rank: int, world: int, replicated: bool) -> Batch:
 # -- one process ---------------------------------------------------------------------------
 
 
-def single_process(steps: int = STEPS, fp8_backend: str | None = None
-                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """(loss per step, final fp32 weights) of one process on the whole global batches."""
+def single_process(steps: int = STEPS, fp8_backend: str | None = None,
+                   max_grad_norm: float | None = None) -> dict[str, Any]:
+    """One process on the whole global batches: ``losses`` per step, the final fp32
+    ``weights`` and (with ``max_grad_norm``) the ``grad_norms`` before clipping."""
     model = build()
     with prepare_training(model, policy(), fp8_backend=fp8_backend) as setup:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses = [train_step(setup, opt, b, loss_fn, forward).loss for b in data(steps)]
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        steps_ = [train_step(setup, opt, b, loss_fn, forward, max_grad_norm=max_grad_norm)
+                  for b in data(steps)]
+    return {"losses": [r.loss for r in steps_], "grad_norms": [r.grad_norm for r in steps_],
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 # -- the engines -------------------------------------------------------------------------
@@ -146,10 +149,15 @@ def fsdp2_setup(order: str = "policy-first", fp8_backend: str | None = None
     return model, setup
 
 
-def ddp_setup() -> tuple[nn.Module, TrainingSetup]:
+def ddp_setup(order: str = "policy-first") -> tuple[nn.Module, TrainingSetup]:
+    """The model under the policy and DDP: ``policy-first`` (prepare_training on the
+    model, then DDP) or ``wrap-first`` (prepare_training on the DDP wrapper)."""
     model = build()
-    setup = prepare_training(model, policy())
-    setup.model = nn.parallel.DistributedDataParallel(model)
+    if order == "policy-first":
+        setup = prepare_training(model, policy())
+        setup.model = nn.parallel.DistributedDataParallel(model)
+    else:
+        setup = prepare_training(nn.parallel.DistributedDataParallel(model), policy())
     return setup.model, setup
 
 
@@ -160,12 +168,18 @@ def global_loss(local: float, world: int) -> float:
 
 
 def train(model: nn.Module, setup: TrainingSetup, opt: torch.optim.Optimizer, rank: int,
-          world: int, batches: list[Batch], replicated: bool = False) -> list[float]:
-    """The global loss of each step."""
+          world: int, batches: list[Batch], replicated: bool = False,
+          grad_norms: list[float | None] | None = None,
+          max_grad_norm: float | None = None) -> list[float]:
+    """The global loss of each step (and each step's gradient norm before clipping
+    appended to ``grad_norms`` when given)."""
     out = []
     for b in batches:
-        r = train_step(setup, opt, local_batch(b, rank, world, replicated), loss_fn, forward)
+        r = train_step(setup, opt, local_batch(b, rank, world, replicated), loss_fn, forward,
+                       max_grad_norm=max_grad_norm)
         out.append(global_loss(r.loss, world))
+        if grad_norms is not None:
+            grad_norms.append(r.grad_norm)
     return out
 
 

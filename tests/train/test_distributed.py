@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow  # spawns 2 rank processes: ~30-60 s on a 2-core m
 EXACT = 1e-6  # replicated batches: the same arithmetic, summation order aside
 SPLIT = 5e-3  # half batches: fp8's per-tensor scales differ (module doc)
 CKPT_STEP = 3  # the step after which DCP saves and a fresh model resumes
+CLIP = 0.5  # max_grad_norm of the clipped run: below every step's norm here
 
 
 def _scenarios(rank: int, world: int, workdir: Path) -> dict[str, Any]:
@@ -45,11 +46,12 @@ def _scenarios(rank: int, world: int, workdir: Path) -> dict[str, Any]:
     batches = D.data()
     out: dict[str, Any] = {}
 
-    def run(name: str, make: Any, replicated: bool) -> None:
+    def run(name: str, make: Any, replicated: bool, clip: float | None = None) -> None:
         model, setup = make()
         opt = torch.optim.AdamW(model.parameters(), lr=D.LR)
-        losses = D.train(model, setup, opt, rank, world, batches, replicated)
-        out[name] = {"losses": losses, "weights": D.full_weights(model),
+        norms: list[float | None] = []
+        losses = D.train(model, setup, opt, rank, world, batches, replicated, norms, clip)
+        out[name] = {"losses": losses, "weights": D.full_weights(model), "grad_norms": norms,
                      "skipped": setup.skipped_steps, "scale": setup.scale,
                      "sharded": isinstance(model, FSDPModule)}
         setup.remove()
@@ -60,8 +62,10 @@ def _scenarios(rank: int, world: int, workdir: Path) -> dict[str, Any]:
                 lambda order=order: D.fsdp2_setup(order), replicated)
     if torchao_installed():  # torchao's float8 training (its emulation on a CPU)
         run("fsdp2 torchao replicated", lambda: D.fsdp2_setup(fp8_backend="torchao"), True)
+    run("fsdp2 clipped replicated", D.fsdp2_setup, True, CLIP)
     run("ddp replicated", D.ddp_setup, True)
     run("ddp split", D.ddp_setup, False)
+    run("ddp wrap-first replicated", lambda: D.ddp_setup("wrap-first"), True)
 
     # DCP: save after CKPT_STEP steps, resume a fresh model / optimizer / scaler from it
     model, setup = D.fsdp2_setup()
@@ -115,15 +119,19 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return D.run_ranks(_scenarios, tmp_path_factory.mktemp("dist"))
 
 
-@pytest.fixture(scope="module")
-def single() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _single(**kwargs: Any) -> dict[str, Any]:
     import warnings
 
     from autoprec.policy import PolicyWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PolicyWarning)
-        return D.single_process()
+        return D.single_process(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, Any]:
+    return _single()
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -142,7 +150,7 @@ def _same_on_both_ranks(ranks: list[dict[str, Any]], name: str) -> dict[str, Any
 
 @pytest.mark.parametrize("order", ["policy-first", "shard-first"])
 def test_fsdp2_trains_the_plan_like_one_process(ranks, single, order: str) -> None:
-    ref_losses, ref_weights = single
+    ref_losses, ref_weights = single["losses"], single["weights"]
     exact = _same_on_both_ranks(ranks, f"fsdp2 {order} replicated")
     assert exact["sharded"] and exact["scale"] is not None  # FSDP2, with the fp16 scaler
     assert _rel(exact["losses"], ref_losses) <= EXACT, (exact["losses"], ref_losses)
@@ -153,10 +161,28 @@ def test_fsdp2_trains_the_plan_like_one_process(ranks, single, order: str) -> No
     assert split["skipped"] == exact["skipped"] == 0
 
 
-def test_ddp_trains_the_plan_like_one_process_and_like_fsdp2(ranks, single) -> None:
-    ref_losses, _ = single
-    exact = _same_on_both_ranks(ranks, "ddp replicated")
-    assert _rel(exact["losses"], ref_losses) <= EXACT, (exact["losses"], ref_losses)
+def test_fsdp2_clips_the_global_gradient_norm(ranks) -> None:
+    """train_step(max_grad_norm=...) under FSDP2: the norm is the whole model's (the
+    shards' norms reduced), the GradScaler's unscale first; as one process clips it."""
+    ref = _single(max_grad_norm=CLIP)
+    got = _same_on_both_ranks(ranks, "fsdp2 clipped replicated")
+    assert all(n is not None and n > CLIP for n in ref["grad_norms"])  # clipping bites
+    assert _rel(got["losses"], ref["losses"]) <= EXACT, (got["losses"], ref["losses"])
+    assert _rel(got["grad_norms"], ref["grad_norms"]) <= 1e-5
+    assert ranks[0]["fsdp2 clipped replicated"]["grad_norms"] == \
+        ranks[1]["fsdp2 clipped replicated"]["grad_norms"]
+
+
+@pytest.mark.parametrize("name", ["ddp replicated", "ddp wrap-first replicated"])
+def test_ddp_trains_the_plan_like_one_process(ranks, single, name: str) -> None:
+    """prepare_training on the model then DDP, or on the DDP wrapper (looked through)."""
+    exact = _same_on_both_ranks(ranks, name)
+    assert _rel(exact["losses"], single["losses"]) <= EXACT, (exact["losses"],
+                                                              single["losses"])
+
+
+def test_ddp_split_batches_like_one_process_and_like_fsdp2(ranks, single) -> None:
+    ref_losses = single["losses"]
     split = _same_on_both_ranks(ranks, "ddp split")
     assert _rel(split["losses"], ref_losses) <= SPLIT
     # the same halves: DDP and FSDP2 compute the same steps
@@ -178,7 +204,7 @@ def test_accelerate_loop_trains_the_plan_on_two_cpu_ranks(ranks, single) -> None
     """accelerate's own loop with the policy's scaler (use_accelerator) on 2 CPU ranks:
     it runs and matches one process as data-parallel training does."""
     got = _same_on_both_ranks(ranks, "accelerate fsdp plugin")
-    assert _rel(got["losses"], single[0]) <= SPLIT
+    assert _rel(got["losses"], single["losses"]) <= SPLIT
     assert _rel(got["losses"], ranks[0]["ddp split"]["losses"]) <= EXACT
 
 
@@ -192,7 +218,7 @@ def test_fsdp2_trains_the_plan_with_torchao_fp8_like_one_process(ranks) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PolicyWarning)
-        ref, _ = D.single_process(fp8_backend="torchao")
+        ref = D.single_process(fp8_backend="torchao")["losses"]
     got = _same_on_both_ranks(ranks, "fsdp2 torchao replicated")
     assert _rel(got["losses"], ref) <= EXACT, (got["losses"], ref)
 
