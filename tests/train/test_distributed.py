@@ -111,7 +111,39 @@ def _scenarios(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         "losses": losses, "distributed_type": str(acc.distributed_type),
         "wrapper": type(pmodel).__name__, "sharded": isinstance(pmodel, FSDPModule)}
     setup.remove()
+    out["PolicyTrainer fsdp"] = _policy_trainer_fsdp(workdir)
     return out
+
+
+def _policy_trainer_fsdp(workdir: Path) -> dict[str, Any]:
+    """PolicyTrainer with ``fsdp`` (FSDP2, each decoder layer) on a tiny Llama."""
+    from accelerate.state import AcceleratorState
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from autoprec.integrations.hf import PolicyTrainer
+    from autoprec.policy import Policy
+
+    AcceleratorState._reset_state()  # the loop above built one; the process group stays
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2))
+    policy = Policy.from_dict({"autoprec_policy": 1, "default": "fp32", "form": "train",
+                               "layers": {"model.layers.0": "bf16", "model.layers.1": "fp16"}})
+    data = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(2))]
+    args = TrainingArguments(
+        output_dir=str(workdir / "trainer"), per_device_train_batch_size=2, max_steps=3,
+        use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, fsdp=True,
+        fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    trainer = PolicyTrainer(model=model, args=args, train_dataset=data, policy=policy)
+    result = trainer.train()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "train_loss": result.training_loss, "skipped": trainer.skipped_steps,
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "wrapper": type(trainer.model_wrapped).__name__,
+            "sharded": isinstance(trainer.model_wrapped, FSDPModule)}
 
 
 @pytest.fixture(scope="module")
@@ -223,11 +255,22 @@ def test_fsdp2_trains_the_plan_with_torchao_fp8_like_one_process(ranks) -> None:
     assert _rel(got["losses"], ref) <= EXACT, (got["losses"], ref)
 
 
+def test_policy_trainer_with_fsdp_trains_on_two_cpu_ranks(ranks) -> None:
+    """PolicyTrainer(args=TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2}))
+    on 2 CPU ranks: it trains (as DDP on a CPU: the strict xfail below), the same logged
+    losses on both ranks, no skipped step."""
+    got = _same_on_both_ranks(ranks, "PolicyTrainer fsdp")
+    assert len(got["losses"]) == 3 and got["skipped"] == 0
+    assert got["train_loss"] == ranks[1]["PolicyTrainer fsdp"]["train_loss"]
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "accelerate 1.16 turns FSDP on only for accelerator devices (MULTI_GPU, MULTI_XPU, "
-    "...; accelerate/state.py AcceleratorState.__init__): with cpu=True the run is "
-    "MULTI_CPU, the fsdp_plugin is dropped and prepare() wraps the model in DDP"))
-def test_accelerate_fsdp_plugin_shards_on_cpu(ranks) -> None:
-    got = ranks[0]["accelerate fsdp plugin"]
+    "...; accelerate/state.py AcceleratorState.__init__): with cpu=True / use_cpu=True the "
+    "run is MULTI_CPU, the FSDP plugin is dropped without a warning and prepare() wraps "
+    "the model in DDP"))
+@pytest.mark.parametrize("name", ["accelerate fsdp plugin", "PolicyTrainer fsdp"])
+def test_accelerate_fsdp_shards_on_cpu(ranks, name: str) -> None:
+    got = ranks[0][name]
     assert got["distributed_type"] == "DistributedType.FSDP", got["distributed_type"]
     assert got["sharded"], got["wrapper"]
