@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "*split*: each rank trains on its half of the global batch; most of the "
         "difference is the fp8 layer's per-tensor current scaling, whose amax is taken "
         "over the half each rank sees (the same plan without the fp8 layer ran within "
-        "1.2e-4 of one process: summation order, the gradients averaged over the ranks). "
+        "1e-4 of one process: summation order, the gradients averaged over the ranks). "
         "*replicated*: every rank gets the whole batch, the single process's arithmetic.",
         "",
         mem, "",

@@ -12,7 +12,7 @@ engine is compared with one process training on the same global batches:
   at most, benchmarks/results/fsdp2_plan.md). Most of it is the fp8 layer's: per-tensor
   current scaling takes the amax of the tensor a GEMM sees, half the batch on each rank,
   so its scales and roundings differ from the single process's; without the fp8 layer the
-  split run is within 1.2e-4 (summation order: the gradients averaged over the ranks).
+  split run is within 1e-4 (summation order: the gradients averaged over the ranks).
   FSDP2 and DDP, which see the same halves, must agree to rounding.
 """
 
