@@ -1,9 +1,9 @@
 """A training plan under FSDP2 on CPU gloo ranks against one process: losses and memory.
 
 The model, plan and data are tests/helpers/dist.py's (a residual MLP; fp32 embed and head,
-block 0 bf16 with its fc1 fp8, block 1 fp16 with a GradScaler). The plan is applied with
-``prepare_training``, then FSDP2 ``fully_shard`` shards each block and the root (torchtitan's
-order). Each step's global batch is split between the ranks (``split``), or given whole to
+block 0 bf16 with its fc1 fp8, block 1 fp16 with a GradScaler and its fc1 mxfp8). The
+plan is applied with ``prepare_training``, then FSDP2 ``fully_shard`` shards each block and
+the root (torchtitan's order). Each step's global batch is split between the ranks (``split``), or given whole to
 every rank (``replicated``: the same arithmetic as one process). Prints the loss of every
 step (one process; rank 0's global loss, the mean of the ranks' local losses) with the
 relative difference, and per process its peak RSS and the bytes it holds of the
@@ -95,15 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         f"CPU: {cpu_name()}; torch {torch.__version__}.", "",
         "Plan (tests/helpers/dist.py): fp32 embed and head, `blocks.0` bf16 with "
         "`blocks.0.fc1` fp8 (emulated: e4m3 forward, e5m2 gradients), `blocks.1` fp16 "
-        "(GradScaler). `prepare_training`, then `fully_shard` per block, then the root; "
+        "(GradScaler) with `blocks.1.fc1` mxfp8 (emulated). `prepare_training`, then "
+        "`fully_shard` per block, then the root; "
         f"global batch {D.GLOBAL_BATCH}, AdamW lr {D.LR}. Loss: the global batch's "
         "(the mean of the ranks' local losses, all-reduced). "
         f"Every rank reports the same losses: {'yes' if same else 'NO'}.", "",
         losses, "",
         "*split*: each rank trains on its half of the global batch; most of the "
-        "difference is the fp8 layer's per-tensor current scaling, whose amax is taken "
-        "over the half each rank sees (the same plan without the fp8 layer ran within "
-        "1e-4 of one process: summation order, the gradients averaged over the ranks). "
+        "difference is the quantised layers': fp8's per-tensor scale is the amax of the "
+        "half each rank sees, mxfp8's weight-gradient GEMM takes its blocks of 32 along "
+        "the tokens (the same plan without them ran within 1e-4 of one process: "
+        "summation order, the gradients averaged over the ranks). "
         "*replicated*: every rank gets the whole batch, the single process's arithmetic.",
         "",
         mem, "",

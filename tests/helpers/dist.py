@@ -36,9 +36,11 @@ LR = 1e-2
 
 #: The plan: fp32 by default (embed, head), block 0 in bf16 with its fc1 in fp8 (the
 #: emulated backend on a CPU: e4m3 forward, e5m2 gradients), block 1 in fp16 (so a
-#: GradScaler). Every precision the CPU runs in the train form.
+#: GradScaler) with its fc1 in mxfp8 (emulated: e4m3 blocks of 32, E8M0 scales). The
+#: precisions a CPU trains in, each quantised format with its weight cache.
 POLICY = {"autoprec_policy": 1, "default": "fp32", "form": "train",
-          "layers": {"blocks.0": "bf16", "blocks.0.fc1": "fp8", "blocks.1": "fp16"}}
+          "layers": {"blocks.0": "bf16", "blocks.0.fc1": "fp8", "blocks.1": "fp16",
+                     "blocks.1.fc1": "mxfp8"}}
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

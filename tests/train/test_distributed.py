@@ -1,19 +1,20 @@
 """A training policy under the distributed engines trainers use: FSDP2, DDP, DCP, accelerate.
 
 Two gloo ranks on the CPU (tests/helpers/dist.py: a residual MLP whose plan has fp32,
-bf16, fp16 with a GradScaler and an fp8 layer), one spawn for the whole module. Each
-engine is compared with one process training on the same global batches:
+bf16, fp16 with a GradScaler, an fp8 and an mxfp8 layer), one spawn for the whole
+module. Each engine is compared with one process training on the same global batches:
 
 - **replicated** (each rank gets the whole global batch): each rank computes what the
   single process computes, so the losses must be the single process's to rounding
-  (rel 1e-6). This is what caught the fp8 weight cache serving FSDP2's first-step weights
-  for the rest of the run (``autoprec.lower.weight_cache``).
-- **data-parallel** (each rank half of the batch): equal within rel 5e-3 (measured: 2.6e-3
-  at most, benchmarks/results/fsdp2_plan.md). Most of it is the fp8 layer's: per-tensor
-  current scaling takes the amax of the tensor a GEMM sees, half the batch on each rank,
-  so its scales and roundings differ from the single process's; without the fp8 layer the
-  split run is within 1e-4 (summation order: the gradients averaged over the ranks).
-  FSDP2 and DDP, which see the same halves, must agree to rounding.
+  (rel 1e-6). This is what caught the fp8 and mxfp8 weight caches serving FSDP2's
+  first-step weights for the rest of the run (``autoprec.lower.weight_cache``).
+- **data-parallel** (each rank half of the batch): equal within rel 5e-3 (measured in
+  benchmarks/results/fsdp2_plan.md). Most of it is the quantised layers': fp8's per-tensor
+  current scaling takes the amax of the half batch each rank sees, and mxfp8's
+  weight-gradient GEMM takes its blocks of 32 along the tokens, which a half batch fills
+  differently; without those layers the split run is within 1e-4 (summation order: the
+  gradients averaged over the ranks). FSDP2 and DDP, which see the same halves, must
+  agree to rounding.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.helpers import dist as D
 pytestmark = pytest.mark.slow  # spawns 2 rank processes: ~30-60 s on a 2-core machine
 
 EXACT = 1e-6  # replicated batches: the same arithmetic, summation order aside
-SPLIT = 5e-3  # half batches: fp8's per-tensor scales differ (module doc)
+SPLIT = 5e-3  # half batches: the fp8 / mxfp8 scales differ (module doc)
 CKPT_STEP = 3  # the step after which DCP saves and a fresh model resumes
 CLIP = 0.5  # max_grad_norm of the clipped run: below every step's norm here
 
