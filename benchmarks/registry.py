@@ -104,6 +104,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                                 "priced as steps on Llama-3 8B and 70B (shape-only), H100 and "
                                 "B200, beside torchtitan's measured ratios", ["--toy"],
                                 prints="| nvfp4 + bf16 tail (torchtitan) | "),
+    "fsdp2_plan": Benchmark("train", "a training plan under FSDP2 on 2 gloo ranks against one "
+                            "process: loss per step, memory per rank",
+                            ["--steps", "2", "--out", "{tmp}/fsdp2_plan.md"]),
     # -- tune -------------------------------------------------------------------------------
     "tune_baselines": Benchmark("tune", "tune against greedy, bisection, random search and "
                                 "the exhaustive optimum", untested_because=_ELSEWHERE),

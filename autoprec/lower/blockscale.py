@@ -52,6 +52,7 @@ from autoprec.formats.mx import (
 )
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
 from autoprec.lower.autocast import compute_dtype
+from autoprec.lower.weight_cache import weight_cache_allowed
 
 
 class NoGradientRecipe(CapabilityError, RuntimeError):
@@ -183,8 +184,9 @@ def _quantize_weight(weight: torch.Tensor, fmt: str, backend: str) -> Any:
 
 def _weight_cache(module: torch.nn.Module, weight: torch.Tensor, fmt: str, backend: str) -> Any:
     """The quantised weight, cached on the module until the weight changes (its version
-    moves at every optimizer step), as ``fp8._weight_fp8`` does."""
-    if torch.compiler.is_compiling():
+    moves at every optimizer step), as ``fp8._weight_fp8`` does; never under
+    ``torch.distributed`` (``lower.weight_cache``)."""
+    if torch.compiler.is_compiling() or not weight_cache_allowed():
         with torch.no_grad():
             return _quantize_weight(weight, fmt, backend)
     key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape), fmt, backend)

@@ -27,6 +27,7 @@ from autoprec.formats.fp8 import E4M3, E5M2, dequantize_fp8, fake_quant_fp8, qua
 from autoprec.formats.gemm import linear_dims, linear_weight, stores_in_out
 from autoprec.lower import torchao_fp8
 from autoprec.lower.autocast import compute_dtype
+from autoprec.lower.weight_cache import weight_cache_allowed
 
 
 def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -152,8 +153,10 @@ def _weight_fp8(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.Te
     Inference casts the weight once (as Transformer Engine does); in training every
     optimizer step bumps the tensor's version and the next call re-quantises it.
     """
-    if torch.compiler.is_compiling():  # data_ptr() would break the graph; compiled code
-        with torch.no_grad():  # fuses the cast into the graph instead
+    if torch.compiler.is_compiling() or not weight_cache_allowed():
+        # compiling: data_ptr() would break the graph (compiled code fuses the cast into
+        # it); torch.distributed: FSDP2 rewrites weights in place (lower.weight_cache)
+        with torch.no_grad():
             return quantize_fp8(weight.detach(), E4M3)
     key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape))
     cached = module.__dict__.get("_autoprec_fp8_weight")
