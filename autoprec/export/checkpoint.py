@@ -211,9 +211,10 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
         apply_quantization_config,
     )
 
-    from autoprec.workload.loading import default_forward
+    from autoprec.workload.loading import check_has_data, default_forward
 
     root = _unwrap(model)
+    check_has_data(root, "save_pretrained: model")  # a meta (offloaded) weight: one line
     if not (hasattr(root, "save_pretrained") and hasattr(root, "config")):
         raise InputError(f"save_pretrained needs a transformers PreTrainedModel (with "
                          f".config and .save_pretrained), got {type(root).__name__}")
