@@ -71,3 +71,26 @@ class GuardError(AutoprecError):
 
 class GuardWarning(PolicyWarning):
     """A guarded layer overflowed (``guard: detect`` / ``fallback``); warned once per layer."""
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """A tune stopped by Ctrl-C (or SIGTERM) after its running trial: the finished trials
+    are kept in the study, and the message says how to go on from them (``resume=True``).
+    A KeyboardInterrupt, so that code catching Ctrl-C still catches it; ``autoprec tune``
+    prints its ``cli_hint`` (the command again, with ``--resume``)."""
+
+    def __init__(self, study: str, storage: str, finished: int) -> None:
+        self.study, self.storage, self.finished = study, storage, finished
+        super().__init__(f"tune interrupted: {finished} finished trial(s) kept in study "
+                         f"{study!r} ({storage}); the same tune(...) call with resume=True "
+                         "goes on from them")
+
+    def cli_hint(self, argv: list[str]) -> str:
+        """What ``autoprec tune`` prints: the interrupted command (``argv``, the arguments
+        after ``autoprec``) again, with ``--resume``."""
+        import shlex
+
+        again = [a for a in argv if a != "--resume"]
+        return (f"{self.finished} finished trial(s) kept in study {self.study!r} "
+                f"({self.storage}); to go on from them: autoprec "
+                f"{shlex.join([*again, '--resume'])}")

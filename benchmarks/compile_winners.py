@@ -2,7 +2,7 @@
 each winner the fastest in its own mode here?
 
 For each model: the CPU profile is calibrated twice on this machine, as ``autoprec tune
---target cpu`` calibrates it (``evaluation.speed_source.calibrate_here``: single GEMMs per
+--target cpu`` calibrates it (``pricing.speed_source.calibrate_here``: single GEMMs per
 precision, a copy, a tiny add — eager, and ``torch.compile``'d with the compiled call's
 own time fitted) — then ``tune(..., target="cpu")`` runs once per mode (``compile=True`` prices plans as inductor runs them),
 each with its mode's calibrated profile, as a user runs it: its last step times the plan

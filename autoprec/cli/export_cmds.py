@@ -44,9 +44,11 @@ def save_cmd(
     """Write MODEL deployed under POLICY as a compressed-tensors HF checkpoint that
     transformers' from_pretrained and vLLM load."""
     from autoprec.export.checkpoint import save_pretrained
+    from autoprec.io.paths import check_out_dir
     from autoprec.policy import load_policy
     from autoprec.workload.checkpoint_spec import load_model
 
+    check_out_dir(out)  # before any work: /proc, an existing file, a read-only folder
     spec = load_model(model)
     built = spec.model()
     pol = load_policy(policy, model=built, force=force)  # its warnings shown, not hidden

@@ -23,8 +23,9 @@ from autoprec.errors import CheckFailed
 
 
 @contextmanager
-def _warnings_to_stderr() -> Iterator[None]:
-    """Library warnings as one ``autoprec: warning:`` line each, duplicates once."""
+def _warnings_to_stderr(reword: Any = None) -> Iterator[None]:
+    """Library warnings as one ``autoprec: warning:`` line each, duplicates once;
+    ``reword(message)``: the line to print instead (None: as it is)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -32,7 +33,7 @@ def _warnings_to_stderr() -> Iterator[None]:
         finally:
             seen: set[str] = set()
             for w in caught:
-                msg = str(w.message)
+                msg = str(w.message) if reword is None else reword(str(w.message))
                 if msg not in seen and issubclass(w.category, UserWarning):
                     seen.add(msg)
                     print(f"autoprec: warning: {msg}", file=sys.stderr)
@@ -67,8 +68,11 @@ def show_cmd(
     in the order of the model's named_modules().
     """
     from autoprec.policy import load_policy
+    from autoprec.policy.modules import FORCED
 
-    with _warnings_to_stderr():
+    # show lists a mismatched policy for review: it applies nothing, and nothing was forced
+    reviewed = "; listed for review (eval, check and apply refuse it unless forced: --force)"
+    with _warnings_to_stderr(lambda m: m.replace(FORCED, reviewed)):
         if model is None:
             pol = load_policy(policy)
             order: dict[str, int] = {}

@@ -59,6 +59,7 @@ def tune_cmd(
 ) -> None:
     """Search per-layer precisions for MODEL and write the fastest policy within budget."""
     from autoprec.cli import current_argv
+    from autoprec.errors import TuneInterrupted
     from autoprec.study.workers import WORKER_INDEX_ENV, run_workers, worker_seed
     from autoprec.track import make_tracker
     from autoprec.tuning.config import TuneConfig
@@ -92,7 +93,11 @@ def tune_cmd(
     cfg = cfg.with_seed(worker_seed(cfg.seed, worker_index) or cfg.seed)
     # Tracking is checked first: an unreachable server is exit 2 before any expensive work.
     tracker = make_tracker(mlflow_uri, experiment, enabled=not no_track, workdir=Path.cwd())
-    result = tune(model, cfg, tracker=tracker)
+    try:
+        result = tune(model, cfg, tracker=tracker)
+    except TuneInterrupted as err:  # main prints "interrupted" and exits 130
+        print(f"autoprec: {err.cli_hint(current_argv)}", file=sys.stderr)
+        raise
     for note in result.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
     summary = _summary(result, target, compile_mode)

@@ -300,8 +300,16 @@ class Calibration:
 
 def load_calibration(path: str | Path) -> Calibration:
     path = Path(path)
-    data = _read_yaml(path)
-    where = str(path)
+    return calibration_from_dict(_read_yaml(path), str(path))
+
+
+def calibration_from_dict(data: Any, where: str) -> Calibration:
+    """The calibration a file's mapping ``data`` (``Calibration.to_dict``'s form) holds.
+
+    ``calibration_from_dict(cal.to_dict(), …)`` is ``cal`` as its cached file reads back
+    (factors rounded): what a fresh calibration must be used as, so that the run that
+    calibrates and every later run that reads the cache price (and name their study) alike.
+    """
     if not isinstance(data, Mapping) or data.get("autoprec_calibration") != CALIBRATION_SCHEMA:
         raise InputError(f"{where}: not an autoprec calibration file "
                          f"(expected 'autoprec_calibration: {CALIBRATION_SCHEMA}')")
@@ -355,6 +363,7 @@ __all__ = [
     "Calibration",
     "DeviceProfile",
     "apply_calibration",
+    "calibration_from_dict",
     "get_profile",
     "known_devices",
     "profile_names",

@@ -13,7 +13,7 @@ the CLI exits 1 with the reasons) when:
 - the audit finds a GEMM that did not compute in its rule's precision;
 - a headroom gate is given (``min_headroom``) and a 16-bit / GEMM-format layer's largest
   value on calibration data comes closer to its format's limit than that factor
-  (``probe.headroom``);
+  (``evaluation.headroom``);
 - the policy file itself says ``feasible: false`` (tune wrote the closest candidate when
   nothing met its budget or its speed target ``--min-speedup``): such a file never passes;
   the reason says which of the two tune missed.
@@ -83,7 +83,7 @@ class CheckResult:
     form: str = "train"  # how the plan ran (precisions.FORMS)
     weight_bytes: int | None = None  # the weights the applied plan holds on the device
     min_headroom: float | None = None  # the gate's headroom factor (None: not gated)
-    headroom: list[dict[str, Any]] = field(default_factory=list)  # probe.headroom rows
+    headroom: list[dict[str, Any]] = field(default_factory=list)  # evaluation.headroom rows
 
     @property
     def value(self) -> float | None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from autoprec.errors import InputError
+from autoprec.errors import InputError, OutputError
 from autoprec.export.schemes import CT_FORMAT, STATIC_ACTIVATION_SCALE, ct_scales, scheme_for
 from autoprec.formats.gemm import is_gemm_module
 from autoprec.formats.precisions import STORAGE_DTYPES, is_gemm_format
@@ -200,6 +200,9 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
     ``model(*batch)`` / ``model(**batch)``) to find fused groups from the graph and, for
     nvfp4 layers, the static activation tensor scale compressed-tensors' NVFP4 scheme
     needs. Raises ExportRefused / InputError / MissingExtra (exit 2)."""
+    from autoprec.io.paths import check_out_dir
+
+    outdir = check_out_dir(Path(out), "save_pretrained: out")  # before any work
     require("compressed_tensors", "autoprec save (a compressed-tensors checkpoint)")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -208,9 +211,10 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
         apply_quantization_config,
     )
 
-    from autoprec.workload.loading import default_forward
+    from autoprec.workload.loading import check_has_data, default_forward
 
     root = _unwrap(model)
+    check_has_data(root, "save_pretrained: model")  # a meta (offloaded) weight: one line
     if not (hasattr(root, "save_pretrained") and hasattr(root, "config")):
         raise InputError(f"save_pretrained needs a transformers PreTrainedModel (with "
                          f".config and .save_pretrained), got {type(root).__name__}")
@@ -274,16 +278,19 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
     extra = {"policy": pol.source, "default": pol.default, "form": "deploy",
              "islands": islands, "fused_groups": [list(g.members) for g in groups]}
     setattr(work.config, AUTOPREC_KEY, extra)
-    outdir = Path(out)
-    outdir.mkdir(parents=True, exist_ok=True)
-    if formats:
-        compressor = ModelCompressor.from_pretrained_model(work)
-        compressor.compress_model(work)
-        compressor.remove_decompression_hook(work)
-        work.save_pretrained(outdir)
-        compressor.update_config(str(outdir))
-    else:
-        work.save_pretrained(outdir)
+    try:  # checked up front; a disk that fills meanwhile is still one line
+        outdir.mkdir(parents=True, exist_ok=True)
+        if formats:
+            compressor = ModelCompressor.from_pretrained_model(work)
+            compressor.compress_model(work)
+            compressor.remove_decompression_hook(work)
+            work.save_pretrained(outdir)
+            compressor.update_config(str(outdir))
+        else:
+            work.save_pretrained(outdir)
+    except OSError as err:
+        raise OutputError(f"{outdir}: cannot write the checkpoint: "
+                          f"{err.strerror or err}") from None
     disk = sum(os.path.getsize(f) for f in outdir.glob("*.safetensors"))
     return CheckpointReport(out=outdir, groups=by_format, ignore=ignore, islands=islands,
                             dtype=str(dtype).replace("torch.", ""), plan_bytes=plan_bytes,

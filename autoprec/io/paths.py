@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -97,6 +100,34 @@ def check_dir(path: Path, what: str) -> None:
     if path.exists() and not path.is_dir():
         raise OutputError(f"{what} {path}: exists and is not a directory")
     check_writable(path / ".autoprec-write-check")
+
+
+def check_out_dir(path: Path, flag: str = "--out") -> Path:
+    """``path`` can be an output folder (``autoprec save``'s checkpoint): a folder that
+    exists, or that can be created in the nearest existing folder on its way, which is
+    really written to (a temp file made and removed: /proc and read-only file systems are
+    found here, before any work). An existing file, a FIFO or a device is refused, never
+    replaced. OutputError (exit 2) naming ``flag`` and the path otherwise; creates nothing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{flag} {path}: exists and is not a folder (the checkpoint is a "
+                          "folder: config.json and *.safetensors); give a folder path")
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        if folder.is_symlink():  # a dangling link on the way
+            raise OutputError(f"{flag} {path}: {folder} is a symlink to nothing")
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OutputError(f"{flag} {path}: {folder} is not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".autoprec-", suffix=".check", dir=folder)
+    except OSError as err:
+        raise OutputError(f"{flag} {path}: cannot write in {folder}: "
+                          f"{err.strerror or err}") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+    return path
 
 
 _FRONT = r"\.front\d+"

@@ -79,6 +79,37 @@ def _replace(out: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
     return out
 
 
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's result, a mapping's (HF ``ModelOutput``) values included."""
+    found = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if isinstance(out, dict):
+        found += [v for v in out.values() if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _reads_output(loss: Callable[[Any, Any], torch.Tensor], out: Any, logits: torch.Tensor,
+                  batch: Any) -> bool:
+    """Whether ``loss(out, batch)`` is computed from the output's largest tensor: run on a
+    copy of ``out`` whose ``logits`` is a leaf needing a gradient, its value needs one too.
+    False for ``lambda out, batch: out.loss`` (HF, labels in the batch): a tensor of the
+    output itself, computed inside the forward. model.py's checked loss is called unwrapped
+    for this: its gradient check would refuse exactly that loss, which has no gradient under
+    this no-grad forward; any other loss without a gradient is refused by that check."""
+    raw = loss.__wrapped__ if getattr(loss, "__autoprec_checked__", False) else loss  # type: ignore[attr-defined]
+    with torch.no_grad():
+        loss(out, batch)  # checked: what it raised or returned, named in one line
+    leaf = logits.detach().requires_grad_(True)
+    with torch.enable_grad():
+        value = raw(_replace(out, logits, leaf), batch)
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return True
+    if any(t is value for t in _tensors(out)):  # the output's own loss (HF ``out.loss``)
+        return False
+    with torch.enable_grad():  # detached, or not of the outputs: the check refuses it
+        loss(_replace(out, logits, leaf), batch)
+    return True
+
+
 def record_loss(net: torch.nn.Module, forward: Callable[[Any, Any], Any],
                 loss: Callable[[Any, Any], torch.Tensor], batch: Any, *,
                 measure: bool = False) -> LossKernels:
@@ -88,6 +119,14 @@ def record_loss(net: torch.nn.Module, forward: Callable[[Any, Any], Any],
         out = forward(net, batch)
     logits = _output_tensor(out)
     got = LossKernels(int(logits.numel()))
+    if not _reads_output(loss, out, logits, batch):
+        # the model computed its loss itself (HF: labels in the batch, ``out.loss``): its
+        # kernels ran in the forward and are priced with it; nothing more runs after it
+        for name in OUTPUT_DTYPES:
+            got.kernels[name], got.saved[name] = [], 0.0
+            if measure:
+                got.seconds[name] = 0.0
+        return got
     runs: dict[str, Callable[[], None]] = {}
     for name, dt in OUTPUT_DTYPES.items():
         leaf = logits.detach().to(dt).requires_grad_(True)

@@ -132,6 +132,10 @@ def _short(fp: str) -> str:
     return fp[:19] + "…" if len(fp) > 20 else fp
 
 
+#: The end of the warning for a fingerprint mismatch that ``force`` let through.
+FORCED = "; applied anyway (forced)"
+
+
 def check_model(policy: PolicyRules, model: torch.nn.Module, force: bool = False) -> None:
     """Validate ``policy`` against ``model``; PolicyError names the first problem.
 
@@ -154,7 +158,7 @@ def check_model(policy: PolicyRules, model: torch.nn.Module, force: bool = False
                    "another structure")
             if not force:
                 raise FingerprintMismatch(msg + "; re-tune it, or force it (--force)")
-            warn(msg + "; applied anyway (forced)")
+            warn(msg + FORCED)
 
     table = module_table(root)
     for section, paths in (("layers", list(policy.layers)), ("locked", policy.locked),
@@ -179,5 +183,5 @@ def check_model(policy: PolicyRules, model: torch.nn.Module, force: bool = False
                                   f"{why}")
 
 
-__all__ = ["PolicyRules", "Resolved", "alias_paths", "canonical_rules", "check_model", "format_eligible",
+__all__ = ["FORCED", "PolicyRules", "Resolved", "alias_paths", "canonical_rules", "check_model", "format_eligible",
            "gemm_leaf_paths", "is_gemm_leaf", "module_table"]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.cost import apply_calibration, fit, get_profile
-from autoprec.cost.profiles import DeviceProfile
+from autoprec.cost.profiles import DeviceProfile, calibration_from_dict
 from autoprec.device.targets import is_cpu
 from autoprec.measure import (
     CPU_SHAPES,
@@ -177,7 +177,10 @@ def _speed_source(target: str, *, measure: bool, cache_dir: Path, mode: str) -> 
     t0 = time.perf_counter()
     res = calibrate_here(stored, device, machine, mode=mode)
     res.calibration.save(path)
-    return SpeedSource(apply_calibration(stored, res.calibration, source=str(path)), device,
+    # priced as the cache reads back (rounded factors): a later run, which reads the cache,
+    # then prices alike and names its study alike (--resume joins this run's trials)
+    cal = calibration_from_dict(res.calibration.to_dict(), str(path))
+    return SpeedSource(apply_calibration(stored, cal, source=str(path)), device,
                        machine, "calibrated here",
                        f"calibrated the {stored.name} profile on this machine{compiled} "
                        f"({machine.describe()}): {res.calibration.n_samples} micro-benchmarks "

@@ -21,7 +21,7 @@ from typing import Any
 import optuna
 from tqdm.auto import tqdm
 
-from autoprec.errors import InputError
+from autoprec.errors import InputError, TuneInterrupted
 from autoprec.search.decode import TrialDecoder
 from autoprec.search.planner import Planner
 from autoprec.search.space import SearchSpace
@@ -175,7 +175,7 @@ def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tra
         if status != "FINISHED":
             tracker.finish(status)
     if interrupted:  # finished trials are in the study; --resume goes on from them
-        raise KeyboardInterrupt
+        raise TuneInterrupted(name, shown, count_finished(study))
     # the trials train nothing: the written plan and its one-liners are checked at the end
     return Search(study, name, shown, meta, scorer, decoder, planner, driver, n_before,
                   notes, make_check(prep, cfg))

@@ -15,16 +15,20 @@ Tracking is a callback of the search and a last step of write.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from autoprec.errors import TuneInterrupted
+from autoprec.study.storage import count_finished
 from autoprec.track import NullTracker, Tracker
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.confirm import choose_plan
 from autoprec.tuning.memory import StagePeaks, peak_bytes, release_freed
 from autoprec.tuning.prepare import make_space, prepare
-from autoprec.tuning.run import run_search
+from autoprec.tuning.run import Search, run_search
 from autoprec.tuning.write import TuneResult, per_layer, write
 from autoprec.workload.loading import ModelSpec
 
@@ -62,13 +66,16 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     tracker = tracker or NullTracker()
     peaks = StagePeaks()
     prep = prepare(model, cfg, profile, peaks)
-    with peaks.stage("search"):
-        space = make_space(prep, cfg)
-        interrupted: list[bool] = []
-        search = run_search(prep, space, cfg, tracker, interrupted)
-    with peaks.stage("confirm"):  # select, confirm on the eval data, decide; write
-        plan = choose_plan(prep, space, search, cfg)
-        result = write(prep, space, search, cfg, tracker, started, plan)
+    searched: list[Search] = []  # once the study holds trials, Ctrl-C says how to resume
+    with _resumable(searched):
+        with peaks.stage("search"):
+            space = make_space(prep, cfg)
+            interrupted: list[bool] = []
+            searched.append(run_search(prep, space, cfg, tracker, interrupted))
+        search = searched[0]
+        with peaks.stage("confirm"):  # select, confirm on the eval data, decide; write
+            plan = choose_plan(prep, space, search, cfg)
+            result = write(prep, space, search, cfg, tracker, started, plan)
     release_freed()
     if cfg.report is not None:
         from autoprec.tuning.report import write_report
@@ -82,6 +89,23 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     result.stage_seconds = {k: round(v, 2) for k, v in peaks.seconds.items()}
     result.stage_cpu_seconds = {k: round(v, 2) for k, v in peaks.cpu_seconds.items()}
     return result
+
+
+@contextlib.contextmanager
+def _resumable(searched: list[Search]) -> Iterator[None]:
+    """Ctrl-C once the search is done (``searched`` holds it): a ``TuneInterrupted`` saying
+    how to go on from the study's finished trials (``resume=True`` / ``--resume`` runs none
+    of them again). The search raises its own when interrupted."""
+    try:
+        yield
+    except TuneInterrupted:
+        raise
+    except KeyboardInterrupt as err:
+        if not searched:
+            raise
+        search = searched[0]
+        raise TuneInterrupted(search.study_name, search.storage_desc,
+                              count_finished(search.study)) from err
 
 
 __all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: tuning/config.py

@@ -100,6 +100,12 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
     }
 
 
+def _runs_alike_in_both_forms(policy: Policy) -> bool:
+    """All fp32 (the fallback when nothing lower is within budget): no autocast, no
+    weight stored lower — the tune's own form is written, not the baseline row's."""
+    return policy.default == "fp32" and set(policy.layers.values()) <= {"fp32"}
+
+
 def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
           tracker: Tracker, started: float, plan: Chosen) -> TuneResult:
     """Write ``plan`` (``confirm.choose_plan``: the decided candidate and its rules) as the
@@ -111,8 +117,8 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     policy = policy_from_candidate(space, chosen, feasible=feasible, eval_error=chosen.eval_error,
                                    meta=search.meta, provenance=provenance, rules=rules)
     policy.target["batch_size"] = prep.deploy_bs
-    if chosen.policy and chosen.policy.get("form"):  # a baseline of another form won
-        policy.form = chosen.policy["form"]
+    if chosen.policy and chosen.policy.get("form") and not _runs_alike_in_both_forms(policy):
+        policy.form = chosen.policy["form"]  # a baseline of another form won
     if cfg.compile:
         policy.target["mode"] = "compile"
     bd = prep.cost.breakdown(policy)
@@ -214,7 +220,7 @@ def _plot_plans(prep: Prepared, search: Search, speed: Any, chosen: Any) -> Plot
 
 
 def _note_headroom(prep: Prepared, policy: Policy) -> None:
-    """The winner's headroom (probe.headroom: one fp32 pass over the calibration data):
+    """The winner's headroom (evaluation.headroom: one fp32 pass over the calibration data):
     ``metrics.min_headroom`` (and its layer), and a reason for each layer under
     NOTE_BELOW — what a reviewer reads before choosing ``guard`` layers."""
     from autoprec.evaluation.headroom import NOTE_BELOW, measure_headroom, smallest

@@ -38,6 +38,7 @@ from autoprec.workload.loading import (
     PLAIN_NAME,
     WEIGHT_DTYPES,
     ModelSpec,
+    check_has_data,
     collect_batches,
     default_forward,
 )
@@ -72,6 +73,7 @@ def _check_module(model: torch.nn.Module, caller: str) -> None:
         if p.is_floating_point() and p.dtype not in WEIGHT_DTYPES:
             raise InputError(f"{caller}: the model's weights must be fp32, bf16 or fp16; "
                              f"parameter {pname!r} is {str(p.dtype).replace('torch.', '')}")
+    check_has_data(model, f"{caller}: model")
 
 
 def spec_of(model: ModelLike, *, calibration: Iterable[Batch] | None = None,

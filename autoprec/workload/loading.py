@@ -176,6 +176,27 @@ def _checked_loss(path: Path | str, fn: Callable[[Any, Any], Any]) -> Callable[[
     return loss
 
 
+def check_has_data(model: torch.nn.Module, where: str) -> None:
+    """Every parameter and buffer of ``model`` holds its values: ModelFileError (exit 2)
+    naming the first on the ``meta`` device (no data: offloaded by accelerate's
+    ``device_map`` / ``disk_offload``, or made under ``init_empty_weights``). autoprec
+    reads, hashes and copies every weight. A model streamed block by block from its
+    checkpoint folder (``autoprec.stream``: ``model.autoprec_stream``) loads its meta
+    blocks as they run, and is accepted."""
+    if getattr(model, "autoprec_stream", None) is not None:
+        return
+    for kind, named in (("parameter", model.named_parameters()),
+                        ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.device.type == "meta":
+                raise ModelFileError(
+                    f"{where}: {kind} {name!r} is on the meta device (no data: offloaded by "
+                    "accelerate's device_map/disk_offload, or made under "
+                    "init_empty_weights); autoprec reads every weight: load the model "
+                    "without offloading (device_map=None), or give autoprec its checkpoint "
+                    "folder, which it streams block by block")
+
+
 def collect_batches(data: Any, owner: str, what: str, verb: str = "returned"
                     ) -> list[Batch]:
     """The batches of ``data`` (an iterable: a list, a generator, a DataLoader), checked
@@ -284,6 +305,7 @@ class ModelSpec:
                     f"{self.where}: build_model() must return fp32, bf16 or fp16 weights; "
                     f"parameter {pname!r} is {str(p.dtype).replace('torch.', '')}"
                 )
+        check_has_data(model, f"{self.where}: build_model()")
         return model.eval()
 
     def _batches(self, fn: Callable[[], Iterable[Batch]], what: str) -> list[Batch]:

@@ -1,6 +1,6 @@
 """``check --min-headroom``: the gate fails a plan whose 16-bit layer comes within the
 given factor of its format's limit on calibration data, naming the layer; eval / check
---json report every low-precision layer's headroom (probe.headroom)."""
+--json report every low-precision layer's headroom (evaluation.headroom)."""
 
 from __future__ import annotations
 

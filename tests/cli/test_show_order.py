@@ -56,3 +56,16 @@ def test_show_with_model_refuses_a_path_the_model_lacks(tmp_path: Path,
     path.write_text("autoprec_policy: 1\ndefault: fp32\nlayers: {nope: bf16}\n")
     code, _, err = run_cli(["show", path, "--model", TRAP], capsys)
     assert code == 2 and "nope" in err
+
+
+def test_show_with_model_of_another_structure_warns_without_claiming_it_forced(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """show lists a mismatched policy (a review, nothing is applied) and says eval and
+    check refuse it; it does not say "applied anyway (forced)" when --force was not given."""
+    path = tmp_path / "p.yaml"
+    path.write_text(POLICY + 'model: {fingerprint: "sha256:' + "0" * 64 + '"}\n')
+    code, out, err = run_cli(["show", path, "--model", TRAP], capsys)
+    assert code == 0 and _rows(out)[0] == "inp"
+    (line,) = err.strip().splitlines()
+    assert "does not match the model" in line and "listed for review" in line, line
+    assert "applied anyway" not in line and "forced)" not in line

@@ -184,3 +184,18 @@ def test_a_plain_module_is_refused() -> None:
 
     with pytest.raises(InputError, match="PreTrainedModel"):
         save_pretrained(torch.nn.Linear(32, 32), Policy(default="bf16"), "unused")
+
+
+@pytest.mark.parametrize("where", ["proc", "file"])
+def test_an_out_that_cannot_be_a_folder_is_refused_before_any_work(
+        where: str, tmp_path: Path) -> None:
+    """One OutputError naming the argument and the path, not an OSError after the export."""
+    from autoprec.errors import OutputError
+
+    taken = tmp_path / "model.py"
+    taken.write_text("keep me\n")
+    out = Path("/proc/ck") if where == "proc" else taken
+    with pytest.raises(OutputError, match=rf"^save_pretrained: out {out}: ") as info:
+        save_pretrained(torch.nn.Linear(32, 32), Policy(default="bf16"), out)
+    assert "PreTrainedModel" not in str(info.value)  # refused before the model is read
+    assert taken.read_text() == "keep me\n"

@@ -51,3 +51,22 @@ def test_save_refuses_a_model_that_is_not_hf(tmp_path: Path,
     code, _, err = run_cli(["save", MODELS / "mlp.py", "--policy", pol, "--out",
                             tmp_path / "ckpt"], capsys, quiet_warnings=True)
     assert code == 2 and "PreTrainedModel" in err and err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("where", ["proc", "file", "model"])
+def test_a_bad_out_is_one_line_exit_2_before_any_work(
+        where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """/proc (cannot be written), an existing file, the model file itself: refused before
+    the model is built (a model.py that would raise if built shows none ran)."""
+    pol = tmp_path / "p.yaml"
+    Policy(default="bf16", form="deploy").save(pol)
+    model = tmp_path / "model.py"
+    model.write_text("raise SystemExit('model.py must not be imported')\n")
+    taken = tmp_path / "taken.txt"
+    taken.write_text("keep me\n")
+    out = {"proc": Path("/proc/ck"), "file": taken, "model": model}[where]
+    code, stdout, err = run_cli(["save", model, "--policy", pol, "--out", out], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"autoprec: error: --out {out}") and "Traceback" not in err
+    assert stdout == "" and taken.read_text() == "keep me\n"

@@ -75,6 +75,16 @@ def test_speed_source_prices_a_local_target_on_this_machines_cache(tmp_path: Pat
         assert not remote.local and remote.how == "stored profile"
 
 
+def test_a_fresh_calibration_prices_as_its_cache_reads_back(tmp_path: Path):
+    """The run that calibrates and every later run (which reads the cached, rounded file)
+    price on one profile: the same figures, the same study name (``--resume`` joins)."""
+    fresh = speed_source("cpu", measure=True, cache_dir=tmp_path)
+    assert fresh.how == "calibrated here"
+    cached = speed_source("cpu", measure=True, cache_dir=tmp_path)
+    assert cached.how == "cached calibration"
+    assert fresh.profile.to_dict() == cached.profile.to_dict()
+
+
 def test_measure_interleaved_runs_every_entry_once_per_round_inside_its_context():
     entered: list[str] = []
     calls: dict[str, int] = {"a": 0, "b": 0}

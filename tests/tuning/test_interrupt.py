@@ -3,6 +3,7 @@ without running any of them again."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
@@ -54,3 +55,67 @@ def test_ctrl_c_then_resume_reruns_no_finished_trial(tmp_path: Path) -> None:
     assert all(after[k] == v for k, v in before.items())  # the finished ones are kept as is
     plans = [tuple(sorted(p.items())) for p in after.values()]
     assert len(plans) == len(set(plans))  # and none was measured again
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_calibrating_tune_then_the_hinted_resume_joins_its_study(
+        tmp_path: Path) -> None:
+    """``--target cpu`` in a fresh folder: the first run calibrates this machine (and caches
+    the calibration, rounded), the second reads the cache. Both must name the study alike:
+    Ctrl-C the first once it has a finished trial, run the command its interrupt message
+    prints, and that run joins the first one's study (its trials kept, no second study)."""
+    import json
+    import shlex
+
+    from tests.helpers import TRAP
+
+    cmd = [*CLI, "tune", str(TRAP), "--target", "cpu", "--no-track", "--quiet",
+           "--trials", "2", "--out", str(tmp_path / "p.yaml")]
+    url = f"sqlite:///{tmp_path / 'studies' / 'trap.db'}"
+    env = cli_env()
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                stderr=stderr, text=True)
+
+    def finished() -> int:
+        try:
+            (name,) = optuna.get_all_study_names(url)
+            study = optuna.load_study(study_name=name, storage=url)
+        except Exception:  # not created yet
+            return 0
+        return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+
+    deadline = time.monotonic() + 240
+    while finished() < 1 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    # in the search, or in the confirmation after it; again if the first one was lost (a
+    # KeyboardInterrupt raised inside a garbage-collection callback is ignored by Python)
+    for _ in range(6):
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        if proc.poll() is not None or "interrupted" in log.read_text():
+            break
+    proc.wait(timeout=120)
+    err = log.read_text()
+    assert proc.returncode == 130, err[-2000:]
+    assert (tmp_path / ".autoprec" / "calibration").is_dir()  # it calibrated here
+    (name,) = optuna.get_all_study_names(url)
+    before = {t.number: t.params
+              for t in optuna.load_study(study_name=name, storage=url).get_trials()
+              if t.state == TrialState.COMPLETE}
+    assert err.strip().splitlines()[-1] == "autoprec: interrupted"
+    hints = [x for x in err.splitlines() if "to go on from them: autoprec " in x]
+    assert len(hints) == 1, err[-3000:]
+    hint = hints[0]
+    assert repr(name) in hint, err[-2000:]
+    again = shlex.split(hint.split("to go on from them: autoprec ", 1)[1])
+    assert again[-1] == "--resume"
+    done = subprocess.run([*CLI, *again, "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["study"] == name
+    assert optuna.get_all_study_names(url) == [name]  # joined, not a new study
+    after = optuna.load_study(study_name=name, storage=url).get_trials()
+    assert all(after[k].params == v for k, v in before.items())

@@ -94,7 +94,7 @@ def test_tune_finds_a_mixed_policy_that_hand_casting_confirms(tuned):
     # autoprec's own measurement agrees with the hand computation
     assert policy.metrics["error"] == pytest.approx(err, rel=0.25)
     assert "65504" in policy.reasons["blow"]
-    # the winner's headroom (probe.headroom): the least, and the layer it is at
+    # the winner's headroom (evaluation.headroom): the least, and the layer it is at
     low = policy.metrics["min_headroom_layer"]
     assert policy.metrics["min_headroom"] > 1 and assign[low] in ("bf16", "fp16")
     assert policy.provenance["seed"] == 0 and policy.model["fingerprint"].startswith("sha256:")

@@ -126,3 +126,41 @@ def test_graph_fits_a_terminal() -> None:
     assert max(len(line) for line in text.splitlines()) <= 100
     assert "67.1M" in text and "--json gives every reason" in text
     assert frame["why_not"][0].rstrip() in _fit(frame, None)
+
+
+def _offloaded(folder: Path):  # noqa: ANN202
+    """A model whose weights accelerate offloaded to disk: every parameter on ``meta``."""
+    import torch
+
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return accelerate.disk_offload(net, str(folder), execution_device="cpu")
+
+
+@pytest.mark.parametrize("entry", ["tune", "check", "evaluate", "save_pretrained"])
+def test_an_offloaded_model_is_refused_in_one_line_naming_the_parameter(
+        entry: str, tmp_path: Path) -> None:
+    import torch
+
+    import autoprec
+    from autoprec.errors import InputError
+    from autoprec.export import save_pretrained
+    from autoprec.policy import Policy
+
+    net = _offloaded(tmp_path / "offload")
+    assert net(torch.randn(2, 8)).shape == (2, 4)  # it runs: accelerate loads as it goes
+    calib = [torch.randn(4, 8)]
+    pol = Policy(default="bf16")
+    call = {
+        "tune": lambda: autoprec.tune(net, calibration=calib, out=tmp_path / "p.yaml",
+                                      progress=False),
+        "check": lambda: autoprec.check(net, pol, calibration=calib),
+        "evaluate": lambda: autoprec.evaluate(net, pol, calibration=calib),
+        "save_pretrained": lambda: save_pretrained(net, pol, tmp_path / "ckpt"),
+    }[entry]
+    with pytest.raises(InputError) as info:
+        call()
+    msg = str(info.value)
+    assert "parameter '0.weight' is on the meta device" in msg and "\n" not in msg, msg
+    assert not (tmp_path / "p.yaml").exists() and not (tmp_path / "ckpt").exists()
