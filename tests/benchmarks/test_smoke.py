@@ -37,6 +37,7 @@ SMOKE: dict[str, tuple[list[str], str]] = {
     "loss_parity": (["--policy", "benchmarks/results/minilm_mlm-h100-train.yaml", "--steps",
                      "2", "--rows", "2", "--seq-len", "16", "--eval-every", "1", "--out",
                      "{tmp}"], "| "),
+    "nvfp4_training": (["--toy", "--out", "{tmp}"], "| NVFP4 + bf16 tail |"),
 }
 #: exit 1 is a verdict, not a crash: the estimates missed their 20 % on this run (a loaded
 #: machine); the table is printed either way
