@@ -160,4 +160,41 @@ def test_torchao_nvfp4_training_agrees() -> None:  # pragma: no cover - SM >= 10
     x = torch.randn(256, 256, device="cuda")
     ours = nvfp4_train_linear(lin, x)
     theirs = ao(x.to(torch.bfloat16)).float()
-    assert _rel(ours, theirs) < 0.05  # torchao also applies its RHT in the forward's copy
+    assert _rel(ours, theirs) < 0.05  # the same recipe; its input rounded to bf16 first
+
+
+def _te_nvfp4() -> tuple[bool, str]:
+    """Transformer Engine's NVFP4BlockScaling recipe runs on CUDA SM >= 10.0."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False, "transformer_engine is not installed (pip install 'autoprec[fp8]')"
+    ok, why = _REAL
+    return (True, "") if ok else (False, f"TE's NVFP4 recipe needs CUDA SM >= 10.0: {why}")
+
+
+_TE = _te_nvfp4()
+
+
+@pytest.mark.skipif(not _TE[0], reason=_TE[1])
+def test_transformer_engine_nvfp4_recipe_agrees() -> None:  # pragma: no cover - SM >= 10
+    """TE's te.Linear under NVFP4BlockScaling: the forward within the two implementations'
+    rounding, the gradients (stochastic rounding draws differ) as close to each other as
+    each is to fp32."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import NVFP4BlockScaling
+
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 256, bias=False).cuda()
+    te_lin = te.Linear(256, 256, bias=False, params_dtype=torch.float32).cuda()
+    with torch.no_grad():
+        te_lin.weight.copy_(lin.weight)
+    x = torch.randn(256, 256, device="cuda")
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours = nvfp4_train_linear(lin, xa)
+    with te.fp8_autocast(enabled=True, fp8_recipe=NVFP4BlockScaling()):
+        theirs = te_lin(xb)
+    assert _rel(ours, theirs.float()) < 0.05
+    gy = torch.randn_like(ours)
+    ours.backward(gy)
+    theirs.backward(gy)
+    exact = gy.t() @ x
+    assert _rel(lin.weight.grad, te_lin.weight.grad) < 2 * _rel(te_lin.weight.grad, exact)
