@@ -29,7 +29,7 @@ from autoprec.lower.torchao_fp8 import torchao_installed
 def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
            backend: str = "emulated") -> torch.Tensor:
     """Run the Linear-like ``module`` on ``x`` in GEMM format ``precision``."""
-    if backend in TRAIN_BACKENDS:  # nvfp4's training recipe (lower.nvfp4_train)
+    if precision == "nvfp4" and backend in TRAIN_BACKENDS:  # its training recipe
         return nvfp4_train_linear(module, x, backend)
     if gemm_format(precision).block_scaled:  # a scale per block of K: mxfp8, nvfp4
         return blockscale.blockscaled_linear(module, x, precision, backend)
