@@ -104,6 +104,10 @@ BENCHMARKS: dict[str, Benchmark] = {
                                 "priced as steps on Llama-3 8B and 70B (shape-only), H100 and "
                                 "B200, beside torchtitan's measured ratios", ["--toy"],
                                 prints="| nvfp4 + bf16 tail (torchtitan) | "),
+    "nvfp4_training": Benchmark("train", "NVFP4 training (emulated): MiniLM fine-tuned as a "
+                                "masked LM, fp32 / bf16 / NVFP4 everywhere / NVFP4 + bf16 "
+                                "tail, eval-loss gaps", ["--toy", "--out", "{tmp}"],
+                                prints="| NVFP4 + bf16 tail |"),
     "fsdp2_plan": Benchmark("train", "a training plan under FSDP2 on 2 gloo ranks against one "
                             "process: loss per step, memory per rank",
                             ["--steps", "2", "--out", "{tmp}/fsdp2_plan.md"]),

@@ -142,5 +142,18 @@ def nvfp4(x: torch.Tensor) -> torch.Tensor:
     return (q * (g * s_b)).reshape(x.shape)
 
 
+def nvfp4_2d(w: torch.Tensor) -> torch.Tensor:
+    """A 2-D weight (N, K) through NVFP4 in 16x16 tiles (NVIDIA's training recipe: one E4M3
+    scale per tile under the fp32 per-tensor scale g = amax / 2688), back in fp32."""
+    n, k = w.shape
+    t = w.detach().float().reshape(n // 16, 16, k // 16, 16).permute(0, 2, 1, 3)  # tiles
+    tb = t.reshape(n // 16, k // 16, 256)  # (N/16, K/16, 256): a tile as one block
+    g = tb.abs().max() / np.float32(E4M3.max * E2M1.max)
+    amax_t = tb.abs().amax(-1, keepdim=True)
+    s_t = round_to(E4M3, ((amax_t / E2M1.max) / g).clamp(2.0**-6, E4M3.max))
+    q = round_to(E2M1, tb * ((1.0 / g) / s_t)) * (g * s_t)
+    return q.reshape(n // 16, k // 16, 16, 16).permute(0, 2, 1, 3).reshape(n, k)
+
+
 __all__ = ["E2M1", "E4M3", "E5M2", "FORMATS", "Minifloat", "fp8_current_scaling", "mxfp8",
-           "nvfp4", "round_tf32", "round_to", "ste"]
+           "nvfp4", "nvfp4_2d", "round_tf32", "round_to", "ste"]

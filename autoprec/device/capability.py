@@ -96,7 +96,8 @@ def _torchao_capability(backend: str, dev: torch.device) -> tuple[bool, str]:
                   f"{dev.type}: the library's quantise-dequantise (accuracy only; {why})")
 
 
-#: Backends of the block-scaled formats (mxfp8, nvfp4).
+#: Backends of the block-scaled formats (mxfp8, nvfp4); a format's training recipes add
+#: theirs (``GemmFormat.train_backends``).
 BLOCK_BACKENDS = ("emulated", "torch")
 
 
@@ -109,7 +110,11 @@ def blockscale_capability(fmt: str, backend: str = "emulated",
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     spec = gemm_format(fmt)
-    if backend == "torchao" and not spec.forward_only:  # MXFP8: torchao trains it
+    if backend in spec.train_backends and backend != "torchao":  # nvfp4's own recipe
+        base = backend.removeprefix("train-")
+        ok, why = blockscale_capability(fmt, base, dev)
+        return ok, f"{fmt} training recipe ({backend}): {why}"
+    if backend == "torchao" and backend in spec.train_backends:  # MXFP8: torchao trains it
         if importlib.util.find_spec("torchao") is None:
             return False, f"torchao mxfp8: torchao is not installed ({TORCHAO_HINT})"
         ok, why = blockscale_capability(fmt, "torch", dev)

@@ -8,6 +8,8 @@ Linear backends that use them live in ``autoprec.lower.fp8`` / ``autoprec.lower.
   current scaling).
 - ``mx``: :func:`quantize_mx`, :func:`dequantize_mx`, :func:`fake_quant_mxfp8`.
 - ``nvfp4``: :func:`quantize_nvfp4`, :func:`dequantize_nvfp4`, :func:`fake_quant_nvfp4`.
+- ``nvfp4_train``: the quantisers of NVIDIA's NVFP4 training recipe (1x16 blocks with
+  stochastic rounding, 16x16 weight tiles, the random Hadamard transform of the wgrad operands).
 - ``elements``: the E4M3/E5M2/E2M1/E8M0 codecs, all RNE with saturation.
 - ``layout``: the cuBLAS block-scale swizzle (128x4 tiles) the real kernels read.
 - ``gemm``: :class:`GemmFormat`, one object per format holding its facts (forward-only or

@@ -14,8 +14,8 @@ Alignment (K = in_features, the reduction dim; N = out_features), from ``torch._
 (``_check_scaled_mm_sizes`` in torch 2.13's ``_meta_registrations.py``, as ScaledBlas.cpp):
 both dims of the weight operand multiples of 16; block formats also K a multiple of their
 block (one scale per block along K), nvfp4 K a multiple of 32 (two fp4 elements a byte, the
-packed K / 2 a multiple of 16). Training: nvfp4 has no gradient recipe; mxfp8's input-grad
-GEMM reduces over N in blocks of 32.
+packed K / 2 a multiple of 16). Training: the input-gradient GEMM reduces over N, in blocks
+of 32 (mxfp8) or of 16 packed two a byte (nvfp4): N a multiple of 32 either way.
 
 "Linear-like" is decided here once (:func:`linear_dims`, :func:`is_linear_like`): an
 ``nn.Linear`` or HuggingFace's ``Conv1D`` (GPT-2), which stores its weight (in, out)
@@ -34,6 +34,7 @@ from autoprec.formats.elements import NumericFormat
 from autoprec.formats.fp8 import E5M2, fake_quant_fp8
 from autoprec.formats.mx import MX_BLOCK, fake_quant_mxfp8_padded
 from autoprec.formats.nvfp4 import NVFP4_BLOCK
+from autoprec.formats.nvfp4_train import fake_quant_nvfp4_padded
 from autoprec.fused import not_called_reason
 
 #: Modules whose own forward is one GEMM/conv of their weight (besides the Linear-likes).
@@ -112,6 +113,9 @@ class GemmFormat:
     emulation_dtypes: tuple[str, ...] = ("float8_e4m3fn",)
     scaled_mm_recipe: str | None = None
     kernel_dtypes: tuple[str, ...] = ()
+    #: Backends that run this format's gradient recipe besides ``emulated`` / ``torch``
+    #: (mxfp8: torchao's MXFP8 training GEMMs; nvfp4: NVIDIA's recipe, ``lower.nvfp4_train``).
+    train_backends: tuple[str, ...] = ()
 
     # -- what it is --------------------------------------------------------------------------
     @property
@@ -156,9 +160,8 @@ class GemmFormat:
                        "dims of the weight operand divisible by 16)")
         if training and not out:
             if self.forward_only:
-                out.append("forward-only in autoprec (no gradient recipe: NVIDIA's needs "
-                           "stochastic rounding and Hadamard transforms); train in mxfp8, fp8 "
-                           "or a 16-bit precision")
+                out.append("forward-only in autoprec (no gradient recipe); train in a "
+                           "format with one or a 16-bit precision")
             elif self.train_n_multiple is not None and n % self.train_n_multiple[0]:
                 out.append(f"out_features {n} not a multiple of {self.train_n_multiple[0]} "
                            f"({self.train_n_multiple[1]})")
@@ -188,6 +191,10 @@ class GemmFormat:
             return None
         if self.block is None:  # e5m2 with per-tensor current scaling
             return fake_quant_fp8(g, E5M2)
+        if self.block == NVFP4_BLOCK:  # dY in 1x16 e2m1 blocks, stochastic rounding (fixed
+            # seed: a probe's statistic is reproducible)
+            gen = torch.Generator(device=g.device).manual_seed(0)
+            return fake_quant_nvfp4_padded(g, stochastic=True, generator=gen)
         return fake_quant_mxfp8_padded(g)  # dY in e4m3 blocks of 32 (the MXFP8 recipe)
 
     # -- what its quantisation costs ---------------------------------------------------------
@@ -236,15 +243,22 @@ GEMM_FORMAT_BY_NAME: dict[str, GemmFormat] = {
         tolerance=(1.25e-1, 2e-2),
         train_n_multiple=(32, "training: the input gradient GEMM reduces over N in blocks "
                               "of 32"),
-        emulation_dtypes=("float8_e4m3fn", "float8_e8m0fnu"), scaled_mm_recipe="BlockWise1x32"),
+        emulation_dtypes=("float8_e4m3fn", "float8_e8m0fnu"), scaled_mm_recipe="BlockWise1x32",
+        train_backends=("torchao",)),
     "nvfp4": GemmFormat(
         "nvfp4", "e2m1", f"e4m3 per {NVFP4_BLOCK} along K x fp32 per tensor", NVFP4_BLOCK,
-        None, bytes_per_element=0.5 + 1 / NVFP4_BLOCK, amax_passes=1, scale_kernel=False,
+        "NVIDIA's NVFP4 recipe (TE NVFP4BlockScaling): X and dY in 1x16 blocks along each "
+        "GEMM's reduction dim, W in 16x16 tiles, stochastic rounding of dY, a random "
+        "Hadamard transform on the wgrad operands",
+        bytes_per_element=0.5 + 1 / NVFP4_BLOCK, amax_passes=1, scale_kernel=False,
         numeric=NumericFormat("nvfp4", 6.0, 1.0, 1), element_bits=4,  # e2m1 elements
         tolerance=(5e-1, 1e-1),
         k_multiple=(32, "fp4 packs two elements per byte; torch._scaled_mm needs the packed K "
                         "{k_half} to be a multiple of 16"),
-        scaled_mm_recipe="BlockWise1x16", kernel_dtypes=("float4_e2m1fn_x2",)),
+        train_n_multiple=(32, "training: the input gradient GEMM reduces over N in blocks "
+                              "of 16, packed two fp4 a byte"),
+        scaled_mm_recipe="BlockWise1x16", kernel_dtypes=("float4_e2m1fn_x2",),
+        train_backends=("train-emulated", "train-torch")),
 }
 #: The block-scaled formats' names (a scale per block of K).
 BLOCK_SCALED: tuple[str, ...] = tuple(n for n, f in GEMM_FORMAT_BY_NAME.items() if f.block_scaled)
@@ -264,7 +278,8 @@ def format_of(precision: str) -> GemmFormat | None:
 
 
 def is_forward_only(precision: str) -> bool:
-    """A GEMM format with no gradient recipe (nvfp4): no layer trains in it."""
+    """A GEMM format with no gradient recipe: no layer trains in it (none today; every
+    format autoprec has trains)."""
     fmt = format_of(precision)
     return fmt is not None and fmt.forward_only
 

@@ -22,12 +22,15 @@ from autoprec.device.capability import (
 from autoprec.errors import InputError
 from autoprec.formats.gemm import BLOCK_SCALED, gemm_format
 from autoprec.lower import blockscale, fp8
+from autoprec.lower.nvfp4_train import TRAIN_BACKENDS, nvfp4_train_linear
 from autoprec.lower.torchao_fp8 import torchao_installed
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, precision: str,
            backend: str = "emulated") -> torch.Tensor:
     """Run the Linear-like ``module`` on ``x`` in GEMM format ``precision``."""
+    if precision == "nvfp4" and backend in TRAIN_BACKENDS:  # its training recipe
+        return nvfp4_train_linear(module, x, backend)
     if gemm_format(precision).block_scaled:  # a scale per block of K: mxfp8, nvfp4
         return blockscale.blockscaled_linear(module, x, precision, backend)
     return fp8.fp8_linear(module, x, backend)  # per-tensor current scaling
@@ -45,7 +48,8 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
     fp8 backend). The torchao backends and te-delayed are training recipes: refused for the
     deploy form;
     a training plan's mxfp8 runs on torchao's MXFP8 training GEMMs where the block-scaled
-    kernels run (the ``torch`` backend's mxfp8 backward is emulated).
+    kernels run (the ``torch`` backend's mxfp8 backward is emulated), its nvfp4 on NVIDIA's
+    NVFP4 training recipe (``train-torch`` where the kernels run, else ``train-emulated``).
     """
     backend: str | None = None
     why = ""
@@ -69,7 +73,18 @@ def format_backends(used: Collection[str], fp8_backend: str | None, device: torc
             # training: torchao's MXFP8 GEMMs run the backward in mxfp8 too
             ao = training and fmt == "mxfp8" and real and torchao_installed()
             out[fmt] = "torchao" if ao else "torch" if real else "emulated"
+            if training and fmt == "nvfp4":  # NVIDIA's recipe (lower.nvfp4_train)
+                out[fmt] = train_backend(fmt, out[fmt])
     return out, backend, why
 
 
-__all__ = ["format_backends", "linear"]
+def train_backend(precision: str, backend: str) -> str:
+    """The backend that trains GEMM format ``precision`` where ``backend`` runs its forward:
+    nvfp4's forward backends map to its training recipe's (``train-emulated`` /
+    ``train-torch``, ``lower.nvfp4_train``); every other backend trains as it is."""
+    if precision == "nvfp4" and backend in TRAIN_BACKENDS.values():
+        return next(k for k, v in TRAIN_BACKENDS.items() if v == backend)
+    return backend
+
+
+__all__ = ["format_backends", "linear", "train_backend"]

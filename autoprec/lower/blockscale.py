@@ -24,10 +24,12 @@ Training (gradient recipes):
   (blocks along N), dW = q_M(dY^T) q_M(X) (blocks along the tokens M) — fp32 accumulate;
   the bias gradient is the fp32 sum of dY. A dim that is not a multiple of 32 is padded
   with zeros (zeros do not change a block's amax: a partial last block).
-- nvfp4: forward-only. NVIDIA's NVFP4 training recipe needs stochastic rounding of the
-  gradients, random Hadamard transforms on the wgrad GEMM and 16x16 weight blocks (TE
-  docs, "NVFP4"); none is implemented here, so a backward through an nvfp4 layer raises
-  :class:`NoGradientRecipe` and ``formats.gemm.ineligible_reason(..., training=True)`` says so.
+- nvfp4: the forward GEMM here (1x16 weight blocks, as NVFP4 inference stores them) has
+  no backward: a backward through it raises :class:`NoGradientRecipe`. Training runs
+  NVIDIA's NVFP4 recipe instead (16x16 weight blocks, stochastic rounding of the
+  gradients, a random Hadamard transform on the wgrad operands): the ``train-emulated`` /
+  ``train-torch`` backends of ``lower.nvfp4_train``, which the train form picks
+  (``backends.linear`` dispatches to them).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from autoprec.lower.weight_cache import weight_cache_allowed
 
 
 class NoGradientRecipe(CapabilityError, RuntimeError):
-    """A backward pass reached a format that autoprec runs forward-only (nvfp4)."""
+    """A backward pass reached a forward-only GEMM (nvfp4's inference GEMM)."""
 
 
 def _check_fmt(fmt: str) -> str:
@@ -155,7 +157,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
-    """y = q16(x) q16(W)^T (+ b), forward-only: backward raises NoGradientRecipe."""
+    """y = q16(x) q16(W)^T (+ b), the inference GEMM: backward raises NoGradientRecipe."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -169,9 +171,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         raise NoGradientRecipe(
-            "nvfp4 is forward-only in autoprec: no gradient recipe is implemented (NVIDIA's "
-            "needs stochastic rounding and Hadamard transforms); train this layer in mxfp8, "
-            "fp8 or a 16-bit precision")
+            "nvfp4's inference GEMM (1x16 weight blocks) is forward-only: training runs "
+            "NVIDIA's NVFP4 recipe (the train form: prepare_training, or the backend "
+            "'train-emulated' / 'train-torch')")
 
 
 def _quantize_weight(weight: torch.Tensor, fmt: str, backend: str) -> Any:

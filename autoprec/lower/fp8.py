@@ -25,7 +25,7 @@ import torch
 
 from autoprec.formats.fp8 import E4M3, E5M2, dequantize_fp8, fake_quant_fp8, quantize_fp8
 from autoprec.formats.gemm import linear_dims, linear_weight, stores_in_out
-from autoprec.lower import torchao_fp8
+from autoprec.lower import nvfp4_train, torchao_fp8
 from autoprec.lower.autocast import compute_dtype
 from autoprec.lower.weight_cache import weight_cache_allowed
 
@@ -132,8 +132,10 @@ def fp8_linear(module: torch.nn.Module, x: torch.Tensor, backend: str = "emulate
 
 #: The attributes ``_weight_fp8`` and ``blockscale._weight_cache`` keep a module's
 #: quantised weight in (one more copy of the weight, in 8 or 4 bits, with its scales), and
-#: the one the torchao backend keeps its library module in.
-WEIGHT_CACHES = ("_autoprec_fp8_weight", "_autoprec_block_weight", torchao_fp8.CACHE_ATTR)
+#: the one the torchao backend keeps its library module in, and nvfp4 training's 16x16 weight
+#: (``nvfp4_train.WEIGHT_ATTR``).
+WEIGHT_CACHES = ("_autoprec_fp8_weight", "_autoprec_block_weight", torchao_fp8.CACHE_ATTR,
+                 nvfp4_train.WEIGHT_ATTR)
 
 
 def drop_weight_caches(model: torch.nn.Module) -> int:

@@ -1,6 +1,6 @@
 """When a quantised weight cached on a module may be reused.
 
-``fp8._weight_fp8`` and ``blockscale._weight_cache`` key their cache on the weight's
+``fp8._weight_fp8``, ``blockscale._weight_cache`` and ``nvfp4_train._weight_2d`` key their cache on the weight's
 storage address and version counter: an optimizer step bumps the version, so the next
 call re-quantises. Sharded data-parallel engines write new values into the same storage
 *without* bumping it: FSDP2 (``fully_shard``) all-gathers each step's weights into the one

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from autoprec.formats.gemm import is_forward_only
+from autoprec.lower.backends import train_backend
 from autoprec.probe.flush import GradFlush
 from autoprec.probe.layers import lowered_call
 from autoprec.probe.shadow import Call
@@ -204,13 +205,13 @@ class GradProbes:
                 return
             ref_sq = sum(float(r.pow(2).sum()) for r in ref)
             for p in layer.precisions:
-                if is_forward_only(p):  # no gradient recipe (nvfp4; lower/blockscale.py)
+                if is_forward_only(p):  # no gradient recipe
                     continue
                 st = self.stats[(layer.path, p)]
                 st.sq_ref += ref_sq
                 scales = (1.0, self.loss_scale) if p == "fp16" else (1.0,)
                 # one lowered forward for both scales: its graph is kept for the second
-                y = lowered_call(layer, p, args, kwargs, self.fp8_backend)
+                y = lowered_call(layer, p, args, kwargs, train_backend(p, self.fp8_backend))
                 for i, scale in enumerate(scales):
                     low = _vjp(y, gs, wrt, scale, retain=i + 1 < len(scales))
                     if low is None:

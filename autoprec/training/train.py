@@ -153,29 +153,31 @@ def prepare_training(
     Args:
         policy: a Policy or the path of a policy file (validated against ``model``).
         fp8_backend: as ``apply_policy``'s: the fp8 layers' backend (mxfp8 / nvfp4 layers
-            run the block-scaled kernels where they can, else emulation).
+            run the block-scaled kernels where they can, else emulation; nvfp4 trains with
+            NVIDIA's recipe: 16x16 weight blocks, stochastic rounding of the gradients, a
+            random Hadamard transform on the wgrad operands).
         scaler: ``None`` (default): a scaler iff some layer computes in fp16. ``False``
             turns loss scaling off (to measure what it prevents); ``True`` forces one.
         init_scale: the scaler's initial scale (torch's default, 2**16).
 
     Raises InputError naming the parameter when the model's parameters are not fp32,
-    CapabilityError when a layer runs nvfp4 (forward-only: no gradient recipe), and whatever
+    CapabilityError when a layer runs a forward-only GEMM format (none today: nvfp4 trains
+    with NVIDIA's recipe, ``lower.nvfp4_train``), and whatever
     ``apply_policy`` raises (PolicyError, CapabilityError) with the model untouched.
     """
     check_fp32_masters(model)
     if not isinstance(policy, Policy):
         policy = load_policy(policy, model, force=force)
-    fwd_only: list[str] = []
     if any(map(is_forward_only, policy.precisions)):  # else no need to resolve here
         plan = compile_plan(policy, model)
         res = plan.resolution()
         fwd_only = [p for p in plan.format_leaves if is_forward_only(res[p].precision)]
-    if fwd_only:
-        more = f" and {len(fwd_only) - 1} more" if len(fwd_only) > 1 else ""
-        raise CapabilityError(f"{policy.source}: layer {fwd_only[0]!r}{more} runs "
-                              f"{res[fwd_only[0]].precision}, which "
-                              "autoprec runs forward-only (no gradient recipe): train those "
-                              "layers in mxfp8, fp8 or a 16-bit precision")
+        if fwd_only:
+            more = f" and {len(fwd_only) - 1} more" if len(fwd_only) > 1 else ""
+            raise CapabilityError(f"{policy.source}: layer {fwd_only[0]!r}{more} runs "
+                                  f"{res[fwd_only[0]].precision}, which autoprec runs "
+                                  "forward-only (no gradient recipe): train those layers in "
+                                  "a format with one or a 16-bit precision")
     # Training runs the train form whatever the policy's form (fp32 masters, gradients): a
     # deploy-form policy names the same precisions, stored once for inference.
     handle = apply_policy(model, policy, fp8_backend=fp8_backend, force=force, form="train",

@@ -8,7 +8,8 @@
   ``addmm``; on GPU tensor cores accumulate in fp32 and round once, as CPU does here);
 - fp8: e4m3 operands with per-tensor current scaling, fp32 accumulate; the backward
   quantises dY to e5m2 (``Fp8Ref``), written from the recipe, not from fp8.py's Function;
-- mxfp8 / nvfp4: the block-scaled operands, fp32 accumulate (forward only).
+- mxfp8 / nvfp4: the block-scaled operands, fp32 accumulate (forward only); nvfp4 as the
+  train form (these tests' form) runs it: NVIDIA's recipe, the weight in 16x16 tiles.
 
 Every rounding comes from ``tests/reference_formats.py`` (the format definitions), never
 from autoprec's own quantisers: a bug there would otherwise be in the reference too.
@@ -70,7 +71,8 @@ def ref_linear(x: torch.Tensor, lin: nn.Linear, p: str, out_dtype: torch.dtype |
         return y if out_dtype is None else y.to(out_dtype)
     if p in ("mxfp8", "nvfp4"):  # forward only
         q = ref.mxfp8 if p == "mxfp8" else ref.nvfp4
-        y = q(x.float().reshape(-1, x.shape[-1])) @ q(w).t()  # (M, N), fp32 accumulate
+        qw = ref.mxfp8 if p == "mxfp8" else ref.nvfp4_2d
+        y = q(x.float().reshape(-1, x.shape[-1])) @ qw(w).t()  # (M, N), fp32 accumulate
         y = (y if b is None else y + b.float()).reshape(*x.shape[:-1], -1)
         return y if out_dtype is None else y.to(out_dtype)
     raise ValueError(p)

@@ -115,8 +115,9 @@ def _identity(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 #: name -> (the precision it breaks, what it runs instead, how to break it).
 BACKEND_FAULTS: dict[str, tuple[str, str, Callable[[pytest.MonkeyPatch], None]]] = {
-    "nvfp4_quantiser_is_a_no_op": ("nvfp4", "fp32", lambda mp: mp.setattr(
-        "autoprec.lower.blockscale.fake_quant_nvfp4", _identity)),
+    "nvfp4_quantiser_is_a_no_op": ("nvfp4", "fp32", lambda mp: (mp.setattr(
+        "autoprec.lower.blockscale.fake_quant_nvfp4", _identity), mp.setattr(
+        "autoprec.lower.nvfp4_train.fake_quant_nvfp4_1d", _identity))),  # + the train form's
     "fp16_autocasts_to_bf16": ("fp16", "bf16", lambda mp: mp.setitem(
         AUTOCAST_DTYPES, "fp16", torch.bfloat16)),
     "tf32_rounding_is_a_no_op": ("tf32", "fp32", lambda mp: mp.setattr(

@@ -14,7 +14,7 @@ def test_one_object_per_gemm_format() -> None:
     assert tuple(GEMM_FORMAT_BY_NAME) == GEMM_FORMATS
     assert GEMM_FORMAT_BY_NAME["fp8"].block is None
     assert (GEMM_FORMAT_BY_NAME["mxfp8"].block, GEMM_FORMAT_BY_NAME["nvfp4"].block) == (32, 16)
-    assert GEMM_FORMAT_BY_NAME["nvfp4"].gradient_recipe is None and GEMM_FORMAT_BY_NAME["mxfp8"].gradient_recipe
+    assert GEMM_FORMAT_BY_NAME["nvfp4"].gradient_recipe and GEMM_FORMAT_BY_NAME["mxfp8"].gradient_recipe
 
 
 @pytest.mark.parametrize("fmt, k, n, expect", [
@@ -46,8 +46,10 @@ def test_linear_likes_training_and_unknown_formats() -> None:
     assert ineligible_reason(nn.Linear(64, 32), "mxfp8", training=True) is None
     assert "reduces over N in blocks of 32" in ineligible_reason(
         nn.Linear(64, 48), "mxfp8", training=True)
-    why = ineligible_reason(nn.Linear(64, 32), "nvfp4", training=True)
-    assert why is not None and "forward-only" in why
+    # nvfp4 trains (NVIDIA's recipe) where the input-gradient GEMM's N packs: N % 32
+    assert ineligible_reason(nn.Linear(64, 32), "nvfp4", training=True) is None
+    assert "reduces over N in blocks of 16" in ineligible_reason(
+        nn.Linear(64, 48), "nvfp4", training=True)
     with pytest.raises(ValueError, match="not a GEMM format"):
         ineligible_reason(nn.Linear(64, 32), "fp4")
 
@@ -71,7 +73,7 @@ def test_each_format_knows_its_widths_and_training() -> None:
     assert (f8.bytes_per_element, mx.bytes_per_element, nv.bytes_per_element) == \
         (1.0, 1.03125, 0.5625)
     assert (f8.element_bits, mx.element_bits, nv.element_bits) == (8, 8, 4)
-    assert [f.forward_only for f in (f8, mx, nv)] == [False, False, True]
+    assert [f.forward_only for f in (f8, mx, nv)] == [False, False, False]
     assert [f.block_scaled for f in (f8, mx, nv)] == [False, True, True]
     assert f8.per_tensor_scaled and not mx.per_tensor_scaled
     # the precision tables read the objects; the Literal spells the same names
@@ -92,7 +94,7 @@ def test_the_formats_answer_for_a_precision_name() -> None:
     assert format_of("bf16") is None and format_of("mxfp8") is GEMM_FORMAT_BY_NAME["mxfp8"]
     assert BLOCK_SCALED == ("mxfp8", "nvfp4")
     assert [is_forward_only(p) for p in ("fp32", "fp8", "mxfp8", "nvfp4")] == \
-        [False, False, False, True]
+        [False, False, False, False]
     assert [is_block_scaled(p) for p in ("fp16", "fp8", "mxfp8", "nvfp4")] == \
         [False, False, True, True]
 
@@ -137,7 +139,13 @@ def test_gradients_round_as_each_backward_reads_them() -> None:
     assert torch.equal(GEMM_FORMAT_BY_NAME["fp8"].fake_quant_grad(g), fake_quant_fp8(g, E5M2))
     assert torch.equal(GEMM_FORMAT_BY_NAME["mxfp8"].fake_quant_grad(g),
                        fake_quant_mxfp8_padded(g))
-    assert GEMM_FORMAT_BY_NAME["nvfp4"].fake_quant_grad(g) is None
+    # nvfp4: 1x16 blocks along N (40 padded to 48), stochastic rounding from a fixed seed
+    from autoprec.formats.nvfp4_train import fake_quant_nvfp4_padded
+
+    nv = GEMM_FORMAT_BY_NAME["nvfp4"].fake_quant_grad(g)
+    assert torch.equal(nv, fake_quant_nvfp4_padded(
+        g, stochastic=True, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(nv, GEMM_FORMAT_BY_NAME["nvfp4"].fake_quant_grad(g))
 
 
 def test_one_linear_like_predicate() -> None:

@@ -194,14 +194,13 @@ def test_fidelity_check_spec_uses_model_py_parts(tmp_path) -> None:
                                       calibration_data=lambda: batches), _policy(), steps=1)
 
 
-def test_an_nvfp4_layer_is_refused_for_training_with_the_reason() -> None:
-    from autoprec.errors import CapabilityError
+def test_block_scaled_layers_prepare_for_training_without_a_scaler() -> None:
+    """mxfp8 and nvfp4 layers train (nvfp4: NVIDIA's recipe, tests/train/test_train_nvfp4.py)."""
     from autoprec.policy import Policy
     from autoprec.training.train import prepare_training
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
-    with pytest.raises(CapabilityError, match="layer '0' runs nvfp4, which autoprec runs "
-                                               "forward-only"):
-        prepare_training(model, Policy(default="bf16", layers={"0": "nvfp4"}))
+    with prepare_training(model, Policy(default="bf16", layers={"0": "nvfp4"})) as setup:
+        assert setup.handle.format_backends == {"nvfp4": "train-emulated"}
     with prepare_training(model, Policy(default="bf16", layers={"0": "mxfp8"})) as setup:
         assert setup.scaler is None  # no fp16 anywhere: no loss scaling
