@@ -48,3 +48,14 @@ def test_no_cache_under_torch_distributed(one_rank_group) -> None:
     wq, scale = _weight_fp8(lin, lin.weight)
     want_q, want_scale = quantize_fp8(lin.weight.detach(), E4M3)
     assert torch.equal(scale, want_scale) and torch.equal(wq, want_q)
+
+
+def test_no_nvfp4_training_weight_cache_under_torch_distributed(one_rank_group) -> None:
+    from autoprec.formats.nvfp4_train import quantize_nvfp4_2d
+    from autoprec.lower.nvfp4_train import _weight_2d
+
+    lin = nn.Linear(32, 32)
+    _weight_2d(lin, lin.weight)
+    _rewrite_unversioned(lin.weight, 2 * lin.weight)
+    got, want = _weight_2d(lin, lin.weight), quantize_nvfp4_2d(lin.weight.detach())
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.tensor_scale, want.tensor_scale)
