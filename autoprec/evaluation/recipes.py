@@ -223,10 +223,8 @@ def recipe_rows(cost: Any, plans: Sequence[RecipePlan],
     its one-liners, judged as the one-liners are (``baselines.baseline_rows``): runs on the
     target, error within ``budget`` (``errors(policy)``: (calibration, eval or None); None:
     not scored, priced only), asked for in ``precisions``, the audit, and, with
-    ``train_aware``, the short run (``train_check``). A format autoprec cannot train yet
-    (forward-only) is not trained: its row says so."""
+    ``train_aware``, the short run (``train_check``)."""
     from autoprec.evaluation.rows import Row
-    from autoprec.formats.gemm import is_forward_only
 
     rows = []
     for rp in plans:
@@ -262,10 +260,7 @@ def recipe_rows(cost: Any, plans: Sequence[RecipePlan],
         if not why and cost.cannot_run(pol):
             why = cost.cannot_run(pol)[0]
         if not why and train_aware:
-            if is_forward_only(r.fmt):
-                why = (f"not trained: {r.fmt} is forward-only in this autoprec (no gradient "
-                       "recipe yet)")
-            elif train_check is None:
+            if train_check is None:
                 why = "not training-checked (--train-aware)"
             else:
                 why = train_check(pol, r.name)
