@@ -220,3 +220,12 @@ def test_the_readme_says_where_the_caches_and_the_report_go() -> None:
                  "quickstart/.autoprec/calibration/",
                  "quickstart/.autoprec/mixed8-h100-max_error0.03-<hash>/"):
         assert f"`{path}`" in README, path
+
+
+def test_every_benchmark_the_results_table_names_is_in_the_suite() -> None:
+    from benchmarks.registry import BENCHMARKS
+
+    start = README.index("\n## Results\n")
+    table = README[start:README.index("\n## ", start + 1)]
+    named = re.findall(r"^\|[^|]*\|[^|]*\| `(\w+)[^`]*` \|", table, flags=re.M)
+    assert named and set(named) <= set(BENCHMARKS), set(named) - set(BENCHMARKS)
