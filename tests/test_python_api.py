@@ -263,3 +263,14 @@ def test_python_errors_name_the_keyword_arguments_not_the_cli_flags(tmp_path: Pa
     with pytest.raises(InputError, match=r"force it \(force=True\)$") as err:
         autoprec.evaluate(TRAP, pol)
     assert "--force" not in str(err.value)
+
+
+def test_progress_false_shows_no_bar_for_a_model_py(tmp_path: Path,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    """A fresh folder (no probe cache): the probes run, and print no bar."""
+    from tests.helpers import TRAP
+
+    autoprec.tune(TRAP, target="h100", trials=1, out=tmp_path / "p.yaml", progress=False)
+    err = capfd.readouterr().err
+    assert "probe:" not in err and "it/s" not in err and "batch/s" not in err, err[-2000:]
+    assert (tmp_path / ".autoprec" / "probe-cache").is_dir()  # the probes did run
