@@ -9,7 +9,8 @@ name) — exactly what a model.py provides; or the path of a model.py, as the CL
 reference; it is run in eval mode and handed back as it came (``inputs.kept_as_given``:
 its train/eval flags and ``requires_grad``; the stages put back every weight, hook and
 forward they touch). This module orchestrates; the work is in ``autoprec.tuning.tune``,
-``autoprec.evaluation.check`` and ``autoprec.evaluation.eval_report``.
+``autoprec.evaluation.check`` and ``autoprec.evaluation.eval_report``. Their messages name
+the keyword arguments given here (``max_error``, ``force=True``), not the CLI's flags.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoprec.errors import InputError
+from autoprec.io.validate import keyword_errors
 from autoprec.workload.inputs import ModelLike, kept_as_given, spec_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,7 +98,7 @@ def check(model: ModelLike, policy: Policy | str | Path, *,
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,
                    name=name, caller="check")
     _needs_metric("check", spec, max_drop)
-    with kept_as_given(model):
+    with kept_as_given(model), keyword_errors():
         return gate(spec, policy, max_error=max_error, max_drop=max_drop, force=force,
                     target=target, batch_size=batch_size, fp8_backend=fp8_backend,
                     compile=compile, min_headroom=min_headroom)
@@ -118,7 +120,7 @@ def evaluate(model: ModelLike, policy: Policy | str | Path, *,
 
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,
                    name=name, caller="evaluate")
-    with kept_as_given(model):
+    with kept_as_given(model), keyword_errors():
         report = eval_report(spec, policy, target=target, batch_size=batch_size, force=force,
                              measure=measure, compile=compile)
     return Evaluation.from_report(report)

@@ -247,3 +247,30 @@ def test_apply_policy_groups_its_rarely_needed_settings() -> None:
     assert events and {e.layer for e in events} <= {"a", "b"}
     with pytest.raises(TypeError):
         autoprec.apply_policy(model, policy, "emulated")  # type: ignore[misc]
+
+
+def test_python_errors_name_the_keyword_arguments_not_the_cli_flags(tmp_path: Path) -> None:
+    from autoprec.policy import Policy
+    from tests.helpers import TRAP
+
+    with pytest.raises(InputError, match=r"^max_error: must be") as err:
+        autoprec.tune(TRAP, max_error=-1.0, out=tmp_path / "p.yaml")
+    assert "--" not in str(err.value)
+    with pytest.raises(InputError, match=r"^form must be one of") as err:
+        autoprec.tune(TRAP, form="serve", out=tmp_path / "p.yaml")
+    pol = tmp_path / "other.yaml"
+    Policy(default="bf16", model={"fingerprint": "sha256:" + "0" * 64}).save(pol)
+    with pytest.raises(InputError, match=r"force it \(force=True\)$") as err:
+        autoprec.evaluate(TRAP, pol)
+    assert "--force" not in str(err.value)
+
+
+def test_progress_false_shows_no_bar_for_a_model_py(tmp_path: Path,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    """A fresh folder (no probe cache): the probes run, and print no bar."""
+    from tests.helpers import TRAP
+
+    autoprec.tune(TRAP, target="h100", trials=1, out=tmp_path / "p.yaml", progress=False)
+    err = capfd.readouterr().err
+    assert "probe:" not in err and "it/s" not in err and "batch/s" not in err, err[-2000:]
+    assert (tmp_path / ".autoprec" / "probe-cache").is_dir()  # the probes did run

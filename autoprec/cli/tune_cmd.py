@@ -76,7 +76,8 @@ def tune_cmd(
         progress=not quiet and not json_out, measure=measure, report=report,
         compile=compile_mode, form=form, max_weight_mb=max_weight_mb,
         memory_limit_gb=memory_limit, fuse_groups=fuse_groups,
-    ).validated(workers=workers, model=model, mlflow_uri=None if no_track else mlflow_uri)
+    ).validated(workers=workers, model=model, mlflow_uri=None if no_track else mlflow_uri,
+                cli=True)
     target = cfg.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile

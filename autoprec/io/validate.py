@@ -3,12 +3,16 @@ after minutes of probing (and never after a study database was created).
 
 Each check raises :class:`~autoprec.errors.InputError` stating the rule and the value,
 ``--seed: must be an integer in [0, 4294967295], got -5``. The CLI and the Python API
-(``tune``) call the same functions; the flag names are the CLI's.
+(``tune``) call the same functions; the flag names are the CLI's, and the Python API
+rewrites them as its keyword arguments (``keyword_errors``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,5 +111,46 @@ def check_out_not_input(out: Path, *, model: Any = None, storage: Any = None,
     })
 
 
-__all__ = ["DEFAULT_MAX_ERROR", "MAX_BATCH_SIZE", "MAX_SEED", "check_batch_size", "check_budget", "check_count",
+#: Command-line flags whose keyword argument is not the flag's name with "_" for "-".
+_KEYWORD_OF = {"lock": "locked", "memory-limit": "memory_limit_gb", "no-measure": "measure=False",
+               "json": "", "quiet": "progress=False"}
+#: Boolean flags: the keyword is written ``name=True``.
+_SWITCHES = {"resume", "pareto", "train-aware", "compile", "force", "measure", "no-track"}
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+def as_keywords(message: str) -> str:
+    """``message`` with each ``--flag`` written as the Python keyword argument it stands
+    for (``--max-error`` -> ``max_error``, ``--force`` -> ``force=True``): what a Python
+    caller of ``tune``, ``check`` or ``evaluate`` gave."""
+    def keyword(m: re.Match[str]) -> str:
+        flag = m.group(1)
+        if flag in _KEYWORD_OF:
+            return _KEYWORD_OF[flag] or m.group(0)
+        name = flag.replace("-", "_")
+        return f"{name}=True" if flag in _SWITCHES else name
+
+    return _FLAG.sub(keyword, message)
+
+
+@contextlib.contextmanager
+def keyword_errors(enabled: bool = True) -> Iterator[None]:
+    """An ``InputError`` raised inside, its message ``as_keywords`` (when ``enabled``): the
+    stages name the CLI's flags; a Python caller reads the names of its own arguments."""
+    try:
+        yield
+    except InputError as err:
+        if not enabled:
+            raise
+        text = as_keywords(str(err))
+        if text == str(err):
+            raise
+        try:
+            again = type(err)(text)
+        except TypeError:  # a subclass with another constructor
+            again = InputError(text)
+        raise again.with_traceback(err.__traceback__) from err.__cause__
+
+
+__all__ = ["DEFAULT_MAX_ERROR", "MAX_BATCH_SIZE", "MAX_SEED", "as_keywords", "keyword_errors", "check_batch_size", "check_budget", "check_count",
            "check_out_not_input", "check_seconds", "check_seed", "is_number"]

@@ -32,6 +32,7 @@ from autoprec.io.validate import (
     check_seconds,
     check_seed,
     is_number,
+    keyword_errors,
 )
 from autoprec.study.storage import check_storage_url
 from autoprec.training.short_run import DEFAULT_LR, DEFAULT_MAX_LOSS_GAP, DEFAULT_STEPS
@@ -92,17 +93,31 @@ class TuneConfig:
     #: ``trace.fused_groups``) take one precision; "off": every layer its own
     fuse_groups: str = "off"
     _valid: bool = field(default=False, init=False, repr=False, compare=False)
+    #: validated by the command line: messages name its flags (else the keyword arguments)
+    _cli: bool = field(default=False, init=False, repr=False, compare=False)
 
     def validated(self, *, workers: int = 1, model: Any = None,
-                  mlflow_uri: Any = None) -> TuneConfig:
+                  mlflow_uri: Any = None, cli: bool = False) -> TuneConfig:
         """This config checked and normalised (itself when it already is).
 
         ``workers``: processes sharing the study (their seeds are seed..seed+N-1);
         ``model`` and ``mlflow_uri``: files the policy may not overwrite. Raises
-        ``InputError`` naming the option and the rule for the first bad value.
+        ``InputError`` naming the option and the rule for the first bad value: its CLI
+        flag with ``cli`` (``--max-error``), else its keyword (``max_error``).
         """
         if self._valid:
             return self
+        with keyword_errors(not cli):
+            done = self._validated(workers, model, mlflow_uri)
+        object.__setattr__(done, "_cli", cli)
+        return done
+
+    @property
+    def from_cli(self) -> bool:
+        """Validated by the command line (messages name its flags)."""
+        return self._cli
+
+    def _validated(self, workers: int, model: Any, mlflow_uri: Any) -> TuneConfig:
         check_budget(self.max_error, self.max_drop)
         check_count(workers, "--workers")
         check_count(self.trials, "--trials")
@@ -170,6 +185,7 @@ class TuneConfig:
         """The same config with another sampler seed (a ``--workers`` process's own)."""
         done = replace(self, seed=seed)
         object.__setattr__(done, "_valid", self._valid)
+        object.__setattr__(done, "_cli", self._cli)
         return done
 
     @property

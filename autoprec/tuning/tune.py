@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.errors import TuneInterrupted
+from autoprec.io.validate import keyword_errors
 from autoprec.study.storage import count_finished
 from autoprec.track import NullTracker, Tracker
 from autoprec.tuning.config import TuneConfig
@@ -63,6 +64,12 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
         raise TypeError(f"tune: give a TuneConfig or its options, not both (got config and "
                         f"{', '.join(sorted(options))})")
     cfg = (config if config is not None else TuneConfig(**options)).validated()
+    with keyword_errors(not cfg.from_cli):  # a Python caller reads its keyword arguments
+        return _tune(model, cfg, tracker, profile, started)
+
+
+def _tune(model: str | Path | ModelSpec, cfg: TuneConfig, tracker: Tracker | None,
+          profile: Any, started: float) -> TuneResult:
     tracker = tracker or NullTracker()
     peaks = StagePeaks()
     prep = prepare(model, cfg, profile, peaks)

@@ -94,8 +94,10 @@ def test_the_python_api_takes_the_config_or_its_options() -> None:
         "cpu", ("fp32", "bf16"), 0.02, "max_drop")
     assert done.form == "deploy" and done.out == Path("p.yaml")
     assert done.with_seed(7).is_validated and done.with_seed(7).seed == 7
-    with pytest.raises(InputError, match="--trials: must be >= 1"):
+    with pytest.raises(InputError, match="^trials: must be >= 1"):  # the keyword, in Python
         TuneConfig(trials=0).validated()
+    with pytest.raises(InputError, match="^--trials: must be >= 1"):  # the flag, in the CLI
+        TuneConfig(trials=0).validated(cli=True)
     with pytest.raises(TypeError, match="not both"):
         tune_mod.tune(TRAP, cfg, trials=3)
     with pytest.raises(TypeError):

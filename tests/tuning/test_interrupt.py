@@ -91,11 +91,11 @@ def test_ctrl_c_of_a_calibrating_tune_then_the_hinted_resume_joins_its_study(
         time.sleep(0.1)
     # in the search, or in the confirmation after it; again if the first one was lost (a
     # KeyboardInterrupt raised inside a garbage-collection callback is ignored by Python)
-    for _ in range(6):
+    for _ in range(20):
         proc.send_signal(signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        if proc.poll() is not None or "interrupted" in log.read_text():
+            proc.wait(timeout=2)
+        if proc.poll() is not None or "autoprec: interrupted" in log.read_text():
             break
     proc.wait(timeout=120)
     err = log.read_text()
