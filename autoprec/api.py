@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoprec.errors import InputError
-from autoprec.io.validate import keyword_errors
+from autoprec.evaluation.json_fields import Reason
+from autoprec.io.validate import as_keywords, keyword_errors
 from autoprec.workload.inputs import ModelLike, kept_as_given, spec_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,9 +100,13 @@ def check(model: ModelLike, policy: Policy | str | Path, *,
                    name=name, caller="check")
     _needs_metric("check", spec, max_drop)
     with kept_as_given(model), keyword_errors():
-        return gate(spec, policy, max_error=max_error, max_drop=max_drop, force=force,
-                    target=target, batch_size=batch_size, fp8_backend=fp8_backend,
-                    compile=compile, min_headroom=min_headroom)
+        result = gate(spec, policy, max_error=max_error, max_drop=max_drop, force=force,
+                      target=target, batch_size=batch_size, fp8_backend=fp8_backend,
+                      compile=compile, min_headroom=min_headroom)
+    # its reasons and notes name the CLI's flags; a Python caller reads its own arguments
+    result.reasons = [Reason(as_keywords(r), getattr(r, "layer", None)) for r in result.reasons]
+    result.notes = [as_keywords(n) for n in result.notes]
+    return result
 
 
 def evaluate(model: ModelLike, policy: Policy | str | Path, *,

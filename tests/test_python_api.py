@@ -263,6 +263,8 @@ def test_python_errors_name_the_keyword_arguments_not_the_cli_flags(tmp_path: Pa
     with pytest.raises(InputError, match=r"force it \(force=True\)$") as err:
         autoprec.evaluate(TRAP, pol)
     assert "--force" not in str(err.value)
+    verdict = autoprec.check(TRAP, pol, force=True)  # a note, not a failure: its words
+    assert any("accepted (force=True)" in n for n in verdict.notes), verdict.notes
 
 
 def test_progress_false_shows_no_bar_for_a_model_py(tmp_path: Path,
