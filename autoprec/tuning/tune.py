@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autoprec.stream.progress import block_progress
 from autoprec.track import NullTracker, Tracker
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.confirm import choose_plan
@@ -62,11 +63,12 @@ def tune(model: str | Path | ModelSpec, config: TuneConfig | None = None, *,
     tracker = tracker or NullTracker()
     peaks = StagePeaks()
     prep = prepare(model, cfg, profile, peaks)
-    with peaks.stage("search"):
+    with peaks.stage("search"), block_progress(prep.net, "search", cfg.progress):
         space = make_space(prep, cfg)
         interrupted: list[bool] = []
         search = run_search(prep, space, cfg, tracker, interrupted)
-    with peaks.stage("confirm"):  # select, confirm on the eval data, decide; write
+    # select, confirm on the eval data, decide; write
+    with peaks.stage("confirm"), block_progress(prep.net, "confirm", cfg.progress):
         plan = choose_plan(prep, space, search, cfg)
         result = write(prep, space, search, cfg, tracker, started, plan)
     release_freed()
