@@ -10,8 +10,9 @@ stage's peak and wall time) comes back as JSON. Measured from outside the child:
 - **peak RSS**: the child's ``ru_maxrss`` (``os.wait4``), and its resident set polled
   every 0.5 s (``psutil``) while it runs, so a run stopped at ``--timeout`` still has one;
 - **wall**: the child's, start to exit; each stage's from the child's ``stage_seconds``;
-- **s per block**: the rate of the last per-block progress bar of each stage
-  (``autoprec.stream.progress``: ``stage: blocks``), read from the child's stderr.
+- **s per block**: each stage's last per-block progress bar (``autoprec.stream.progress``:
+  ``stage: blocks``, read from the child's stderr): its forward's elapsed time over the
+  blocks done (loading and computing them, under the machine's load).
 
 A run stopped at ``--timeout`` (or ``--until HH:MM`` UTC) is recorded as far as it got:
 the stage its bar last showed, its peak so far, its seconds per block.
@@ -45,8 +46,9 @@ from benchmarks.common import ROOT
 from benchmarks.tables import cpu_name, load_average, load_line, markdown
 
 RESULTS = RESULTS_DIR / "tune_streamed.md"
-#: ``probe: blocks: 45%|####  | 10/22 [00:12<00:14, 1.23s/block, forward 3]``
-_BAR = re.compile(r"(\w+): blocks:[^\n]*?\|\s*(\d+)/(\d+) \[[^,\]\n]*,\s*([\d.]+)(s/block|block/s)")
+#: ``probe: blocks: 45%|####  | 10/22 [00:12<00:14, 1.23s/block, forward 3]``: the stage,
+#: the block the forward is at, and the forward's elapsed time (``[H:]MM:SS``)
+_BAR = re.compile(r"(\w+): blocks:[^\n]*?\|\s*(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d+)<")
 
 
 def child(folder: str, target: str, out: str, max_error: float, summary: str) -> None:
@@ -72,12 +74,15 @@ def child(folder: str, target: str, out: str, max_error: float, summary: str) ->
 
 
 def bar_rates(text: str) -> tuple[str | None, dict[str, float]]:
-    """The stage the last block bar with a rate showed, and each stage's last rate in s per
-    block."""
+    """The stage the last block bar showed, and each stage's seconds per block: the last
+    bar of the stage past its second block, its forward's elapsed time over the blocks
+    done (the bar starts, and restarts each forward, when the first block has loaded)."""
     last, rates = None, {}
     for m in _BAR.finditer(text.replace("\r", "\n")):
-        last, v = m.group(1), float(m.group(4))
-        rates[last] = v if m.group(5) == "s/block" else (1.0 / v if v else 0.0)
+        last, n = m.group(1), int(m.group(2))
+        if n >= 2:
+            h, mm, ss = (int(g or 0) for g in m.group(4, 5, 6))
+            rates[last] = (3600 * h + 60 * mm + ss) / (n - 1)
     return last, rates
 
 

@@ -15,16 +15,17 @@ from benchmarks.tune_streamed import bar_rates
 from tests.helpers import ROOT, cli_env
 
 #: what tqdm writes for ``autoprec.stream.progress.block_progress`` (carriage returns)
-BARS = ("\rreference: blocks:   0%|          | 0/2 [00:00<?, ?block/s]"
-        "\rreference: blocks:  50%|#####     | 1/2 [00:02<00:02,  2.50s/block, forward 1]"
-        "\n\rprobe: blocks: 100%|##########| 2/2 [00:00<00:00, 4.00block/s, forward 3]"
-        "\rprobe: blocks:   0%|          | 0/2 [00:00<?, ?block/s, forward 3]")
+BARS = ("\rreference: blocks:   0%|          | 0/3 [00:00<?, ?block/s]"
+        "\rreference: blocks:  67%|######    | 2/3 [00:05<00:02,  2.50s/block, forward 1]"
+        "\rreference: blocks: 100%|##########| 3/3 [00:09<00:00,  2.31s/block, forward 1]"
+        "\n\rprobe: blocks: 100%|##########| 3/3 [1:00:01<00:00, 1.01s/block, forward 3]"
+        "\rprobe: blocks:  33%|###       | 1/3 [00:00<?, ?block/s, forward 4]")
 
 
 def test_bar_rates_reads_seconds_per_block() -> None:
     stage, rates = bar_rates(BARS)
     assert stage == "probe"
-    assert rates == {"reference": 2.5, "probe": 0.25}
+    assert rates == {"reference": 4.5, "probe": 1800.5}
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
