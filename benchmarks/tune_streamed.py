@@ -51,14 +51,16 @@ RESULTS = RESULTS_DIR / "tune_streamed.md"
 _BAR = re.compile(r"(\w+): blocks:[^\n]*?\|\s*(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d+)<")
 
 
-def child(folder: str, target: str, out: str, max_error: float, summary: str) -> None:
+def child(folder: str, target: str, out: str, max_error: float, summary: str,
+          batch_size: int | None) -> None:
     """In the child process: tune the folder (progress bars on stderr), write the summary."""
     import autoprec
     from autoprec.stream import Checkpoint
 
     ckpt = Checkpoint(folder)
     cfg = ckpt.config()
-    res = autoprec.tune(folder, target=target, out=out, max_error=max_error, progress=True)
+    res = autoprec.tune(folder, target=target, out=out, max_error=max_error, progress=True,
+                        batch_size=batch_size)
     rules = res.policy.layers
     data = {
         "params": ckpt.bytes_under("") // 2, "weight_bytes": ckpt.bytes_under(""),
@@ -87,7 +89,7 @@ def bar_rates(text: str) -> tuple[str | None, dict[str, float]]:
 
 
 def run_one(folder: Path, target: str, max_error: float, workdir: Path,
-            deadline: float | None) -> dict[str, Any]:
+            deadline: float | None, batch_size: int | None = None) -> dict[str, Any]:
     import psutil
 
     tag = f"{folder.name}-{target}"
@@ -95,6 +97,8 @@ def run_one(folder: Path, target: str, max_error: float, workdir: Path,
     cmd = [sys.executable, "-m", "benchmarks.tune_streamed", "--child", str(folder),
            "--targets", target, "--max-error", str(max_error),
            "--policy", str(workdir / f"{tag}.yaml"), "--summary", str(summary)]
+    if batch_size is not None:
+        cmd += ["--batch-size", str(batch_size)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
     with open(log, "w") as err:
@@ -178,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("checkpoints", nargs="+", type=Path, help="checkpoint folders to tune")
     ap.add_argument("--targets", default="h100", help="comma-separated: h100, b200, ...")
     ap.add_argument("--max-error", type=float, default=0.05)
+    ap.add_argument("--batch-size", type=int, help="price at this many sequences (tune's "
+                    "--batch-size; default: the calibration batch's, 1)")
     ap.add_argument("--timeout", type=float, help="stop a run after this many seconds")
     ap.add_argument("--until", help="stop a run at this UTC time (HH:MM)")
     ap.add_argument("--write", action="store_true", help=f"append to {RESULTS.relative_to(ROOT)}")
@@ -188,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--summary", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(str(args.checkpoints[0]), args.targets, args.policy, args.max_error, args.summary)
+        child(str(args.checkpoints[0]), args.targets, args.policy, args.max_error, args.summary,
+              args.batch_size)
         return
     from autoprec.stream import is_checkpoint_dir
 
@@ -204,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
         for folder in args.checkpoints:
             for target in args.targets.split(","):
-                row = run_one(folder.resolve(), target.strip(), args.max_error, work, deadline)
+                row = run_one(folder.resolve(), target.strip(), args.max_error, work, deadline,
+                              args.batch_size)
                 rows.append(row)
                 print(f"{row['model']} {row['target']}: peak RSS {row['rss'] / 1e9:.2f} GB, "
                       f"{row['wall']:.0f} s" + (" (stopped)" if row["stopped"] else ""),

@@ -44,7 +44,7 @@ def test_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path: Path) -> None:
 def test_tiny_checkpoint_end_to_end(tmp_path: Path) -> None:
     folder = mk.write("tiny", tmp_path / "tiny-llama")
     out = tmp_path / "tune_streamed.md"
-    run = _run([str(folder), "--out", str(out), "--max-error", "0.05"])
+    run = _run([str(folder), "--out", str(out), "--max-error", "0.05", "--batch-size", "8"])
     assert run.returncode == 0, run.stderr[-3000:]
     row = next(ln for ln in run.stdout.splitlines() if ln.startswith("| tiny-llama |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
