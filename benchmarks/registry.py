@@ -124,6 +124,13 @@ BENCHMARKS: dict[str, Benchmark] = {
                                  "PostgreSQL study",
                                  untested_because="needs a PostgreSQL server it starts itself; "
                                  "the shared-study tests cover the storage"),
+    # -- scale ------------------------------------------------------------------------------
+    "make_llama_checkpoint": Benchmark("scale", "writes a random-weight Llama checkpoint "
+                                       "(tiny, 1.1b, 3b, 8b) shard by shard, for the runs "
+                                       "below", untested_because=_ELSEWHERE),
+    "tune_streamed": Benchmark("scale", "a checkpoint folder tuned streamed block by block: "
+                               "peak RSS, wall, stage times, seconds per block",
+                               untested_because=_ELSEWHERE),
     # -- export -----------------------------------------------------------------------------
     "export_sizes": Benchmark("export", "a plan saved as a compressed-tensors checkpoint and "
                               "loaded back with transformers", untested_because=_ELSEWHERE),

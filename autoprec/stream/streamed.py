@@ -22,7 +22,15 @@ blocks are on ``meta`` until called:
   what the loaded model computes under that plan, block by block.
 
 Memory: the resident parts, one block (in its stored dtype, plus a plan's copies of it)
-and the activations of one batch; ``StreamedModel.memory`` names the largest block.
+and the activations of one batch; ``StreamedModel.memory`` names the largest block. A
+forward with gradients (the probes' shadow pass runs backwards through the whole forward
+after it) would keep every block's weights alive in the autograd graph, since a GEMM saves
+its weight for the input's gradient: while a plain forward runs, a saved tensor that is a
+loaded block's parameter (or a view of one, as ``weight.t()``) is saved as where it lies in
+the checkpoint (``_SavedWeight``) and read back from the shards when the backward needs it
+(``torch.autograd.graph.saved_tensors_hooks``) — the same bytes, so the same gradients.
+The blocks' weights take no gradient (``requires_grad`` off: their gradient accumulators
+would hold them too); gradients with respect to activations are as the loaded model's.
 """
 
 from __future__ import annotations
@@ -80,6 +88,17 @@ class _Stopped(Exception):  # noqa: N818 - control flow, never seen by a user
         self.output = output
 
 
+@dataclass(frozen=True)
+class _SavedWeight:
+    """A saved-for-backward view of a block parameter: its checkpoint name, dtype, view."""
+
+    key: str
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
 class Inject(nn.Module):
     """Stands for the blocks before the one being run: returns what they returned."""
 
@@ -116,7 +135,13 @@ class StreamedModel:
         #: told (old, new) for every parameter replaced by a load or an offload (the op
         #: recorder knows parameters by object: ``trace.op_recorder``)
         self.listeners: list[Callable[[torch.Tensor, torch.Tensor], None]] = []
+        #: storage address -> checkpoint name and dtype of each loaded block parameter
+        self._loaded: dict[int, tuple[str, torch.dtype]] = {}
+        self.reloads = 0  # weights read back for a backward (tests)
         self._plain = model.forward
+        # no gradient for a streamed weight: an AccumulateGrad node would keep it alive
+        for p in blocks.parameters():
+            p.requires_grad_(False)
         for i, block in enumerate(blocks):
             block.register_forward_pre_hook(self._pre_hook(i))
             block.register_forward_hook(self._post_hook)
@@ -132,6 +157,35 @@ class StreamedModel:
             with unobserved():
                 self.ckpt.load(block, self.block_path(i), self._swapped)
             self.loads += 1
+            for name, p in block.named_parameters():
+                self._loaded[p.untyped_storage().data_ptr()] = (
+                    f"{self.block_path(i)}.{name}", p.dtype)
+
+    def _offload(self, block: nn.Module) -> None:
+        for p in block.parameters():
+            if p.device.type != "meta":
+                self._loaded.pop(p.untyped_storage().data_ptr(), None)
+        with unobserved():
+            offload(block, self._swapped)
+
+    # -- a backward through streamed blocks (module doc) ----------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._loaded or t.device.type == "meta":
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        hit = self._loaded.get(ptr)
+        if hit is None or self.model.get_parameter(hit[0]).untyped_storage().data_ptr() != ptr:
+            return t  # not a weight, or a stale address (a forward that raised mid-block)
+        return _SavedWeight(hit[0], hit[1], tuple(t.size()), tuple(t.stride()),
+                            t.storage_offset())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        with unobserved():
+            ((_, value),) = self.ckpt._tensors([saved.key])
+            self.reloads += 1
+            return value.to(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
     def _pre_hook(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -143,8 +197,7 @@ class StreamedModel:
 
     def _post_hook(self, module: nn.Module, args: Any, out: Any) -> None:
         if not self._in_shell:
-            with unobserved():
-                offload(module, self._swapped)
+            self._offload(module)
 
     def _swapped(self, old: torch.Tensor, new: torch.Tensor) -> None:
         for fn in self.listeners:
@@ -176,8 +229,13 @@ class StreamedModel:
             self.lower = None
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._in_shell or self.lower is None:
+        if self._in_shell:
             return self._plain(*args, **kwargs)
+        if self.lower is None:
+            if not torch.is_grad_enabled():
+                return self._plain(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self._plain(*args, **kwargs)
         lower, n = self.lower, len(self.blocks)
         every = frozenset(self.block_path(j) for j in range(n))
         h: Any = None
@@ -194,8 +252,7 @@ class StreamedModel:
                                          args, kwargs, stop=True)
                 finally:
                     handle.remove()
-                    with unobserved():
-                        offload(block, self._swapped)
+                    self._offload(block)
             tail = nn.ModuleList([Inject(h) for _ in range(n)])
             return self._shell_call(tail, lower, every, args, kwargs, stop=False)
         finally:

@@ -24,6 +24,7 @@ from autoprec.pricing.speed_source import calibration_dir
 from autoprec.pricing.target import Target, resolve_target
 from autoprec.probe import probe
 from autoprec.search.space import REGIONS, Key, SearchSpace, build_space
+from autoprec.stream.progress import block_progress
 from autoprec.trace import trace
 from autoprec.trace.graph import LayerGraph
 from autoprec.tuning.config import TuneConfig
@@ -90,7 +91,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     eval_batches = spec.eval_batches()
     same_data = spec.eval_data is None
     before = batch_tensors(calib[0])  # to tell an input changed in place from randomness
-    with peaks.stage("reference"):
+    with peaks.stage("reference"), block_progress(net, "reference", cfg.progress):
         ref, eval_ref, check = _references(spec, net, calib, eval_batches, same_data, cfg)
     if check.error != 0.0:
         if not same_tensors(before, batch_tensors(calib[0])):
@@ -109,7 +110,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
              f"{check.error:.3g} ({check.error / cfg.budget:.2g} of the budget "
              f"{cfg.budget:g}; kernels that round differently run to run): accepted as "
              "noise, every error measured includes it")
-    with peaks.stage("trace"):
+    with peaks.stage("trace"), block_progress(net, "trace", cfg.progress):
         graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
     unknown = [lk for lk in cfg.locked if lk not in graph]
     if unknown:
@@ -118,7 +119,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     # Gradient probes (model.py's loss) cost ~20 forward-equivalents; only training needs
     # them: a train-form tune with a loss excludes the pairs whose gradients flush
     # (probe/grad_rules.py) before anything trains.
-    with peaks.stage("probe"):
+    with peaks.stage("probe"), block_progress(net, "probe", cfg.progress):
         table = probe(net, calib, precisions=[p for p in cfg.precisions if p != "fp32"],
                       forward=spec.forward, loss=spec.loss if cfg.form == "train" else None,
                       metric=spec.metric if cfg.use_metric else None, graph=graph,

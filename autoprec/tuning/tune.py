@@ -23,6 +23,7 @@ from typing import Any
 
 from autoprec.errors import TuneInterrupted
 from autoprec.io.validate import keyword_errors
+from autoprec.stream.progress import block_progress
 from autoprec.study.storage import count_finished
 from autoprec.track import NullTracker, Tracker
 from autoprec.tuning.config import TuneConfig
@@ -75,12 +76,13 @@ def _tune(model: str | Path | ModelSpec, cfg: TuneConfig, tracker: Tracker | Non
     prep = prepare(model, cfg, profile, peaks)
     searched: list[Search] = []  # once the study holds trials, Ctrl-C says how to resume
     with _resumable(searched):
-        with peaks.stage("search"):
+        with peaks.stage("search"), block_progress(prep.net, "search", cfg.progress):
             space = make_space(prep, cfg)
             interrupted: list[bool] = []
             searched.append(run_search(prep, space, cfg, tracker, interrupted))
         search = searched[0]
-        with peaks.stage("confirm"):  # select, confirm on the eval data, decide; write
+        # select, confirm on the eval data, decide; write
+        with peaks.stage("confirm"), block_progress(prep.net, "confirm", cfg.progress):
             plan = choose_plan(prep, space, search, cfg)
             result = write(prep, space, search, cfg, tracker, started, plan)
     release_freed()

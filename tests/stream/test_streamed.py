@@ -176,3 +176,26 @@ def test_streamed_tune_writes_the_in_memory_policy(ckpt: Path, tmp_path: Path) -
     assert "provenance" in a.read_text()
     assert streamed.policy.layers == held.policy.layers
     assert streamed.stage_seconds.keys() == held.stage_seconds.keys()
+
+
+def test_backward_does_not_keep_the_blocks_weights(ckpt: Path) -> None:
+    """A forward with gradients keeps no block's weights: the backward reads them back from
+    the shards, and the input gradients are the loaded model's."""
+    import weakref
+
+    ref, s = loaded(ckpt), open_streamed(ckpt)
+    st = s.autoprec_stream
+    alive: list[weakref.ref[torch.Tensor]] = []
+    st.listeners.append(lambda old, new: alive.append(weakref.ref(new))
+                        if new.device.type != "meta" else None)
+    x = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for m in (ref, s):
+        emb = m.model.embed_tokens(x).detach().requires_grad_(True)  # (B, T, C)
+        out = m(inputs_embeds=emb).logits
+        if m is s:
+            assert len(alive) == 27 and all(r() is None for r in alive)  # 3 blocks x 9
+        out.float().pow(2).sum().backward()
+        grads.append(emb.grad)
+    assert st.reloads >= 3 * 7  # every GEMM weight read back for the input's gradient
+    assert torch.equal(grads[0], grads[1])
