@@ -39,8 +39,10 @@ def block_progress(model: nn.Module, stage: str, enabled: bool = True) -> Iterat
             forwards[0] += 1
             if forwards[0] > 1:
                 bar.reset(total=total)
-            bar.set_postfix_str(f"forward {forwards[0]}", refresh=False)
+            bar.set_postfix_str(f"forward {forwards[0]}")  # drawn now: once per forward
         bar.update(1)
+        if i == total - 1:
+            bar.refresh()  # a forward's end is drawn whatever tqdm's interval says
         if before is not None:
             before(i, total)
 
