@@ -137,6 +137,25 @@ def write_target(path: str | Path) -> Path:
     return target
 
 
+def check_can_write_in(folder: Path, where: str, prefix: str = ".autoprec-") -> None:
+    """The nearest existing folder on the way to ``folder`` is a folder that can really be
+    written (a temp file made and removed there: read-only file systems and /proc are found
+    as well as permissions). OutputError (exit 2) starting with ``where`` otherwise."""
+    while not folder.exists() and folder != folder.parent:
+        if folder.is_symlink():  # a dangling link on the way
+            raise OutputError(f"{where}: {folder} is a symlink to nothing")
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OutputError(f"{where}: {folder} is not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".check", dir=folder)
+    except OSError as err:
+        raise OutputError(f"{where}: cannot write in {folder}: {err.strerror or err}") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
 def check_writable(path: str | Path) -> Path:
     """Check, before any long work, that ``atomic_write(path, …)`` can succeed: the target
     is a regular file or absent, and the nearest existing folder on its way is a folder
@@ -145,20 +164,7 @@ def check_writable(path: str | Path) -> Path:
     OutputError (exit 2) naming the problem otherwise."""
     path = Path(path)
     target = write_target(path)
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        if folder.is_symlink():  # a dangling link on the way
-            raise OutputError(f"{path}: {folder} is a symlink to nothing")
-        folder = folder.parent
-    if not folder.is_dir():
-        raise OutputError(f"{path}: {folder} is not a directory")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=folder)
-    except OSError as err:
-        raise OutputError(f"{path}: cannot write in {folder}: {err.strerror or err}") from None
-    os.close(fd)
-    with contextlib.suppress(OSError):
-        os.unlink(tmp)
+    check_can_write_in(target.parent, f"{path}", prefix=f".{target.name}.")
     return target
 
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 
 from autoprec.errors import InputError, OutputError
+from autoprec.io.fileio import check_can_write_in
 
 #: Prefixes added by wrappers: torch.compile (OptimizedModule), DDP / DataParallel.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
@@ -112,21 +110,7 @@ def check_out_dir(path: Path, flag: str = "--out") -> Path:
     if path.exists() and not path.is_dir():
         raise OutputError(f"{flag} {path}: exists and is not a folder (the checkpoint is a "
                           "folder: config.json and *.safetensors); give a folder path")
-    folder = path
-    while not folder.exists() and folder != folder.parent:
-        if folder.is_symlink():  # a dangling link on the way
-            raise OutputError(f"{flag} {path}: {folder} is a symlink to nothing")
-        folder = folder.parent
-    if not folder.is_dir():
-        raise OutputError(f"{flag} {path}: {folder} is not a folder")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".autoprec-", suffix=".check", dir=folder)
-    except OSError as err:
-        raise OutputError(f"{flag} {path}: cannot write in {folder}: "
-                          f"{err.strerror or err}") from None
-    os.close(fd)
-    with contextlib.suppress(OSError):
-        os.unlink(tmp)
+    check_can_write_in(path, f"{flag} {path}")
     return path
 
 
