@@ -22,13 +22,13 @@ projection of all B·T positions would be ~7x the encoder's FLOPs and is never r
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from autoprec.stream.data import docstrings
 
 MODEL_NAME = "minilm_mlm"
 SEQ_LEN = 64
@@ -88,23 +88,6 @@ def _tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(_model_dir(), local_files_only=True)
-
-
-def docstrings(modules: tuple[str, ...]) -> list[str]:
-    """The docstrings of each module and of its public classes and functions, in the
-    modules' order and then by name (deterministic for one Python version)."""
-    texts = []
-    for name in modules:
-        mod = importlib.import_module(name)
-        if mod.__doc__:
-            texts.append(inspect.cleandoc(mod.__doc__))
-        for attr in sorted(vars(mod)):
-            obj = getattr(mod, attr)
-            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
-                continue
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__doc__:
-                texts.append(inspect.cleandoc(obj.__doc__))
-    return texts
 
 
 @functools.lru_cache(maxsize=4)
