@@ -410,17 +410,22 @@ def _best_baseline_if_infeasible(rows: Sequence[Row]) -> Row | None:
                                   -(r.weight_bytes or 0)))
 
 
+def _fastest_writable(rows: Sequence[Row], role: str) -> Row | None:
+    """The fastest-estimated row of ``role`` that may be written (within budget, a policy,
+    an estimate); of equal estimates the one with fewer rules. None when there is none."""
+    ok = [r for r in rows if r.role == role and r.feasible and r.policy is not None
+          and r.est_speedup is not None]
+    return max(ok, key=lambda r: (r.est_speedup or 0.0, -len(r.policy.layers)), default=None)
+
+
 def one_liner_instead(rows: Sequence[Row]) -> Row | None:
     """Unmeasured rows of a training tune (``--train-aware``): the fastest checked one-liner
     (a baseline row within budget, which passed the short run) whose estimate is at least
     the tuned row's (within ``SAME_SPEED``); None when the tuned row is faster or there is
     none. A plan is never written over a faster checked one-liner."""
-    tuned = rows[0]
-    ok = [r for r in rows if r.role == "baseline" and r.feasible and r.policy is not None
-          and r.est_speedup is not None]
-    if not ok:
+    tuned, best = rows[0], _fastest_writable(rows, "baseline")
+    if best is None:
         return None
-    best = max(ok, key=lambda r: (r.est_speedup or 0.0, -len(r.policy.layers)))
     if tuned.feasible and not as_fast(best.est_speedup or 0.0, tuned.est_speedup or 0.0):
         return None
     return best
@@ -432,12 +437,9 @@ def recipe_instead(rows: Sequence[Row]) -> Row | None:
     row does not beat it — it is not within budget, or not estimated faster; None when it
     does, or a baseline that may be written is estimated faster than that recipe (the
     other rules then apply). The tuned plan is written only where it beats the recipes."""
-    tuned = rows[0]
-    ok = [r for r in rows if r.role == "recipe" and r.feasible and r.policy is not None
-          and r.est_speedup is not None]
-    if not ok:
+    tuned, best = rows[0], _fastest_writable(rows, "recipe")
+    if best is None:
         return None
-    best = max(ok, key=lambda r: (r.est_speedup or 0.0, -len(r.policy.layers)))
     if tuned.feasible and (tuned.est_speedup or 0.0) > (best.est_speedup or 0.0):
         return None
     if any(r.role == "baseline" and r.feasible and r.policy is not None
