@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from autoprec.formats.fp8 import E4M3, E5M2, dequantize_fp8, fake_quant_fp8, quantize_fp8
+from autoprec.formats.fp8 import (
+    E4M3,
+    E5M2,
+    dequantize_fp8,
+    fake_quant_fp8,
+    quantize_fp8,
+    row_chunks,
+)
 from autoprec.formats.gemm import linear_dims, linear_weight, stores_in_out
 from autoprec.lower import nvfp4_train, torchao_fp8
 from autoprec.lower.autocast import compute_dtype
@@ -88,8 +95,14 @@ class _Fp8LinearFn(torch.autograd.Function):
             if bias is not None and not fused:
                 y = y + bias
         else:
-            # fp32 accumulate, like the GEMM
-            y = dequantize_fp8(xq, sx) @ dequantize_fp8(wq, sw).t()
+            # fp32 accumulate, like the GEMM; a large weight read back in pieces of its
+            # output features (the same sums: each output's dot product is whole)
+            xd = dequantize_fp8(xq, sx)
+            pieces = row_chunks(wq)
+            if len(pieces) == 1:
+                y = xd @ dequantize_fp8(wq, sw).t()
+            else:
+                y = torch.cat([xd @ dequantize_fp8(wq[r], sw).t() for r in pieces], dim=-1)
             if bias is not None:
                 y = y + bias.float()
         ctx.save_for_backward(xq, sx, wq, sw)

@@ -16,8 +16,10 @@ Tracking is a callback of the search and a last step of write.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +77,7 @@ def _tune(model: str | Path | ModelSpec, cfg: TuneConfig, tracker: Tracker | Non
     peaks = StagePeaks()
     prep = prepare(model, cfg, profile, peaks)
     searched: list[Search] = []  # once the study holds trials, Ctrl-C says how to resume
-    with _resumable(searched):
+    with _resumable(searched) as check_interrupt:
         with peaks.stage("search"), block_progress(prep.net, "search", cfg.progress):
             space = make_space(prep, cfg)
             interrupted: list[bool] = []
@@ -84,6 +86,7 @@ def _tune(model: str | Path | ModelSpec, cfg: TuneConfig, tracker: Tracker | Non
         # select, confirm on the eval data, decide; write
         with peaks.stage("confirm"), block_progress(prep.net, "confirm", cfg.progress):
             plan = choose_plan(prep, space, search, cfg)
+            check_interrupt()  # a Ctrl-C Python dropped stops here, before anything is written
             result = write(prep, space, search, cfg, tracker, started, plan)
     release_freed()
     if cfg.report is not None:
@@ -101,12 +104,30 @@ def _tune(model: str | Path | ModelSpec, cfg: TuneConfig, tracker: Tracker | Non
 
 
 @contextlib.contextmanager
-def _resumable(searched: list[Search]) -> Iterator[None]:
+def _resumable(searched: list[Search]) -> Iterator[Callable[[], None]]:
     """Ctrl-C once the search is done (``searched`` holds it): a ``TuneInterrupted`` saying
     how to go on from the study's finished trials (``resume=True`` / ``--resume`` runs none
-    of them again). The search raises its own when interrupted."""
+    of them again). The search raises its own when interrupted.
+
+    A KeyboardInterrupt raised while Python runs a garbage-collection callback (SQLAlchemy
+    has some) is printed and dropped by Python itself. In the main thread, under Python's
+    default Ctrl-C handler, every Ctrl-C is also recorded; the yielded check raises one that
+    was dropped (the tune calls it before writing anything)."""
+    seen: list[bool] = []
+
+    def check() -> None:
+        if seen:
+            raise KeyboardInterrupt
+
+    def on_int(signum: int, frame: Any) -> None:
+        seen.append(True)
+        raise KeyboardInterrupt
+
+    ours = (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, on_int) if ours else None
     try:
-        yield
+        yield check
     except TuneInterrupted:
         raise
     except KeyboardInterrupt as err:
@@ -115,6 +136,9 @@ def _resumable(searched: list[Search]) -> Iterator[None]:
         search = searched[0]
         raise TuneInterrupted(search.study_name, search.storage_desc,
                               count_finished(search.study)) from err
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, previous)
 
 
 __all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: tuning/config.py

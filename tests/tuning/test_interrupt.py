@@ -119,3 +119,33 @@ def test_ctrl_c_of_a_calibrating_tune_then_the_hinted_resume_joins_its_study(
     assert optuna.get_all_study_names(url) == [name]  # joined, not a new study
     after = optuna.load_study(study_name=name, storage=url).get_trials()
     assert all(after[k].params == v for k, v in before.items())
+
+
+def test_a_ctrl_c_python_drops_in_a_gc_callback_is_raised_before_the_write() -> None:
+    """Python prints and drops a KeyboardInterrupt raised inside a weakref / GC callback
+    (SQLAlchemy's pool has such callbacks): the tune records every Ctrl-C and its check
+    before the write raises the dropped one."""
+    import gc
+    import weakref
+
+    from autoprec.tuning.tune import _resumable
+
+    class Thing:
+        pass
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt), _resumable([]) as check:
+        thing = Thing()
+
+        def on_collect(_: object) -> None:
+            signal.raise_signal(signal.SIGINT)
+            for _i in range(100):  # the handler runs here, inside the callback
+                pass
+
+        ref = weakref.ref(thing, on_collect)
+        del thing
+        gc.collect()
+        reached.append(ref() is None)  # the interrupt was dropped: execution goes on
+        check()
+    assert reached == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
