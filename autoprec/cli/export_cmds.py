@@ -66,6 +66,8 @@ def save_cmd(
         typer.echo(f"fused group in two dtypes (a fused runtime runs it in one): {g}")
     if rep.islands_note:
         typer.echo(f"islands: {rep.islands_note}")
+    if rep.replaced:
+        typer.echo(f"replaced the earlier save's weight files: {', '.join(rep.replaced)}")
     typer.echo(f"wrote {rep.out}")
 
 

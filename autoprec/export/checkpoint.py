@@ -29,9 +29,13 @@ runtime runs it in one dtype: the report names it (``dtype_mixed``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable, Iterable
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +74,8 @@ class CheckpointReport:
     #: fused groups whose members are unquantised in different dtypes: a fused runtime
     #: (vLLM) runs them as one GEMM in one dtype; transformers keeps them apart
     dtype_mixed: list[str] = field(default_factory=list)
+    #: weight files of an earlier save in the folder, replaced by this one
+    replaced: list[str] = field(default_factory=list)
 
     @property
     def islands_note(self) -> str | None:
@@ -280,21 +286,51 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
     setattr(work.config, AUTOPREC_KEY, extra)
     try:  # checked up front; a disk that fills meanwhile is still one line
         outdir.mkdir(parents=True, exist_ok=True)
-        if formats:
-            compressor = ModelCompressor.from_pretrained_model(work)
-            compressor.compress_model(work)
-            compressor.remove_decompression_hook(work)
-            work.save_pretrained(outdir)
-            compressor.update_config(str(outdir))
-        else:
-            work.save_pretrained(outdir)
+        with _replacing_weights(outdir) as replaced:
+            if formats:
+                compressor = ModelCompressor.from_pretrained_model(work)
+                compressor.compress_model(work)
+                compressor.remove_decompression_hook(work)
+                work.save_pretrained(outdir)
+                compressor.update_config(str(outdir))
+            else:
+                work.save_pretrained(outdir)
     except OSError as err:
         raise OutputError(f"{outdir}: cannot write the checkpoint: "
                           f"{err.strerror or err}") from None
     disk = sum(os.path.getsize(f) for f in outdir.glob("*.safetensors"))
     return CheckpointReport(out=outdir, groups=by_format, ignore=ignore, islands=islands,
                             dtype=str(dtype).replace("torch.", ""), plan_bytes=plan_bytes,
-                            disk_bytes=disk, fused=groups, dtype_mixed=dtype_mixed)
+                            disk_bytes=disk, fused=groups, dtype_mixed=dtype_mixed,
+                            replaced=replaced)
+
+
+#: the weight files ``save_pretrained`` writes: ``model.safetensors``, its shards
+#: (``model-00001-of-00003.safetensors``) and their index
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+@contextlib.contextmanager
+def _replacing_weights(folder: Path) -> Iterator[list[str]]:
+    """An earlier save's weight files are set aside while the new one is written, then
+    removed (their names yielded); put back if the write fails. Left in place, a single
+    ``model.safetensors`` beside new shards is what ``from_pretrained`` loads (it prefers
+    the single file), and a larger earlier save's shards are read by anything that globs
+    ``*.safetensors``. The folder's other files are the user's and stay."""
+    old = sorted(f.name for f in folder.iterdir()
+                 if f.is_file() and _WEIGHT_FILE.fullmatch(f.name))
+    aside = Path(tempfile.mkdtemp(prefix=".autoprec-replaced-", dir=folder)) if old else None
+    for name in old:
+        os.replace(folder / name, aside / name)  # type: ignore[operator]
+    try:
+        yield old
+    except BaseException:
+        for name in old:  # what the failed write left under an old name goes
+            os.replace(aside / name, folder / name)  # type: ignore[operator]
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 __all__ = ["AUTOPREC_KEY", "CT_FORMAT", "CheckpointReport", "ExportRefused",

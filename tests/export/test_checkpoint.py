@@ -199,3 +199,42 @@ def test_an_out_that_cannot_be_a_folder_is_refused_before_any_work(
         save_pretrained(torch.nn.Linear(32, 32), Policy(default="bf16"), out)
     assert "PreTrainedModel" not in str(info.value)  # refused before the model is read
     assert taken.read_text() == "keep me\n"
+
+
+def test_a_save_into_an_earlier_saves_folder_replaces_its_weight_files(tmp_path: Path) -> None:
+    """An earlier save's shards and index go (the user's other files stay): left beside the
+    new single file, transformers would read stale shards through their index or a glob."""
+    from safetensors.torch import save_file
+
+    spec = _spec()
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    stale = {"model-00001-of-00002.safetensors": {"x": torch.zeros(3)},
+             "model-00002-of-00002.safetensors": {"y": torch.ones(2)}}
+    for name, tensors in stale.items():
+        save_file(tensors, str(out / name))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"x": "model-00001-of-00002.safetensors",
+                                        "y": "model-00002-of-00002.safetensors"}}))
+    (out / "NOTES.md").write_text("mine")
+    rep = save_pretrained(spec.model(), _policy({f"{L}.0.mlp.down_proj": "fp8"}), out,
+                          calibration=spec.calibration_batches(), forward=spec.forward)
+    assert rep.replaced == sorted([*stale, "model.safetensors.index.json"])
+    names = sorted(f.name for f in out.iterdir())
+    assert "NOTES.md" in names and not any(n.startswith(".autoprec-replaced") for n in names)
+    assert not set(stale) & set(names)
+    assert "x" not in _tensors(out) and "y" not in _tensors(out)
+    _load(out)  # transformers reads the new save
+
+
+def test_the_earlier_weight_files_come_back_when_the_write_fails(tmp_path: Path) -> None:
+    from autoprec.export.checkpoint import _replacing_weights
+
+    (tmp_path / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(OSError), _replacing_weights(tmp_path) as replaced:
+        assert replaced == ["model.safetensors"]
+        assert not (tmp_path / "model.safetensors").exists()  # set aside while writing
+        (tmp_path / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+    assert (tmp_path / "model.safetensors").read_bytes() == b"old"
+    assert [f.name for f in tmp_path.iterdir()] == ["model.safetensors"]
