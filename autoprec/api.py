@@ -68,12 +68,15 @@ def tune(model: ModelLike, config: TuneConfig | None = None, *,
     """
     from autoprec.tuning.tune import tune as run_tune
 
+    def option(key: str) -> Any:
+        return getattr(config, key) if config is not None else options.get(key)
+
+    # a checkpoint folder tuned for training is held in fp32 (the trainer's masters)
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,
-                   loss=loss, name=name, caller="tune")
-    drop = config.max_drop if config is not None else options.get("max_drop")
-    _needs_metric("tune", spec, drop)
-    train_aware = config.train_aware if config is not None else options.get("train_aware")
-    if train_aware and spec.path is None and spec.loss is None:
+                   loss=loss, name=name, caller="tune",
+                   masters=bool(option("train_aware")) or option("form") == "train")
+    _needs_metric("tune", spec, option("max_drop"))
+    if option("train_aware") and spec.path is None and spec.loss is None:
         raise InputError("tune: train_aware checks training: give loss=fn(outputs, batch) "
                          "-> scalar tensor")
     with kept_as_given(model):
@@ -97,7 +100,7 @@ def check(model: ModelLike, policy: Policy | str | Path, *,
     from autoprec.evaluation.check import check as gate
 
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,
-                   name=name, caller="check")
+                   name=name, caller="check", masters=_trains(model, policy))
     _needs_metric("check", spec, max_drop)
     with kept_as_given(model), keyword_errors():
         result = gate(spec, policy, max_error=max_error, max_drop=max_drop, force=force,
@@ -124,11 +127,23 @@ def evaluate(model: ModelLike, policy: Policy | str | Path, *,
     from autoprec.evaluation.eval_report import Evaluation, eval_report
 
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,
-                   name=name, caller="evaluate")
+                   name=name, caller="evaluate", masters=_trains(model, policy))
     with kept_as_given(model), keyword_errors():
         report = eval_report(spec, policy, target=target, batch_size=batch_size, force=force,
                              measure=measure, compile=compile)
     return Evaluation.from_report(report)
+
+
+def _trains(model: Any, policy: Policy | str | Path) -> bool:
+    """A path given as the model under a training plan (a checkpoint folder is then held in
+    fp32, the trainer's masters)."""
+    if not isinstance(model, (str, Path)):
+        return False
+    from autoprec.policy.schema import Policy as PolicyType
+    from autoprec.policy.schema import load_policy
+
+    given = policy if isinstance(policy, PolicyType) else load_policy(policy)
+    return given.form == "train"
 
 
 __all__ = ["check", "evaluate", "tune"]

@@ -261,8 +261,10 @@ def check(
     if min_headroom is not None and not (isinstance(min_headroom, (int, float))
                                          and math.isfinite(min_headroom) and min_headroom > 0):
         raise InputError(f"--min-headroom must be a finite number > 0, got {min_headroom!r}")
-    spec = model if isinstance(model, ModelSpec) else load_model(model)
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
+    # a checkpoint folder under a training plan is held in fp32 (the trainer's masters)
+    spec = (model if isinstance(model, ModelSpec)
+            else load_model(model, masters=policy.form == "train"))
     kind, budget, source = _budget(policy, spec, max_error, max_drop)
     # the target resolved once (name, mode, form, fp8 backend, batch, speed source), as eval and
     # tune resolve it; check measures nothing: a local target's calibration is read where

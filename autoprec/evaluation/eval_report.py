@@ -77,7 +77,12 @@ def eval_report(model: str | Path | ModelSpec, policy_path: str | Path | Policy,
     ``autoprec.workload.inputs``) scored, audited and priced (``assess``), beside its baselines
     (``assess.beside_baselines``)."""
     check_batch_size(batch_size)  # autoprec.io.validate: [1, MAX_BATCH_SIZE]
-    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    if not isinstance(model, ModelSpec):  # a checkpoint folder under a training plan: fp32
+        form = (policy_path if isinstance(policy_path, Policy)
+                else load_policy(policy_path)).form
+        spec = load_model(model, masters=form == "train")
+    else:
+        spec = model
     net = spec.model()
     if isinstance(policy_path, Policy):
         policy_path.validate(net, force=force)

@@ -55,8 +55,11 @@ def _header(file: Path) -> dict[str, Any]:
 class Checkpoint:
     """The folder, its config and where each tensor lies (see the module doc)."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
         self.folder = Path(folder)
+        #: the dtype the weights are held in once loaded (None: as the config names them);
+        #: fp32 for a training plan's masters
+        self.load_dtype = dtype
         if not is_checkpoint_dir(self.folder):
             raise ModelFileError(f"{self.folder}: not a checkpoint folder (no {CONFIG})")
         index = self.folder / INDEX
@@ -105,6 +108,24 @@ class Checkpoint:
         return sum(self.tensor_bytes(k) for k in self.weight_map
                    if k.startswith(prefix + ".") or not prefix)
 
+    def held_bytes_under(self, prefix: str) -> int:
+        """Bytes those tensors take once loaded: stored, or in ``load_dtype`` (a floating
+        tensor loaded into an fp32 skeleton is held in fp32)."""
+        if self.load_dtype is None:
+            return self.bytes_under(prefix)
+        size = torch.empty((), dtype=self.load_dtype).element_size()
+        total = 0
+        for k in self.weight_map:
+            if not (k.startswith(prefix + ".") or not prefix):
+                continue
+            info = self.header(self.weight_map[k])[k]
+            n = 1
+            for d in info["shape"]:
+                n *= int(d)
+            floating = info["dtype"] in ("F64", "F32", "F16", "BF16")
+            total += n * size if floating else self.tensor_bytes(k)
+        return total
+
     def fingerprint(self) -> str:
         """``sha256:…`` of the index and every shard's header, size and mtime: the weights'
         identity without reading them (a rewritten shard has a new mtime)."""
@@ -138,12 +159,12 @@ class Checkpoint:
 
         config = self.config()
         config.use_cache = False
-        dtype = self.dtype()
+        dtype = self.load_dtype or self.dtype()
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # the parameters' dtypes on meta, as stored
         try:
             with init_empty_weights():
-                model = AutoModelForCausalLM.from_config(config)
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except (ValueError, KeyError) as err:
             raise ModelFileError(f"{self.folder / CONFIG}: transformers cannot build a "
                                  f"causal LM from it: {err}".splitlines()[0]) from None

@@ -186,7 +186,10 @@ class StreamedModel:
                       if any(True for _ in mod.parameters(recurse=False))
                       and not (name == path or name.startswith(path + ".")
                                or path.startswith(name + ".") or name == "")}
-        # no gradient for a streamed weight: an AccumulateGrad node would keep it alive
+        # no gradient for a streamed weight: an AccumulateGrad node would keep it alive;
+        #: the block parameters the model trains (a training step prices their gradients)
+        self.trainable = frozenset(f"{path}.{n}" for n, p in blocks.named_parameters()
+                                   if p.requires_grad)
         for p in blocks.parameters():
             p.requires_grad_(False)
         for i, block in enumerate(blocks):
@@ -252,10 +255,10 @@ class StreamedModel:
 
     @property
     def memory(self) -> StreamMemory:
-        sizes = [(self.ckpt.bytes_under(self.block_path(i)), self.block_path(i))
+        sizes = [(self.ckpt.held_bytes_under(self.block_path(i)), self.block_path(i))
                  for i in range(len(self.blocks))]
         top, where = max(sizes)
-        total = self.ckpt.bytes_under("")
+        total = self.ckpt.held_bytes_under("")
         return StreamMemory(total - sum(s for s, _ in sizes), where, top, len(self.blocks))
 
     def weights_hash(self) -> str:
@@ -375,10 +378,12 @@ def _stop(module: nn.Module, args: Any, out: Any) -> None:
     raise _Stopped(out)
 
 
-def open_streamed(folder: str | Path) -> nn.Module:
+def open_streamed(folder: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
     """The causal LM of a checkpoint folder, streamed (module doc): resident parts loaded,
-    blocks on ``meta``, ``model.autoprec_stream`` its ``StreamedModel``."""
-    ckpt = Checkpoint(folder)
+    blocks on ``meta``, ``model.autoprec_stream`` its ``StreamedModel``. ``dtype``: hold
+    the weights in it (fp32: a training plan's masters, as a trainer initialises them from
+    the stored bf16); default: as stored."""
+    ckpt = Checkpoint(folder, dtype)
     model = ckpt.skeleton()
     path, blocks = find_blocks(model)
     inside = path + "."

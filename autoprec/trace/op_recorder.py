@@ -132,8 +132,12 @@ class _Recorder:
         self.ambient = _DTYPE_OF.get(ref) if ref != "fp32" else None
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             self._new(t, "param", scales=False, param=name)
-        for t in model.parameters():
-            self.trace.values[self.ids[t]].trainable = t.requires_grad
+        # a streamed model's blocks hold their weights without gradients (stream.streamed:
+        # memory); the model they stand for trains them
+        stream = getattr(model, "autoprec_stream", None)
+        untracked = stream.trainable if stream is not None else frozenset()
+        for name, t in model.named_parameters():
+            self.trace.values[self.ids[t]].trainable = t.requires_grad or name in untracked
         owners: dict[int, list[str]] = {}
         for name, t in [*model.named_parameters(remove_duplicate=False),
                         *model.named_buffers(remove_duplicate=False)]:

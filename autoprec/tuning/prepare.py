@@ -68,7 +68,9 @@ class Prepared:
 
 def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
             peaks: StagePeaks | None = None) -> Prepared:
-    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    # a checkpoint folder tuned for training is held in fp32 (the trainer's masters)
+    spec = (model if isinstance(model, ModelSpec)
+            else load_model(model, masters=cfg.train_aware or cfg.form == "train"))
     if cfg.use_metric and spec.metric is None:
         raise InputError(f"{spec.where}: --max-drop needs a metric(outputs, batch) in model.py")
     if cfg.train_aware and spec.loss is None:

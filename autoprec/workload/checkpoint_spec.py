@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from autoprec.stream import data as textdata
 from autoprec.stream.checkpoint import Checkpoint, is_checkpoint_dir
 from autoprec.stream.streamed import open_streamed
@@ -26,9 +28,10 @@ BATCHES, ROWS, SEQ_LEN = 1, 1, 64
 
 def checkpoint_spec(folder: str | Path, *, data: str | Path | Sequence[str] | None = None,
                     batches: int = BATCHES, rows: int = ROWS, seq_len: int = SEQ_LEN,
-                    name: str | None = None) -> ModelSpec:
+                    name: str | None = None, masters: bool = False) -> ModelSpec:
     """The ``ModelSpec`` of a checkpoint folder (module doc); ModelFileError (exit 2) for a
-    folder that is not one."""
+    folder that is not one. ``masters``: hold the weights in fp32, as a trainer's master
+    weights initialised from the stored ones (a training plan runs autocast over them)."""
     folder = Path(folder)
     ckpt = Checkpoint(folder)  # the folder checked now, one line when it is not one
     vocab = int(getattr(ckpt.config(), "vocab_size", 0) or 256)
@@ -46,15 +49,18 @@ def checkpoint_spec(folder: str | Path, *, data: str | Path | Sequence[str] | No
                                       folder, vocab, batches, rows, seq_len)
 
     label = name or re.sub(r"[^A-Za-z0-9._-]", "_", folder.resolve().name).lstrip(".") or "model"
-    return ModelSpec(path=None, name=label[:100], build_model=lambda: open_streamed(folder),
+    return ModelSpec(path=None, name=label[:100], build_model=lambda: open_streamed(
+                         folder, torch.float32 if masters else None),
                      calibration_data=calibration, eval_data=held_out)
 
 
-def load_model(path: str | Path) -> ModelSpec:
+def load_model(path: str | Path, *, masters: bool = False) -> ModelSpec:
     """What every command loads: a checkpoint folder (a folder with ``config.json``),
-    streamed, or a model.py (``loading.load_model_file``)."""
+    streamed, or a model.py (``loading.load_model_file``). ``masters``: a training plan
+    will run on it: a checkpoint's weights are held in fp32 (``checkpoint_spec``); a
+    model.py builds what it builds."""
     if is_checkpoint_dir(path):
-        return checkpoint_spec(path)
+        return checkpoint_spec(path, masters=masters)
     return load_model_file(path)
 
 

@@ -81,7 +81,7 @@ def spec_of(model: ModelLike, *, calibration: Iterable[Batch] | None = None,
             forward: Callable[[torch.nn.Module, Batch], Any] | None = None,
             metric: Callable[[Any, Batch], float] | None = None,
             loss: Callable[[Any, Batch], torch.Tensor] | None = None,
-            name: str | None = None, caller: str = "tune") -> ModelSpec:
+            name: str | None = None, caller: str = "tune", masters: bool = False) -> ModelSpec:
     """The ``ModelSpec`` of ``model`` (see the module docs). ``caller`` names the function in
     messages (``tune: calibration is one tensor …``). The data arguments go with a model in
     hand; with a model.py or a ModelSpec they are refused (the file says them)."""
@@ -93,7 +93,7 @@ def spec_of(model: ModelLike, *, calibration: Iterable[Batch] | None = None,
             what = "model.py" if not isinstance(model, ModelSpec) else "the ModelSpec"
             raise InputError(f"{caller}: {', '.join(given)} go with a model in hand (an "
                              f"nn.Module); {what} gives its own")
-        return model if isinstance(model, ModelSpec) else load_model(model)
+        return model if isinstance(model, ModelSpec) else load_model(model, masters=masters)
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"{caller}: model must be a torch.nn.Module, the path of a model.py "
                          f"or a ModelSpec, got {type(model).__name__}")

@@ -50,8 +50,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-llama")
 
 
-def loaded(folder: Path) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+def loaded(folder: Path, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     model.config.use_cache = False
     return model
 
@@ -199,3 +199,37 @@ def test_backward_does_not_keep_the_blocks_weights(ckpt: Path) -> None:
         grads.append(emb.grad)
     assert st.reloads >= 3 * 7  # every GEMM weight read back for the input's gradient
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.slow
+def test_a_training_tune_of_a_bf16_checkpoint_holds_fp32_masters(ckpt: Path,
+                                                                 tmp_path: Path) -> None:
+    """``--form train`` on a bf16 folder: the blocks stream in fp32 (the trainer's masters,
+    initialised from the stored bf16), and the policy is the one the same model loaded
+    whole in fp32 gets."""
+    import dataclasses
+
+    import autoprec
+    from autoprec.workload.checkpoint_spec import load_model
+
+    net = load_model(ckpt, masters=True).model()
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    st = net.autoprec_stream
+    st.load_block(0)
+    assert net.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    assert st.memory.largest_block_bytes == 2 * open_streamed(ckpt).autoprec_stream.memory \
+        .largest_block_bytes  # held in fp32: twice the stored bf16
+
+    spec = checkpoint_spec(ckpt, masters=True)
+    fp32 = dataclasses.replace(spec, build_model=lambda: loaded(ckpt, torch.float32))
+    opts = {"target": "b200", "form": "train", "max_error": 0.02, "trials": 6,
+            "progress": False}
+    streamed = autoprec.tune(str(ckpt), out=tmp_path / "s" / "p.yaml", **opts)
+    autoprec.tune(fp32, out=tmp_path / "m" / "p.yaml", **opts)
+    assert streamed.policy.form == "train" and not streamed.policy.reference  # fp32 reference
+    a, b = (tmp_path / d / "p.yaml" for d in ("s", "m"))
+    assert _without_provenance(a) == _without_provenance(b)
+    # check and evaluate hold the folder in fp32 under the training plan, as the tune did
+    gate = autoprec.check(str(ckpt), a)
+    assert gate.passed, gate.reasons
+    assert autoprec.evaluate(str(ckpt), a).error == gate.error
