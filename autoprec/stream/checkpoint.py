@@ -55,8 +55,12 @@ def _header(file: Path) -> dict[str, Any]:
 class Checkpoint:
     """The folder, its config and where each tensor lies (see the module doc)."""
 
-    def __init__(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, folder: str | Path, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> None:
         self.folder = Path(folder)
+        #: where loaded weights are put: the host, or the GPU a tune runs on (the shards are
+        #: read straight onto it by safetensors)
+        self.device = torch.device(device)
         #: the dtype the weights are held in once loaded (None: as the config names them);
         #: fp32 for a training plan's masters
         self.load_dtype = dtype
@@ -183,7 +187,8 @@ class Checkpoint:
         for n in names:
             by_shard.setdefault(self.weight_map[n], []).append(n)
         for shard, keys in by_shard.items():
-            with safe_open(str(self.folder / shard), framework="pt", device="cpu") as f:
+            with safe_open(str(self.folder / shard), framework="pt",
+                           device=str(self.device)) as f:
                 for k in keys:
                     yield k, f.get_tensor(k)
 

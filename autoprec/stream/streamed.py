@@ -378,13 +378,19 @@ def _stop(module: nn.Module, args: Any, out: Any) -> None:
     raise _Stopped(out)
 
 
-def open_streamed(folder: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
+def open_streamed(folder: str | Path, dtype: torch.dtype | None = None,
+                  device: str | torch.device = "cpu") -> nn.Module:
     """The causal LM of a checkpoint folder, streamed (module doc): resident parts loaded,
     blocks on ``meta``, ``model.autoprec_stream`` its ``StreamedModel``. ``dtype``: hold
     the weights in it (fp32: a training plan's masters, as a trainer initialises them from
-    the stored bf16); default: as stored."""
-    ckpt = Checkpoint(folder, dtype)
+    the stored bf16); default: as stored. ``device``: where the resident parts and the
+    block being run are held (a GPU: one block on it at a time, the rest in the shards)."""
+    ckpt = Checkpoint(folder, dtype, device)
     model = ckpt.skeleton()
+    for mod in model.modules():  # buffers (rotary inv_freq) are built on the host
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None and buf.device != ckpt.device and buf.device.type != "meta":
+                mod._buffers[name] = buf.to(ckpt.device)
     path, blocks = find_blocks(model)
     inside = path + "."
     for name, mod in model.named_modules():

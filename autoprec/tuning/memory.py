@@ -132,6 +132,10 @@ def _check_streamed(stream: Any, where: str, limit_bytes: int | None, tokens: in
     size = stream.memory.largest_block_bytes
     if limit_bytes is not None:
         limit, source = int(limit_bytes), "--memory-limit"
+    elif stream.ckpt.device.type == "cuda":
+        dev = stream.ckpt.device
+        limit, source = int(torch.cuda.get_device_properties(dev).total_memory), \
+            f"{dev} total memory"
     else:
         got = available_bytes()
         if got is None:

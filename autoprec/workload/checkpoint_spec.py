@@ -28,30 +28,40 @@ BATCHES, ROWS, SEQ_LEN = 1, 1, 64
 
 def checkpoint_spec(folder: str | Path, *, data: str | Path | Sequence[str] | None = None,
                     batches: int = BATCHES, rows: int = ROWS, seq_len: int = SEQ_LEN,
-                    name: str | None = None, masters: bool = False) -> ModelSpec:
+                    name: str | None = None, masters: bool = False,
+                    device: str | torch.device | None = None) -> ModelSpec:
     """The ``ModelSpec`` of a checkpoint folder (module doc); ModelFileError (exit 2) for a
     folder that is not one. ``masters``: hold the weights in fp32, as a trainer's master
-    weights initialised from the stored ones (a training plan runs autocast over them)."""
+    weights initialised from the stored ones (a training plan runs autocast over them).
+    ``device``: where the model runs (default: the GPU where there is one, else the host);
+    the batches are put there."""
     folder = Path(folder)
     ckpt = Checkpoint(folder)  # the folder checked now, one line when it is not one
+    dev = torch.device(device if device is not None
+                       else "cuda" if torch.cuda.is_available() else "cpu")
     vocab = int(getattr(ckpt.config(), "vocab_size", 0) or 256)
 
     def calibration() -> list[dict[str, Any]]:
         texts = textdata.read_texts(data, textdata.CALIBRATION_MODULES)
-        return textdata.token_batches(texts, folder, vocab, batches, rows, seq_len)
+        return _on(dev, textdata.token_batches(texts, folder, vocab, batches, rows, seq_len))
 
     def held_out() -> list[dict[str, Any]]:
         if data is not None:  # the user's text: its next tokens after the calibration's
             texts = textdata.read_texts(data, textdata.CALIBRATION_MODULES)
             both = textdata.token_batches(texts, folder, vocab, 2 * batches, rows, seq_len)
-            return both[batches:]
-        return textdata.token_batches(textdata.read_texts(None, textdata.EVAL_MODULES),
-                                      folder, vocab, batches, rows, seq_len)
+            return _on(dev, both[batches:])
+        return _on(dev, textdata.token_batches(
+            textdata.read_texts(None, textdata.EVAL_MODULES), folder, vocab, batches, rows,
+            seq_len))
 
     label = name or re.sub(r"[^A-Za-z0-9._-]", "_", folder.resolve().name).lstrip(".") or "model"
     return ModelSpec(path=None, name=label[:100], build_model=lambda: open_streamed(
-                         folder, torch.float32 if masters else None),
+                         folder, torch.float32 if masters else None, dev),
                      calibration_data=calibration, eval_data=held_out)
+
+
+def _on(device: torch.device, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v.to(device) for k, v in b.items()} for b in batches]
 
 
 def load_model(path: str | Path, *, masters: bool = False) -> ModelSpec:

@@ -233,3 +233,47 @@ def test_a_training_tune_of_a_bf16_checkpoint_holds_fp32_masters(ckpt: Path,
     gate = autoprec.check(str(ckpt), a)
     assert gate.passed, gate.reasons
     assert autoprec.evaluate(str(ckpt), a).error == gate.error
+
+
+def _cuda_reason() -> str:
+    from autoprec.device.capability import capability
+
+    ok, why = capability("bf16", None, "cuda")
+    return "" if ok else why
+
+
+def test_the_folder_streams_onto_the_device_it_is_given(ckpt: Path) -> None:
+    """``device``: the resident parts, the buffers and each loaded block go there; the
+    checkpoint spec's batches too (default: the GPU where there is one)."""
+    s = open_streamed(ckpt, device="cpu")
+    assert s.lm_head.weight.device.type == "cpu"
+    spec = checkpoint_spec(ckpt, device="cpu")
+    assert spec.calibration_batches()[0]["input_ids"].device.type == "cpu"
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert checkpoint_spec(ckpt).eval_batches()[0]["input_ids"].device.type == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(_cuda_reason()), reason=_cuda_reason() or "bf16 on CUDA")
+def test_a_folder_streamed_on_the_gpu_holds_one_block_there(ckpt: Path) -> None:
+    """On a GPU: the plain forward and a plan's are the loaded model's on that GPU, and
+    the GPU never holds more than the resident parts and about one block."""
+    ref = loaded(ckpt).cuda()
+    s = open_streamed(ckpt, device="cuda")
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    mem = s.autoprec_stream.memory
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out = s(input_ids=x).logits
+    assert torch.cuda.max_memory_allocated() - base < 3 * mem.largest_block_bytes + (1 << 22)
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=x).logits, out)
+    pol = PLANS[1]
+    target = resolve_target("h100")
+    outs = []
+    for m in (ref, s):
+        with torch.no_grad(), scoring_gemms(), target.apply(m, pol):
+            outs.append(m(input_ids=x).logits)
+    assert torch.equal(outs[0], outs[1])
