@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -55,6 +56,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                tie_word_embeddings=False),
+    # Llama-3.1-70B's shapes: sized (``--sizes``, ``benchmarks.stream_memory``), too large
+    # to write on the team's 60 GB disks
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                tie_word_embeddings=False),
 }
 DTYPE = torch.bfloat16
 INDEX = "model.safetensors.index.json"
@@ -132,6 +139,11 @@ def write(preset: str, out: Path, *, seed: int = 0, shard_gb: float = 2.0,
 
     cfg = config_of(preset)
     out.mkdir(parents=True, exist_ok=True)
+    size = parameters(preset) * DTYPE.itemsize
+    free = shutil.disk_usage(out).free
+    if free < size * 1.02:
+        raise SystemExit(f"make_llama_checkpoint: {out}: {preset} needs {size / 1e9:.1f} GB, "
+                         f"the disk has {free / 1e9:.1f} GB free")
     if (out / "config.json").exists():
         (out / "config.json").unlink()  # the folder is a checkpoint again once complete
     shards = plan_shards(tensor_specs(cfg), int(shard_gb * 1e9))

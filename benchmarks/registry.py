@@ -128,6 +128,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "make_llama_checkpoint": Benchmark("scale", "writes a random-weight Llama checkpoint "
                                        "(tiny, 1.1b, 3b, 8b) shard by shard, for the runs "
                                        "below", untested_because=_ELSEWHERE),
+    "stream_memory": Benchmark("scale", "what a streamed tune of a 1.1-70 B Llama budgets "
+                               "(resident, block, activations), from shapes alone",
+                               ["--presets", "1.1b", "--tokens", "64"]),
     "tune_streamed": Benchmark("scale", "a checkpoint folder tuned streamed block by block: "
                                "peak RSS, wall, stage times, seconds per block",
                                untested_because=_ELSEWHERE),

@@ -115,15 +115,23 @@ def gb(n: float) -> str:
 LOGIT_COPIES, HIDDEN_COPIES = 3, 16
 
 
+def streamed_bytes(resident: int, block: int, vocab: int, hidden: int, tokens: int
+                   ) -> tuple[int, int]:
+    """(bytes a streamed tune needs, of which activations): the resident parts, the largest
+    block twice (its weights and a plan's copy of them) and the activations of ``tokens``
+    tokens (``LOGIT_COPIES`` logits, ``HIDDEN_COPIES`` hidden vectors, fp32)."""
+    act = tokens * 4 * (LOGIT_COPIES * vocab + HIDDEN_COPIES * hidden)
+    return resident + 2 * block + act, act
+
+
 def streamed_need(stream: Any, tokens: int) -> tuple[int, int, int, str]:
-    """(bytes a streamed tune needs, resident bytes, activations, the largest block's path):
-    the resident parts, the largest block twice (its weights and a plan's copy of them)
-    and the activations of ``tokens`` tokens."""
+    """(bytes a streamed tune needs, resident bytes, activations, the largest block's path)
+    of a streamed model (``streamed_bytes`` on its checkpoint's headers and config)."""
     mem = stream.memory
     cfg = stream.model.config
-    act = tokens * 4 * (LOGIT_COPIES * int(getattr(cfg, "vocab_size", 0) or 0)
-                        + HIDDEN_COPIES * int(getattr(cfg, "hidden_size", 0) or 0))
-    need = mem.resident_bytes + 2 * mem.largest_block_bytes + act
+    need, act = streamed_bytes(mem.resident_bytes, mem.largest_block_bytes,
+                               int(getattr(cfg, "vocab_size", 0) or 0),
+                               int(getattr(cfg, "hidden_size", 0) or 0), tokens)
     return need, mem.resident_bytes, act, mem.largest_block
 
 
