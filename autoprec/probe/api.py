@@ -29,11 +29,19 @@ from autoprec.lower.wide16 import scoring_gemms
 from autoprec.probe import cache
 from autoprec.probe import e2e as e2emod
 from autoprec.probe.grad_rules import GRAD_ERROR_LIMIT, GRAD_FLUSH_LIMIT, GRAD_NOTE_FROM
-from autoprec.probe.grads import SPLITS, GradProbes, Projections, edge_grads, random_projection
+from autoprec.probe.grads import (
+    SPLITS,
+    GradProbes,
+    GradStats,
+    Projections,
+    edge_grads,
+    random_projection,
+)
 from autoprec.probe.layers import ProbeLayer, select_layers
 from autoprec.probe.ranges import TensorRange
 from autoprec.probe.rows import build_row, judge
 from autoprec.probe.shadow import LocalStats, ShadowPass
+from autoprec.probe.stages import Stages
 from autoprec.probe.table import ProbeRow, SensitivityTable
 from autoprec.trace.graph import LayerGraph
 from autoprec.workload.loading import ModelSpec, collect_batches, default_forward
@@ -167,9 +175,13 @@ def probe(
     started = time.monotonic()
     flags = {m: m.training for m in model.modules()}
     model.eval()  # dropout would make the shadow re-runs differ from the fp32 pass
+    # a streamed model's stages take minutes: kept as they finish (probe/stages.py)
+    stages = (Stages(cache_dir, key, STAGE_CLASSES)
+              if cache_dir is not None and getattr(model, "autoprec_stream", None) is not None
+              else None)
     try:
         with scoring_gemms():  # 16-bit GEMMs this CPU has no kernel for: lower/wide16
-            table = _probe(model, batches, graph, settings)
+            table = _probe(model, batches, graph, settings, stages)
     finally:
         for m, flag in flags.items():
             m.training = flag
@@ -177,6 +189,8 @@ def probe(
                       cached=False, options=options)
     if cache_dir is not None:
         cache.store(cache_dir, key, table)
+    if stages is not None:
+        stages.clear()
     return table
 
 
@@ -192,17 +206,28 @@ class ShadowResults:
     reference: Reference  # the fp32 outputs (and metric) the end-to-end runs compare with
 
 
+#: what the stage files hold (probe/stages.py), the classes allowed when they are read
+STAGE_CLASSES = (ShadowResults, LocalStats, TensorRange, Projections, GradProbes, GradStats,
+                 Reference)
+
+
 def _probe(model: nn.Module, batches: list[Any], graph: LayerGraph | None,
-           settings: ProbeSettings) -> SensitivityTable:
-    """The stages: layers -> shadow pass -> rows -> end-to-end runs -> the table."""
+           settings: ProbeSettings, stages: Stages | None = None) -> SensitivityTable:
+    """The stages: layers -> shadow pass -> rows -> end-to-end runs -> the table.
+    ``stages``: where the shadow pass and each end-to-end run are kept as they finish and
+    read back from (a killed streamed probe resumes)."""
     if graph is None:
         from autoprec.trace import trace
 
         graph = trace(model, batches[0], forward=settings.forward, tracers=("hooks",))
     sel = select_layers(model, graph, settings.precisions, settings.layers)
-    shadow = _shadow_pass(model, batches, sel, settings)
+    shadow = stages.load("shadow") if stages is not None else None
+    if shadow is None:
+        shadow = _shadow_pass(model, batches, sel, settings)
+        if stages is not None:
+            stages.store("shadow", shadow)
     rows = _rows(sel, shadow, settings)
-    todo = _end_to_end(model, batches, sel, rows, shadow, settings)
+    todo = _end_to_end(model, batches, sel, rows, shadow, settings, stages)
     return SensitivityTable(rows, _meta(graph, sel, len(batches), len(todo), settings))
 
 
@@ -281,9 +306,11 @@ def _rows(sel: list[ProbeLayer], shadow: ShadowResults,
 
 def _end_to_end(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
                 rows: list[ProbeRow], shadow: ShadowResults,
-                settings: ProbeSettings) -> list[tuple[str, str]]:
+                settings: ProbeSettings, stages: Stages | None = None
+                ) -> list[tuple[str, str]]:
     """Run the chosen (layer, precision) pairs end to end, only that layer lowered; the
-    rows get their end-to-end errors and are judged again. Returns the pairs run."""
+    rows get their end-to-end errors and are judged again. Returns the pairs run (a run
+    kept in ``stages`` is read back, not run again)."""
     by_key = {(r.layer, r.precision): r for r in rows}
     estimates = {k: r.cheap_estimate for k, r in by_key.items()}
     hard = {k for k, r in by_key.items() if r.hard}
@@ -295,13 +322,19 @@ def _end_to_end(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
     spec = ModelSpec(path=None, name=type(model).__name__, build_model=lambda: model,
                      calibration_data=lambda: batches, forward=settings.forward, metric=metric)
     by_path = {lay.path: lay for lay in sel}
+    kept = stages.load("e2e") if stages is not None else None
+    done: dict[tuple[str, str], tuple[float, float]] = {
+        (a, b): (err, val) for a, b, err, val in (kept or [])}
     for path, p in tqdm(todo, desc="probe: end-to-end", unit="run", disable=not settings.progress,
                         leave=False):
-        sc = e2emod.measure(spec, model, batches, shadow.reference, by_path[path], p,
-                            settings.fp8_backend)
+        if (path, p) not in done:
+            sc = e2emod.measure(spec, model, batches, shadow.reference, by_path[path], p,
+                                settings.fp8_backend)
+            done[(path, p)] = (sc.error, sc.value)
+            if stages is not None:
+                stages.store("e2e", [[a, b, err, val] for (a, b), (err, val) in done.items()])
         r = by_key[(path, p)]
-        r.e2e_output_error = sc.error
-        r.e2e_error = sc.value
+        r.e2e_output_error, r.e2e_error = done[(path, p)]
         judge(r, shadow.ranges[path], budget, settings.units, settings.underflow_limit,
               settings.loss_scale)
     return todo

@@ -94,6 +94,15 @@ class Projections:
         self.sq: dict[str, dict[Key, float]] = {s: defaultdict(float) for s in SPLITS}
         self.seen: set[Key] = set()  # pairs that got a gradient at least once
 
+    # plain dicts and lists in a stage file (probe.stages: torch.load's weights-only reader
+    # takes no defaultdict or set)
+    def __getstate__(self) -> dict[str, Any]:
+        return {"sq": {s: dict(v) for s, v in self.sq.items()}, "seen": sorted(self.seen)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.sq = {s: defaultdict(float, v) for s, v in state["sq"].items()}
+        self.seen = {tuple(k) for k in state["seen"]}  # type: ignore[misc]
+
     def add(self, calls: Sequence[Call], grads: list[list[Any]], weight: float = 1.0) -> None:
         """One backward's grads for this batch's calls; ``weight`` = 1 / probes."""
         # One (layer, precision) pair at a time: only its calls' products are alive (all
@@ -164,6 +173,14 @@ class GradProbes:
         self.loss_scale = loss_scale
         self.fp8_backend = fp8_backend
         self.stats: dict[Key, GradStats] = defaultdict(GradStats)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"loss_scale": self.loss_scale, "fp8_backend": self.fp8_backend,
+                "stats": dict(self.stats)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.loss_scale, self.fp8_backend = state["loss_scale"], state["fp8_backend"]
+        self.stats = defaultdict(GradStats, state["stats"])
 
     def add(self, calls: Sequence[Call], grads: list[list[Any]]) -> None:
         effect: dict[Key, float] = defaultdict(float)

@@ -112,12 +112,12 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
              f"{check.error:.3g} ({check.error / cfg.budget:.2g} of the budget "
              f"{cfg.budget:g}; kernels that round differently run to run): accepted as "
              "noise, every error measured includes it")
+    cache = cfg.cache_dir or out_path.parent / ".autoprec" / "probe-cache"
     with peaks.stage("trace"), block_progress(net, "trace", cfg.progress):
-        graph = trace(net, calib[0], forward=spec.forward, model_name=spec.name)
+        graph = _traced(net, spec, calib[0], cache)
     unknown = [lk for lk in cfg.locked if lk not in graph]
     if unknown:
         raise InputError(f"--lock {unknown[0]!r}: {spec.where} has no such module")
-    cache = cfg.cache_dir or out_path.parent / ".autoprec" / "probe-cache"
     # Gradient probes (model.py's loss) cost ~20 forward-equivalents; only training needs
     # them: a train-form tune with a loss excludes the pairs whose gradients flush
     # (probe/grad_rules.py) before anything trains.
@@ -146,6 +146,29 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
                     cost, deploy_bs, calib_bs, out_path, target, refm)
+
+
+def _traced(net: Any, spec: ModelSpec, batch: Any, cache_dir: Path) -> LayerGraph:
+    """The layer graph (``trace``); a streamed model's is kept in ``cache_dir`` under the
+    probe cache's kind of key (structure, weights, the batch, the forward's code, the
+    versions) and read back by the next tune of it (``probe.stages``)."""
+    if getattr(net, "autoprec_stream", None) is None:
+        return trace(net, batch, forward=spec.forward, model_name=spec.name)
+    from autoprec.probe import cache
+    from autoprec.probe.stages import Stages
+    from autoprec.trace.graph import LayerNode
+    from autoprec.trace.ops import Call, Op, OpTrace, Value
+
+    key = cache.cache_key(net, [batch], {"stage": "trace", "name": spec.name,
+                                         "forward": cache.function_hash(spec.forward)})
+    kept = Stages(cache_dir, key, (LayerGraph, LayerNode, OpTrace, Value, Op, Call),
+                  prefix="trace")
+    graph = kept.load("graph")
+    if isinstance(graph, LayerGraph):
+        return graph
+    graph = trace(net, batch, forward=spec.forward, model_name=spec.name)
+    kept.store("graph", graph)
+    return graph
 
 
 def _references(spec: ModelSpec, net: Any, calib: list[Any], eval_batches: list[Any],

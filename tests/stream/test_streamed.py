@@ -277,3 +277,56 @@ def test_a_folder_streamed_on_the_gpu_holds_one_block_there(ckpt: Path) -> None:
         with torch.no_grad(), scoring_gemms(), target.apply(m, pol):
             outs.append(m(input_ids=x).logits)
     assert torch.equal(outs[0], outs[1])
+
+
+#: the forward of the probe-resume test: counts its calls, raises KeyboardInterrupt (a
+#: Ctrl-C) at call ``STOP_AT`` (0: never)
+CALLS = {"n": 0, "stop_at": 0}
+
+
+def _counting_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    CALLS["n"] += 1
+    if CALLS["n"] == CALLS["stop_at"]:
+        raise KeyboardInterrupt
+    return model(**batch).logits
+
+
+def test_a_killed_streamed_probe_resumes_after_its_last_finished_stage(ckpt: Path,
+                                                                        tmp_path: Path) -> None:
+    """Ctrl-C in the end-to-end runs: the shadow pass and the finished runs were kept, the
+    next probe runs only what is left, and its table is the uninterrupted one's."""
+    spec = checkpoint_spec(ckpt, seq_len=32)
+    batches = spec.calibration_batches()
+    opts = {"precisions": ["fp16", "fp8"], "progress": False, "e2e": "all",
+            "forward": _counting_forward}
+    whole = probe(open_streamed(ckpt), batches, cache_dir=tmp_path / "a", **opts)
+    runs = int(whole.meta["e2e_runs"])
+    assert runs > 4
+    # the trace (two forwards), the shadow pass (one), two runs, then Ctrl-C
+    CALLS.update(n=0, stop_at=2 + 1 + 2 + 1)
+    with pytest.raises(KeyboardInterrupt):
+        probe(open_streamed(ckpt), batches, cache_dir=tmp_path / "b", **opts)
+    kept = sorted(f.name.rsplit(".", 2)[1] for f in (tmp_path / "b").glob("*.pt"))
+    assert kept == ["e2e", "shadow"]
+    CALLS.update(n=0, stop_at=0)
+    again = probe(open_streamed(ckpt), batches, cache_dir=tmp_path / "b", **opts)
+    assert CALLS["n"] == 2 + runs - 2  # the trace; no shadow pass; two runs not run again
+    assert again.to_frame().equals(whole.to_frame())
+    assert not list((tmp_path / "b").glob("*.pt"))  # gone once the table is stored
+
+
+def test_a_streamed_models_graph_is_kept_for_the_next_tune(ckpt: Path, tmp_path: Path) -> None:
+    """The trace of a streamed model (three streamed forwards) is stored beside the probe
+    cache and read back, equal, by the next tune's prepare."""
+    from autoprec.tuning.prepare import _traced
+
+    spec = checkpoint_spec(ckpt)
+    batch = spec.calibration_batches()[0]
+    first = _traced(spec.model(), spec, batch, tmp_path)
+    assert [f.name.split("-")[0] for f in tmp_path.glob("*.pt")] == ["trace"]
+    net = spec.model()
+    loads = net.autoprec_stream.loads
+    again = _traced(net, spec, batch, tmp_path)
+    assert net.autoprec_stream.loads == loads  # no forward ran
+    assert again.to_json() == first.to_json()
+    assert len(again.ops.ops) == len(first.ops.ops) and again.fingerprint == first.fingerprint
