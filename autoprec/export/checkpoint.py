@@ -227,7 +227,8 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
     pol = _as_policy(policy, root, force)
     batches = list(calibration)
     fwd = forward or default_forward
-    work = copy.deepcopy(root).eval()
+    stream = getattr(root, "autoprec_stream", None)
+    work = _whole(stream) if stream is not None else copy.deepcopy(root).eval()
 
     from autoprec.plan import compile_plan
 
@@ -303,6 +304,28 @@ def save_pretrained(model: torch.nn.Module, policy: Policy | str | Path, out: st
                             dtype=str(dtype).replace("torch.", ""), plan_bytes=plan_bytes,
                             disk_bytes=disk, fused=groups, dtype_mixed=dtype_mixed,
                             replaced=replaced)
+
+
+def _whole(stream: Any) -> torch.nn.Module:
+    """The streamed model's checkpoint loaded whole by transformers (``from_pretrained``),
+    in the dtype it was streamed in: the deploy form rewrites every weight, so the save
+    holds the model once and its deployed tensors beside it. InputError when that does not
+    fit in the host's available memory (writing a checkpoint block by block is not done)."""
+    from transformers import AutoModelForCausalLM
+
+    from autoprec.tuning.memory import available_bytes, gb
+
+    ckpt = stream.ckpt
+    need = 2 * ckpt.held_bytes_under("")
+    free = available_bytes()
+    if free is not None and need > free:
+        raise InputError(f"{ckpt.folder}: autoprec save holds the model and its deployed "
+                         f"weights ({gb(need)}), more than the {gb(free)} available; a "
+                         "checkpoint larger than memory is not saved block by block")
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt.folder),
+                                                 dtype=ckpt.load_dtype or ckpt.dtype())
+    model.config.use_cache = False
+    return model.eval()
 
 
 #: the weight files ``save_pretrained`` writes: ``model.safetensors``, its shards

@@ -4,9 +4,10 @@ The key covers everything a table depends on: the model's structure fingerprint 
 its weight values (a fine-tuned model keeps its fingerprint), the calibration data, the
 precisions and probe options, the user's forward/loss/metric code and the source of the
 model's module classes (an edited ``Module.forward`` is a new key), and the versions of
-autoprec, torch and the table schema. Files are JSON (no pickle: a cache directory may be
+autoprec, torch and the table schema. Tables are JSON (no pickle: a cache directory may be
 shared), written atomically (temp file, fsync, rename) so a killed run leaves no torn
-file. The cache is an optimisation: a cache that cannot be written (a full disk, a
+file; a streamed probe's partial stages (``stages``) are read by torch's weights-only
+reader, which builds none but the probe's own classes. The cache is an optimisation: a cache that cannot be written (a full disk, a
 read-only folder) is a warning, and the probe's result is returned all the same.
 """
 

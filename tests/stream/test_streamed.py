@@ -330,3 +330,48 @@ def test_a_streamed_models_graph_is_kept_for_the_next_tune(ckpt: Path, tmp_path:
     assert net.autoprec_stream.loads == loads  # no forward ran
     assert again.to_json() == first.to_json()
     assert len(again.ops.ops) == len(first.ops.ops) and again.fingerprint == first.fingerprint
+
+
+def test_save_of_a_checkpoint_folder_writes_what_the_loaded_model_writes(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``autoprec save DIR``: the folder is loaded whole by transformers (the deploy form
+    rewrites every weight) and written as the same model loaded by hand would be."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file
+
+    from autoprec.export import save_pretrained
+
+    pol = Policy(default="bf16", form="deploy", layers={"model.layers.0.mlp": "fp8",
+                                                        "model.layers.2.self_attn": "fp32"})
+    pol_file = tmp_path / "p.yaml"
+    pol_file.write_text(pol.dumps())
+    code, out, err = run_cli(["save", ckpt, "--policy", pol_file, "--out", tmp_path / "cli"],
+                             capsys, quiet_warnings=True)
+    assert code == 0, err
+    spec = checkpoint_spec(ckpt)
+    save_pretrained(loaded(ckpt), pol, tmp_path / "hand", calibration=spec.calibration_batches())
+
+    def tensors(d: Path) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            got.update(load_file(str(f)))
+        return got
+
+    a, b = tensors(tmp_path / "cli"), tensors(tmp_path / "hand")
+    assert a.keys() == b.keys() and len(a) > 20
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_bf16_plan_on_a_bf16_llama_is_the_model_as_given(ckpt: Path) -> None:
+    """The deploy form keeps a 16-bit model's fp32 buffers (a Llama's rotary ``inv_freq``):
+    a plan that is the model's own dtype everywhere computes exactly the plain forward
+    (rounded to bf16, the angles moved the 8 B Llama's logits by 8.5 %)."""
+    target = resolve_target("h100")
+    x = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(4))
+    for m in (loaded(ckpt), open_streamed(ckpt)):
+        with torch.no_grad(), scoring_gemms():
+            plain = m(input_ids=x).logits
+            with target.apply(m, Policy(default="bf16", form="deploy")):
+                assert m.model.rotary_emb.inv_freq.dtype == torch.float32
+                planned = m(input_ids=x).logits
+        assert torch.equal(plain, planned)
