@@ -38,6 +38,12 @@ def function_hash(fn: Callable[..., Any] | None) -> str:
     return hashlib.sha256(function_code(fn).encode()).hexdigest()[:16]
 
 
+#: Bumped when what a lowering computes changes between releases, so that tables measured
+#: by the earlier code are not read back: 2, a 16-bit model's fp32 buffers kept in the
+#: deploy form (``apply.stored``).
+NUMERICS = 2
+
+
 def cache_key(model: nn.Module, batches: Iterable[Any], options: Mapping[str, Any]) -> str:
     """sha256 of model structure + weights, data, options and versions."""
     parts = {
@@ -47,7 +53,7 @@ def cache_key(model: nn.Module, batches: Iterable[Any], options: Mapping[str, An
         "data": data_hash(batches),
         "options": {k: options[k] for k in sorted(options)},
         "versions": {"autoprec": __version__, "torch": torch.__version__,
-                     "schema": SCHEMA},
+                     "schema": SCHEMA, "numerics": NUMERICS},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
 
