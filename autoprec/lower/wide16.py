@@ -55,9 +55,44 @@ class Wide16(TorchDispatchMode):
             dtype = _one_dtype(args)
             if dtype in self.dtypes:
                 self.calls += 1
+                pieces = _column_pieces(func, args, kwargs)
+                if pieces is not None:
+                    return torch.cat([self.__torch_dispatch__(func, types, a, k)
+                                      for a, k in pieces], dim=-1)
                 wide = tree_map(_upcast, (args, kwargs))
                 return func(*wide[0], **wide[1]).to(dtype)
         return func(*args, **kwargs)
+
+
+#: A right operand of more elements than this is computed in pieces of its columns (64 MB
+#: of fp32 each): the upcast copy of an 8 B Llama's LM head would be 2.1 GB.
+PIECE = 1 << 24
+
+
+def _column_pieces(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> list[tuple[tuple[Any, ...], dict[str, Any]]] | None:
+    """``mm(a, b)`` / ``addmm(bias, a, b)`` with a large ``b`` as the same op on pieces of
+    ``b``'s columns (each output column's sum is computed whole, so the numbers are those
+    of the whole GEMM); None for any other GEMM or a small ``b``."""
+    if func is _aten.mm.default and not kwargs:
+        a, b = args
+        bias = None
+    elif func is _aten.addmm.default and not kwargs and args[0].dim() <= 1:
+        bias, a, b = args
+    else:
+        return None
+    if b.dim() != 2 or b.numel() <= PIECE or b.shape[1] < 2:
+        return None
+    step = max(1, PIECE // max(1, b.shape[0]))
+    out = []
+    for j in range(0, b.shape[1], step):
+        cols = slice(j, min(j + step, b.shape[1]))
+        if bias is None:
+            out.append(((a, b[:, cols]), {}))
+        else:
+            part = bias if bias.dim() == 0 or bias.shape[0] == 1 else bias[cols]
+            out.append(((part, a, b[:, cols]), {}))
+    return out
 
 
 def _upcast(x: Any) -> Any:
@@ -113,4 +148,4 @@ def scoring_gemms() -> Iterator[Wide16 | None]:
         yield mode
 
 
-__all__ = ["GEMM_OPS", "SLOW_FACTOR", "Wide16", "scoring_gemms", "slow_dtypes"]
+__all__ = ["GEMM_OPS", "PIECE", "SLOW_FACTOR", "Wide16", "scoring_gemms", "slow_dtypes"]

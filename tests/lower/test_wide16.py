@@ -119,3 +119,22 @@ def test_this_cpu_is_measured_when_nothing_forces_it(monkeypatch: pytest.MonkeyP
             assert d in got
         elif t < fp32 / 2:
             assert d not in got
+
+
+def test_a_large_right_operand_is_computed_in_pieces_with_the_same_numbers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An LM head's GEMM upcasts its weight in pieces of columns (not a 2 GB fp32 copy of an
+    8 B Llama's head): the outputs are those of the one fp32 GEMM."""
+    import autoprec.lower.wide16 as w16
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 256, generator=g).bfloat16()
+    weight = torch.randn(1000, 256, generator=g).bfloat16()
+    bias = torch.randn(1000, generator=g).bfloat16()
+    with w16.Wide16(frozenset({torch.bfloat16})) as whole:
+        want = [F.linear(x, weight), F.linear(x, weight, bias)]
+    monkeypatch.setattr(w16, "PIECE", 256 * 100)  # 100 columns a piece
+    with w16.Wide16(frozenset({torch.bfloat16})) as pieces:
+        got = [F.linear(x, weight), F.linear(x, weight, bias)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert pieces.calls > 10 * whole.calls  # 10 pieces each
