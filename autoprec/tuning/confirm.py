@@ -21,6 +21,7 @@ rows and maps the winning row back to what ``write`` writes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,8 @@ def choose_plan(prep: Any, space: Any, search: Any, cfg: Any) -> Chosen:
         # a 16-bit model: the model as given is within budget by definition (error 0), so
         # a search whose trials all failed or went over budget still writes it
         search.notes.append("no trial found a plan within budget; wrote the model as given "
-                            f"({prep.reference.label()})")
+                            f"({prep.reference.label()}): " + why_none_fits(prep.table, cands,
+                                                                            cfg.budget))
         cands = [*cands, given]
     if not cands:
         raise search.driver.nothing_measured(search.study_name)
@@ -72,6 +74,27 @@ def choose_plan(prep: Any, space: Any, search: Any, cfg: Any) -> Chosen:
                                             min_speedup=cfg.min_speedup)
     speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible)
     return Chosen(chosen, rules, speed, cands)
+
+
+def why_none_fits(table: Any, cands: Sequence[Any], budget: float, top: int = 3) -> str:
+    """Why no lowered plan fitted, per layer: the closest plan measured, and for each
+    precision the layers whose error alone (the probes' end-to-end run, else their
+    estimate) is smallest against the budget."""
+    parts = []
+    done = [c for c in cands if c.calib.error is not None and math.isfinite(c.calib.error)]
+    if done:
+        best = min(done, key=lambda c: c.calib.error)
+        parts.append(f"the closest of {len(done)} trials measured {best.calib.error:.3g} "
+                     f"(budget {budget:g})")
+    by_prec: dict[str, list[Any]] = {}
+    for r in getattr(table, "rows", []):
+        if math.isfinite(r.effect):
+            by_prec.setdefault(r.precision, []).append(r)
+    for prec, rows in sorted(by_prec.items()):
+        rows.sort(key=lambda r: r.effect)
+        named = ", ".join(f"{r.layer} {r.effect:.3g}" for r in rows[:top])
+        parts.append(f"{prec} alone costs at least {rows[0].effect:.3g} ({named})")
+    return "; ".join(parts) if parts else "nothing was measured"
 
 
 def _given_candidate(prep: Any, space: Any) -> Any:

@@ -146,3 +146,14 @@ def test_peak_memory_is_in_the_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert got["peak_memory_stage"] == max(stages, key=stages.__getitem__)
     assert got["reference"] == {"dtype": "bf16", "layers": {DOWN: "fp32"}}
     assert got["est_speedup_over_reference"] >= 1.0
+
+
+def test_when_no_plan_fits_the_note_says_why_per_layer(tmp_path: Path) -> None:
+    """A budget no lowered plan meets: the model as given is written, and the note names the
+    closest trial's error and, per precision, the layers that cost least alone."""
+    res = tune_mod.tune(BF16, _cfg(tmp_path, max_error=1e-6, precisions="bf16,fp8",
+                                   trials=3))
+    assert not res.policy.layers and res.policy.default == "bf16"
+    (note,) = [n for n in res.notes if n.startswith("no trial found a plan within budget")]
+    assert "the closest of " in note and "(budget 1e-06)" in note
+    assert "fp8 alone costs at least " in note and "model.layers." in note
