@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec.evaluation import decision
 from autoprec.evaluation.assess import fill_train_bytes, time_rows
@@ -39,6 +39,14 @@ from autoprec.tuning.prepare import reference_key
 from autoprec.tuning.recipe_rows import tune_recipe_rows
 from autoprec.tuning.train_choice import baseline_check, tuned_that_trains
 
+if TYPE_CHECKING:
+    from autoprec.probe.table import ProbeRow, SensitivityTable
+    from autoprec.search.select import Candidate
+    from autoprec.search.space import SearchSpace
+    from autoprec.tuning.config import TuneConfig
+    from autoprec.tuning.prepare import Prepared
+    from autoprec.tuning.run import Search
+
 
 @dataclass
 class Chosen:
@@ -46,13 +54,14 @@ class Chosen:
     pseudo-candidate, number -1), its (default, rules), the rows and the decision beside
     it, and every candidate of the study (the Pareto front is written from them)."""
 
-    candidate: Any
+    candidate: Candidate
     rules: tuple[str, dict[str, str]]
     speed: SpeedCheck
-    candidates: list[Any]
+    candidates: list[Candidate]
 
 
-def choose_plan(prep: Any, space: Any, search: Any, cfg: Any) -> Chosen:
+def choose_plan(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig
+                ) -> Chosen:
     """tune's decision: the study's completed trials (and, for a 16-bit model none of whose
     trials is within budget, the model as given), the fastest within budget by estimate
     (``evaluation.decision.by_estimate``), confirmed beside its baselines (``confirm_tune``: timed
@@ -76,7 +85,8 @@ def choose_plan(prep: Any, space: Any, search: Any, cfg: Any) -> Chosen:
     return Chosen(chosen, rules, speed, cands)
 
 
-def why_none_fits(table: Any, cands: Sequence[Any], budget: float, top: int = 3) -> str:
+def why_none_fits(table: SensitivityTable, cands: Sequence[Candidate], budget: float,
+                  top: int = 3) -> str:
     """Why no lowered plan fitted, per layer: the closest plan measured, and for each
     precision the layers whose error alone (the probes' end-to-end run, else their
     estimate) is smallest against the budget."""
@@ -86,7 +96,7 @@ def why_none_fits(table: Any, cands: Sequence[Any], budget: float, top: int = 3)
         best = min(done, key=lambda c: c.calib.error)
         parts.append(f"the closest of {len(done)} trials measured {best.calib.error:.3g} "
                      f"(budget {budget:g})")
-    by_prec: dict[str, list[Any]] = {}
+    by_prec: dict[str, list[ProbeRow]] = {}
     for r in getattr(table, "rows", []):
         if math.isfinite(r.effect):
             by_prec.setdefault(r.precision, []).append(r)
@@ -97,7 +107,7 @@ def why_none_fits(table: Any, cands: Sequence[Any], budget: float, top: int = 3)
     return "; ".join(parts) if parts else "nothing was measured"
 
 
-def _given_candidate(prep: Any, space: Any) -> Any:
+def _given_candidate(prep: Prepared, space: SearchSpace) -> Candidate | None:
     """The model as given (a 16-bit model's own layout) as a candidate (no trial of the
     study): error 0, priced like every plan. None for an fp32 model."""
     from autoprec.search.plan_score import PlanScore
@@ -115,9 +125,10 @@ def _given_candidate(prep: Any, space: Any) -> Any:
                                     "form": "deploy"})
 
 
-def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[Any],
-                 chosen: Any, feasible: bool,
-                 timer: Timer | None = None) -> tuple[SpeedCheck, Any, tuple[str, dict[str, str]]]:
+def confirm_tune(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
+                 cands: Sequence[Candidate], chosen: Candidate, feasible: bool,
+                 timer: Timer | None = None
+                 ) -> tuple[SpeedCheck, Candidate, tuple[str, dict[str, str]]]:
     """tune's last step: the rows beside the chosen plan, timed where the tune's target
     (``prep.target``) is local (compiled, for a ``--compile`` tune); returns the check, the
     candidate to write and its (default, rules)."""
@@ -127,7 +138,7 @@ def confirm_tune(prep: Any, space: Any, search: Any, cfg: Any, cands: Sequence[A
 
     rules_of = search.decoder.rules  # recorded on the trial, else compacted (search/decode.py)
 
-    def row(c: Any, name: str, role: str) -> Row:
+    def row(c: Candidate, name: str, role: str) -> Row:
         err = c.calib.error if c.eval_error is None else c.eval_error
         r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, target.name, ev.form), err,
                 c.calib.feasible, c.calib.est_speedup, trial=c.number,
@@ -209,7 +220,8 @@ def _why_not(ev: Any, budget: float) -> str:
     return "no: over budget" if err > budget else "no"
 
 
-def _baseline_candidate(prep: Any, space: Any, win: Row) -> tuple[Any, tuple[str, dict[str, str]]]:
+def _baseline_candidate(prep: Prepared, space: SearchSpace, win: Row
+                        ) -> tuple[Candidate, tuple[str, dict[str, str]]]:
     """A baseline row as the candidate to write (no trial of the study) and its rules."""
     from autoprec.search.plan_score import PlanScore
 
