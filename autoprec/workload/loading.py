@@ -189,12 +189,28 @@ def check_has_data(model: torch.nn.Module, where: str) -> None:
                         ("buffer", model.named_buffers())):
         for name, t in named:
             if t.device.type == "meta":
+                folder = _checkpoint_folder(model)
                 raise ModelFileError(
                     f"{where}: {kind} {name!r} is on the meta device (no data: offloaded by "
                     "accelerate's device_map/disk_offload, or made under "
                     "init_empty_weights); autoprec reads every weight: load the model "
                     "without offloading (device_map=None), or give autoprec its checkpoint "
-                    "folder, which it streams block by block")
+                    "folder, which it streams block by block"
+                    + (f" (autoprec tune {folder})" if folder else ""))
+
+
+def _checkpoint_folder(model: torch.nn.Module) -> str | None:
+    """The local checkpoint folder a transformers model was loaded from (its config's
+    ``_name_or_path``), when it is one autoprec can stream."""
+    path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not path:
+        return None
+    from autoprec.stream.checkpoint import is_checkpoint_dir
+
+    try:
+        return str(path) if is_checkpoint_dir(path) else None
+    except OSError:
+        return None
 
 
 def collect_batches(data: Any, owner: str, what: str, verb: str = "returned"

@@ -375,3 +375,19 @@ def test_a_bf16_plan_on_a_bf16_llama_is_the_model_as_given(ckpt: Path) -> None:
                 assert m.model.rotary_emb.inv_freq.dtype == torch.float32
                 planned = m(input_ids=x).logits
         assert torch.equal(plain, planned)
+
+
+def test_a_model_offloaded_by_device_map_is_refused_naming_its_folder(
+        ckpt: Path, tmp_path: Path) -> None:
+    """transformers' ``device_map`` with disk offload (accelerate's hooks, weights on
+    ``meta``): refused in one line that names the folder to tune instead (streamed)."""
+    from autoprec.errors import ModelFileError
+    from autoprec.workload.loading import check_has_data
+
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.bfloat16, offload_folder=str(tmp_path / "off"),
+        device_map={"model.embed_tokens": "cpu", "model.rotary_emb": "cpu",
+                    "model.layers": "disk", "model.norm": "cpu", "lm_head": "cpu"})
+    assert any(p.device.type == "meta" for p in model.parameters())
+    with pytest.raises(ModelFileError, match=f"autoprec tune {ckpt}"):
+        check_has_data(model, "tune: model")
