@@ -69,7 +69,7 @@ def tune(model: ModelLike, config: TuneConfig | None = None, *,
     from autoprec.tuning.tune import tune as run_tune
 
     def option(key: str) -> Any:
-        return getattr(config, key) if config is not None else options.get(key)
+        return config.option(key) if config is not None else options.get(key)
 
     # a checkpoint folder tuned for training is held in fp32 (the trainer's masters)
     spec = spec_of(model, calibration=calibration, eval=eval, forward=forward, metric=metric,

@@ -78,20 +78,20 @@ def tune_cmd(
         memory_limit_gb=memory_limit, fuse_groups=fuse_groups,
     ).validated(workers=workers, model=model, mlflow_uri=None if no_track else mlflow_uri,
                 cli=True)
-    target = cfg.target  # --target CPU is cpu (the name of the policy file too)
+    target = cfg.pricing.target  # --target CPU is cpu (the name of the policy file too)
     if workers > 1:
         if measure:  # calibrate a local target once: every worker prices on the same profile
             from autoprec.pricing.speed_source import calibration_dir
             from autoprec.pricing.target import resolve_target
 
-            resolve_target(cfg.target, compile=cfg.compile, form=cfg.form, measure=True,
-                           cache_dir=calibration_dir(cfg.out, cfg.cache_dir))
+            resolve_target(cfg.pricing.target, compile=cfg.pricing.compile, form=cfg.pricing.form, measure=True,
+                           cache_dir=calibration_dir(cfg.output.out, cfg.output.cache_dir))
         code = run_workers(list(current_argv), workers)
         raise typer.Exit(code)
     # A worker started by --workers: its own seed (environment read at the CLI boundary).
     index_text = os.environ.get(WORKER_INDEX_ENV)
     worker_index = int(index_text) if index_text and index_text.isdigit() else None
-    cfg = cfg.with_seed(worker_seed(cfg.seed, worker_index) or cfg.seed)
+    cfg = cfg.with_seed(worker_seed(cfg.search.seed, worker_index) or cfg.search.seed)
     # Tracking is checked first: an unreachable server is exit 2 before any expensive work.
     tracker = make_tracker(mlflow_uri, experiment, enabled=not no_track, workdir=Path.cwd())
     try:

@@ -75,12 +75,12 @@ def choose_plan(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCon
         # a search whose trials all failed or went over budget still writes it
         search.notes.append("no trial found a plan within budget; wrote the model as given "
                             f"({prep.reference.label()}): " + why_none_fits(prep.table, cands,
-                                                                            cfg.budget))
+                                                                            cfg.budget.value))
         cands = [*cands, given]
     if not cands:
         raise search.driver.nothing_measured(search.study_name)
-    chosen, feasible = decision.by_estimate(select.dedupe(cands), budget=cfg.budget,
-                                            min_speedup=cfg.min_speedup)
+    chosen, feasible = decision.by_estimate(select.dedupe(cands), budget=cfg.budget.value,
+                                            min_speedup=cfg.search.min_speedup)
     speed, chosen, rules = confirm_tune(prep, space, search, cfg, cands, chosen, feasible)
     return Chosen(chosen, rules, speed, cands)
 
@@ -142,7 +142,7 @@ def confirm_tune(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
         err = c.calib.error if c.eval_error is None else c.eval_error
         r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, target.name, ev.form), err,
                 c.calib.feasible, c.calib.est_speedup, trial=c.number,
-                why_not=_why_not(c.calib, cfg.budget))
+                why_not=_why_not(c.calib, cfg.budget.value))
         r.source = c
         r.weight_bytes = prep.cost.weight_bytes(r.policy)
         return r
@@ -156,17 +156,18 @@ def confirm_tune(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
         rows = [row(chosen, "tuned", "tuned")]
     # untimed rows: the estimates decide, and a one-liner estimated slower than a tuned
     # plan that trains cannot be written: not trained (train_choice.baseline_check)
-    bar = rows[0] if feasible and not (target.local and cfg.measure) else None
-    rows_after = tune_baseline_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
+    bar = rows[0] if feasible and not (target.local and cfg.pricing.measure) else None
+    budget, precs, aware = cfg.budget.value, cfg.search.precisions, cfg.train_check.train_aware
+    rows_after = tune_baseline_rows(prep.cost, ev, budget, precs, aware,
                                     prep.reference,
                                     train_check=None if trainer is None
                                     else baseline_check(trainer, prep.cost.speedup, bar))
     # a training tune: the fixed recipes people copy, judged as the one-liners are
-    rows_after += tune_recipe_rows(prep.cost, ev, cfg.budget, cfg.precisions, cfg.train_aware,
+    rows_after += tune_recipe_rows(prep.cost, ev, budget, precs, aware,
                                    None if trainer is None
                                    else baseline_check(trainer, prep.cost.speedup, bar))
-    decision.demote_below_min_speedup(rows_after, cfg.min_speedup)
-    timed = target.local and cfg.measure and (
+    decision.demote_below_min_speedup(rows_after, cfg.search.min_speedup)
+    timed = target.local and cfg.pricing.measure and (
         feasible or decision.baselines_instead(feasible, rows_after))
     if timed:
         nxt = sorted((c for c in select.dedupe(cands) if c.calib.feasible),
@@ -184,9 +185,9 @@ def confirm_tune(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
                                  batch=prep.calib[0], profile=prep.cost.profile))
     timing = time_rows(decision.rows_to_time(rows) if timed else rows, target, prep.spec.forward,
                        prep.net, prep.calib[0], prep.graph,
-                       measure=timed, at_batch=at_batch, timer=timer, seed=cfg.seed,
+                       measure=timed, at_batch=at_batch, timer=timer, seed=cfg.search.seed,
                        loss=prep.spec.loss,
-                       not_measured="not measured (--no-measure)" if not cfg.measure else
+                       not_measured="not measured (--no-measure)" if not cfg.pricing.measure else
                        "not measured: no plan within budget")
     decided = decision.decide(rows, timing, trains=trainer is not None,
                               estimate=ByEstimate(chosen.number, chosen.calib.est_speedup,

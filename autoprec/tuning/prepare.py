@@ -70,22 +70,23 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
             peaks: StagePeaks | None = None) -> Prepared:
     # a checkpoint folder tuned for training is held in fp32 (the trainer's masters)
     spec = (model if isinstance(model, ModelSpec)
-            else load_model(model, masters=cfg.train_aware or cfg.form == "train"))
-    if cfg.use_metric and spec.metric is None:
+            else load_model(model, masters=cfg.train_check.train_aware
+                            or cfg.pricing.form == "train"))
+    if cfg.budget.use_metric and spec.metric is None:
         raise InputError(f"{spec.where}: --max-drop needs a metric(outputs, batch) in model.py")
-    if cfg.train_aware and spec.loss is None:
+    if cfg.train_check.train_aware and spec.loss is None:
         raise InputError(f"{spec.where}: --train-aware needs loss(outputs, batch) in model.py")
-    out_path = cfg.out or Path("policies") / f"{spec.name}-{cfg.target}.yaml"
+    out_path = cfg.output.out or Path("policies") / f"{spec.name}-{cfg.pricing.target}.yaml"
     check_out_path(out_path)  # before any expensive work
-    check_out_not_input(out_path, model=spec.path, storage=cfg.storage)
+    check_out_not_input(out_path, model=spec.path, storage=cfg.study.storage)
     net = spec.model()
     refm = model_reference(net)
-    check_fits(net, spec.where, cfg.memory_limit)  # the model twice, or one line now
+    check_fits(net, spec.where, cfg.pricing.memory_limit)  # the model twice, or one line now
     reset_peak(net)
     peaks = peaks if peaks is not None else StagePeaks()
     peaks.model = net
-    if not refm.is_fp32 and (cfg.train_aware or cfg.form == "train"):
-        what = "--train-aware" if cfg.train_aware else "--form train"
+    if not refm.is_fp32 and (cfg.train_check.train_aware or cfg.pricing.form == "train"):
+        what = "--train-aware" if cfg.train_check.train_aware else "--form train"
         raise InputError(f"{spec.where}: {what} runs autocast over fp32 master weights, but "
                          f"the model is {refm.label()}; tune it in the deploy form (the "
                          "default), or load it in fp32 to train it")
@@ -93,7 +94,7 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
     eval_batches = spec.eval_batches()
     same_data = spec.eval_data is None
     before = batch_tensors(calib[0])  # to tell an input changed in place from randomness
-    with peaks.stage("reference"), block_progress(net, "reference", cfg.progress):
+    with peaks.stage("reference"), block_progress(net, "reference", cfg.output.progress):
         ref, eval_ref, check = _references(spec, net, calib, eval_batches, same_data, cfg)
     if check.error != 0.0:
         if not same_tensors(before, batch_tensors(calib[0])):
@@ -101,48 +102,48 @@ def prepare(model: str | Path | ModelSpec, cfg: TuneConfig, profile: Any = None,
                              "calibration_data differs after one forward, e.g. x.mul_()); "
                              "autoprec runs every batch many times: compute on a copy "
                              "(x = x * 2, or x.clone())")
-        noise = NOISE_FRACTION * cfg.budget
+        noise = NOISE_FRACTION * cfg.budget.value
         if not check.error <= noise:  # NaN too
             raise InputError(
                 f"{spec.where}: the {refm.label()} model is not deterministic (two runs "
                 f"differ by {check.error:.3g}, more than {NOISE_FRACTION:g} x the budget "
-                f"{cfg.budget:g}, enough to change a decision); put it in eval mode / fix "
+                f"{cfg.budget.value:g}, enough to change a decision); put it in eval mode / fix "
                 "random ops")
         warn(f"{spec.where}: the {refm.label()} model's two runs differ by "
-             f"{check.error:.3g} ({check.error / cfg.budget:.2g} of the budget "
-             f"{cfg.budget:g}; kernels that round differently run to run): accepted as "
+             f"{check.error:.3g} ({check.error / cfg.budget.value:.2g} of the budget "
+             f"{cfg.budget.value:g}; kernels that round differently run to run): accepted as "
              "noise, every error measured includes it")
-    cache = cfg.cache_dir or out_path.parent / ".autoprec" / "probe-cache"
-    with peaks.stage("trace"), block_progress(net, "trace", cfg.progress):
+    cache = cfg.output.cache_dir or out_path.parent / ".autoprec" / "probe-cache"
+    with peaks.stage("trace"), block_progress(net, "trace", cfg.output.progress):
         graph = _traced(net, spec, calib[0], cache)
-    unknown = [lk for lk in cfg.locked if lk not in graph]
+    unknown = [lk for lk in cfg.search.locked if lk not in graph]
     if unknown:
         raise InputError(f"--lock {unknown[0]!r}: {spec.where} has no such module")
     # Gradient probes (model.py's loss) cost ~20 forward-equivalents; only training needs
     # them: a train-form tune with a loss excludes the pairs whose gradients flush
     # (probe/grad_rules.py) before anything trains.
-    with peaks.stage("probe"), block_progress(net, "probe", cfg.progress):
-        table = probe(net, calib, precisions=[p for p in cfg.precisions if p != "fp32"],
-                      forward=spec.forward, loss=spec.loss if cfg.form == "train" else None,
-                      metric=spec.metric if cfg.use_metric else None, graph=graph,
-                      budget=cfg.budget, cache_dir=cache, progress=cfg.progress)
+    with peaks.stage("probe"), block_progress(net, "probe", cfg.output.progress):
+        table = probe(net, calib, precisions=[p for p in cfg.search.precisions if p != "fp32"],
+                      forward=spec.forward, loss=spec.loss if cfg.pricing.form == "train" else None,
+                      metric=spec.metric if cfg.budget.use_metric else None, graph=graph,
+                      budget=cfg.budget.value, cache_dir=cache, progress=cfg.output.progress)
     calib_bs = batch_size_of(calib[0]) or 1
-    target = resolve_target(cfg.target, compile=cfg.compile, form=cfg.form,
-                            batch_size=cfg.batch_size, measure=cfg.measure,
-                            cache_dir=calibration_dir(out_path, cfg.cache_dir))
+    target = resolve_target(cfg.pricing.target, compile=cfg.pricing.compile, form=cfg.pricing.form,
+                            batch_size=cfg.pricing.batch_size, measure=cfg.pricing.measure,
+                            cache_dir=calibration_dir(out_path, cfg.output.cache_dir))
     deploy_bs = target.deploy_batch(calib[0])
     # the one price of a target (Target.plan_cost, as eval and check price): on a local CPU
     # the model's own ops timed here, a training step's loss included; an explicit profile
     # (tests, experiments) prices by it alone
     cost = target.plan_cost(graph, deploy_bs, net=net, forward=spec.forward, loss=spec.loss,
                             batch=calib[0], profile=profile)
-    if getattr(cfg, "fuse_groups", "off") == "auto":  # priced as a fused runtime runs it
+    if cfg.pricing.fuse_groups == "auto":  # priced as a fused runtime runs it
         cost.shared_quant_inputs = True
-    if cfg.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
-        cost.max_weight_bytes = cfg.max_weight_mb * 1e6
-    if cfg.memory_limit_gb is not None and hasattr(cost, "max_train_bytes"):
-        cost.max_train_bytes = cfg.memory_limit_gb * 1e9  # a step over it cannot train
-    if not cfg.use_metric and spec.metric is not None:
+    if cfg.pricing.max_weight_mb is not None:  # a plan over it cannot deploy: priced as infeasible
+        cost.max_weight_bytes = cfg.pricing.max_weight_mb * 1e6
+    if cfg.pricing.memory_limit_gb is not None and hasattr(cost, "max_train_bytes"):
+        cost.max_train_bytes = cfg.pricing.memory_limit_gb * 1e9  # a step over it cannot train
+    if not cfg.budget.use_metric and spec.metric is not None:
         spec = replace(spec, metric=None)  # the budget is on relative L2: score that
     return Prepared(spec, net, calib, eval_batches, ref, eval_ref, same_data, graph, table,
                     cost, deploy_bs, calib_bs, out_path, target, refm)
@@ -175,7 +176,7 @@ def _references(spec: ModelSpec, net: Any, calib: list[Any], eval_batches: list[
                 same_data: bool, cfg: TuneConfig) -> tuple[Any, Any, Any]:
     """The model's own outputs on both sets, and a second run of it (determinism)."""
     ref = reference(spec, net, calib, "of calibration_data",  # also: the model accepts it
-                    need_outputs=not cfg.use_metric)
+                    need_outputs=not cfg.budget.use_metric)
     eval_ref = ref if same_data else reference(spec, net, eval_batches, "of eval_data")
     check = score(spec, net, calib, ref, "of calibration_data")
     return ref, eval_ref, check
@@ -203,32 +204,33 @@ def make_space(prep: Prepared, cfg: TuneConfig) -> SearchSpace:
         mod = modules.get(node.path)
         own = offered(own_precision(mod), PRECISIONS) if mod is not None else PRECISIONS
         why_not = {p: r for p, r in node.disallowed.items()
-                   if p in cfg.precisions and p not in device_why}
-        for p in cfg.precisions:  # the target's own gaps are no layer's reason: not listed
-            if is_forward_only(p) and cfg.train_aware:
+                   if p in cfg.search.precisions and p not in device_why}
+        for p in cfg.search.precisions:  # the target's own gaps are no layer's reason: not listed
+            if is_forward_only(p) and cfg.train_check.train_aware:
                 why_not.setdefault(p, f"{p}: forward-only (no gradient recipe): not for "
                                       "--train-aware")
             if (node.path, p) in hard:
                 why_not.setdefault(p, hard[(node.path, p)])
-        allowed[node.path] = [p for p in node.allowed if p in cfg.precisions and p in own
+        allowed[node.path] = [p for p in node.allowed if p in cfg.search.precisions and p in own
                               and p not in why_not and p not in device_why]
         excluded[node.path] = why_not
     if not layers:
         raise InputError(
             f"nothing to tune: {prep.spec.where} has no GEMM layer (Linear, Conv, matmul, "
             "attention) whose precision autoprec can choose; its forward is priced at "
-            f"{prep.cost.fp32_time * 1e6:.3g} µs in fp32 on {cfg.target}")
-    regions = [p for p in REGIONS if p in cfg.precisions and p not in device_why
+            f"{prep.cost.fp32_time * 1e6:.3g} µs in fp32 on {cfg.pricing.target}")
+    regions = [p for p in REGIONS if p in cfg.search.precisions and p not in device_why
                and p in offered(prep.reference.default, PRECISIONS)]
-    space = build_space(layers, allowed, excluded, cfg.precisions, locked=cfg.locked,
+    space = build_space(layers, allowed, excluded, cfg.search.precisions, locked=cfg.search.locked,
                         regions=regions, fused=fused_layer_groups(prep, cfg, layers))
     if not any(len(v.choices) > 1 for v in space.all_variables):
         why = sorted({w for v in space.variables for w in v.excluded.values()}
-                     | {device_why[p] for p in cfg.precisions if p in device_why})
+                     | {device_why[p] for p in cfg.search.precisions if p in device_why})
+        lower = ", ".join(p for p in cfg.search.precisions if p != "fp32")
         raise InputError(
             f"nothing to tune: no layer of {prep.spec.name} may take "
-            f"{', '.join(p for p in cfg.precisions if p != 'fp32') or 'a precision below fp32'}"
-            f" on {cfg.target}" + (f" ({'; '.join(why)[:300]})" if why else ""))
+            f"{lower or 'a precision below fp32'} on {cfg.pricing.target}"
+            + (f" ({'; '.join(why)[:300]})" if why else ""))
     return space
 
 
@@ -236,7 +238,7 @@ def fused_layer_groups(prep: Prepared, cfg: TuneConfig, layers: list[str]
                        ) -> list[list[str]]:
     """With ``--fuse-groups auto``: the model's fused groups (``trace.fused_groups``, by
     names and by one forward on the first calibration batch), members among ``layers``."""
-    if getattr(cfg, "fuse_groups", "off") != "auto":
+    if cfg.pricing.fuse_groups != "auto":
         return []
     from autoprec.trace.fused_groups import fused_groups
 

@@ -69,16 +69,19 @@ def _settings(prep: Prepared, cfg: TuneConfig) -> dict[str, Any]:
     """What a study's trials depend on besides the structure (the fingerprint): joining a
     study made under other settings would reuse errors and times that do not hold here."""
     here = prep.target.speed.how != "stored profile"  # priced as measured
+    pricing = cfg.pricing
     return json.loads(json.dumps({
         **({"profile": prep.cost.profile.to_dict()} if here else {}),
-        "target": cfg.target, "batch_size": prep.deploy_bs, "budget": cfg.budget,
-        "budget_kind": cfg.budget_name, "precisions": list(cfg.precisions),
-        "locked": sorted(cfg.locked), "min_speedup": cfg.min_speedup,
+        "target": cfg.pricing.target, "batch_size": prep.deploy_bs, "budget": cfg.budget.value,
+        "budget_kind": cfg.budget.name, "precisions": list(cfg.search.precisions),
+        "locked": sorted(cfg.search.locked), "min_speedup": cfg.search.min_speedup,
         "data": data_hash(prep.calib), "weights": weights_hash(prep.net),
         "code": code_hash(prep.spec, prep.net), "search": 2,
-        **({"mode": prep.target.mode} if cfg.compile else {}),  # eager studies keep their names
-        **({"form": cfg.form} if cfg.form != "train" else {}),  # and train-form ones
-        **({"max_weight_mb": cfg.max_weight_mb} if cfg.max_weight_mb is not None else {}),
+        # eager studies keep their names, and train-form ones
+        **({"mode": prep.target.mode} if pricing.compile else {}),
+        **({"form": pricing.form} if pricing.form != "train" else {}),
+        **({"max_weight_mb": pricing.max_weight_mb} if pricing.max_weight_mb is not None
+           else {}),
         # a 16-bit model's errors are against itself (fp32 models keep their study names)
         **({"reference": prep.reference.to_dict()} if not prep.reference.is_fp32 else {}),
     }))
@@ -88,20 +91,21 @@ def open_study(prep: Prepared, space: SearchSpace, cfg: TuneConfig, sampler: Pla
                ) -> tuple[optuna.Study, str, str, dict[str, Any], list[str]]:
     settings = _settings(prep, cfg)
     tag = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-    name = cfg.study_name if cfg.study_name is not None else (
-        f"{prep.spec.name}-{cfg.target}-{cfg.budget_name}{cfg.budget:g}-{tag}")
+    name = cfg.study.study_name if cfg.study.study_name is not None else (
+        f"{prep.spec.name}-{cfg.pricing.target}-{cfg.budget.name}{cfg.budget.value:g}-{tag}")
     default_db = prep.out_path.parent / "studies" / f"{prep.spec.name}.db"
-    shown = describe_storage(cfg.storage or f"sqlite:///{default_db}")
+    shown = describe_storage(cfg.study.storage or f"sqlite:///{default_db}")
     meta = study_meta(space, model=prep.spec.name, fingerprint=prep.graph.fingerprint,
-                      target=cfg.target, batch_size=prep.deploy_bs, budget=cfg.budget,
-                      budget_kind=cfg.budget_name, min_speedup=cfg.min_speedup,
-                      seed=cfg.seed, data=settings["data"], locked_paths=list(cfg.locked),
-                      settings=settings, form=cfg.form)
+                      target=cfg.pricing.target, batch_size=prep.deploy_bs, budget=cfg.budget.value,
+                      budget_kind=cfg.budget.name, min_speedup=cfg.search.min_speedup,
+                      seed=cfg.search.seed, data=settings["data"],
+                      locked_paths=list(cfg.search.locked),
+                      settings=settings, form=cfg.pricing.form)
     notes = []
     with storage_errors(shown):  # a read-only or full study storage: one line, exit 2
-        study = join_study(open_storage(cfg.storage, default_db), name,
+        study = join_study(open_storage(cfg.study.storage, default_db), name,
                            fingerprint=prep.graph.fingerprint,
-                           directions=["minimize", "minimize"] if cfg.pareto else ["minimize"],
+                           directions=["minimize"] * (2 if cfg.search.pareto else 1),
                            sampler=sampler)
         fresh = META_KEY not in study.user_attrs
         if fresh:
@@ -115,9 +119,9 @@ def open_study(prep: Prepared, space: SearchSpace, cfg: TuneConfig, sampler: Pla
                                  f"({key}: {old.get(key)!r} there, {value!r} now); use "
                                  "another --study-name")
         n = len(study.trials)
-        if n and not cfg.resume:
+        if n and not cfg.study.resume:
             notes.append(f"joined study {name!r} in {shown}: it already holds {n} trials, "
-                         f"which this run reuses and adds up to {cfg.trials} to (--resume "
+                         f"which this run reuses and adds up to {cfg.search.trials} to (--resume "
                          "runs until the study holds --trials)")
     return study, name, shown, meta, notes
 
@@ -125,38 +129,39 @@ def open_study(prep: Prepared, space: SearchSpace, cfg: TuneConfig, sampler: Pla
 def run_search(prep: Prepared, space: SearchSpace, cfg: TuneConfig, tracker: Tracker,
                interrupted: list[bool]) -> Search:
     estimate = prep.table.estimate if prep.table is not None else None
-    planner = Planner(space, prep.cost, estimate, budget=cfg.budget, margin=MARGIN,
-                      prune=not cfg.use_metric)
-    sampler = PlanSampler(space, planner, pareto=cfg.pareto, seed=cfg.seed,
-                          patience=cfg.patience)
+    planner = Planner(space, prep.cost, estimate, budget=cfg.budget.value, margin=MARGIN,
+                      prune=not cfg.budget.use_metric)
+    sampler = PlanSampler(space, planner, pareto=cfg.search.pareto, seed=cfg.search.seed,
+                          patience=cfg.search.patience)
     study, name, shown, meta, notes = open_study(prep, space, cfg, sampler)
     n_before = len(study.trials)
     decoder = TrialDecoder(space, prep.cost)
     scorer = PlanScorer(decoder=decoder, spec=prep.spec, model=prep.net, batches=prep.calib,
-                        ref=prep.ref, plans=planner.ps, budget=cfg.budget, target=prep.target,
-                        min_speedup=cfg.min_speedup,
+                        ref=prep.ref, plans=planner.ps, budget=cfg.budget.value, target=prep.target,
+                        min_speedup=cfg.search.min_speedup,
                         eval_batches=None if prep.same_data else prep.eval_batches,
                         eval_ref=None if prep.same_data else prep.eval_ref,
                         exact=reference_key(space, prep.reference))
-    to_run = max(cfg.trials - count_finished(study), 0) if cfg.resume else cfg.trials
+    trials = cfg.search.trials
+    to_run = max(trials - count_finished(study), 0) if cfg.study.resume else trials
     parent = tracker.start(
         name=f"{name} #{n_before}" if n_before else name,
-        params={"model": prep.spec.name, "budget": cfg.budget, "budget_kind": cfg.budget_name,
-                "target": cfg.target, "batch_size": prep.deploy_bs, "seed": cfg.seed,
-                "form": cfg.form,
-                "trials": cfg.trials, "pareto": cfg.pareto,
-                "precisions": ",".join(cfg.precisions), "layers": len(space.layers),
+        params={"model": prep.spec.name, "budget": cfg.budget.value, "budget_kind": cfg.budget.name,
+                "target": cfg.pricing.target, "batch_size": prep.deploy_bs, "seed": cfg.search.seed,
+                "form": cfg.pricing.form,
+                "trials": cfg.search.trials, "pareto": cfg.search.pareto,
+                "precisions": ",".join(cfg.search.precisions), "layers": len(space.layers),
                 "variables": len(space.variables), "fingerprint": prep.graph.fingerprint,
                 "candidates": planner.method},
         tags={"autoprec.study": name, "autoprec.model": prep.spec.name,
               "autoprec.storage": shown})
     meta["mlflow_run"] = parent
     bar = tqdm(total=to_run, desc=f"tune {prep.spec.name}", unit="trial",
-               disable=not cfg.progress, leave=False)
+               disable=not cfg.output.progress, leave=False)
     on_trial = _progress(bar, tracker, name)
 
-    driver = Driver(study, space, scorer, sampler, pareto=cfg.pareto, trials=to_run,
-                    timeout=cfg.timeout, on_trial=on_trial,
+    driver = Driver(study, space, scorer, sampler, pareto=cfg.search.pareto, trials=to_run,
+                    timeout=cfg.search.timeout, on_trial=on_trial,
                     compact=decoder.compact)
     status = "FAILED"
     try:

@@ -34,10 +34,11 @@ from autoprec.training.short_run import ShortRunCheck, ShortRunVerdict
 
 def make_check(prep: Any, cfg: Any) -> ShortRunCheck | None:
     """The tune's short-run check (None without ``--train-aware``); nothing runs yet."""
-    if not cfg.train_aware:
+    check = cfg.train_check
+    if not check.train_aware:
         return None
-    return ShortRunCheck.from_spec(prep.spec, steps=cfg.train_steps, lr=cfg.train_lr,
-                                   seed=cfg.seed, max_loss_gap=cfg.max_loss_gap,
+    return ShortRunCheck.from_spec(prep.spec, steps=check.train_steps, lr=check.train_lr,
+                                   seed=cfg.search.seed, max_loss_gap=check.max_loss_gap,
                                    fp8_backend=prep.target.fp8_backend)
 
 

@@ -78,21 +78,21 @@ def _tune(model: str | Path | ModelSpec, cfg: TuneConfig, tracker: Tracker | Non
     prep = prepare(model, cfg, profile, peaks)
     searched: list[Search] = []  # once the study holds trials, Ctrl-C says how to resume
     with _resumable(searched) as check_interrupt:
-        with peaks.stage("search"), block_progress(prep.net, "search", cfg.progress):
+        with peaks.stage("search"), block_progress(prep.net, "search", cfg.output.progress):
             space = make_space(prep, cfg)
             interrupted: list[bool] = []
             searched.append(run_search(prep, space, cfg, tracker, interrupted))
         search = searched[0]
         # select, confirm on the eval data, decide; write
-        with peaks.stage("confirm"), block_progress(prep.net, "confirm", cfg.progress):
+        with peaks.stage("confirm"), block_progress(prep.net, "confirm", cfg.output.progress):
             plan = choose_plan(prep, space, search, cfg)
             check_interrupt()  # a Ctrl-C Python dropped stops here, before anything is written
             result = write(prep, space, search, cfg, tracker, started, plan)
     release_freed()
-    if cfg.report is not None:
+    if cfg.output.report is not None:
         from autoprec.tuning.report import write_report
 
-        result.report = write_report(Path(cfg.report), result, list(space.region.choices),
+        result.report = write_report(Path(cfg.output.report), result, list(space.region.choices),
                                      per_layer(prep, space, result.policy))
     result.peak_memory, result.peak_memory_how = peak_bytes(prep.net)
     # the per-stage resets reset ru_maxrss too (Linux): the peak is the highest stage's

@@ -93,10 +93,10 @@ def _provenance(search: Search, cfg: TuneConfig) -> dict[str, Any]:
         "autoprec": __version__, "torch": str(torch.__version__),
         "optuna": optuna.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "seed": cfg.seed, "sampler": "PlanSampler", "candidates": search.planner.method,
+        "seed": cfg.search.seed, "sampler": "PlanSampler", "candidates": search.planner.method,
         "study": search.study_name, "storage": search.storage_desc,
         "data": search.meta["data"], "mlflow_run": search.meta.get("mlflow_run"),
-        "fuse_groups": cfg.fuse_groups,  # "auto": fused runtimes' groups took one precision
+        "fuse_groups": cfg.pricing.fuse_groups,  # "auto": fused runtimes' groups took one precision
     }
 
 
@@ -119,7 +119,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     policy.target["batch_size"] = prep.deploy_bs
     if chosen.policy and chosen.policy.get("form") and not _runs_alike_in_both_forms(policy):
         policy.form = chosen.policy["form"]  # a baseline of another form won
-    if cfg.compile:
+    if cfg.pricing.compile:
         policy.target["mode"] = "compile"
     bd = prep.cost.breakdown(policy)
     policy.metrics.update({"est_casts": bd.casts, "weight_bytes": prep.cost.weight_bytes(policy),
@@ -130,13 +130,13 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
         mine = prep.cost.estimate(policy)
         policy.metrics["est_speedup_over_reference"] = (
             round(given / mine, 4) if 0 < mine < float("inf") else 0.0)
-    if cfg.max_weight_mb is not None:
-        policy.metrics["weight_budget_mb"] = cfg.max_weight_mb
+    if cfg.pricing.max_weight_mb is not None:
+        policy.metrics["weight_budget_mb"] = cfg.pricing.max_weight_mb
     if chosen.number < 0:  # a baseline won the measurement: no trial of the study
         policy.provenance["trial"] = None
     if chosen.calib.train_fidelity is not None:
         policy.metrics["train_fidelity"] = chosen.calib.train_fidelity
-    if cfg.form == "train":
+    if cfg.pricing.form == "train":
         train_choice.scaler_reasons(prep.table, policy)
     verdict = train_choice.verdict_of(search.train_check, policy)
     if verdict is not None:  # the written plan's short run (--train-aware)
@@ -146,7 +146,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
             "train_fp32_eval_loss": _round(verdict.fp32.eval_loss),
             "train_loss_gap": _round(verdict.gap), "max_loss_gap": verdict.max_loss_gap})
     _note_headroom(prep, policy)
-    recipe_notes = _versus_recipe(prep, policy, speed) if cfg.form == "train" else []
+    recipe_notes = _versus_recipe(prep, policy, speed) if cfg.pricing.form == "train" else []
     policy.save(prep.out_path)
     remove_stale_fronts(prep.out_path)  # an earlier --pareto run's front files are not this run's
     front_pols, front_paths = _write_front(prep, space, search, cfg, cands, provenance)
@@ -166,7 +166,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     plans = _plot_plans(prep, search, speed, chosen)
     log_tune_artifacts(tracker, policy_path=prep.out_path, sensitivity=sens,
                        trials=pd.DataFrame(rows), layers=per_layer(prep, space, policy),
-                       chosen_trial=chosen.number, budget=cfg.budget,
+                       chosen_trial=chosen.number, budget=cfg.budget.value,
                        workdir=prep.out_path.parent / ".autoprec" / search.study_name,
                        plans=plans)
     for p in front_paths:
@@ -174,7 +174,7 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     tracker.finish("FINISHED")
     return TuneResult(policy=policy, path=prep.out_path, feasible=feasible,
                       error=chosen.calib.error, eval_error=eval_error,
-                      est_speedup=chosen.calib.est_speedup, budget=cfg.budget,
+                      est_speedup=chosen.calib.est_speedup, budget=cfg.budget.value,
                       study_name=search.study_name, storage=search.storage_desc,
                       trials=search.driver.ran, evaluations=search.scorer.evaluations,
                       seconds=time.monotonic() - started, front=front_pols,
@@ -255,7 +255,7 @@ def per_layer(prep: Prepared, space: SearchSpace, policy: Policy) -> dict[str, s
 def _write_front(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
                  cands: list[select.Candidate], provenance: dict[str, Any]
                  ) -> tuple[list[Policy], list[Path]]:
-    if not cfg.pareto:
+    if not cfg.search.pareto:
         return [], []
     out = prep.out_path
     pols, paths = [], []
@@ -321,13 +321,13 @@ def _module_words(prep: Prepared, path: str) -> str:
 
 def _launch_note(prep: Prepared, space: SearchSpace, cfg: TuneConfig) -> list[str]:
     """The calibration batch is launch-bound on a GPU: every precision prices the same."""
-    if cfg.batch_size is not None:
+    if cfg.pricing.batch_size is not None:
         return []
     best = max(prep.cost.speedup(Policy(default=p)) for p in space.region.choices)
     if best >= LAUNCH_BOUND:
         return []
     return [f"at the calibration batch size ({prep.calib_bs}) the forward is launch-bound on "
-            f"{cfg.target}: no precision is estimated more than {best:.2f}x faster than "
+            f"{cfg.pricing.target}: no precision is estimated more than {best:.2f}x faster than "
             "fp32; give the deployment batch with --batch-size N"]
 
 

@@ -18,7 +18,7 @@ def test_target_names_are_read_in_lower_case() -> None:
     assert device_type("CPU") == "cpu" and device_type("H100") == "cuda"
     cfg = TuneConfig(max_error=0.01, target="CPU", trials=1, out="p.yaml",
                      progress=False).validated()
-    assert cfg.target == "cpu"
+    assert cfg.pricing.target == "cpu"
 
 
 def test_upper_case_target_tunes_the_same_file_device_and_plan(tmp_path: Path, capsys,

@@ -81,8 +81,9 @@ def test_a_tune_through_the_cli_checks_its_options_once(
     assert code == 0, err
     assert len(calls) == 1  # validated once: the CLI's; tune and the writer trust it
     (cfg,) = seen
-    assert cfg.is_validated and cfg.trials == 2 and cfg.precisions == ("fp32", "bf16", "fp16")
-    assert cfg.out == out and cfg.budget == 0.01 and cfg.target == "h100"
+    assert cfg.is_validated and cfg.search.trials == 2
+    assert cfg.search.precisions == ("fp32", "bf16", "fp16")
+    assert cfg.output.out == out and cfg.budget.value == 0.01 and cfg.pricing.target == "h100"
     assert load_policy(out).target["device"] == "h100"
 
 
@@ -90,10 +91,11 @@ def test_the_python_api_takes_the_config_or_its_options() -> None:
     cfg = TuneConfig(max_drop=0.02, target="CPU", precisions="bf16", trials=3, out="p.yaml")
     done = cfg.validated()
     assert not cfg.is_validated and done.is_validated and done.validated() is done
-    assert (done.target, done.precisions, done.budget, done.budget_name) == (
-        "cpu", ("fp32", "bf16"), 0.02, "max_drop")
-    assert done.form == "deploy" and done.out == Path("p.yaml")
-    assert done.with_seed(7).is_validated and done.with_seed(7).seed == 7
+    assert (done.pricing.target, done.search.precisions, done.budget.value,
+            done.budget.name) == ("cpu", ("fp32", "bf16"), 0.02, "max_drop")
+    assert done.pricing.form == "deploy" and done.output.out == Path("p.yaml")
+    assert done.with_seed(7).is_validated and done.with_seed(7).search.seed == 7
+    assert done.option("trials") == 3 and done.search.trials == 3
     with pytest.raises(InputError, match="^trials: must be >= 1"):  # the keyword, in Python
         TuneConfig(trials=0).validated()
     with pytest.raises(InputError, match="^--trials: must be >= 1"):  # the flag, in the CLI
@@ -104,3 +106,30 @@ def test_the_python_api_takes_the_config_or_its_options() -> None:
         tune_mod.tune(TRAP, trails=3)  # a misspelt option is no silent default
     # ``tune``'s keywords are the config's fields, one list
     assert "memory_limit_gb" in OPTIONS and "report" in OPTIONS and "_valid" not in OPTIONS
+
+
+def test_the_config_is_six_concerns_each_flag_in_one() -> None:
+    """Each option belongs to one concern; a concern may be given whole; both at once, an
+    unknown option or a wrong type is a TypeError."""
+    from autoprec.tuning.config import (
+        CONCERNS,
+        OPTION_OF,
+        Budget,
+        SearchOptions,
+    )
+
+    assert set(CONCERNS) == {"budget", "pricing", "search", "study", "train_check", "output"}
+    assert OPTION_OF["max_error"] == "budget" and OPTION_OF["trials"] == "search"
+    assert OPTION_OF["storage"] == "study" and OPTION_OF["train_lr"] == "train_check"
+    assert OPTION_OF["form"] == "pricing" and OPTION_OF["report"] == "output"
+    cfg = TuneConfig(search=SearchOptions(trials=5), budget=Budget(max_error=0.02))
+    assert cfg.search.trials == 5 and cfg.budget.value == 0.02 and cfg.pricing.target == "h100"
+    assert cfg == TuneConfig(trials=5, max_error=0.02)
+    with pytest.raises(TypeError, match="not both"):
+        TuneConfig(search=SearchOptions(), trials=3)
+    with pytest.raises(TypeError, match="unknown option 'trails'"):
+        TuneConfig(trails=3)
+    with pytest.raises(TypeError, match="must be a SearchOptions"):
+        TuneConfig(search={"trials": 3})
+    with pytest.raises(InputError, match="^max_error"):
+        TuneConfig(max_error=-1).validated()
