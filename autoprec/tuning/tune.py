@@ -75,9 +75,10 @@ def _tune(model: str | Path | ModelSpec, cfg: TuneConfig, tracker: Tracker | Non
           profile: Any, started: float) -> TuneResult:
     tracker = tracker or NullTracker()
     peaks = StagePeaks()
-    prep = prepare(model, cfg, profile, peaks)
     searched: list[Search] = []  # once the study holds trials, Ctrl-C says how to resume
     with _resumable(searched) as check_interrupt:
+        prep = prepare(model, cfg, profile, peaks)
+        check_interrupt()  # a Ctrl-C Python dropped in the long stages stops before the search
         with peaks.stage("search"), block_progress(prep.net, "search", cfg.output.progress):
             space = make_space(prep, cfg)
             interrupted: list[bool] = []
