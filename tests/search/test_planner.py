@@ -164,3 +164,21 @@ def test_after_a_few_measurements_the_limit_follows_the_most_optimistic_ratio() 
     preds = pl.ps.predicted(np.array(keys))
     pl.correct({k: float(p) for k, p in zip(keys, preds, strict=True)})  # ratios all 1
     assert pl.limit() == pytest.approx(0.003 / (1 - planner_mod.SLACK))
+
+
+def test_a_plan_predicted_no_more_accurate_than_a_failed_one_is_not_measured() -> None:
+    """Measured over budget at predicted error p: every candidate predicted at p or worse
+    is skipped, so the walk moves on to more accurate plans rather than near-copies."""
+    _, cost, space, est = _setup(n=3)
+    pl = Planner(space, cost, est, budget=0.003, margin=1.25)
+    a = pl.next({}, {})
+    pa = float(pl.ps.predicted(np.array([a]))[0])
+    measured, feasible = {a: 0.1}, {a: False}
+    for _ in range(20):
+        b = pl.next(measured, feasible)
+        if b is None:
+            break
+        assert float(pl.ps.predicted(np.array([b]))[0]) < pa  # only more accurate ones
+        measured[b], feasible[b] = 0.1, False
+    # not vacuous: plans predicted at pa or worse but within the margin were candidates
+    assert sum(1 for p in pl.preds if pa <= float(p) <= 1.25 * 0.003) > 1
