@@ -106,9 +106,9 @@ class Model:
         the arguments are ``tune.prepare``'s)."""
         cfg = self.cfg
         return probe(self.prep.net, self.prep.calib,
-                     precisions=[p for p in cfg.precisions if p != "fp32"],
+                     precisions=[p for p in cfg.search.precisions if p != "fp32"],
                      forward=self.prep.spec.forward, loss=None, metric=None,
-                     graph=self.prep.graph, budget=budget, cache_dir=cfg.cache_dir,
+                     graph=self.prep.graph, budget=budget, cache_dir=cfg.output.cache_dir,
                      progress=False)
 
     def priced(self, plans: PlanSpace) -> tuple[np.ndarray, np.ndarray]:

@@ -33,6 +33,15 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
 
 
+def terminal_signals() -> None:
+    """``preexec_fn`` of a child a test sends Ctrl-C to: SIGINT as in a terminal. A child
+    inherits an ignored SIGINT (a suite started as a background job, ``cmd &``), and Python
+    then leaves it ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(args: list[object], capsys: pytest.CaptureFixture[str], *,
             quiet_warnings: bool = False) -> tuple[int, str, str]:
     """``autoprec ARGS`` in-process (each arg as ``str``): (exit code, stdout, stderr).

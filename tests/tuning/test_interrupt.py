@@ -13,7 +13,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tests.helpers import CLI, MODELS, cli_env
+from tests.helpers import CLI, MODELS, cli_env, terminal_signals
 
 SLOW = MODELS / "slow_trap.py"  # trap, 0.2 s a batch
 
@@ -37,6 +37,7 @@ def test_ctrl_c_then_resume_reruns_no_finished_trial(tmp_path: Path) -> None:
            "--out", str(tmp_path / "p.yaml")]
     env = cli_env()
     proc = subprocess.Popen([*cmd, "--trials", "100000"], cwd=tmp_path, env=env,
+                            preexec_fn=terminal_signals,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while len(_complete(url)) < 2 and time.monotonic() < deadline and proc.poll() is None:
@@ -76,6 +77,7 @@ def test_ctrl_c_of_a_calibrating_tune_then_the_hinted_resume_joins_its_study(
     log = tmp_path / "stderr.txt"
     with log.open("w") as stderr:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                preexec_fn=terminal_signals,
                                 stderr=stderr, text=True)
 
     def finished() -> int:
@@ -125,17 +127,30 @@ def test_a_ctrl_c_python_drops_in_a_gc_callback_is_raised_before_the_write() -> 
     """Python prints and drops a KeyboardInterrupt raised inside a weakref / GC callback
     (SQLAlchemy's pool has such callbacks): the tune records every Ctrl-C and its check
     before the write raises the dropped one."""
-    import gc
-    import weakref
-
-    from autoprec.tuning.tune import _resumable
 
     class Thing:
         pass
 
     reached = []
+    # Python's own Ctrl-C handler, as in a terminal (a background job or a test worker may
+    # have inherited SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _drop_one_ctrl_c(Thing, reached)
+    finally:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+        signal.signal(signal.SIGINT, before)
+    assert reached == [True]
+
+
+def _drop_one_ctrl_c(thing_type: type, reached: list[bool]) -> None:
+    import gc
+    import weakref
+
+    from autoprec.tuning.tune import _resumable
+
     with pytest.raises(KeyboardInterrupt), _resumable([]) as check:
-        thing = Thing()
+        thing = thing_type()
 
         def on_collect(_: object) -> None:
             signal.raise_signal(signal.SIGINT)
@@ -147,5 +162,3 @@ def test_a_ctrl_c_python_drops_in_a_gc_callback_is_raised_before_the_write() -> 
         gc.collect()
         reached.append(ref() is None)  # the interrupt was dropped: execution goes on
         check()
-    assert reached == [True]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
