@@ -22,8 +22,8 @@ blocks are on ``meta`` until called:
   what the loaded model computes under that plan, block by block.
 - **Per shell**, the resident modules holding weights (embeddings, final norm, LM head)
   are installed and run once per forward, not once per block: block 0's shell records
-  what each returned; the later shells replace a module that returned one output by a
-  ``Replay`` of it (no gradients are wanted) and a module that returned none (it runs after
+  what each returned; the later shells replace a module that returned one output by an
+  ``Inject`` of it (no gradients are wanted) and a module that returned none (it runs after
   the blocks: the LM head) by ``NotInShell``, and the plan leaves both out. An 8 B Llama's
   LM head is 1 GB in bf16: an fp8 rule on it, installed in each of 33 shells, quantised it
   33 times a forward and held ~4 GB while doing so.
@@ -107,19 +107,9 @@ class _SavedWeight:
 
 
 class Inject(nn.Module):
-    """Stands for the blocks before the one being run: returns what they returned."""
-
-    def __init__(self, output: Any) -> None:
-        super().__init__()
-        self.output = output
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.output
-
-
-class Replay(nn.Module):
-    """Stands for a resident module in a later block's shell: returns what it returned in
-    block 0's shell (same inputs, same plan: the same output)."""
+    """Stands for modules whose output is known: the blocks before the one being run (what
+    they returned under the plan), or a resident module in a later block's shell (what it
+    returned in block 0's shell: same inputs, same plan)."""
 
     def __init__(self, output: Any) -> None:
         super().__init__()
@@ -315,7 +305,7 @@ class StreamedModel:
     def _units_for_shell(self, i: int, ran: dict[str, list[Any]]) -> Iterator[frozenset[str]]:
         """The resident modules in block ``i``'s shell (module doc, "Per shell"). Block 0's
         shell has them all and records, per module, the outputs it returned (none: it runs
-        after the blocks); the later shells hold a ``Replay`` of a module that returned one
+        after the blocks); the later shells hold an ``Inject`` of a module that returned one
         output (without gradients) and a ``NotInShell`` of one that returned none. Yields
         the paths taken out, for the plan to leave alone."""
         if i == 0:
@@ -338,7 +328,7 @@ class StreamedModel:
             if not outs:
                 swapped[path] = NotInShell(path)
             elif len(outs) == 1 and not torch.is_grad_enabled():
-                swapped[path] = Replay(outs[0])
+                swapped[path] = Inject(outs[0])
         originals = {path: _swap(self.model, path, stand_in)
                      for path, stand_in in swapped.items()}
         try:
@@ -429,5 +419,5 @@ def stream_of(model: nn.Module) -> StreamedModel | None:
     return getattr(model, "autoprec_stream", None)
 
 
-__all__ = ["Inject", "NotInShell", "Replay", "StreamMemory", "StreamedModel", "find_blocks", "open_streamed",
+__all__ = ["Inject", "NotInShell", "StreamMemory", "StreamedModel", "find_blocks", "open_streamed",
            "stream_of"]
