@@ -316,7 +316,7 @@ def _whole(stream: Any) -> torch.nn.Module:
     from autoprec.tuning.memory import available_bytes, gb
 
     ckpt = stream.ckpt
-    need = 2 * ckpt.held_bytes_under("")
+    need = 2 * ckpt.bytes_under("", held=True)
     free = available_bytes()
     if free is not None and need > free:
         raise InputError(f"{ckpt.folder}: autoprec save holds the model and its deployed "

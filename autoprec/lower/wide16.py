@@ -31,6 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from autoprec.formats.fp8 import CHUNK
+
 _aten = torch.ops.aten
 #: The GEMM ops computed wide (SDPA is left to the CPU: its fp16 kernel is 2.4x fp32, not 167x).
 GEMM_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
@@ -64,9 +66,10 @@ class Wide16(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-#: A right operand of more elements than this is computed in pieces of its columns (64 MB
-#: of fp32 each): the upcast copy of an 8 B Llama's LM head would be 2.1 GB.
-PIECE = 1 << 24
+#: A right operand of more elements than this is computed in pieces of its columns (the
+#: fp8 quantiser's piece, 64 MB of fp32 each): the upcast copy of an 8 B Llama's LM head
+#: would be 2.1 GB.
+PIECE = CHUNK
 
 
 def _column_pieces(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -52,6 +52,10 @@ def _header(file: Path) -> dict[str, Any]:
         return json.loads(f.read(n))
 
 
+#: safetensors dtypes a float skeleton converts on load
+_FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
+
+
 class Checkpoint:
     """The folder, its config and where each tensor lies (see the module doc)."""
 
@@ -99,36 +103,22 @@ class Checkpoint:
             self._headers[shard] = _header(self.folder / shard)
         return self._headers[shard]
 
-    def tensor_bytes(self, name: str) -> int:
-        """Bytes of one stored tensor, from its shard's header."""
+    def tensor_bytes(self, name: str, held: bool = False) -> int:
+        """Bytes of one stored tensor, from its shard's header; ``held``: once loaded (a
+        floating tensor in ``load_dtype`` when one is set: fp32 masters take 4 bytes)."""
         info = self.header(self.weight_map[name])[name]
         n = _ST_BYTES.get(info["dtype"], 4)
+        if held and self.load_dtype is not None and info["dtype"] in _FLOATING:
+            n = torch.empty((), dtype=self.load_dtype).element_size()
         for d in info["shape"]:
             n *= int(d)
         return n
 
-    def bytes_under(self, prefix: str) -> int:
-        """Stored bytes of the tensors whose names start with ``prefix.``."""
-        return sum(self.tensor_bytes(k) for k in self.weight_map
+    def bytes_under(self, prefix: str, held: bool = False) -> int:
+        """Bytes of the tensors whose names start with ``prefix.``: stored, or ``held``
+        once loaded (``tensor_bytes``)."""
+        return sum(self.tensor_bytes(k, held) for k in self.weight_map
                    if k.startswith(prefix + ".") or not prefix)
-
-    def held_bytes_under(self, prefix: str) -> int:
-        """Bytes those tensors take once loaded: stored, or in ``load_dtype`` (a floating
-        tensor loaded into an fp32 skeleton is held in fp32)."""
-        if self.load_dtype is None:
-            return self.bytes_under(prefix)
-        size = torch.empty((), dtype=self.load_dtype).element_size()
-        total = 0
-        for k in self.weight_map:
-            if not (k.startswith(prefix + ".") or not prefix):
-                continue
-            info = self.header(self.weight_map[k])[k]
-            n = 1
-            for d in info["shape"]:
-                n *= int(d)
-            floating = info["dtype"] in ("F64", "F32", "F16", "BF16")
-            total += n * size if floating else self.tensor_bytes(k)
-        return total
 
     def fingerprint(self) -> str:
         """``sha256:…`` of the index and every shard's header, size and mtime: the weights'

@@ -245,10 +245,10 @@ class StreamedModel:
 
     @property
     def memory(self) -> StreamMemory:
-        sizes = [(self.ckpt.held_bytes_under(self.block_path(i)), self.block_path(i))
+        sizes = [(self.ckpt.bytes_under(self.block_path(i), held=True), self.block_path(i))
                  for i in range(len(self.blocks))]
         top, where = max(sizes)
-        total = self.ckpt.held_bytes_under("")
+        total = self.ckpt.bytes_under("", held=True)
         return StreamMemory(total - sum(s for s, _ in sizes), where, top, len(self.blocks))
 
     def weights_hash(self) -> str:
