@@ -66,7 +66,8 @@ class NVFP4Tensor:
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     """Per-tensor decode scale amax(|x|) / (448 * 6) as a 0-d fp32 tensor (rules above)."""
-    amax = x.detach().float().abs().amax()
+    lo, hi = torch.aminmax(x.detach())  # no fp32 copy of a 16-bit x; NaN propagates
+    amax = torch.maximum(-lo.float(), hi.float())
     g = amax / (E4M3_MAX * E2M1_MAX)
     g = torch.where(g >= _F32_MIN_NORMAL, g, torch.ones_like(g))
     return torch.where(torch.isfinite(amax), g, torch.full_like(g, float("nan")))

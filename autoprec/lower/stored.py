@@ -39,10 +39,15 @@ from typing import Any
 
 import torch
 
-from autoprec.formats.fp8 import E4M3, quantize_fp8
+from autoprec.formats.fp8 import E4M3, quantize_fp8, row_chunks
 from autoprec.formats.gemm import is_gemm_module, linear_weight
 from autoprec.formats.mx import MXTensor, dequantize_mx, quantize_mx
-from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from autoprec.formats.nvfp4 import (
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    nvfp4_tensor_scale,
+    quantize_nvfp4,
+)
 from autoprec.formats.precisions import STORAGE_DTYPES, is_gemm_format
 from autoprec.lower.forward import region
 
@@ -219,18 +224,22 @@ def stored_weight(module: torch.nn.Module, fmt: str, backend: str
     mxfp8: e4m3 elements and one E8M0 scale per 32 along K; nvfp4: E2M1 codes (one byte
     each: not packed two to a byte), one E4M3 scale per 16 and the fp32 tensor scale.
     ``backend`` is unused today (both backends read the same stored tensors)."""
-    w = linear_weight(module).detach().float()  # (N, K)
+    w = linear_weight(module).detach()  # (N, K), as the model holds it
     with torch.no_grad():
-        if fmt == "fp8":
+        if fmt == "fp8":  # reads w in pieces (an 8 B Llama's LM head whole in fp32: 2.1 GB)
             q, s = quantize_fp8(w, E4M3)
             return q, {SCALE: s.reshape(())}
+        # the block formats scale along K within a row: quantised a piece of rows at a time
+        rows = row_chunks(w)
         if fmt == "mxfp8":
             from autoprec.lower.blockscale import MX_SCALE_MODE
 
-            m = quantize_mx(w, scale_mode=MX_SCALE_MODE)
-            return m.data, {SCALE: m.scale}
-        n = quantize_nvfp4(w)
-        return n.codes, {SCALE: n.block_scale, SCALE_2: n.tensor_scale.reshape(())}
+            ms = [quantize_mx(w[r].float(), scale_mode=MX_SCALE_MODE) for r in rows]
+            return torch.cat([m.data for m in ms]), {SCALE: torch.cat([m.scale for m in ms])}
+        g = nvfp4_tensor_scale(w)  # one per tensor: before the pieces
+        ns = [quantize_nvfp4(w[r].float(), tensor_scale=g) for r in rows]
+        return (torch.cat([n.codes for n in ns]),
+                {SCALE: torch.cat([n.block_scale for n in ns]), SCALE_2: g.reshape(())})
 
 
 def _elements(module: torch.nn.Module) -> torch.Tensor:

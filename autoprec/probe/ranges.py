@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autoprec.formats.fp8 import CHUNK
 from autoprec.formats.gemm import format_of
 from autoprec.formats.precisions import FORMATS
 from autoprec.probe.flush import GradFlush, grad_flush
@@ -44,19 +45,28 @@ class TensorRange:
     def add(self, tensors: Iterable[torch.Tensor], precisions: Sequence[str]) -> None:
         """Count ``tensors`` (any floating dtype, any shape) against each precision.
 
-        One pass per tensor whatever the number of precisions: every threshold goes into
-        one sorted boundary list, ``bucketize`` + ``bincount`` count all intervals at once.
+        Two reads per tensor whatever the number of precisions: its largest finite
+        magnitude (per-tensor-scaled formats' thresholds follow it), then every threshold
+        in one sorted boundary list, ``bucketize`` + ``bincount`` counting all intervals at
+        once. A large tensor (an 8 B Llama's LM head: 525 M values) is read in pieces of
+        ``CHUNK`` values: its fp32 magnitudes and their bucket indices whole would be
+        ~6 GB.
         """
         for t in tensors:
             if not t.is_floating_point() or t.numel() == 0:
                 continue
-            a = t.detach().abs().float().reshape(-1)
-            bad = 0
-            if not math.isfinite(float(a.max())):  # NaN or inf present: the slow path
-                finite = torch.isfinite(a)
-                bad = int((~finite).sum())
-                a = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device))
-            amax = float(a.max())
+            flat = t.detach().reshape(-1)
+            pieces = [flat[i:i + CHUNK] for i in range(0, flat.numel(), CHUNK)]
+            amax, bad = 0.0, 0
+            for piece in pieces:
+                a = piece.abs()
+                m = float(a.max())
+                if not math.isfinite(m):  # NaN or inf present: the slow path
+                    finite = torch.isfinite(a)
+                    bad += int((~finite).sum())
+                    m = float(torch.where(finite, a, torch.zeros((), dtype=a.dtype,
+                                                                  device=a.device)).max())
+                amax = max(amax, m)
             # Thresholds, counted as "how many values are < threshold":
             # zero test (< smallest fp32 subnormal), underflow (< smallest normal or the
             # scaled threshold), overflow (> max, i.e. not < nextafter(max)).
@@ -76,18 +86,24 @@ class TensorRange:
                     over = math.nextafter(fmt.max, math.inf) if fmt.max < 3.0e38 else None
                 wanted[p] = (under, over)
             bounds = sorted({_TINY, *(x for pair in wanted.values() for x in pair if x)})
-            edges = torch.tensor(bounds, dtype=a.dtype, device=a.device)
-            counts = torch.bincount(torch.bucketize(a, edges, right=True),
-                                    minlength=len(bounds) + 1).cumsum(0).tolist()
-            below = dict(zip(bounds, counts))  # threshold -> count of values < threshold
+            edges = torch.tensor(bounds, dtype=torch.float32, device=flat.device)
+            hist = torch.zeros(len(bounds) + 1, dtype=torch.int64, device=flat.device)
+            for piece in pieces:
+                a = piece.abs().float()
+                if bad:  # the non-finite values count as zeros here (taken out below)
+                    a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype,
+                                                                      device=a.device))
+                hist += torch.bincount(torch.bucketize(a, edges, right=True),
+                                       minlength=len(bounds) + 1)
+            below = dict(zip(bounds, hist.cumsum(0).tolist()))  # threshold -> count below
             zeros = below[_TINY] - bad  # the non-finite values were zeroed above
-            self.numel += a.numel()
-            self.nonzero += a.numel() - zeros - bad
+            self.numel += flat.numel()
+            self.nonzero += flat.numel() - zeros - bad
             self.nonfinite += bad
             self.max_abs = max(self.max_abs, amax)
             for p, (under, over) in wanted.items():
                 n_under = below[under] - below[_TINY] if under else 0
-                n_over = a.numel() - below[over] if over else 0
+                n_over = flat.numel() - below[over] if over else 0
                 self.overflow[p] = self.overflow.get(p, 0) + n_over
                 self.underflow[p] = self.underflow.get(p, 0) + n_under
 

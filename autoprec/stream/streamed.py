@@ -170,6 +170,9 @@ class StreamedModel:
         self._loaded: dict[int, tuple[str, torch.dtype]] = {}
         self.reloads = 0  # weights read back for a backward (tests)
         self._plain = model.forward
+        #: resident modules a forward under a plan ran only after the blocks (the LM head):
+        #: left out of block 0's shell from then on (``_units_for_shell``)
+        self._after: frozenset[str] = frozenset()
         #: the resident modules holding parameters of their own, outside the blocks and
         #: not above them (embeddings, final norm, LM head)
         self.units = {name: mod for name, mod in model.named_modules()
@@ -297,45 +300,52 @@ class StreamedModel:
                     handle.remove()
                     self._offload(block)
             tail = nn.ModuleList([Inject(h) for _ in range(n)])
-            return self._shell_call(tail, lower, every, args, kwargs, stop=False)
+            with self._units_for_shell(n, ran) as gone:
+                return self._shell_call(tail, lower, every | gone, args, kwargs, stop=False)
         finally:
             setattr(self.parent, self.attr, self.blocks)
 
     @contextlib.contextmanager
     def _units_for_shell(self, i: int, ran: dict[str, list[Any]]) -> Iterator[frozenset[str]]:
-        """The resident modules in block ``i``'s shell (module doc, "Per shell"). Block 0's
-        shell has them all and records, per module, the outputs it returned (none: it runs
-        after the blocks); the later shells hold an ``Inject`` of a module that returned one
-        output (without gradients) and a ``NotInShell`` of one that returned none. Yields
-        the paths taken out, for the plan to leave alone."""
+        """The resident modules in block ``i``'s shell (``i == n``: the tail's; module doc,
+        "Per shell"). Block 0's shell records, per module, the outputs it returned; a module
+        an earlier forward saw run only after the blocks (the LM head) is a ``NotInShell``
+        there, neither installed nor run. The later shells hold an ``Inject`` of a module
+        that returned one output (without gradients) and a ``NotInShell`` of one that
+        returned none; the tail runs the latter. Yields the paths taken out, for the plan
+        to leave alone."""
+        swapped: dict[str, nn.Module] = {}
+        handles = []
         if i == 0:
             def record(path: str) -> Callable[..., None]:
                 def hook(module: nn.Module, args: Any, out: Any) -> None:
                     ran.setdefault(path, []).append(out)
                 return hook
 
-            handles = [mod.register_forward_hook(record(path))
-                       for path, mod in self.units.items()]
-            try:
-                yield frozenset()
-            finally:
-                for hd in handles:
-                    hd.remove()
-            return
-        swapped: dict[str, nn.Module] = {}
-        for path in self.units:
-            outs = ran.get(path, [])
-            if not outs:
-                swapped[path] = NotInShell(path)
-            elif len(outs) == 1 and not torch.is_grad_enabled():
-                swapped[path] = Inject(outs[0])
+            for path, mod in self.units.items():
+                if path in self._after:
+                    swapped[path] = NotInShell(path)
+                else:
+                    handles.append(mod.register_forward_hook(record(path)))
+        else:
+            for path in self.units:
+                outs = ran.get(path, [])
+                if not outs:
+                    if i < len(self.blocks):
+                        swapped[path] = NotInShell(path)
+                elif len(outs) == 1 and not torch.is_grad_enabled():
+                    swapped[path] = Inject(outs[0])
         originals = {path: _swap(self.model, path, stand_in)
                      for path, stand_in in swapped.items()}
         try:
             yield frozenset(swapped)
         finally:
+            for hd in handles:
+                hd.remove()
             for path, mod in originals.items():
                 _swap(self.model, path, mod)
+        if i == 0:  # what ran in no block's shell runs after the blocks, in every forward
+            self._after = frozenset(p for p in self.units if p not in ran)
 
     def _shell_call(self, shell: nn.ModuleList, lower: Lower, absent: frozenset[str],
                     args: Any, kwargs: Any, stop: bool) -> Any:

@@ -14,8 +14,10 @@ import weakref
 import torch
 from torch import nn
 
-from autoprec.probe import probe
+from autoprec.probe import probe, ranges
+from autoprec.probe.ranges import TensorRange
 from autoprec.trace import trace
+from tests.helpers.new_bytes import NewBytes
 
 
 class Recording(nn.Module):
@@ -63,3 +65,23 @@ def test_the_probe_leaves_no_quantised_weight_on_the_model() -> None:
     left = [(n, k) for n, m in model.named_modules() for k in m.__dict__
             if k.startswith("_autoprec_") and "weight" in k]
     assert left == []
+
+
+def test_a_large_tensors_range_is_counted_in_pieces_with_the_same_counts(monkeypatch) -> None:
+    # An 8 B Llama's LM head (525 M values) counted whole held its fp32 magnitudes and their
+    # int64 bucket indices: ~6 GB at once. In pieces, each op allocates at most one piece's
+    # indices, and the counts are the whole tensor's.
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(101, 97, generator=g) * torch.logspace(-30, 6, 97)).to(torch.bfloat16)
+    t[3, 5], t[50, 7], t[90, 1] = float("inf"), float("nan"), 0.0
+    precisions = ["fp16", "bf16", "fp8"]
+    whole = TensorRange()
+    whole.add([t], precisions)
+    monkeypatch.setattr(ranges, "CHUNK", 1000)
+    mode = NewBytes()
+    pieces = TensorRange()
+    with mode:
+        pieces.add([t], precisions)
+    assert pieces == whole
+    assert whole.nonfinite == 2 and whole.overflow["fp16"] > 0 and whole.underflow["fp16"] > 0
+    assert mode.largest <= 1000 * 8, mode.largest  # one piece's int64 indices

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -99,6 +100,39 @@ def test_plan_streamed_equals_plan_applied(ckpt: Path, plan: int) -> None:
     assert len(a.rows) == len(b.rows) > 20
     assert all(p.device.type == "meta" for p in s.model.layers.parameters())
     assert all(p.dtype == torch.bfloat16 for p in s.model.layers.parameters())  # restored
+
+
+def test_a_plan_installs_and_runs_each_resident_module_once_per_forward(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embeddings run in block 0's shell and are replayed in the later shells and the
+    tail; the LM head, once a forward has shown it runs after the blocks, is quantised for
+    the tail alone (an 8 B Llama's head is 1 GB: each extra install held another copy)."""
+    import autoprec.apply.stored as stored
+
+    s, ref = open_streamed(ckpt), loaded(ckpt)
+    heads: list[torch.nn.Module] = []
+    real = stored.stored_weight
+
+    def counted(mod: torch.nn.Module, fmt: str, backend: str) -> Any:
+        heads.append(mod)
+        return real(mod, fmt, backend)
+
+    monkeypatch.setattr(stored, "stored_weight", counted)
+    embeds: list[int] = []
+    s.model.embed_tokens.register_forward_hook(lambda *a: embeds.append(1))
+    pol = Policy(default="bf16", form="deploy", layers={"lm_head": "fp8",
+                                                        "model.layers.1.mlp.down_proj": "fp8"})
+    target = resolve_target("h100")
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    for forward in range(2):
+        heads.clear()
+        embeds.clear()
+        with torch.no_grad(), scoring_gemms(), target.apply(s, pol):
+            out = s(input_ids=x).logits
+        assert sum(m is s.lm_head for m in heads) == (2 if forward == 0 else 1)
+        assert len(embeds) == 1
+    with torch.no_grad(), scoring_gemms(), target.apply(ref, pol):
+        assert torch.equal(out, ref(input_ids=x).logits)
 
 
 def test_probe_rows_identical(ckpt: Path) -> None:
