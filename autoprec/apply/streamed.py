@@ -7,7 +7,9 @@ fingerprint: they are structure), then lets the streamed model run each forward 
 *shell* per block (``StreamedModel.lowered``): the block loaded, the policy restricted to
 the modules the shell holds (``restrict``: rules on or inside the blocks not loaded are
 dropped; the fingerprint was checked already) installed with ``apply_policy``, the block
-run, the policy removed and the block put back on ``meta``. ``audit_streamed`` audits
+run, the policy removed and the block put back on ``meta``. Given how it is applied
+(``applied_as``: the target and backend), plans that differ only from a block on compute
+the blocks before it alike: the streamed model replays them (``StreamedModel.replaying``). ``audit_streamed`` audits
 each shell the same way on one forward and joins the reports' errors.
 """
 
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -55,11 +58,34 @@ def _whole(model: torch.nn.Module, policy: Policy, force: bool) -> ApplyOptions:
     return ApplyOptions(whole_plan=compile_plan(policy, model))
 
 
+def first_rule_block(stream: Any, policy: Policy) -> int:
+    """The first block a rule of ``policy`` is on or inside (the number of blocks when
+    none is; 0 when a rule is on a module that runs before the blocks or holds them)."""
+    first = len(stream.blocks)
+    for path in [*policy.layers, *policy.locked]:
+        i = stream.block_of(path)
+        if i is not None:
+            first = min(first, i)
+        elif not any(path == a or path.startswith(a + ".") for a in stream.after_blocks):
+            return 0
+    return first
+
+
+def replay_kind(policy: Policy, applied_as: Hashable) -> Hashable:
+    """What plans computing their first blocks alike share: how they are applied and the
+    policy without its rules (form, default, options)."""
+    base = dataclasses.replace(policy, layers={}, locked=[], reasons={}, model={}, metrics={},
+                               provenance={})
+    return (applied_as, json.dumps(base.to_dict(), sort_keys=True, default=str))
+
+
 def apply_streamed(model: torch.nn.Module, policy: Policy, apply: Callable[..., Any], *,
-                   force: bool = False) -> contextlib.AbstractContextManager[Any]:
+                   force: bool = False, applied_as: Hashable | None = None
+                   ) -> contextlib.AbstractContextManager[Any]:
     """While open, every forward of the streamed ``model`` runs under ``policy``;
     ``apply(root, policy, options)`` installs one restricted policy and returns its handle (the
-    caller's ``apply_policy`` with its target and backend)."""
+    caller's ``apply_policy`` with its target and backend, named by ``applied_as``: given,
+    the blocks before the policy's first rule are replayed from an earlier plan's forward)."""
     stream = model.autoprec_stream  # type: ignore[union-attr]
     opts = _whole(model, policy, force)
 
@@ -71,7 +97,9 @@ def apply_streamed(model: torch.nn.Module, policy: Policy, apply: Callable[..., 
         finally:
             handle.remove()
 
-    return stream.lowered(lower)
+    if applied_as is None:
+        return stream.lowered(lower)
+    return stream.lowered(lower, replay_kind(policy, applied_as), first_rule_block(stream, policy))
 
 
 def audit_streamed(model: torch.nn.Module, policy: Policy, run: Callable[[], Any],
@@ -109,4 +137,4 @@ def audit_streamed(model: torch.nn.Module, policy: Policy, run: Callable[[], Any
     return first
 
 
-__all__ = ["apply_streamed", "audit_streamed", "restrict"]
+__all__ = ["apply_streamed", "audit_streamed", "first_rule_block", "replay_kind", "restrict"]

@@ -163,7 +163,7 @@ class Target:
 
             return apply_streamed(model, policy, lambda root, pol, opts: apply_policy(
                 root, pol, target=self.name, fp8_backend=self.fp8_backend, force=True,
-                options=opts), force=force)
+                options=opts), force=force, applied_as=(self.name, self.fp8_backend))
         return apply_policy(model, policy, target=self.name, fp8_backend=self.fp8_backend,
                             force=force)
 

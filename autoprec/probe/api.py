@@ -9,6 +9,7 @@ whole model once per (layer, precision).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -43,6 +44,7 @@ from autoprec.probe.rows import build_row, judge
 from autoprec.probe.shadow import LocalStats, ShadowPass
 from autoprec.probe.stages import Stages
 from autoprec.probe.table import ProbeRow, SensitivityTable
+from autoprec.stream.streamed import StreamedModel, stream_of
 from autoprec.trace.graph import LayerGraph
 from autoprec.workload.loading import ModelSpec, collect_batches, default_forward
 from autoprec.workload.metrics import batch_size_of, detach_floats
@@ -325,11 +327,17 @@ def _end_to_end(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
     kept = stages.load("e2e") if stages is not None else None
     done: dict[tuple[str, str], tuple[float, float]] = {
         (a, b): (err, val) for a, b, err, val in (kept or [])}
-    for path, p in tqdm(todo, desc="probe: end-to-end", unit="run", disable=not settings.progress,
+    stream = stream_of(model)
+    order = todo if stream is None else sorted(todo, key=lambda k: -_block(stream, k[0]))
+    for path, p in tqdm(order, desc="probe: end-to-end", unit="run", disable=not settings.progress,
                         leave=False):
         if (path, p) not in done:
-            sc = e2emod.measure(spec, model, batches, shadow.reference, by_path[path], p,
-                                settings.fp8_backend)
+            # streamed: the blocks before the layer's are the model as given in every run;
+            # the deepest layer's run first keeps them for the others (stream: "Replay")
+            with (stream.replaying("as given", _block(stream, path)) if stream is not None
+                  else contextlib.nullcontext()):
+                sc = e2emod.measure(spec, model, batches, shadow.reference, by_path[path], p,
+                                    settings.fp8_backend)
             done[(path, p)] = (sc.error, sc.value)
             if stages is not None:
                 stages.store("e2e", [[a, b, err, val] for (a, b), (err, val) in done.items()])
@@ -338,6 +346,12 @@ def _end_to_end(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
         judge(r, shadow.ranges[path], budget, settings.units, settings.underflow_limit,
               settings.loss_scale)
     return todo
+
+
+def _block(stream: StreamedModel, path: str) -> int:
+    """The block a probed layer is in; 0 for one outside the blocks."""
+    i = stream.block_of(path)
+    return 0 if i is None else i
 
 
 def _meta(graph: LayerGraph, sel: list[ProbeLayer], n_batches: int, e2e_runs: int,

@@ -28,6 +28,14 @@ blocks are on ``meta`` until called:
   LM head is 1 GB in bf16: an fp8 rule on it, installed in each of 33 shells, quantised it
   33 times a forward and held ~4 GB while doing so.
 
+**Replay.** A forward that computes its first blocks as an earlier forward did on the same
+inputs starts after them (``replaying``; ``lowered(..., kind=, given=)``): the caller
+names the kind of forward (a plan's form, default dtype and target; a plain forward) and
+the first block it computes differently (a plan's first rule; the layer an end-to-end probe
+lowers), and the blocks' outputs are kept as forwards of that kind compute them (without
+gradients only; ``REPLAY_BYTES`` in all). An 8 B probe's end-to-end run of a layer in
+block 20 runs 12 blocks, not 32.
+
 Memory: the resident parts, one block (in its stored dtype, plus a plan's copies of it)
 and the activations of one batch; ``StreamedModel.memory`` names the largest block. A
 forward with gradients (the probes' shadow pass runs backwards through the whole forward
@@ -43,16 +51,22 @@ would hold them too); gradients with respect to activations are as the loaded mo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import hashlib
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from autoprec.errors import ModelFileError
 from autoprec.stream.checkpoint import Checkpoint, offload, swap_in
+
+#: Bytes of block outputs ``StreamedModel`` keeps for replay, all kinds and inputs together
+#: (an 8 B Llama's 32 block outputs for 1 x 64 tokens: 16 MB).
+REPLAY_BYTES = 512 << 20
 
 #: ``lower(model, absent, call)``: install the plan on the shell (restricted to the modules
 #: present: ``absent`` are the blocks not loaded), return ``call()``, remove the plan.
@@ -173,6 +187,13 @@ class StreamedModel:
         #: resident modules a forward under a plan ran only after the blocks (the LM head):
         #: left out of block 0's shell from then on (``_units_for_shell``)
         self._after: frozenset[str] = frozenset()
+        #: replay (module doc): (kind, inputs digest) -> the first blocks' outputs
+        self._kept: dict[tuple[Hashable, str], list[Any]] = {}
+        self._kept_bytes = 0
+        self._given: tuple[Hashable, int] | None = None  # (kind, first block computed anew)
+        self._keeping: tuple[list[Any], int] | None = None  # a plain forward's (kept, given)
+        self._index = {id(b): i for i, b in enumerate(blocks)}
+        self.replayed = 0  # blocks not computed thanks to replay (tests, progress)
         #: the resident modules holding parameters of their own, outside the blocks and
         #: not above them (embeddings, final norm, LM head)
         self.units = {name: mod for name, mod in model.named_modules()
@@ -241,6 +262,8 @@ class StreamedModel:
     def _post_hook(self, module: nn.Module, args: Any, out: Any) -> None:
         if not self._in_shell:
             self._offload(module)
+            if self._keeping is not None:
+                self._keep(*self._keeping, self._index[id(module)], out)
 
     def _swapped(self, old: torch.Tensor, new: torch.Tensor) -> None:
         for fn in self.listeners:
@@ -259,32 +282,86 @@ class StreamedModel:
         return self.ckpt.fingerprint()
 
     # -- a plan, block by block ---------------------------------------------------------
+    @property
+    def after_blocks(self) -> frozenset[str]:
+        """The resident modules a forward under a plan ran only after the blocks (the LM
+        head); empty until one has run."""
+        return self._after
+
+    def block_of(self, path: str) -> int | None:
+        """The index of the block ``path`` is (in), None for a path outside the blocks."""
+        prefix = self.path + "."
+        if not path.startswith(prefix):
+            return None
+        head = path[len(prefix):].split(".")[0]
+        return int(head) if head.isdigit() and int(head) < len(self.blocks) else None
+
     @contextlib.contextmanager
-    def lowered(self, lower: Lower) -> Iterator[StreamedModel]:
+    def lowered(self, lower: Lower, kind: Hashable | None = None,
+                given: int = 0) -> Iterator[StreamedModel]:
         """While open, a forward of the model runs block by block, each shell's forward
-        through ``lower`` (``Lower``; module doc)."""
+        through ``lower`` (``Lower``; module doc); ``kind`` / ``given``: as ``replaying``."""
         if self.lower is not None:
             raise RuntimeError("a plan is already applied to this streamed model")
         self.lower = lower
         try:
-            yield self
+            with self.replaying(kind, given) if kind is not None else contextlib.nullcontext():
+                yield self
         finally:
             self.lower = None
+
+    @contextlib.contextmanager
+    def replaying(self, kind: Hashable, given: int) -> Iterator[None]:
+        """While open, the caller promises that a forward computes blocks ``0 .. given-1``
+        as every forward of ``kind`` does (module doc, "Replay"): their outputs are kept as
+        computed, and a forward on inputs seen before starts at the first block not kept."""
+        old, self._given = self._given, (kind, max(0, given))
+        try:
+            yield
+        finally:
+            self._given = old
+
+    def _start(self, args: Any, kwargs: Any) -> tuple[list[Any] | None, int, int]:
+        """(the outputs kept for this forward's kind and inputs, the block it starts at,
+        the blocks it may keep); (None, 0, 0) when nothing is replayed."""
+        if self._given is None or torch.is_grad_enabled():
+            return None, 0, 0
+        kind, given = self._given
+        key = inputs_digest(args, kwargs)
+        if key is None or given == 0:
+            return None, 0, 0
+        kept = self._kept.setdefault((kind, key), [])
+        start = min(len(kept), given)
+        self.replayed += start
+        return kept, start, given
+
+    def _keep(self, kept: list[Any], given: int, i: int, out: Any) -> None:
+        """Keep block ``i``'s output when it is the next one and computed as given."""
+        if i >= given or len(kept) != i:
+            return
+        size = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                   if isinstance(t, torch.Tensor))
+        if self._kept_bytes + size > REPLAY_BYTES:
+            return
+        self._kept_bytes += size
+        kept.append(tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor)
+                             else t, out))
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._in_shell:
             return self._plain(*args, **kwargs)
+        kept, start, given = self._start(args, kwargs)
         if self.lower is None:
             if not torch.is_grad_enabled():
-                return self._plain(*args, **kwargs)
+                return self._plain_from(kept, start, given, args, kwargs)
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self._plain(*args, **kwargs)
         lower, n = self.lower, len(self.blocks)
         every = frozenset(self.block_path(j) for j in range(n))
-        h: Any = None
+        h: Any = kept[start - 1] if kept is not None and start else None
         ran: dict[str, list[Any]] = {}
         try:
-            for i in range(n):
+            for i in range(start, n):
                 block = self.blocks[i]
                 self.load_block(i)
                 if self.on_block is not None:
@@ -292,23 +369,43 @@ class StreamedModel:
                 shell = nn.ModuleList([Inject(h) for _ in range(i)] + [block])
                 handle = block.register_forward_hook(_stop)
                 try:
-                    with self._units_for_shell(i, ran) as gone:
+                    with self._units_for_shell(i, ran, first=i == start) as gone:
                         h = self._shell_call(shell, lower,
                                              (every - {self.block_path(i)}) | gone,
                                              args, kwargs, stop=True)
                 finally:
                     handle.remove()
                     self._offload(block)
+                if kept is not None:
+                    self._keep(kept, given, i, h)
             tail = nn.ModuleList([Inject(h) for _ in range(n)])
-            with self._units_for_shell(n, ran) as gone:
+            with self._units_for_shell(n, ran, first=start == n) as gone:
                 return self._shell_call(tail, lower, every | gone, args, kwargs, stop=False)
         finally:
             setattr(self.parent, self.attr, self.blocks)
 
+    def _plain_from(self, kept: list[Any] | None, start: int, given: int, args: Any,
+                    kwargs: Any) -> Any:
+        """A plain forward without gradients, from block ``start`` on (the blocks before
+        stand in by ``Inject`` of the kept output), keeping outputs up to ``given``."""
+        if kept is None:
+            return self._plain(*args, **kwargs)
+        if start:
+            setattr(self.parent, self.attr, nn.ModuleList(
+                [Inject(kept[start - 1]) for _ in range(start)] + list(self.blocks)[start:]))
+        self._keeping = (kept, given)
+        try:
+            return self._plain(*args, **kwargs)
+        finally:
+            self._keeping = None
+            setattr(self.parent, self.attr, self.blocks)
+
     @contextlib.contextmanager
-    def _units_for_shell(self, i: int, ran: dict[str, list[Any]]) -> Iterator[frozenset[str]]:
+    def _units_for_shell(self, i: int, ran: dict[str, list[Any]],
+                         first: bool) -> Iterator[frozenset[str]]:
         """The resident modules in block ``i``'s shell (``i == n``: the tail's; module doc,
-        "Per shell"). Block 0's shell records, per module, the outputs it returned; a module
+        "Per shell"). The ``first`` shell of a forward (block 0's, or where a replay
+        starts) records, per module, the outputs it returned; a module
         an earlier forward saw run only after the blocks (the LM head) is a ``NotInShell``
         there, neither installed nor run. The later shells hold an ``Inject`` of a module
         that returned one output (without gradients) and a ``NotInShell`` of one that
@@ -316,7 +413,7 @@ class StreamedModel:
         to leave alone."""
         swapped: dict[str, nn.Module] = {}
         handles = []
-        if i == 0:
+        if first and i < len(self.blocks):
             def record(path: str) -> Callable[..., None]:
                 def hook(module: nn.Module, args: Any, out: Any) -> None:
                     ran.setdefault(path, []).append(out)
@@ -344,7 +441,7 @@ class StreamedModel:
                 hd.remove()
             for path, mod in originals.items():
                 _swap(self.model, path, mod)
-        if i == 0:  # what ran in no block's shell runs after the blocks, in every forward
+        if first and i < len(self.blocks):  # what ran in no block's shell runs after them
             self._after = frozenset(p for p in self.units if p not in ran)
 
     def _shell_call(self, shell: nn.ModuleList, lower: Lower, absent: frozenset[str],
@@ -372,6 +469,27 @@ class StreamedModel:
                                      "streamed")
             return stopped[0]
         return out
+
+
+_ATOMS = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def inputs_digest(args: Any, kwargs: Any) -> str | None:
+    """A digest of a forward's inputs, tensors by their bytes; None when one is an object
+    it cannot read (a KV-cache): such a forward is not replayed."""
+    h = hashlib.sha256()
+    leaves, spec = tree_flatten((args, kwargs))
+    h.update(repr(spec).encode())
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().to("cpu").contiguous()
+            h.update(f"{tuple(t.shape)} {t.dtype} {leaf.device}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(leaf, _ATOMS):
+            h.update(repr(leaf).encode())
+        else:
+            return None
+    return h.hexdigest()
 
 
 def _stop(module: nn.Module, args: Any, out: Any) -> None:
@@ -429,5 +547,5 @@ def stream_of(model: nn.Module) -> StreamedModel | None:
     return getattr(model, "autoprec_stream", None)
 
 
-__all__ = ["Inject", "NotInShell", "StreamMemory", "StreamedModel", "find_blocks", "open_streamed",
-           "stream_of"]
+__all__ = ["REPLAY_BYTES", "Inject", "NotInShell", "StreamMemory", "StreamedModel", "find_blocks",
+           "inputs_digest", "open_streamed", "stream_of"]

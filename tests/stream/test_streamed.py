@@ -135,6 +135,59 @@ def test_a_plan_installs_and_runs_each_resident_module_once_per_forward(
         assert torch.equal(out, ref(input_ids=x).logits)
 
 
+def test_plans_differing_from_a_block_on_replay_the_blocks_before(ckpt: Path) -> None:
+    """Plans of one form and default on the same inputs compute the blocks before their
+    first rule alike: the streamed model keeps those outputs and starts each later plan at
+    its first rule's block, with the numbers of the loaded model under each plan."""
+    s, ref = open_streamed(ckpt), loaded(ckpt)
+    st = s.autoprec_stream
+    target = resolve_target("h100")
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    plans = [  # first rule in block 2, 1, 2, none (LM head only) twice, another default
+        Policy(default="bf16", form="deploy", layers={"model.layers.2.mlp.down_proj": "fp8"}),
+        Policy(default="bf16", form="deploy", layers={"model.layers.1.self_attn": "fp32",
+                                                      "lm_head": "fp8"}),
+        Policy(default="bf16", form="deploy", layers={"model.layers.2.mlp": "fp16"}),
+        Policy(default="bf16", form="deploy", layers={"lm_head": "fp16"}),
+        Policy(default="bf16", form="deploy", layers={"lm_head": "fp8"}),
+        Policy(default="fp16", form="deploy", layers={"model.layers.2.mlp": "fp8"}),
+    ]
+    replayed = []
+    for pol in plans:
+        before = st.replayed
+        with torch.no_grad(), scoring_gemms():
+            with target.apply(s, pol):
+                got = s(input_ids=x).logits
+            with target.apply(ref, pol):
+                want = ref(input_ids=x).logits
+        assert torch.equal(got, want), pol.layers
+        replayed.append(st.replayed - before)
+    # 1st: nothing kept; 2nd: block 0 kept by the 1st; 3rd: blocks 0-1 (kept by the 1st
+    # and 2nd); 4th: the same two (no plan before computed block 2 as given: the 4th
+    # does and keeps it); 5th: all three (the LM head runs after the blocks: a plan's
+    # first forward showed it); 6th: another default, nothing kept for it
+    assert replayed == [0, 1, 2, 2, 3, 0]
+    with torch.no_grad(), scoring_gemms():  # a plain forward is not a plan's: computed whole
+        loads = st.loads
+        assert torch.equal(s(input_ids=x).logits, ref(input_ids=x).logits)
+        assert st.loads == loads + 3
+
+
+def test_end_to_end_probes_replay_the_blocks_before_their_layer(ckpt: Path) -> None:
+    spec = checkpoint_spec(ckpt, seq_len=32)
+    batches = spec.calibration_batches()
+    s = open_streamed(ckpt)
+    layers = ["model.layers.0.mlp.down_proj", "model.layers.2.mlp.down_proj",
+              "model.layers.1.self_attn.o_proj"]
+    tables = [probe(m, batches, precisions=["fp8"], progress=False, e2e=layers)
+              for m in (loaded(ckpt), s)]
+    a, b = (t.to_frame() for t in tables)
+    assert a.equals(b)
+    assert b["e2e_error"].notna().sum() == 3
+    # run deepest first: block 2's run keeps blocks 0-1, block 1's replays block 0
+    assert s.autoprec_stream.replayed == len(batches) * (0 + 1 + 0)
+
+
 def test_probe_rows_identical(ckpt: Path) -> None:
     spec = checkpoint_spec(ckpt, seq_len=32)
     batches = spec.calibration_batches()
