@@ -40,6 +40,18 @@ def test_bar_counts_blocks_and_forwards(ckpt: Path, capsys: pytest.CaptureFixtur
     assert model.autoprec_stream.on_block is None
 
 
+def test_a_replayed_forward_counts_the_blocks_it_computes(
+        ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = open_streamed(ckpt)
+    st = model.autoprec_stream
+    with block_progress(model, "probe"), st.replaying("as given", 2):
+        _forward(model)  # computes blocks 0-2, keeps 0-1
+        _forward(model)  # replays 0-1: computes block 2 alone
+    err = capsys.readouterr().err
+    assert "forward 2, from block 2" in err and "1/1" in err
+    assert "4/3" not in err and "block [" not in err  # never past its total
+
+
 def test_no_bar_with_progress_off_or_in_memory(ckpt: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     model = open_streamed(ckpt)
