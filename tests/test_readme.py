@@ -229,3 +229,17 @@ def test_every_benchmark_the_results_table_names_is_in_the_suite() -> None:
     table = README[start:README.index("\n## ", start + 1)]
     named = re.findall(r"^\|[^|]*\|[^|]*\| `(\w+)[^`]*` \|", table, flags=re.M)
     assert named and set(named) <= set(BENCHMARKS), set(named) - set(BENCHMARKS)
+
+
+def test_every_relative_link_in_the_readme_and_docs_reaches_a_file() -> None:
+    """A link to a moved or deleted file (docs/overview.md named a benchmarks-history.md
+    that never existed) is a dead end for a reader."""
+    dead = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = target.split("#")[0]
+            if not path or re.match(r"[a-z]+:", path):
+                continue  # an anchor on the page, a URL
+            if not (page.parent / path).exists():
+                dead.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not dead, dead
