@@ -52,7 +52,7 @@ _BAR = re.compile(r"(\w+): blocks:[^\n]*?\|\s*(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d
 
 
 def child(folder: str, target: str, out: str, max_error: float, summary: str,
-          batch_size: int | None, trials: int) -> None:
+          batch_size: int | None, trials: int, form: str = "deploy") -> None:
     """In the child process: tune the folder (progress bars on stderr), write the summary."""
     import autoprec
     from autoprec.stream import Checkpoint
@@ -60,7 +60,7 @@ def child(folder: str, target: str, out: str, max_error: float, summary: str,
     ckpt = Checkpoint(folder)
     cfg = ckpt.config()
     res = autoprec.tune(folder, target=target, out=out, max_error=max_error, progress=True,
-                        batch_size=batch_size, trials=trials)
+                        batch_size=batch_size, trials=trials, form=form)
     rules = res.policy.layers
     data = {
         "params": ckpt.bytes_under("") // 2, "weight_bytes": ckpt.bytes_under(""),
@@ -90,17 +90,17 @@ def bar_rates(text: str) -> tuple[str | None, dict[str, float]]:
 
 def run_one(folder: Path, target: str, max_error: float, workdir: Path,
             deadline: float | None, batch_size: int | None = None,
-            trials: int = 40) -> dict[str, Any]:
+            trials: int = 40, form: str = "deploy") -> dict[str, Any]:
     import psutil
 
-    tag = f"{folder.name}-{target}"
+    tag = f"{folder.name}-{target}" + ("-train" if form == "train" else "")
     summary, log = workdir / f"{tag}.json", workdir / f"{tag}.stderr"
     cmd = [sys.executable, "-m", "benchmarks.tune_streamed", "--child", str(folder),
            "--targets", target, "--max-error", str(max_error),
            "--policy", str(workdir / f"{tag}.yaml"), "--summary", str(summary)]
     if batch_size is not None:
         cmd += ["--batch-size", str(batch_size)]
-    cmd += ["--trials", str(trials)]
+    cmd += ["--trials", str(trials), "--form", form]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
     with open(log, "w") as err:
@@ -121,7 +121,8 @@ def run_one(folder: Path, target: str, max_error: float, workdir: Path,
     wall = time.monotonic() - t0
     text = log.read_text(errors="replace")
     stage, rates = bar_rates(text)
-    row: dict[str, Any] = {"model": folder.name, "target": target, "wall": wall,
+    shown = target + (" (--form train)" if form == "train" else "")
+    row: dict[str, Any] = {"model": folder.name, "target": shown, "wall": wall,
                            "rss": max(polled, ru.ru_maxrss * 1024), "rates": rates,
                            "stopped": stopped, "stage": stage, "rc": proc.returncode}
     if summary.is_file():
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
                     "--batch-size; default: the calibration batch's, 1)")
     ap.add_argument("--trials", type=int, default=40, help="trials this run adds to the "
                     "study at most (tune's --trials; a --workdir's study is joined)")
+    ap.add_argument("--form", choices=("deploy", "train"), default="deploy",
+                    help="tune's --form: train holds the weights in fp32 (the masters)")
     ap.add_argument("--timeout", type=float, help="stop a run after this many seconds")
     ap.add_argument("--until", help="stop a run at this UTC time (HH:MM)")
     ap.add_argument("--write", action="store_true", help=f"append to {RESULTS.relative_to(ROOT)}")
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.child:
         child(str(args.checkpoints[0]), args.targets, args.policy, args.max_error, args.summary,
-              args.batch_size, args.trials)
+              args.batch_size, args.trials, args.form)
         return
     from autoprec.stream import is_checkpoint_dir
 
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         for folder in args.checkpoints:
             for target in args.targets.split(","):
                 row = run_one(folder.resolve(), target.strip(), args.max_error, work, deadline,
-                              args.batch_size, args.trials)
+                              args.batch_size, args.trials, args.form)
                 rows.append(row)
                 print(f"{row['model']} {row['target']}: peak RSS {row['rss'] / 1e9:.2f} GB, "
                       f"{row['wall']:.0f} s" + (" (stopped)" if row["stopped"] else ""),
