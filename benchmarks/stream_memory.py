@@ -7,8 +7,9 @@ what ``autoprec tune`` budgets for it (``autoprec.tuning.memory``):
 
 - **in memory**: the model twice (what a tune of a model.py needs: the model and a plan's
   copy);
-- **streamed**: ``streamed_bytes`` — the resident parts, the largest block twice and the
-  activations of the calibration (1 x 64 tokens, the folder's default) or of a larger batch
+- **streamed**: ``streamed_bytes`` — the resident parts, the largest block with a plan's
+  copy of it, a plan's copy of the largest resident module (both up to fp32: the fp32 row of
+  a bf16 model stores them in fp32) and the activations of the calibration (1 x 64 tokens, the folder's default) or of a larger batch
   (``--tokens``), in the deploy form (weights as stored, bf16) and the training form
   (fp32 masters: every weight held in fp32).
 
@@ -47,14 +48,15 @@ def sizes(preset: str, tokens: list[int]) -> dict[str, Any]:
     cfg = config_of(preset)
     specs = tensor_specs(cfg)
     blocks: dict[str, int] = {}
-    resident = 0
+    units: dict[str, int] = {}  # resident module -> elements
     for name, shape in specs:
         parts = name.split(".")
         if parts[:2] == ["model", "layers"]:
             blocks[parts[2]] = blocks.get(parts[2], 0) + _elems(shape)
         else:
-            resident += _elems(shape)
-    block = max(blocks.values())
+            unit = name.rpartition(".")[0]
+            units[unit] = units.get(unit, 0) + _elems(shape)
+    block, resident, unit = max(blocks.values()), sum(units.values()), max(units.values())
     total = resident + sum(blocks.values())
     row: dict[str, Any] = {"preset": preset, "params": total, "blocks": len(blocks)}
     for form, size in (("deploy", DTYPE.itemsize), ("train", 4)):
@@ -62,7 +64,7 @@ def sizes(preset: str, tokens: list[int]) -> dict[str, Any]:
         row[f"{form}_in_memory"] = 2 * total * size
         for t in tokens:
             need, act = streamed_bytes(resident * size, block * size, cfg.vocab_size,
-                                       cfg.hidden_size, t)
+                                       cfg.hidden_size, t, unit * size, 4 / size)
             row[f"{form}_streamed_{t}"] = need
     row["resident"], row["block"] = resident * DTYPE.itemsize, block * DTYPE.itemsize
     return row

@@ -163,6 +163,13 @@ class StreamMemory:
     largest_block: str
     largest_block_bytes: int
     blocks: int
+    #: the resident module holding the most bytes (an LM head, the embeddings): a plan
+    #: may hold a copy of it beside it
+    largest_resident: str = ""
+    largest_resident_bytes: int = 0
+    #: how much larger than held a plan's widest copy of a weight is (fp32 over the held
+    #: dtype: 2 for bf16 weights, 1 for fp32 masters)
+    widen: float = 1.0
 
 
 class StreamedModel:
@@ -275,7 +282,11 @@ class StreamedModel:
                  for i in range(len(self.blocks))]
         top, where = max(sizes)
         total = self.ckpt.bytes_under("", held=True)
-        return StreamMemory(total - sum(s for s, _ in sizes), where, top, len(self.blocks))
+        units = [(self.ckpt.bytes_under(path, held=True), path) for path in self.units]
+        unit_bytes, unit = max(units) if units else (0, "")
+        held = self.ckpt.load_dtype or self.ckpt.dtype()
+        return StreamMemory(total - sum(s for s, _ in sizes), where, top, len(self.blocks),
+                            unit, unit_bytes, max(1.0, 4 / held.itemsize))
 
     def weights_hash(self) -> str:
         """The weights' identity from the checkpoint's headers, sizes and mtimes."""

@@ -115,13 +115,15 @@ def gb(n: float) -> str:
 LOGIT_COPIES, HIDDEN_COPIES = 3, 16
 
 
-def streamed_bytes(resident: int, block: int, vocab: int, hidden: int, tokens: int
-                   ) -> tuple[int, int]:
+def streamed_bytes(resident: int, block: int, vocab: int, hidden: int, tokens: int,
+                   unit: int = 0, widen: float = 1.0) -> tuple[int, int]:
     """(bytes a streamed tune needs, of which activations): the resident parts, the largest
-    block twice (its weights and a plan's copy of them) and the activations of ``tokens``
-    tokens (``LOGIT_COPIES`` logits, ``HIDDEN_COPIES`` hidden vectors, fp32)."""
+    block with a plan's copy of it, a plan's copy of the largest resident module (``unit``:
+    the embeddings or LM head), each copy up to ``widen`` times as large as held (the fp32
+    row of a bf16 model: 2), and the activations of ``tokens`` tokens (``LOGIT_COPIES``
+    logits, ``HIDDEN_COPIES`` hidden vectors, fp32)."""
     act = tokens * 4 * (LOGIT_COPIES * vocab + HIDDEN_COPIES * hidden)
-    return resident + 2 * block + act, act
+    return int(resident + block + widen * (block + unit) + act), act
 
 
 def streamed_need(stream: Any, tokens: int) -> tuple[int, int, int, str]:
@@ -131,7 +133,8 @@ def streamed_need(stream: Any, tokens: int) -> tuple[int, int, int, str]:
     cfg = stream.model.config
     need, act = streamed_bytes(mem.resident_bytes, mem.largest_block_bytes,
                                int(getattr(cfg, "vocab_size", 0) or 0),
-                               int(getattr(cfg, "hidden_size", 0) or 0), tokens)
+                               int(getattr(cfg, "hidden_size", 0) or 0), tokens,
+                               mem.largest_resident_bytes, mem.widen)
     return need, mem.resident_bytes, act, mem.largest_block
 
 
@@ -151,8 +154,9 @@ def _check_streamed(stream: Any, where: str, limit_bytes: int | None, tokens: in
         limit, source = got + resident, "available host memory (/proc/meminfo) + the resident parts"
     if need > limit:
         raise InputError(
-            f"{where}: the largest block ({block}, {gb(size)}, held twice) plus activations "
-            f"({gb(act)}) and the resident embeddings and head ({gb(resident)}) do not fit in "
+            f"{where}: the largest block ({block}, {gb(size)}, with a plan's copy) plus "
+            f"activations ({gb(act)}) and the resident embeddings and head ({gb(resident)}, "
+            f"with a plan's copy of {stream.memory.largest_resident}) do not fit in "
             f"{gb(limit)} ({source}; {gb(need)} needed)")
     return need
 

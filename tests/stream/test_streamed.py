@@ -22,6 +22,7 @@ from autoprec.policy.schema import Policy
 from autoprec.pricing.target import resolve_target
 from autoprec.probe import probe
 from autoprec.stream import find_blocks, open_streamed
+from autoprec.tuning.memory import streamed_need
 from autoprec.workload.checkpoint_spec import checkpoint_spec
 from autoprec.workload.hashing import weights_hash
 from tests.helpers import run_cli
@@ -78,6 +79,13 @@ def test_plain_forward_is_the_loaded_models(ckpt: Path) -> None:
     block = sum(p.numel() * 2 for p in ref.model.layers[0].parameters())
     assert mem.largest_block_bytes == block
     assert mem.resident_bytes == sum(p.numel() * 2 for p in ref.parameters()) - 3 * block
+    # the budget: a plan may hold an fp32 copy (2x bf16) of a block and of the largest
+    # resident module beside them (the fp32 row stores them in fp32)
+    assert mem.largest_resident in ("lm_head", "model.embed_tokens")
+    assert mem.largest_resident_bytes == ref.lm_head.weight.numel() * 2 and mem.widen == 2.0
+    need, resident, act, _ = streamed_need(st, 64)
+    assert need == resident + block + 2 * (block + mem.largest_resident_bytes) + act
+    assert open_streamed(ckpt, torch.float32).autoprec_stream.memory.widen == 1.0  # masters
 
 
 @pytest.mark.parametrize("plan", range(len(PLANS)))
