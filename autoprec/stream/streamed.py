@@ -46,12 +46,17 @@ the checkpoint (``_SavedWeight``) and read back from the shards when the backwar
 (``torch.autograd.graph.saved_tensors_hooks``) — the same bytes, so the same gradients.
 The blocks' weights take no gradient (``requires_grad`` off: their gradient accumulators
 would hold them too); gradients with respect to activations are as the loaded model's.
+Under autocast (a training plan over fp32 masters) a GEMM saves autocast's bf16 copy of the
+weight, not the weight: the casts of a loaded weight are watched (``_CastWatch``) and a
+saved copy is read back and cast again the same way (an 8 B's bf16 copies, 16 GB, were
+otherwise kept until the backward: the training-form tune was killed for memory).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +64,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autoprec.errors import ModelFileError
@@ -111,13 +117,36 @@ class _Stopped(Exception):  # noqa: N818 - control flow, never seen by a user
 
 @dataclass(frozen=True)
 class _SavedWeight:
-    """A saved-for-backward view of a block parameter: its checkpoint name, dtype, view."""
+    """A saved-for-backward view of a block parameter (or of a cast copy of one): its
+    checkpoint name, the dtype it is held in, the copy's dtype, the view."""
 
     key: str
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    cast: torch.dtype | None = None
+
+
+class _CastWatch(TorchDispatchMode):
+    """Notes every whole-tensor cast of a loaded block parameter (autocast's copies) in
+    ``StreamedModel._casts``: its storage -> (the copy, the parameter's name, dtypes)."""
+
+    def __init__(self, stream: StreamedModel) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
+            src = args[0]
+            hit = self.stream._loaded.get(src.untyped_storage().data_ptr())
+            if (hit is not None and src.storage_offset() == 0 and src.is_contiguous()
+                    and src.numel() * src.element_size() == src.untyped_storage().nbytes()
+                    and out.is_contiguous()):
+                self.stream._casts[out.untyped_storage().data_ptr()] = (
+                    weakref.ref(out), hit[0], hit[1], out.dtype)
+        return out
 
 
 class Inject(nn.Module):
@@ -189,6 +218,9 @@ class StreamedModel:
         self.listeners: list[Callable[[torch.Tensor, torch.Tensor], None]] = []
         #: storage address -> checkpoint name and dtype of each loaded block parameter
         self._loaded: dict[int, tuple[str, torch.dtype]] = {}
+        #: storage address -> (copy, name, held dtype, copy dtype) of each cast of a loaded
+        #: block parameter in a forward with gradients (``_CastWatch``)
+        self._casts: dict[int, tuple[Any, str, torch.dtype, torch.dtype]] = {}
         self.reloads = 0  # weights read back for a backward (tests)
         self._plain = model.forward
         #: resident modules a forward under a plan ran only after the blocks (the LM head):
@@ -244,6 +276,13 @@ class StreamedModel:
         if not self._loaded or t.device.type == "meta":
             return t
         ptr = t.untyped_storage().data_ptr()
+        copy = self._casts.get(ptr)
+        if copy is not None:
+            ref, key, dtype, cast = copy
+            alive = ref()  # alive: its storage is still this copy's (not a reused address)
+            if alive is not None and alive.untyped_storage().data_ptr() == ptr:
+                return _SavedWeight(key, dtype, tuple(t.size()), tuple(t.stride()),
+                                    t.storage_offset(), cast)
         hit = self._loaded.get(ptr)
         if hit is None or self.model.get_parameter(hit[0]).untyped_storage().data_ptr() != ptr:
             return t  # not a weight, or a stale address (a forward that raised mid-block)
@@ -256,7 +295,10 @@ class StreamedModel:
         with unobserved():
             ((_, value),) = self.ckpt._tensors([saved.key])
             self.reloads += 1
-            return value.to(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
+            value = value.to(saved.dtype)  # the parameter as it was held
+            if saved.cast is not None:
+                value = value.to(saved.cast)  # the copy, cast again as the forward did
+            return value.as_strided(saved.size, saved.stride, saved.offset)
 
     def _pre_hook(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -365,8 +407,12 @@ class StreamedModel:
         if self.lower is None:
             if not torch.is_grad_enabled():
                 return self._plain_from(kept, start, given, args, kwargs)
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return self._plain(*args, **kwargs)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                        _CastWatch(self):
+                    return self._plain(*args, **kwargs)
+            finally:
+                self._casts.clear()
         lower, n = self.lower, len(self.blocks)
         every = frozenset(self.block_path(j) for j in range(n))
         h: Any = kept[start - 1] if kept is not None and start else None

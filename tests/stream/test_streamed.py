@@ -296,6 +296,30 @@ def test_backward_does_not_keep_the_blocks_weights(ckpt: Path) -> None:
     assert torch.equal(grads[0], grads[1])
 
 
+def test_under_autocast_the_backward_keeps_no_bf16_copy_of_the_blocks_weights(
+        ckpt: Path) -> None:
+    """A training plan runs autocast over fp32 masters: a GEMM saves autocast's bf16 copy
+    of the weight, not the weight. Those copies are read back and cast again for the
+    backward (an 8 B's were 16 GB held until it ran); the gradients are the loaded model's."""
+    ref, s = loaded(ckpt, torch.float32), open_streamed(ckpt, torch.float32)
+    st = s.autoprec_stream
+    kept: list[str] = []
+    pack = st._pack
+    st._pack = lambda t: (kept.append(type(r := pack(t)).__name__), r)[1]  # type: ignore[method-assign]
+    x = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    grads = []
+    for m in (ref, s):
+        emb = m.model.embed_tokens(x).detach().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = m(inputs_embeds=emb).logits
+        out.float().pow(2).sum().backward()
+        grads.append(emb.grad)
+    # per block: each GEMM's bf16 weight copy (7) and the two norms' fp32 weights
+    assert kept.count("_SavedWeight") == 3 * 9
+    assert st.reloads == 3 * 9 and not st._casts
+    assert torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.slow
 def test_a_training_tune_of_a_bf16_checkpoint_holds_fp32_masters(ckpt: Path,
                                                                  tmp_path: Path) -> None:
