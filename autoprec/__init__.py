@@ -28,7 +28,7 @@ from autoprec.io.lazy import lazy_exports
 _EXPORTS = {
     "tune": "api",
     "TuneConfig": "tuning.config",
-    "TuneResult": "tuning.write",
+    "TuneResult": "tuning.result",
     "Target": "pricing.target",
     "check": "api",
     "CheckResult": "evaluation.check",
@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.trace import trace as trace_model
     from autoprec.trace.graph import LayerGraph
     from autoprec.tuning.config import TuneConfig
-    from autoprec.tuning.write import TuneResult
+    from autoprec.tuning.result import TuneResult
 
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

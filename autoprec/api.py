@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoprec.policy import Policy
     from autoprec.track import Tracker
     from autoprec.tuning.config import TuneConfig
-    from autoprec.tuning.write import TuneResult
+    from autoprec.tuning.result import TuneResult
 
 Batch = Any
 Forward = Callable[["torch.nn.Module", Batch], Any]
@@ -64,7 +64,8 @@ def tune(model: ModelLike, config: TuneConfig | None = None, *,
     the versions, so a model in hand reuses it only while all of them are unchanged).
     ``tracker``: None logs nothing (``autoprec.track.make_tracker`` makes the CLI's MLflow
     one). ``profile``: a DeviceProfile to price with instead of the target's. Returns the
-    ``TuneResult`` (``policy``, ``path``, ``error``, ``est_speedup``, ``feasible``, …).
+    ``TuneResult`` (``policy``, ``path``, ``error``, ``est_speedup``, ``feasible``; the rest
+    by concern: ``plan``, ``search``, ``costs``, ``train_check``, ``report``).
     """
     from autoprec.tuning.tune import tune as run_tune
 

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                      storage="memory", tracker=None, progress=False,
                      cache_dir=ROOT / "policies" / ".autoprec" / "probe-cache")
             lines.append(row(ctx, f"**tuned** ({'feasible' if r.feasible else 'NOT feasible'}, "
-                             f"{r.evaluations:.1f} evals)", r.policy, budget, r.eval_error))
+                             f"{r.search.evaluations:.1f} evals)", r.policy, budget,
+                             r.plan.eval_error))
             lines.append(row(ctx, "one global autocast bf16", Policy(default="bf16"), budget))
             for fmt in ("fp8", "mxfp8", "nvfp4"):
                 lines.append(row(ctx, f"{fmt} everywhere", everywhere(fmt, net), budget))

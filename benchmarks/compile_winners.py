@@ -99,14 +99,14 @@ def run_model(name: str, profiles: dict[str, Any], args: argparse.Namespace,
                  cache_dir=out_dir / "cache")
         winners[mode] = r.policy
         printed[mode] = r.est_speedup
-        w = r.speed.winner if r.speed is not None else None
+        w = r.plan.speed.winner if r.plan.speed is not None else None
         tune_measured[mode] = ("-" if w is None or w.speedup is None else
                                f"{w.name}: {w.speedup:.2f}x ({w.p10:.2f}-{w.p90:.2f})")
         print(f"  {name}: tuned for {mode} in {time.monotonic() - t0:.0f} s: "
-              f"{fmt_pol(r.policy)} (est. {r.est_speedup:.2f}x, error {r.eval_error:.3g}; "
+              f"{fmt_pol(r.policy)} (est. {r.est_speedup:.2f}x, error {r.plan.eval_error:.3g}; "
               f"tune measured {tune_measured[mode]})", file=sys.stderr, flush=True)
-        if r.speed is not None:
-            print(r.speed.table(), file=sys.stderr, flush=True)
+        if r.plan.speed is not None:
+            print(r.plan.speed.table(), file=sys.stderr, flush=True)
     net = spec.model()
     batch = spec.calibration_batches()[0]
     graph = trace(net, batch, forward=spec.forward, model_name=spec.name)

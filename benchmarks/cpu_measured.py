@@ -41,17 +41,17 @@ MODELS = {"minilm": ("max_error", 0.03), "wide": ("max_error", 0.05),
 
 
 def row_of(name: str, kind: str, budget: float, res: Any, seconds: float) -> dict[str, Any]:
-    rows = {r.name: r for r in res.speed.rows}
+    rows = {r.name: r for r in res.plan.speed.rows}
     tuned, bf16 = rows["tuned"], rows[label("bf16")]
     fp16 = rows.get(label("fp16"))
-    win = res.speed.winner
+    win = res.plan.speed.winner
     best = max(1.0, bf16.speedup) if bf16.feasible and bf16.speedup else 1.0
     pol = res.policy
     return {
         "model": name, "budget": f"{kind.replace('max_', '')} {budget:g}",
         "written": f"default {pol.default}, {len(pol.layers)} rules",
         "written_is": win.name if win is not None else "-",
-        "error": res.eval_error,
+        "error": res.plan.eval_error,
         "tuned_est": tuned.est_speedup, "tuned_measured": tuned.speedup,
         "written_est": win.est_measured_batch if win is not None else None,
         "written_measured": win.speedup if win is not None else None,
@@ -64,8 +64,8 @@ def row_of(name: str, kind: str, budget: float, res: Any, seconds: float) -> dic
         "written_vs_best": (win.speedup / best) if win is not None and win.speedup else None,
         "est_vs_measured": (win.est_measured_batch / win.speedup)
         if win is not None and win.speedup and win.est_measured_batch else None,
-        "batch": res.speed.batch_size, "rounds": res.speed.rounds, "seconds": seconds,
-        "reason": res.speed.reason,
+        "batch": res.plan.speed.batch_size, "rounds": res.plan.speed.rounds, "seconds": seconds,
+        "reason": res.plan.speed.reason,
     }
 
 
@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                        cache_dir=cache)
             rows.append(row_of(name, kind, budget, res, time.perf_counter() - t0))
             if not notes:  # the first tune calibrates; the others read its cache
-                notes += [n.split("; cached in")[0] for n in res.notes if "profile" in n]
+                notes += [n.split("; cached in")[0] for n in res.plan.notes if "profile" in n]
             print(f"{name}: {rows[-1]['reason']}", flush=True)
-            print(res.speed.table(), flush=True)
+            print(res.plan.speed.table(), flush=True)
     cmd = " ".join(["python -m benchmarks.cpu_measured",
                     *(argv if argv is not None else sys.argv[1:])])
     header = [f"machine: {cpu_facts()}; torch {torch.__version__}",

@@ -80,8 +80,8 @@ def h100_part(trials: int) -> str:
                         max_error=budget, trials=trials, form="train")
         batch = dep.policy.target.get("batch_size")
         case = f"{name}, {batch}, {budget:g}"
-        rows = {r.name: r for r in dep.speed.rows}
-        told = {r.name: r for r in old.speed.rows}
+        rows = {r.name: r for r in dep.plan.speed.rows}
+        told = {r.name: r for r in old.plan.speed.rows}
 
         def line(plan: str, r: Any, case: str = case) -> None:
             ok = "yes" if r.feasible else (r.why_not or "no")

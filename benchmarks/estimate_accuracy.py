@@ -67,9 +67,9 @@ LIMIT = 0.20
 
 
 def rows_of(name: str, mode: str, res: Any) -> list[dict[str, Any]]:
-    win = res.speed.winner
+    win = res.plan.speed.winner
     out = []
-    for r in res.speed.rows:
+    for r in res.plan.speed.rows:
         if r.speedup is None or not r.est_measured_batch:
             continue
         same = r.same_as is not None
@@ -141,14 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                 t1 = time.perf_counter()
                 src = speed_source("cpu", measure=False, cache_dir=cache / "calibration",
                                    mode=mode)
-                cm = src.cost_model(res.graph, res.speed.batch_size, mode)
+                cm = src.cost_model(res.search.graph, res.plan.speed.batch_size, mode)
                 cached_s = time.perf_counter() - t1
                 n, wrong = rank_pairs(rows)
                 runs.append({"model": name, "mode": mode, "wall": wall, "pairs": n,
-                             "wrong": wrong, "first": op_time_seconds(res.notes),
+                             "wrong": wrong, "first": op_time_seconds(res.plan.notes),
                              "cached": cached_s, "hit": cm.op_times is not None,
-                             "written": res.speed.winner.name if res.speed.winner else "-",
-                             "retimed": res.speed.retimed})
+                             "written": (res.plan.speed.winner.name
+                                         if res.plan.speed.winner else "-"),
+                             "retimed": res.plan.speed.retimed})
                 table.extend(rows)
                 load.append(os.getloadavg()[0])
                 worst = max((abs(r["off"]) for r in rows), default=0.0)

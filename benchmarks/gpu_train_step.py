@@ -275,7 +275,7 @@ def tuner(master: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
         fp8 = sorted(p for p, v in res.policy.layers.items() if v == "fp8")
         how = (f"tuned in {time.perf_counter() - t0:.0f}s on {res.policy.target or '?'}: "
                f"default {res.policy.default}, fp8 {fp8 or 'none'}, kept {kept or 'none'}, "
-               f"est. {res.est_speedup:.2f}x, error {res.eval_error:.3g}")
+               f"est. {res.est_speedup:.2f}x, error {res.plan.eval_error:.3g}")
         return res.policy, how
 
     return run

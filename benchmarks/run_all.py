@@ -234,9 +234,9 @@ def run_one(loaded: Loaded, run: Run, args: argparse.Namespace) -> dict[str, Any
         "tf32_speedup": round(tf32_speed, 4),
         "vs_tf32": round(tuned_speed / tf32_speed, 3) if tf32_speed else "",
         "fp8_everywhere": round(fp8_speed, 4) if fp8.value(run.kind) <= run.budget else "",
-        "eval_error": r.eval_error, "calib_error": r.error, "feasible": r.feasible,
-        "seconds": round(r.seconds, 1), "probes": "ran" if probed else "cached",
-        "trials": r.trials, "evaluations": round(r.evaluations, 2),
+        "eval_error": r.plan.eval_error, "calib_error": r.error, "feasible": r.feasible,
+        "seconds": round(r.costs.seconds, 1), "probes": "ran" if probed else "cached",
+        "trials": r.search.trials, "evaluations": round(r.search.evaluations, 2),
         "rules": len(r.policy.layers), "default": r.policy.default,
         "layers": " ".join(f"{p}x{counts[p]}" for p in reversed(PRECISIONS) if counts[p]),
         "policy": str(out.resolve().relative_to(ROOT)) if out.resolve().is_relative_to(ROOT)

@@ -261,8 +261,8 @@ def tune_policy(workdir: Path, epochs: int, lr: float, trials: int) -> tuple[Pol
     )
     res = tune(spec, max_drop=0.005, target="t4", precisions=["fp32", "fp16"], trials=trials,
                batch_size=4096, out=workdir / "digits_tiny-t4.yaml", progress=False)
-    how = (f"tuned: {res.trials} trials, accuracy drop {res.eval_error:+.4f} on the test split "
-           f"(budget 0.005), est. speed-up {res.est_speedup:.2f}x on t4; {res.path}")
+    how = (f"tuned: {res.search.trials} trials, accuracy drop {res.plan.eval_error:+.4f} on "
+           f"the test split (budget 0.005), est. speed-up {res.est_speedup:.2f}x on t4; {res.path}")
     return res.policy, how
 
 

@@ -155,7 +155,7 @@ def kept_high(result: Any, model: torch.nn.Module, target: str, batch: int) -> l
     """The fp8-eligible leaves of the reduced model the plan did not put in fp8, each with
     the policy's reason, the probe's fp8 verdict and what fp8 there alone would save on the
     step (priced on the target at the tune's batch)."""
-    graph, pol = result.graph, result.policy
+    graph, pol = result.search.graph, result.policy
     cm = CostModel(graph, get_profile(target), batch, step=StepPart(fp8_backward="fp8"))
     base = cm.estimate(pol)
     prec = assignment(pol, model)
@@ -165,8 +165,8 @@ def kept_high(result: Any, model: torch.nn.Module, target: str, batch: int) -> l
             continue
         trial = Policy(default=pol.default, layers={**pol.layers, n.path: "fp8"}, form="train")
         gain = (base - cm.estimate(trial)) * 1e3
-        why = [w for w in (pol.reasons.get(n.path, ""), _fp8_reason(result.sensitivity, n.path))
-               if w]
+        why = [w for w in (pol.reasons.get(n.path, ""),
+                           _fp8_reason(result.search.sensitivity, n.path)) if w]
         why.append(f"fp8 here alone would change the step by {-gain:+.3f} ms")
         out.append(Kept(n.path, prec.get(n.path, pol.default), "; ".join(why)))
     return out
@@ -189,7 +189,7 @@ def run_tune(build: Callable[[int], torch.nn.Module], full_blocks: int, target: 
                            batch_size=batch, trials=TRIALS, max_error=MAX_ERROR,
                            precisions=PRECISIONS, out=out, progress=False)
     secs = time.perf_counter() - t0
-    speed = result.speed.to_dict() if result.speed is not None else None
+    speed = result.plan.speed.to_dict() if result.plan.speed is not None else None
     bf16 = None
     if speed is not None:
         bf16 = next((r["est_speedup"] for r in speed["rows"]
@@ -197,5 +197,5 @@ def run_tune(build: Callable[[int], torch.nn.Module], full_blocks: int, target: 
     pol = result.policy
     full = Policy(default=pol.default, form="train",
                   layers=map_blocks(dict(pol.layers), REDUCED_BLOCKS, full_blocks))
-    return Tuned(target, pol, full, secs, result.eval_error, result.est_speedup, bf16,
+    return Tuned(target, pol, full, secs, result.plan.eval_error, result.est_speedup, bf16,
                  kept_high(result, model, target, batch), format_rows(speed) if speed else "")

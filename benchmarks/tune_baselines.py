@@ -33,7 +33,7 @@ full-calibration-set equivalents (a plan rejected on the screening quarter costs
 eval-data confirmations and all-fp32 are free), each method charged as if it started with
 an empty cache; a baseline that asks for a plan it has already measured under another key
 (the same ``plan.schedule.signature``) is not charged again; ``tune`` is charged what its
-own evaluator counted (``TuneResult.evaluations``). ``probe`` is the probes' cost in
+own evaluator counted (``TuneResult.search.evaluations``). ``probe`` is the probes' cost in
 forward-pass equivalents over the calibration set, charged to the methods that use them;
 ``seconds`` are wall seconds on this (shared, loaded) machine, one torch thread (tune's
 include loading the model and reading its cached probes). ``feasible`` means within budget
@@ -144,10 +144,11 @@ def tune_outcome(r: TuneResult, model: Model, probe_cost: float) -> Outcome:
     if not math.isclose(check, r.est_speedup, rel_tol=1e-6):
         print(f"  warning: tune's policy re-priced at {check:.4f}x, tune said "
               f"{r.est_speedup:.4f}x", file=sys.stderr)
-    note = f"{r.trials} trials, {r.method}" + ("" if r.complete else ", not complete")
+    note = (f"{r.search.trials} trials, {r.search.method}"
+            + ("" if r.search.complete else ", not complete"))
     return Outcome("tune", describe(r.policy.default, dict(r.policy.layers)), r.est_speedup,
-                   r.error, r.eval_error, r.feasible, r.evaluations, r.seconds, probe_cost,
-                   note)
+                   r.error, r.plan.eval_error, r.feasible, r.search.evaluations,
+                   r.costs.seconds, probe_cost, note)
 
 
 def run_baselines(problem: Problem, tune_evals: float, args: argparse.Namespace
@@ -199,7 +200,7 @@ def tune_walk(r: TuneResult, problem: Problem) -> str:
     space = problem.space
     names = {v.name for v in space.all_variables}
     parts, keys = [], []
-    for t in r.trials_table:
+    for t in r.search.trials_table:
         params = {k[len("params_"):]: v for k, v in t.items() if k.startswith("params_")}
         if t.get("state") != "COMPLETE" or not names <= set(params) or t.get("calibration_error") is None:
             continue
@@ -208,7 +209,7 @@ def tune_walk(r: TuneResult, problem: Problem) -> str:
         pred = float(problem.plans.predicted(np.array([key]))[0])
         mark = "+" if t.get("feasible") else "-"
         parts.append(f"{t['est_speedup']:.3f}x pred {pred:.3g} meas {t['calibration_error']:.3g}{mark}")
-    pruned = sum(1 for t in r.trials_table if t.get("state") == "PRUNED")
+    pruned = sum(1 for t in r.search.trials_table if t.get("state") == "PRUNED")
     distinct = len({problem.signature(k) for k in keys})
     head = (f"{len(keys)} plans ({distinct} distinct: keys with one "
             "`plan.schedule.signature` run the same plan)") if distinct < len(keys) else ""
@@ -250,7 +251,7 @@ def run_model(cfg: Config, budgets: tuple[float, ...], args: argparse.Namespace,
                   file=sys.stderr)
         probe_cost = float(problem.table.meta.get("cost_total", math.nan))
         outs = [tune_outcome(r, model, probe_cost)]
-        outs += run_baselines(problem, r.evaluations, args)
+        outs += run_baselines(problem, r.search.evaluations, args)
         opt = None
         if cfg.exhaustive and not args.no_optimum:
             o, opt = run_optimum(problem, args.optimum_cap)

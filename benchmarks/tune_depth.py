@@ -149,16 +149,16 @@ def run_one(kind: str, blocks: int, workdir: Path) -> dict[str, Any]:
                             cache_dir=workdir / "cache", trials=40)
     total = time.perf_counter() - t0
     pl = clock.first["planner"]
-    cost = CostModel(res.graph, get_profile("h100"), batch_size=256)
+    cost = CostModel(res.search.graph, get_profile("h100"), batch_size=256)
     alt = {p: cost.speedup(Policy(default=p)) for p in ("tf32", "bf16", "fp16")}
     stage = {k: clock.s.get(k, 0.0) for k in ("trace", "probe", "cost", "planner", "evaluate")}
     stage["other"] = total - sum(stage.values())
-    layers = len([n for n in res.graph.gemm_nodes if n.is_leaf])
+    layers = len([n for n in res.search.graph.gemm_nodes if n.is_leaf])
     return {"model": kind, "blocks": blocks, "layers": layers, "total": total, **stage,
             "forwards": forwards[0], "fwd_trace": clock.f["trace"], "fwd_probe": clock.f["probe"],
             "fwd_eval": clock.f["evaluate"], "evaluated": clock.n["evaluate"],
             "fwd_other": forwards[0] - clock.f["trace"] - clock.f["probe"] - clock.f["evaluate"],
-            "evaluations": res.evaluations, "trials": res.trials,
+            "evaluations": res.search.evaluations, "trials": res.search.trials,
             "priced": pl.priced, "method": pl.method, "speedup": res.est_speedup,
             "error": res.error, "feasible": res.feasible, **{f"alt_{k}": v for k, v in alt.items()}}
 

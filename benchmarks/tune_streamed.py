@@ -64,13 +64,14 @@ def child(folder: str, target: str, out: str, max_error: float, summary: str,
     rules = res.policy.layers
     data = {
         "params": ckpt.bytes_under("") // 2, "weight_bytes": ckpt.bytes_under(""),
-        "blocks": int(getattr(cfg, "num_hidden_layers", 0)), "error": res.eval_error,
-        "budget": res.budget, "feasible": res.feasible, "est_speedup": res.est_speedup,
+        "blocks": int(getattr(cfg, "num_hidden_layers", 0)), "error": res.plan.eval_error,
+        "budget": res.plan.budget, "feasible": res.feasible, "est_speedup": res.est_speedup,
         "est_over_reference": res.policy.metrics.get("est_speedup_over_reference"),
         "default": res.policy.default,
         "formats": {p: sum(1 for v in rules.values() if v == p) for p in set(rules.values())},
-        "rules": len(rules), "trials": res.trials, "peak_memory": res.peak_memory,
-        "memory_stages": dict(res.memory_stages), "stage_seconds": dict(res.stage_seconds),
+        "rules": len(rules), "trials": res.search.trials, "peak_memory": res.costs.peak_memory,
+        "memory_stages": dict(res.costs.memory_stages),
+        "stage_seconds": dict(res.costs.stage_seconds),
     }
     Path(summary).write_text(json.dumps(data))
 

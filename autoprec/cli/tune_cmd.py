@@ -18,7 +18,7 @@ from autoprec.evaluation.json_fields import batch_size_from, batch_size_words
 
 if TYPE_CHECKING:
     from autoprec.evaluation.speed_check import SpeedCheck
-    from autoprec.tuning.tune import TuneResult
+    from autoprec.tuning.result import RunCosts, TrainCheckRuns, TuneResult
 
 
 def tune_cmd(
@@ -99,7 +99,7 @@ def tune_cmd(
     except TuneInterrupted as err:  # main prints "interrupted" and exits 130
         print(f"autoprec: {err.cli_hint(current_argv)}", file=sys.stderr)
         raise
-    for note in result.notes:
+    for note in result.plan.notes:
         print(f"autoprec: note: {note}", file=sys.stderr)
     summary = _summary(result, target, compile_mode)
     summary["batch_size_from"] = batch_size_from(batch_size)
@@ -115,112 +115,117 @@ def tune_cmd(
 
 
 def _summary(result: TuneResult, target: str, compile_mode: bool) -> dict[str, Any]:
-    """The result as ``--json`` prints it."""
+    """The result as ``--json`` prints it (its keys name the former flat fields)."""
+    plan, search, costs, train = result.plan, result.search, result.costs, result.train_check
+    policy = plan.policy
     return {
-        "policy": str(result.path), "feasible": result.feasible,
-        "error": _num(result.eval_error), "calibration_error": _num(result.error),
-        "budget": result.budget, "est_speedup": round(result.est_speedup, 4),
-        "target": target, "mode": result.policy.mode,
-        "batch_size": result.policy.target.get("batch_size")
-        if isinstance(result.policy.target, dict) else None,
-        "trials": result.trials, "evaluations": round(result.evaluations, 2),
-        "seconds": round(result.seconds, 1), "study": result.study_name,
-        "storage": result.storage, "front": [str(p) for p in result.front_paths],
-        "mlflow_run": result.policy.provenance.get("mlflow_run"),
-        "search_complete": result.complete, "candidates": result.method,
-        "plans_priced": result.priced, "plans_measured": result.measured,
-        "est_casts": result.policy.metrics.get("est_casts"), "notes": result.notes,
-        "form": result.policy.form, "weight_bytes": result.policy.metrics.get("weight_bytes"),
-        "measured_speedup": result.policy.metrics.get("measured_speedup"),
-        "baselines": result.speed.to_dict() if result.speed is not None else None,
+        "policy": str(plan.path), "feasible": plan.feasible,
+        "error": _num(plan.eval_error), "calibration_error": _num(plan.error),
+        "budget": plan.budget, "est_speedup": round(plan.est_speedup, 4),
+        "target": target, "mode": policy.mode,
+        "batch_size": policy.target.get("batch_size")
+        if isinstance(policy.target, dict) else None,
+        "trials": search.trials, "evaluations": round(search.evaluations, 2),
+        "seconds": round(costs.seconds, 1), "study": search.study_name,
+        "storage": search.storage, "front": [str(p) for p in plan.front_paths],
+        "mlflow_run": policy.provenance.get("mlflow_run"),
+        "search_complete": search.complete, "candidates": search.method,
+        "plans_priced": search.priced, "plans_measured": search.measured,
+        "est_casts": policy.metrics.get("est_casts"), "notes": plan.notes,
+        "form": policy.form, "weight_bytes": policy.metrics.get("weight_bytes"),
+        "measured_speedup": policy.metrics.get("measured_speedup"),
+        "baselines": plan.speed.to_dict() if plan.speed is not None else None,
         "report": [str(p) for p in result.report],
         # the model as given (what errors are measured against); fp32 for an fp32 model
-        "reference": result.reference.to_dict(),
-        "est_speedup_over_reference": result.policy.metrics.get(
-            "est_speedup_over_reference", round(result.est_speedup, 4)),
-        "model_weight_bytes": result.weight_bytes,
-        "peak_memory_bytes": result.peak_memory, "peak_memory_measured": result.peak_memory_how,
+        "reference": plan.reference.to_dict(),
+        "est_speedup_over_reference": policy.metrics.get(
+            "est_speedup_over_reference", round(plan.est_speedup, 4)),
+        "model_weight_bytes": plan.weight_bytes,
+        "peak_memory_bytes": costs.peak_memory, "peak_memory_measured": costs.peak_memory_how,
         # each stage's own peak (autoprec.tuning.memory.StagePeaks), and the stage that set the peak
-        "memory_stages": dict(result.memory_stages),
-        "peak_memory_stage": (max(result.memory_stages, key=result.memory_stages.__getitem__)
-                              if result.memory_stages else None),
-        "stage_seconds": dict(result.stage_seconds),
-        "stage_cpu_seconds": dict(result.stage_cpu_seconds),
-        "train_check_seconds": round(result.train_seconds, 2),
-        "train_checks": list(result.train_checks),
+        "memory_stages": dict(costs.memory_stages),
+        "peak_memory_stage": (max(costs.memory_stages, key=costs.memory_stages.__getitem__)
+                              if costs.memory_stages else None),
+        "stage_seconds": dict(costs.stage_seconds),
+        "stage_cpu_seconds": dict(costs.stage_cpu_seconds),
+        "train_check_seconds": round(train.seconds, 2),
+        "train_checks": list(train.verdicts),
     }
 
 
 def _print_result(summary: dict[str, Any], result: TuneResult, target: str,
                   compile_mode: bool) -> None:
     """The policy's rules, its error and speed, and the rows beside it, for people."""
-    lowered = result.policy.layers
-    print(f"policy: {result.path}  ({len(lowered)} layer rules, default {result.policy.default}, "
-          f"form {result.policy.form})")
+    plan, search, costs = result.plan, result.search, result.costs
+    lowered = plan.policy.layers
+    print(f"policy: {plan.path}  ({len(lowered)} layer rules, default {plan.policy.default}, "
+          f"form {plan.policy.form})")
     for k, v in lowered.items():
         print(f"  {k:<50} {v}")
     measured = summary["measured_speedup"]
-    over = ("" if result.reference.is_fp32 else
+    over = ("" if plan.reference.is_fp32 else
             f" over fp32 ({summary['est_speedup_over_reference']:.2f}x over the "
-            f"{result.reference.label()} model as given)")
-    print(f"error {_sig(result.eval_error)} (budget {result.budget:g}"
-          + ("" if result.reference.is_fp32 else
-             f", against the {result.reference.label()} model's own outputs")
-          + f"), est. speed-up {result.est_speedup:.2f}x{over} on {target}{' compiled' if compile_mode else ''} at "
+            f"{plan.reference.label()} model as given)")
+    print(f"error {_sig(plan.eval_error)} (budget {plan.budget:g}"
+          + ("" if plan.reference.is_fp32 else
+             f", against the {plan.reference.label()} model's own outputs")
+          + f"), est. speed-up {plan.est_speedup:.2f}x{over} on {target}{' compiled' if compile_mode else ''} at "
           f"{batch_size_words(summary['batch_size'], summary['batch_size_from'])}"
           + (f", measured {measured:.2f}x here" if measured is not None else "")
           + f", {summary['est_casts']} casts per forward, weights "
-          f"{(summary['weight_bytes'] or 0) / 1e6:.1f} MB, {result.trials} trials, "
-          f"{result.evaluations:.1f} evaluations, "
-          f"{result.seconds:.0f}s" + (f"; search complete ({result.priced} plans priced, "
-                                      f"{result.measured} measured)"
-                                      if result.complete else ""))
-    if result.peak_memory:
-        w = result.weight_bytes
-        ratio = f", {result.peak_memory / w:.2f}x the model's {w / 1e9:.2f} GB of weights" \
+          f"{(summary['weight_bytes'] or 0) / 1e6:.1f} MB, {search.trials} trials, "
+          f"{search.evaluations:.1f} evaluations, "
+          f"{costs.seconds:.0f}s" + (f"; search complete ({search.priced} plans priced, "
+                                     f"{search.measured} measured)"
+                                     if search.complete else ""))
+    if costs.peak_memory:
+        w = plan.weight_bytes
+        ratio = f", {costs.peak_memory / w:.2f}x the model's {w / 1e9:.2f} GB of weights" \
             if w else ""
-        print(f"peak memory {result.peak_memory / 1e9:.2f} GB "
-              f"({result.peak_memory_how}){ratio}")
-        if result.memory_stages:
+        print(f"peak memory {costs.peak_memory / 1e9:.2f} GB "
+              f"({costs.peak_memory_how}){ratio}")
+        if costs.memory_stages:
             print("  per stage: " + ", ".join(f"{k} {v / 1e9:.2f} GB"
-                                              for k, v in result.memory_stages.items()))
-    if result.stage_seconds:
-        print(stage_time_line(result))
-    if result.train_table:
-        print("\n".join(result.train_table))
-    if result.speed is not None:
-        _print_speed(result.speed)
+                                              for k, v in costs.memory_stages.items()))
+    if costs.stage_seconds:
+        print(stage_time_line(costs, result.train_check))
+    if result.train_check.table:
+        print("\n".join(result.train_check.table))
+    if plan.speed is not None:
+        _print_speed(plan.speed)
 
 
 def _not_feasible(result: TuneResult, min_speedup: float | None, error: Any) -> CheckFailed:
     """Exit 1 when the written policy is the closest, not a feasible one: which target
     it missed."""
-    if (min_speedup is not None and result.eval_error <= result.budget
-            and result.est_speedup < min_speedup):
+    plan = result.plan
+    if (min_speedup is not None and plan.eval_error <= plan.budget
+            and plan.est_speedup < min_speedup):
         return CheckFailed(
             f"no policy reaches the speed target --min-speedup {min_speedup:g} within "
-            f"budget {result.budget}: the closest is est. {result.est_speedup:.2f}x "
-            f"(error {error}, within budget); wrote it to {result.path} "
+            f"budget {plan.budget}: the closest is est. {plan.est_speedup:.2f}x "
+            f"(error {error}, within budget); wrote it to {plan.path} "
             "marked feasible: false")
-    return CheckFailed(f"no feasible policy within budget {result.budget}; wrote the "
-                       f"closest (error {_sig(result.eval_error)}) to {result.path} marked "
+    return CheckFailed(f"no feasible policy within budget {plan.budget}; wrote the "
+                       f"closest (error {_sig(plan.eval_error)}) to {plan.path} marked "
                        "feasible: false")
 
 
-def stage_time_line(result: TuneResult) -> str:
-    """``time per stage (wall / CPU)``: each stage's wall and CPU seconds, and the confirm
-    stage's short training runs; the CPU time is what the tune itself spent (the wall time
-    also counts other processes' turns on a shared machine)."""
-    cpu = result.stage_cpu_seconds
+def stage_time_line(costs: RunCosts, train_check: TrainCheckRuns) -> str:
+    """``time per stage (wall / CPU)``: each stage's wall and CPU seconds (``costs``), and
+    the confirm stage's short training runs (``train_check``); the CPU time is what the
+    tune itself spent (the wall time also counts other processes' turns on a shared
+    machine)."""
+    cpu = costs.stage_cpu_seconds
 
     def both(wall: float, c: float | None) -> str:
         return f"{wall:.1f} s" if c is None else f"{wall:.1f} / {c:.1f} s"
 
     train = (f" (of which short training runs "
-             f"{both(result.train_seconds, result.train_cpu_seconds if cpu else None)})"
-             if result.train_checks else "")
+             f"{both(train_check.seconds, train_check.cpu_seconds if cpu else None)})"
+             if train_check.verdicts else "")
     return ("time per stage (wall / CPU): " if cpu else "time per stage: ") + ", ".join(
-        f"{k} {both(v, cpu.get(k))}" for k, v in result.stage_seconds.items()) + train
+        f"{k} {both(v, cpu.get(k))}" for k, v in costs.stage_seconds.items()) + train
 
 
 def _print_speed(speed: SpeedCheck) -> None:

@@ -8,15 +8,19 @@ builder of baseline rows: the report reads tune's, it does not score them again.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autoprec.tuning.result import TuneResult
 
 
-def report_rows(result: Any, regions: list[str]) -> list[dict[str, Any]]:
-    """The tuned plan and the baselines of ``result.speed`` whose precision the search
+def report_rows(result: TuneResult, regions: list[str]) -> list[dict[str, Any]]:
+    """The tuned plan and the baselines of ``result.plan.speed`` whose precision the search
     could choose (``regions``), as table rows."""
-    rows = [{"plan": "tuned", "error": result.eval_error, "est_speedup": result.est_speedup,
-             "weight_bytes": result.policy.metrics.get("weight_bytes")}]
-    speed = result.speed
+    plan = result.plan
+    rows = [{"plan": "tuned", "error": plan.eval_error, "est_speedup": plan.est_speedup,
+             "weight_bytes": plan.policy.metrics.get("weight_bytes")}]
+    speed = plan.speed
     for r in speed.rows if speed is not None else ():
         if r.role != "baseline" or r.policy is None or r.policy.default not in regions:
             continue
@@ -25,7 +29,7 @@ def report_rows(result: Any, regions: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_report(folder: Path, result: Any, regions: list[str],
+def write_report(folder: Path, result: TuneResult, regions: list[str],
                  layers: dict[str, str]) -> list[Path]:
     """Write ``tune --report DIR`` for ``result`` (a TuneResult); returns the files."""
     import pandas as pd
@@ -33,10 +37,10 @@ def write_report(folder: Path, result: Any, regions: list[str],
     from autoprec.track import write_tune_report
 
     written = write_tune_report(
-        folder, sensitivity=result.sensitivity, trials=pd.DataFrame(result.trials_table),
-        layers=layers, chosen_trial=result.policy.provenance.get("trial"),
-        budget=result.budget, baselines=pd.DataFrame(report_rows(result, regions)),
-        plans=result.plot_plans)
+        folder, sensitivity=result.search.sensitivity,
+        trials=pd.DataFrame(result.search.trials_table), layers=layers,
+        chosen_trial=result.policy.provenance.get("trial"), budget=result.plan.budget,
+        baselines=pd.DataFrame(report_rows(result, regions)), plans=result.search.plot_plans)
     return sorted(written.values())
 
 

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.confirm import choose_plan
 from autoprec.tuning.memory import StagePeaks, peak_bytes, release_freed
 from autoprec.tuning.prepare import make_space, prepare
+from autoprec.tuning.result import TuneResult
 from autoprec.tuning.run import Search, run_search
-from autoprec.tuning.write import TuneResult, per_layer, write
+from autoprec.tuning.write import per_layer, write
 from autoprec.workload.loading import ModelSpec
 
 
@@ -93,15 +95,16 @@ def _tune(model: str | Path | ModelSpec, cfg: TuneConfig, tracker: Tracker | Non
     if cfg.output.report is not None:
         from autoprec.tuning.report import write_report
 
-        result.report = write_report(Path(cfg.output.report), result, list(space.region.choices),
-                                     per_layer(prep, space, result.policy))
-    result.peak_memory, result.peak_memory_how = peak_bytes(prep.net)
+        result = replace(result, report=write_report(
+            Path(cfg.output.report), result, list(space.region.choices),
+            per_layer(prep, space, result.policy)))
+    peak, how = peak_bytes(prep.net)
     # the per-stage resets reset ru_maxrss too (Linux): the peak is the highest stage's
-    result.peak_memory = max(result.peak_memory, peaks.overall)
-    result.memory_stages = dict(peaks.peaks)
-    result.stage_seconds = {k: round(v, 2) for k, v in peaks.seconds.items()}
-    result.stage_cpu_seconds = {k: round(v, 2) for k, v in peaks.cpu_seconds.items()}
-    return result
+    costs = replace(result.costs, peak_memory=max(peak, peaks.overall), peak_memory_how=how,
+                    memory_stages=dict(peaks.peaks),
+                    stage_seconds={k: round(v, 2) for k, v in peaks.seconds.items()},
+                    stage_cpu_seconds={k: round(v, 2) for k, v in peaks.cpu_seconds.items()})
+    return replace(result, costs=costs)
 
 
 @contextlib.contextmanager
@@ -142,4 +145,4 @@ def _resumable(searched: list[Search]) -> Iterator[Callable[[], None]]:
             signal.signal(signal.SIGINT, previous)
 
 
-__all__ = ["TuneConfig", "TuneResult", "tune"]  # TuneConfig: tuning/config.py
+__all__ = ["TuneConfig", "TuneResult", "tune"]  # tuning/config.py, tuning/result.py

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from autoprec._version import __version__
 from autoprec.cost.step import step_metrics
 from autoprec.evaluation.decision import same_speed
-from autoprec.evaluation.speed_check import SpeedCheck, speed_metrics
+from autoprec.evaluation.speed_check import speed_metrics
 from autoprec.io.paths import remove_stale_fronts
 from autoprec.policy import Policy
 from autoprec.search import compaction, select
@@ -28,62 +27,16 @@ from autoprec.search.space import SearchSpace
 from autoprec.study.driver import trial_rows
 from autoprec.study.export import policy_from_candidate
 from autoprec.study.objective import given_policy
-from autoprec.trace.graph import LayerGraph
 from autoprec.track import PlotPlans, Tracker, log_tune_artifacts
 from autoprec.tuning import recipe_rows, train_choice
 from autoprec.tuning.config import TuneConfig
 from autoprec.tuning.confirm import Chosen
 from autoprec.tuning.prepare import Prepared
+from autoprec.tuning.result import RunCosts, SearchRecord, TrainCheckRuns, TuneResult, WrittenPlan
 from autoprec.tuning.run import Search
-from autoprec.workload.reference import ModelReference
 
 #: Below this estimated gain of the best uniform precision, the batch is launch-bound.
 LAUNCH_BOUND = 1.10
-
-
-@dataclass
-class TuneResult:
-    """What a tune produced: the chosen policy (written at ``path``) and how it was found."""
-
-    policy: Policy
-    path: Path | None
-    feasible: bool
-    error: float  # on the calibration data (budget units)
-    eval_error: float  # on the eval data (budget units)
-    est_speedup: float
-    budget: float
-    study_name: str
-    storage: str
-    trials: int  # trials this process ran
-    evaluations: float  # model evaluations this process ran (full-set equivalents)
-    seconds: float
-    front: list[Policy] = field(default_factory=list)
-    front_paths: list[Path] = field(default_factory=list)
-    trials_table: list[dict[str, Any]] = field(default_factory=list)
-    sensitivity: Any = None  # pandas DataFrame of the probes
-    graph: LayerGraph | None = None
-    notes: list[str] = field(default_factory=list)  # things the user should be told
-    complete: bool = False  # the planner had nothing faster left to measure
-    method: str = ""  # how the candidates were found (enumeration / descent)
-    speed: SpeedCheck | None = None  # the plan beside its baselines; measured where local
-    report: list[Path] = field(default_factory=list)  # files tune(report=DIR) wrote
-    priced: int = 0  # plans the planner priced (the candidates it considered)
-    measured: int = 0  # distinct plans measured on the model (this study, all runs)
-    plot_plans: Any = None  # track.PlotPlans: what pareto.png shows beside the trials
-    reference: ModelReference = field(default_factory=ModelReference)  # the model as given
-    weight_bytes: int = 0  # the model's own weights (as given)
-    peak_memory: int = 0  # bytes at the peak of the tune (autoprec.tuning.memory.peak_bytes)
-    peak_memory_how: str = ""  # what was measured (peak RSS on CPU, allocated on CUDA)
-    memory_stages: dict[str, int] = field(default_factory=dict)  # stage -> its own peak bytes
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # stage -> its wall time
-    #: stage -> the CPU time this process spent in it (every thread; under a shared load
-    #: the wall time grows, this does not)
-    stage_cpu_seconds: dict[str, float] = field(default_factory=dict)
-    #: --train-aware: every short run (train_check.ShortRunVerdict.to_dict), and as a table
-    train_checks: list[dict[str, Any]] = field(default_factory=list)
-    train_table: list[str] = field(default_factory=list)
-    train_seconds: float = 0.0  # of the confirm stage, spent in the short runs
-    train_cpu_seconds: float = 0.0  # ... their CPU time
 
 
 # -- the last stage: write -------------------------------------------------------------------
@@ -172,30 +125,30 @@ def write(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneConfig,
     for p in front_paths:
         tracker.log_artifact(p, "front")
     tracker.finish("FINISHED")
-    return TuneResult(policy=policy, path=prep.out_path, feasible=feasible,
-                      error=chosen.calib.error, eval_error=eval_error,
-                      est_speedup=chosen.calib.est_speedup, budget=cfg.budget.value,
-                      study_name=search.study_name, storage=search.storage_desc,
-                      trials=search.driver.ran, evaluations=search.scorer.evaluations,
-                      seconds=time.monotonic() - started, front=front_pols,
-                      front_paths=front_paths, trials_table=rows, sensitivity=sens,
-                      graph=prep.graph, notes=search.notes + _launch_note(prep, space, cfg)
-                      + _one_liner_note(prep, policy, speed) + recipe_notes
-                      + [prep.target.speed.note]
-                      + ([f"priced with this model's ops "
-                          f"{prep.target.speed.describe_op_times()}"]
-                         if prep.target.speed.timed else []),
-                      complete=search.driver.complete, method=search.planner.method,
-                      speed=speed, priced=search.planner.priced,
-                      measured=len(search.driver.by_key), plot_plans=plans,
-                      reference=prep.reference, weight_bytes=prep.reference.weight_bytes,
-                      train_checks=[] if search.train_check is None else
-                      [v.to_dict() for v in search.train_check.verdicts()],
-                      train_table=train_choice.table_lines(search.train_check),
-                      train_seconds=0.0 if search.train_check is None
-                      else search.train_check.seconds,
-                      train_cpu_seconds=0.0 if search.train_check is None
-                      else search.train_check.cpu_seconds)
+    costs = RunCosts(seconds=time.monotonic() - started)  # up to the written plan
+    train = search.train_check
+    return TuneResult(
+        plan=WrittenPlan(
+            policy=policy, path=prep.out_path, feasible=feasible, error=chosen.calib.error,
+            eval_error=eval_error, est_speedup=chosen.calib.est_speedup,
+            budget=cfg.budget.value, front=front_pols, front_paths=front_paths,
+            notes=search.notes + _launch_note(prep, space, cfg)
+            + _one_liner_note(prep, policy, speed) + recipe_notes + [prep.target.speed.note]
+            + ([f"priced with this model's ops {prep.target.speed.describe_op_times()}"]
+               if prep.target.speed.timed else []),
+            reference=prep.reference, weight_bytes=prep.reference.weight_bytes, speed=speed),
+        search=SearchRecord(
+            study_name=search.study_name, storage=search.storage_desc,
+            trials=search.driver.ran, evaluations=search.scorer.evaluations,
+            priced=search.planner.priced, measured=len(search.driver.by_key),
+            complete=search.driver.complete, method=search.planner.method,
+            trials_table=rows, plot_plans=plans, sensitivity=sens, graph=prep.graph),
+        costs=costs,
+        train_check=TrainCheckRuns(
+            verdicts=[] if train is None else [v.to_dict() for v in train.verdicts()],
+            table=train_choice.table_lines(train),
+            seconds=0.0 if train is None else train.seconds,
+            cpu_seconds=0.0 if train is None else train.cpu_seconds))
 
 
 def _round(x: float) -> float:
@@ -331,4 +284,4 @@ def _launch_note(prep: Prepared, space: SearchSpace, cfg: TuneConfig) -> list[st
             "fp32; give the deployment batch with --batch-size N"]
 
 
-__all__ = ["LAUNCH_BOUND", "TuneResult", "per_layer", "write"]
+__all__ = ["LAUNCH_BOUND", "per_layer", "write"]

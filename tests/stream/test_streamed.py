@@ -270,7 +270,7 @@ def test_streamed_tune_writes_the_in_memory_policy(ckpt: Path, tmp_path: Path) -
     assert _without_provenance(a) == _without_provenance(b)
     assert "provenance" in a.read_text()
     assert streamed.policy.layers == held.policy.layers
-    assert streamed.stage_seconds.keys() == held.stage_seconds.keys()
+    assert streamed.costs.stage_seconds.keys() == held.costs.stage_seconds.keys()
 
 
 def test_backward_does_not_keep_the_blocks_weights(ckpt: Path) -> None:

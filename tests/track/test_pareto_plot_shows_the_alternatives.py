@@ -80,15 +80,15 @@ def test_tune_passes_its_priced_plans_and_baselines_to_the_plot(tmp_path: Path) 
     pytest.importorskip("matplotlib")
     result = autoprec.tune(TRAP, max_error=0.01, target="h100", batch_size=65536, trials=2,
                            out=tmp_path / "p.yaml", progress=False, report=tmp_path / "r")
-    plans = result.plot_plans
+    plans = result.search.plot_plans
     errs, spds = plans.priced
-    assert len(errs) == len(spds) == result.priced > 1000  # thousands, not the 1 measured
+    assert len(errs) == len(spds) == result.search.priced > 1000  # thousands, not the 1 measured
     assert max(spds) >= result.est_speedup * 0.999
     names = list(plans.baselines["plan"])
     assert names[0] == "fp32 (no autocast)" and any("bf16" in n for n in names)
     assert plans.chosen == (result.error, result.est_speedup)
-    d = pareto_data(pd.DataFrame(result.trials_table), priced=plans.priced,
+    d = pareto_data(pd.DataFrame(result.search.trials_table), priced=plans.priced,
                     baselines=plans.baselines, chosen_trial=result.policy.provenance["trial"],
-                    budget=result.budget)
-    assert d.priced_total == result.priced and d.feasible and d.chosen is not None
+                    budget=result.plan.budget)
+    assert d.priced_total == result.search.priced and d.feasible and d.chosen is not None
     assert (tmp_path / "r" / "pareto.png").is_file()

@@ -37,7 +37,7 @@ def test_tune_is_tracked_end_to_end(
     client = MlflowClient(mlflow_server_uri)
     parent = client.get_run(tracker.run_id)
     assert parent.info.status == "FINISHED"
-    assert parent.data.tags["autoprec.study"] == result.study_name
+    assert parent.data.tags["autoprec.study"] == result.search.study_name
     assert "autoprec.storage" in parent.data.tags
     assert {"budget", "target", "seed", "fingerprint"} <= set(parent.data.params)
     assert "est_speedup" in parent.data.metrics
@@ -47,7 +47,7 @@ def test_tune_is_tracked_end_to_end(
         filter_string=f"tags.mlflow.parentRunId = '{tracker.run_id}'",
         max_results=1000,
     )
-    assert len(kids) == result.trials >= 1  # every trial this run made, measured or pruned
+    assert len(kids) == result.search.trials >= 1  # every trial this run made, measured or pruned
     for run in kids:
         if run.data.tags.get("autoprec.state") == "PRUNED":
             assert run.data.tags["autoprec.skipped"]

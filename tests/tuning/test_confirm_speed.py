@@ -232,8 +232,8 @@ def test_tune_for_the_local_cpu_writes_the_baseline_when_the_tuned_plan_measures
     out = tmp_path / "p.yaml"
     res = tune(MLP, max_error=0.05, target="cpu", precisions=["bf16"], trials=5,
                batch_size=65536, out=out, progress=False)
-    assert res.speed is not None
-    tuned = res.speed.rows[0].policy
+    assert res.plan.speed is not None
+    tuned = res.plan.speed.rows[0].policy
     pol = load_policy(out)
     if tuned.default != "fp32" or tuned.layers:
         assert pol.default == "fp32" and pol.layers == {}
@@ -244,14 +244,14 @@ def test_tune_for_the_local_cpu_writes_the_baseline_when_the_tuned_plan_measures
     assert "batch size 2" in pol.metrics["measured_on"]
     assert pol.provenance["speed_source"] == "calibrated here"
     assert "avx" in pol.provenance["machine"] or "torch" in pol.provenance["machine"]
-    assert res.speed is not None and res.speed.winner.role == "baseline"
-    assert any("calibrated the cpu profile on this machine" in n for n in res.notes)
-    assert any("priced with this model's ops" in n for n in res.notes)
+    assert res.plan.speed is not None and res.plan.speed.winner.role == "baseline"
+    assert any("calibrated the cpu profile on this machine" in n for n in res.plan.notes)
+    assert any("priced with this model's ops" in n for n in res.plan.notes)
     # a second tune reads this machine's calibration from the cache
     res2 = tune(MLP, max_error=0.05, target="cpu", precisions=["bf16"], trials=5,
                 batch_size=65536, out=tmp_path / "q.yaml", progress=False)
     assert load_policy(tmp_path / "q.yaml").provenance["speed_source"] == "cached calibration"
-    assert any("cached in" in n for n in res2.notes)
+    assert any("cached in" in n for n in res2.plan.notes)
 
 
 def test_a_train_form_tune_never_writes_the_stored_16_bit_one_liner(
@@ -271,8 +271,8 @@ def test_a_train_form_tune_never_writes_the_stored_16_bit_one_liner(
     out = tmp_path / "p.yaml"
     res = tune(MLP, max_error=0.05, target="cpu", precisions=["bf16"], trials=3,
                form="train", out=out, progress=False)
-    assert res.speed is not None and res.speed.winner is not None
-    stored = next(r for r in res.speed.rows if r.name == label("bf16", "deploy"))
+    assert res.plan.speed is not None and res.plan.speed.winner is not None
+    stored = next(r for r in res.plan.speed.rows if r.name == label("bf16", "deploy"))
     assert stored.speedup == pytest.approx(5.0) and not stored.feasible
     assert stored.why_not == "--form train: it stores no fp32 masters"
     assert load_policy(out).form == "train"
@@ -281,9 +281,9 @@ def test_a_train_form_tune_never_writes_the_stored_16_bit_one_liner(
 def test_tune_for_a_remote_target_says_it_is_estimated(tmp_path: Path):
     res = tune(MLP, max_error=0.05, target="h100", precisions=["bf16"], trials=3,
                out=tmp_path / "p.yaml", progress=False)
-    assert res.speed is not None and not res.speed.measured
-    assert "no h100 here" in res.speed.reason
-    names = [r.name for r in res.speed.rows]
+    assert res.plan.speed is not None and not res.plan.speed.measured
+    assert "no h100 here" in res.plan.speed.reason
+    names = [r.name for r in res.plan.speed.rows]
     assert names[0] == "tuned" and label("fp32") in names and label("tf32") in names
     pol = load_policy(tmp_path / "p.yaml")
     assert pol.provenance["speed_source"] == "stored profile"
@@ -309,8 +309,8 @@ def test_tune_for_the_gpu_at_hand_calibrates_and_times_with_cuda_events(tmp_path
     target = _local_gpu_profile()
     res = tune(MLP, max_error=0.05, target=target, precisions=["bf16", "fp16"], trials=3,
                batch_size=4096, out=tmp_path / "p.yaml", progress=False)
-    assert res.speed is not None and res.speed.measured
-    assert res.speed.device.startswith("cuda") and "CUDA events" in res.speed.how
+    assert res.plan.speed is not None and res.plan.speed.measured
+    assert res.plan.speed.device.startswith("cuda") and "CUDA events" in res.plan.speed.how
     pol = load_policy(tmp_path / "p.yaml")
     assert pol.provenance["speed_source"] == "calibrated here"
     assert pol.metrics["measured_speedup"] > 0
@@ -353,13 +353,13 @@ def test_tune_for_a_compiled_cpu_deployment_times_its_plans_compiled(tmp_path: P
     out = tmp_path / "p.yaml"
     res = tune(MLP, max_error=0.05, target="cpu", precisions=["bf16"], trials=3,
                out=out, progress=False, compile=True)
-    assert res.speed is not None and res.speed.measured
-    assert "torch.compile'd" in res.speed.how
+    assert res.plan.speed is not None and res.plan.speed.measured
+    assert "torch.compile'd" in res.plan.speed.how
     pol = load_policy(out)
     assert pol.target["mode"] == "compile"
     assert pol.provenance["speed_source"] == "cached calibration"
     assert "torch.compile'd" in pol.metrics["measured_on"]
-    timed = [r for r in res.speed.rows if r.speedup is not None]
+    timed = [r for r in res.plan.speed.rows if r.speedup is not None]
     assert {r.name for r in timed} >= {"tuned", label("fp32"), label("bf16")}
 
 

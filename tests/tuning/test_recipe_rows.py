@@ -53,7 +53,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_every_recipe_is_a_row_priced_as_a_step(tuned) -> None:
-    rows = {r.name: r for r in tuned.speed.rows if r.role == "recipe"}
+    rows = {r.name: r for r in tuned.plan.speed.rows if r.role == "recipe"}
     assert set(rows) == {r.name for r in RECIPES}
     for name in ("fp8, first/last block bf16 (Megatron)", "nvfp4 + bf16 tail (torchtitan)",
                  "mxfp8 everywhere (torchtitan)", "mxfp8, first/last block bf16 (Megatron)"):
@@ -63,23 +63,23 @@ def test_every_recipe_is_a_row_priced_as_a_step(tuned) -> None:
         assert r.train_bytes is not None  # priced as a training step
     # 128 wide (every dim a multiple of NVFP4's 128): torchao's shape rule converts nothing
     assert "converts no layer" in rows["fp8 torchao auto-filter (tensorwise)"].why_not
-    table = tuned.speed.table()
+    table = tuned.plan.speed.table()
     assert "nvfp4 + bf16 tail (torchtitan)" in table and "bf16 (one global autocast)" in table
 
 
 def test_written_only_when_it_beats_the_best_recipe(tuned) -> None:
-    ok = [r for r in tuned.speed.rows if r.role == "recipe" and r.feasible]
+    ok = [r for r in tuned.plan.speed.rows if r.role == "recipe" and r.feasible]
     assert ok  # within the 0.5 budget, and no short run was asked for
     best = max(ok, key=lambda r: r.est_speedup)
     pol = load_policy(tuned.path)
     vs = pol.provenance["versus_recipe"]
     assert vs["recipe"] == best.name
-    win = tuned.speed.winner
+    win = tuned.plan.speed.winner
     if win.role == "tuned":
         assert win.est_speedup > best.est_speedup
         assert int(vs["layers_differing"]) > 0
-        assert any(n.startswith("differs from the best fixed recipe") for n in tuned.notes)
+        assert any(n.startswith("differs from the best fixed recipe") for n in tuned.plan.notes)
     else:
         assert win is best and pol.layers == best.policy.layers
         assert vs["layers_differing"] == "0"
-        assert any(n.startswith("wrote the fixed recipe") for n in tuned.notes)
+        assert any(n.startswith("wrote the fixed recipe") for n in tuned.plan.notes)

@@ -25,6 +25,7 @@ from autoprec.tuning.config import TuneConfig
 from autoprec.workload.loading import load_model_file
 from autoprec.workload.reference import model_reference, offered, own_precision
 from autoprec.workload.scoring import reference, score
+from tests.cli.test_tune_json_fields import TUNE_JSON_KEYS
 from tests.helpers import MODELS, run_cli
 
 BF16 = MODELS / "bf16_llama.py"
@@ -82,7 +83,7 @@ def test_bf16_model_tunes_against_its_own_outputs(tmp_path: Path) -> None:
                         progress=False, cache_dir=tmp_path / "cache")
     pol = load_policy(tmp_path / "p.yaml")
     assert pol.reference == {"dtype": "bf16"} and pol.form == "deploy"
-    assert res.feasible and res.eval_error <= 0.01
+    assert res.feasible and res.plan.eval_error <= 0.01
     # the error is against the bf16 model's own outputs, recomputed here
     spec = load_model_file(BF16)
     net = spec.model()
@@ -91,10 +92,10 @@ def test_bf16_model_tunes_against_its_own_outputs(tmp_path: Path) -> None:
         assert spec.forward(net, spec.eval_batches()[0]).dtype == torch.bfloat16
     with apply_policy(net, pol):
         err = score(spec, net, spec.eval_batches(), ref).error
-    assert math.isclose(err, res.eval_error, rel_tol=1e-6, abs_tol=1e-9)
+    assert math.isclose(err, res.plan.eval_error, rel_tol=1e-6, abs_tol=1e-9)
     # never priced slower than the bf16 model itself
     assert pol.metrics["est_speedup_over_reference"] >= 1.0
-    assert res.peak_memory > res.weight_bytes > 0
+    assert res.costs.peak_memory > res.plan.weight_bytes > 0
 
 
 def test_old_policies_have_no_reference_and_bad_ones_are_refused() -> None:
@@ -137,6 +138,7 @@ def test_peak_memory_is_in_the_json(tmp_path: Path, capsys: pytest.CaptureFixtur
                               "--out", str(tmp_path / "p.yaml")], capsys)
     assert code == 0, err
     got = json.loads(out)
+    assert list(got) == [*TUNE_JSON_KEYS, "batch_size_from"]  # the keys, in order
     assert got["peak_memory_bytes"] > got["model_weight_bytes"] > 0
     stages = got["memory_stages"]  # each stage's own peak (autoprec.tuning.memory.StagePeaks)
     assert list(stages) == ["load", "reference", "trace", "probe", "search",
@@ -154,6 +156,6 @@ def test_when_no_plan_fits_the_note_says_why_per_layer(tmp_path: Path) -> None:
     res = tune_mod.tune(BF16, _cfg(tmp_path, max_error=1e-6, precisions="bf16,fp8",
                                    trials=3))
     assert not res.policy.layers and res.policy.default == "bf16"
-    (note,) = [n for n in res.notes if n.startswith("no trial found a plan within budget")]
+    (note,) = [n for n in res.plan.notes if n.startswith("no trial found a plan within budget")]
     assert "the closest of " in note and "(budget 1e-06)" in note
     assert "fp8 alone costs at least " in note and "model.layers." in note

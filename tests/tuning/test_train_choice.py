@@ -60,20 +60,20 @@ def _tune(model: Path, tmp_path: Path, **kw):
 
 def _no_faster_checked_one_liner(res) -> None:
     written = res.policy.metrics["est_speedup"]
-    for r in res.speed.rows:
+    for r in res.plan.speed.rows:
         if r.role == "baseline" and r.feasible and r.est_speedup is not None:
             assert r.est_speedup <= written * (1 + SAME_SPEED), (r.name, r.est_speedup)
 
 
 def test_hazard_layer_is_named_and_the_plan_records_the_scaler(tmp_path: Path):
     res = _tune(HAZARD, tmp_path, precisions=["fp16", "bf16"])
-    sens = res.sensitivity.set_index(["layer", "precision"])
+    sens = res.search.sensitivity.set_index(["layer", "precision"])
     assert "needs the GradScaler" in sens.loc[("branch", "fp16"), "reason"]
     pol = load_policy(res.path)
     assert "needs the GradScaler" in pol.reasons["branch"]
     assert not any("GradScaler" in why for lay, why in pol.reasons.items() if lay != "branch")
     assert pol.metrics["train_check_passed"] is True
-    assert res.train_checks and res.train_checks[0]["rule"].startswith("after 12 steps")
+    assert res.train_check.verdicts and res.train_check.verdicts[0]["rule"].startswith("after 12 steps")
     _no_faster_checked_one_liner(res)
 
 
@@ -91,9 +91,9 @@ def test_a_plan_that_does_not_train_like_fp32_is_not_written(tmp_path: Path):
     model = tmp_path / "model.py"
     model.write_text(PRECISE)
     res = _tune(model, tmp_path, precisions=["bf16"])
-    bf16 = next(r for r in res.speed.rows if r.name.startswith("bf16 (one global"))
+    bf16 = next(r for r in res.plan.speed.rows if r.name.startswith("bf16 (one global"))
     assert not bf16.feasible and bf16.why_not.startswith("short run: eval loss")
-    tuned = res.speed.rows[0]
+    tuned = res.plan.speed.rows[0]
     pol = load_policy(res.path)
     assert pol.metrics["train_check_passed"] is True
     assert "bf16" not in compile_plan(pol, _model(model)).used()

@@ -115,11 +115,11 @@ def test_resume_runs_no_finished_trial_again(tmp_path: Path):
     kw = dict(max_error=0.01, precisions=["bf16", "fp16"], batch_size=65536, out=out,
               progress=False, study_name="r")
     first = tune(TRAP, trials=1, **kw)
-    assert first.trials == 1 and not first.complete
+    assert first.search.trials == 1 and not first.search.complete
     second = tune(TRAP, trials=40, resume=True, **kw)
-    assert second.complete and second.feasible
+    assert second.search.complete and second.feasible
     third = tune(TRAP, trials=40, resume=True, **kw)
-    assert third.complete and third.trials == 0 and third.evaluations == 0
+    assert third.search.complete and third.search.trials == 0 and third.search.evaluations == 0
     assert third.policy.layers == second.policy.layers
     import optuna
 

@@ -40,12 +40,12 @@ def test_pareto_writes_one_policy_per_front_point(tmp_path: Path):
     out = tmp_path / "trap.yaml"
     res = tune(TRAP, max_error=0.01, precisions=["bf16", "fp16"], batch_size=65536, trials=8,
                pareto=True, out=out, progress=False)
-    assert res.front and len(res.front) == len(res.front_paths)
-    points = [(p.metrics["calibration_error"], p.metrics["est_speedup"]) for p in res.front]
+    assert res.plan.front and len(res.plan.front) == len(res.plan.front_paths)
+    points = [(p.metrics["calibration_error"], p.metrics["est_speedup"]) for p in res.plan.front]
     # non-dominated: sorted by speed-up descending, the error strictly falls
     points.sort(key=lambda e: -e[1])
     assert all(a[0] > b[0] for a, b in zip(points, points[1:]))
-    for path in res.front_paths:
+    for path in res.plan.front_paths:
         assert load_policy(path).metrics["budget"] == 0.01
     assert res.feasible and load_policy(out).metrics["error"] <= 0.01
 
@@ -76,7 +76,7 @@ def test_train_aware_checks_training_fidelity(tmp_path: Path):
     # one global bf16 autocast it was weighed against
     assert pol.metrics["train_check_passed"] is True
     assert abs(pol.metrics["train_loss_gap"]) <= pol.metrics["max_loss_gap"] == 0.01
-    bf16 = next(r for r in res.speed.rows if r.name.startswith("bf16 (one global"))
+    bf16 = next(r for r in res.plan.speed.rows if r.name.startswith("bf16 (one global"))
     assert bf16.why_not == "" or bf16.why_not.startswith("short run:")
     assert res.feasible
 
