@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -257,6 +258,10 @@ class StreamedModel:
     def load_block(self, i: int) -> None:
         block = self.blocks[i]
         if any(p.device.type == "meta" for p in block.parameters()):
+            fake = detect_fake_mode()
+            if fake is not None:  # torch.export runs on fake tensors: shapes, not weights
+                self._load_fake(block, fake)
+                return
             with unobserved():
                 self.ckpt.load(block, self.block_path(i), self._swapped)
             self.loads += 1
@@ -264,10 +269,22 @@ class StreamedModel:
                 self._loaded[p.untyped_storage().data_ptr()] = (
                     f"{self.block_path(i)}.{name}", p.dtype)
 
+    def _load_fake(self, block: nn.Module, fake: Any) -> None:
+        """The block's parameters as fake tensors of the loaded dtype and device: a tracer
+        on fake tensors (non-strict ``torch.export``) captured the real ones it met as
+        constants and held every block's weights until it ended."""
+        held = self.ckpt.load_dtype
+        for name, p in list(block.named_parameters()):
+            if p.device.type == "meta":
+                with fake:
+                    value = torch.empty(p.shape, dtype=held or p.dtype, device=self.ckpt.device)
+                swap_in(block, name, value, self._swapped)
+
     def _offload(self, block: nn.Module) -> None:
-        for p in block.parameters():
-            if p.device.type != "meta":
-                self._loaded.pop(p.untyped_storage().data_ptr(), None)
+        if detect_fake_mode() is None:  # fake parameters were never in ``_loaded``
+            for p in block.parameters():
+                if p.device.type != "meta":
+                    self._loaded.pop(p.untyped_storage().data_ptr(), None)
         with unobserved():
             offload(block, self._swapped)
 
@@ -401,7 +418,7 @@ class StreamedModel:
                              else t, out))
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._in_shell:
+        if self._in_shell or detect_fake_mode() is not None:  # fake: no weights to keep
             return self._plain(*args, **kwargs)
         kept, start, given = self._start(args, kwargs)
         if self.lower is None:
