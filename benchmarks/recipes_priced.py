@@ -20,9 +20,12 @@ autocast (eager and compiled), where the time goes — GEMMs (fprop + dgrad + wg
 Linears' and fused attention's), casts + quantisation (autocast's casts, the formats'
 scaling passes), the rest (norms, activations, RoPE, residual adds, the loss, the
 optimizer) — and the measured ratio where a library published one; for the measured runs,
-their step time against the priced one.
+their step time against the priced one. ``--tuned MODEL=POLICY``: a policy ``autoprec tune
+--form train`` wrote for that model is priced as one more row, on the devices that run its
+precisions.
 
     .venv/bin/python -m benchmarks.recipes_priced [--models llama3-8b,llama3-70b] [--out FILE.md]
+        [--tuned llama3-8b=benchmarks/results/policies/llama-8b-b200-train.yaml]
     .venv/bin/python -m benchmarks.recipes_priced --toy   # a 4-block, 256-wide smoke run
 """
 
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 from autoprec.cost import get_profile
 from autoprec.cost.model import make_cost_model
 from autoprec.evaluation.recipes import recipe_plans
-from autoprec.policy import Policy
+from autoprec.policy import Policy, load_policy
 from benchmarks.common import RESULTS, ROOT, choose
 from benchmarks.tables import cpu_name, markdown
 
@@ -147,8 +150,8 @@ def split(bd) -> tuple[float, float, float]:  # noqa: ANN001
     return gemm, quant, bd.total_s - gemm - quant
 
 
-def device_table(key: str, cfg: Config, model, graph, kernels, dev: str  # noqa: ANN001
-                 ) -> tuple[list[str], dict[str, float]]:
+def device_table(key: str, cfg: Config, model, graph, kernels, dev: str,  # noqa: ANN001
+                 tuned: Path | None = None) -> tuple[list[str], dict[str, float]]:
     """The plans' rows on one device, and each plan's eager ratio to bf16 autocast."""
     prof = get_profile(dev)
     costs = {}
@@ -168,6 +171,15 @@ def device_table(key: str, cfg: Config, model, graph, kernels, dev: str  # noqa:
             continue
         plans[rp.recipe.key] = (rp.recipe.name, rp.policy, rp.recipe.source,
                                 len(rp.policy.layers))
+    if tuned is not None:
+        pol = load_policy(tuned)
+        bad = [why for f in sorted(set(pol.layers.values()) | {pol.default})
+               for ok, why in [prof.supports(f)] if not ok]
+        if bad:
+            skipped.setdefault(bad[0], []).append(f"tuned plan ({tuned.name})")
+        else:
+            plans["tuned"] = (f"tuned plan (autoprec tune --form train: {tuned.name})", pol,
+                              "measured sensitivity, priced step", len(pol.layers))
     seconds = {m: {k: c.estimate(p) for k, (_, p, _, _) in plans.items()}
                for m, c in costs.items()}
     measured = MEASURED.get((key, dev), {})
@@ -213,12 +225,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help=f"write the tables here (default without --toy: "
                          f"{(RESULTS / 'recipes_priced.md').relative_to(ROOT)})")
+    ap.add_argument("--tuned", action="append", default=[], metavar="MODEL=POLICY",
+                    help="price this policy file as a row of MODEL's tables (repeatable)")
     args = ap.parse_args()
+    tuned: dict[str, Path] = {}
+    for item in args.tuned:
+        name, _, path = item.partition("=")
+        if not path or not Path(path).is_file():
+            raise SystemExit(f"recipes_priced: --tuned {item!r}: expected MODEL=POLICY.yaml "
+                             "with an existing file")
+        tuned[name] = Path(path)
     known = TOY if args.toy else MODELS
     keys = list(known) if args.toy else choose(args.models, MODELS)
     out_path = args.out or (None if args.toy else RESULTS / "recipes_priced.md")
     cmd = "python -m benchmarks.recipes_priced" + (
-        " --toy" if args.toy else f" --models {','.join(keys)}")
+        " --toy" if args.toy else f" --models {','.join(keys)}") + "".join(
+        f" --tuned {k}={v}" for k, v in tuned.items())
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True, check=False).stdout.strip()
     out = [f"# Fixed training recipes priced as training steps (command: `{cmd}`)", "",
@@ -237,7 +259,7 @@ def main() -> None:
         new = [f"\n## {key}: hidden {cfg.hidden}, {cfg.layers} blocks, FFN {cfg.inter}, heads "
                f"{cfg.heads}/{cfg.kv_heads}, vocabulary {cfg.vocab} (traced in {secs:.0f} s)"]
         for dev in DEVICES:
-            new += device_table(key, cfg, model, graph, kernels, dev)[0]
+            new += device_table(key, cfg, model, graph, kernels, dev, tuned.get(key))[0]
         out += new
         print("\n".join(new), flush=True)
     if out_path is not None:
