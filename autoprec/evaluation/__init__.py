@@ -7,6 +7,8 @@ priced on it (``assess``), shown beside what a user writes instead (``baselines`
 profile from ``speed_source``), and the plan to write is chosen by one function
 (``decision.decide``: a ``Decision`` with structured reasons). ``check`` (the gate) and
 ``eval_report`` (the report) conclude from the same steps; ``json_fields`` is the one
-meaning of their JSON fields. Nothing here imports the search: ``check`` and ``eval`` run
-without it.
+meaning of their JSON fields. ``scoring_context.ScoringContext`` is what tune's search
+scores and audits a policy on (the model, its data and references, the targets): tune's
+last step scores its rows through the same one. Nothing here imports the search: ``check``
+and ``eval`` run without it.
 """

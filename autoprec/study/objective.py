@@ -12,13 +12,13 @@ scored (this process, or any finished trial of a shared study) are not run again
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from autoprec.evaluation.scoring_context import SCORING_FP8_BACKEND, ScoringContext
 from autoprec.policy import Policy
 from autoprec.policy.build import policy_for
 from autoprec.pricing.target import Target
@@ -26,17 +26,11 @@ from autoprec.search.decode import TrialDecoder
 from autoprec.search.plan_score import PlanScore
 from autoprec.search.planner import PlanSpace
 from autoprec.search.space import Key, SearchSpace
-from autoprec.trace.graph import fingerprint
 from autoprec.workload.loading import ModelSpec
 from autoprec.workload.scoring import Reference, reference, score
 
 #: A subset error this many times the budget is hopeless: the full set is not run.
 SCREEN_FACTOR = 3.0
-
-#: The search scores and audits its plans with fp8 emulated, as the probes run it: a
-#: plan's error is then the one its probes predicted, on any machine. The deployment's
-#: own backend (``Target.fp8_backend``) times the rows (tuning.confirm) and runs eval/check.
-SCORING_FP8_BACKEND = "emulated"
 
 
 def given_policy(reference: Any, fingerprint: str | None = None,
@@ -46,7 +40,9 @@ def given_policy(reference: Any, fingerprint: str | None = None,
 
 
 class PlanScorer:
-    """Scores plan keys; counts how many model evaluations it really ran."""
+    """Scores plan keys; counts how many model evaluations it really ran. What a policy
+    is scored and audited on (the model, its data, the targets) is ``context``, built
+    once: tune's last step scores its rows through it (``tuning.confirm``)."""
 
     def __init__(
         self,
@@ -65,17 +61,20 @@ class PlanScorer:
         exact: Key | None = None,
         decoder: TrialDecoder | None = None,
     ) -> None:
+        self.context = ScoringContext.build(
+            spec=spec, model=model, batches=list(batches), ref=ref, target=target,
+            eval_batches=list(eval_batches) if eval_batches is not None else None,
+            eval_ref=eval_ref)
+        ctx = self.context
         self.spec, self.model, self.plans = spec, model, plans
         self.space: SearchSpace = plans.space
         self.decoder = decoder if decoder is not None else TrialDecoder(plans.space, plans.cost)
         self.budget, self.min_speedup = budget, min_speedup
         self.target = target  # the tune's: its name goes into every policy, its form
-        # the target as the search scores on it (SCORING_FP8_BACKEND)
-        self.scoring = dataclasses.replace(target, fp8_backend=SCORING_FP8_BACKEND)
-        self.form = target.form  # the form every plan of the search runs in
-        self.batches, self.ref = list(batches), ref
-        self.eval_batches = list(eval_batches) if eval_batches is not None else None
-        self.eval_ref = eval_ref
+        self.scoring = ctx.scoring  # the target as the search scores on it
+        self.form = ctx.form  # the form every plan of the search runs in
+        self.batches, self.ref = ctx.batches, ref
+        self.eval_batches, self.eval_ref = ctx.eval_batches, eval_ref
         # Screening subset: the first quarter of the batches, when there are >= 4.
         n_sub = len(self.batches) // 4 if screen and len(self.batches) >= 4 else 0
         self.sub_batches = self.batches[:n_sub]
@@ -87,7 +86,7 @@ class PlanScorer:
         # the plan that is the model as given: error 0 without running (an fp32 model's
         # all-fp32 plan; a bf16 model's own layout, ``reference.ModelReference``)
         self.exact = exact if exact is not None else self.space.uniform("fp32")
-        self.fingerprint = fingerprint(model)
+        self.fingerprint = ctx.fingerprint
         self.cache: dict[Key, PlanScore] = {}
         self.evaluations = 0.0  # full-set equivalents of model evaluation
         # --train-aware: policy -> (trains like fp32, details); run on plans within budget
@@ -107,6 +106,16 @@ class PlanScorer:
         return self.decoder.policy(key, fingerprint=self.fingerprint, target=self.target.name,
                                    form=self.form)
 
+    def uniform_score(self, precision: str) -> PlanScore | None:
+        """The search's own score of ``default: precision`` with no rules, where it
+        measured that very plan (None: it did not)."""
+        key = self.space.uniform(precision)
+        default, layers = self.decoder.explicit(key)
+        # rules equal to their region's precision install nothing: the same plan
+        if default == precision and set(layers.values()) <= {precision}:
+            return self.cache.get(key)
+        return None
+
     def error(self, key: Key, batches: Sequence[Any], ref: Reference, what: str) -> float:
         with self.scoring.apply(self.model, self.policy(key)):
             return score(self.spec, self.model, batches, ref, what).value
@@ -117,9 +126,7 @@ class PlanScorer:
 
     def audit_policy(self, policy: Policy) -> list[str]:
         """The audit's errors for ``policy`` (a plan or a baseline) on one real forward."""
-        batch = (self.eval_batches or self.batches)[0]
-        return self.scoring.audit(self.model, policy,
-                                  lambda: self.spec.forward(self.model, batch)).errors
+        return self.context.audit(policy)
 
     def within(self, error: float, speedup: float) -> bool:
         if not error <= self.budget:  # also False for nan
@@ -165,4 +172,5 @@ class PlanScorer:
         return ev
 
 
-__all__ = ["PlanScorer", "SCORING_FP8_BACKEND", "SCREEN_FACTOR", "given_policy", "policy_for"]
+__all__ = ["PlanScorer", "SCORING_FP8_BACKEND", "SCREEN_FACTOR", "ScoringContext",
+           "given_policy", "policy_for"]

@@ -31,6 +31,7 @@ from autoprec.evaluation.assess import fill_train_bytes, time_rows
 from autoprec.evaluation.baselines import BASELINES, baseline_rows
 from autoprec.evaluation.decision import ByEstimate
 from autoprec.evaluation.rows import Row, Timer
+from autoprec.evaluation.scoring_context import ScoringContext
 from autoprec.evaluation.speed_check import SpeedCheck
 from autoprec.policy import Policy
 from autoprec.search import select
@@ -41,6 +42,7 @@ from autoprec.tuning.train_choice import baseline_check, tuned_that_trains
 
 if TYPE_CHECKING:
     from autoprec.probe.table import ProbeRow, SensitivityTable
+    from autoprec.search.plan_score import PlanScore
     from autoprec.search.select import Candidate
     from autoprec.search.space import SearchSpace
     from autoprec.tuning.config import TuneConfig
@@ -132,15 +134,13 @@ def confirm_tune(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
     """tune's last step: the rows beside the chosen plan, timed where the tune's target
     (``prep.target``) is local (compiled, for a ``--compile`` tune); returns the check, the
     candidate to write and its (default, rules)."""
-    from autoprec.policy.build import policy_for
-
-    ev, target = search.scorer, prep.target
+    ctx, searched, target = search.scorer.context, search.scorer.uniform_score, prep.target
 
     rules_of = search.decoder.rules  # recorded on the trial, else compacted (search/decode.py)
 
     def row(c: Candidate, name: str, role: str) -> Row:
         err = c.calib.error if c.eval_error is None else c.eval_error
-        r = Row(name, role, policy_for(*rules_of(c), ev.fingerprint, target.name, ev.form), err,
+        r = Row(name, role, ctx.policy(*rules_of(c), ctx.form), err,
                 c.calib.feasible, c.calib.est_speedup, trial=c.number,
                 why_not=_why_not(c.calib, cfg.budget.value))
         r.source = c
@@ -158,12 +158,13 @@ def confirm_tune(prep: Prepared, space: SearchSpace, search: Search, cfg: TuneCo
     # plan that trains cannot be written: not trained (train_choice.baseline_check)
     bar = rows[0] if feasible and not (target.local and cfg.pricing.measure) else None
     budget, precs, aware = cfg.budget.value, cfg.search.precisions, cfg.train_check.train_aware
-    rows_after = tune_baseline_rows(prep.cost, ev, budget, precs, aware,
+    rows_after = tune_baseline_rows(prep.cost, ctx, budget, precs, aware,
                                     prep.reference,
                                     train_check=None if trainer is None
-                                    else baseline_check(trainer, prep.cost.speedup, bar))
+                                    else baseline_check(trainer, prep.cost.speedup, bar),
+                                    searched=searched)
     # a training tune: the fixed recipes people copy, judged as the one-liners are
-    rows_after += tune_recipe_rows(prep.cost, ev, budget, precs, aware,
+    rows_after += tune_recipe_rows(prep.cost, ctx, budget, precs, aware,
                                    None if trainer is None
                                    else baseline_check(trainer, prep.cost.speedup, bar))
     decision.demote_below_min_speedup(rows_after, cfg.search.min_speedup)
@@ -237,76 +238,67 @@ def _baseline_candidate(prep: Prepared, space: SearchSpace, win: Row
     return pseudo, (p, layers)
 
 
-def _uniform_errors(ev: Any, p: str, budget: float, form: str
-                    ) -> tuple[float, float | None]:
-    """Errors (calibration; eval data, or None) of ``default: p`` with no rules: the
-    search's own score when it measured that very plan, else runs of the model. The eval
-    data is run only when the calibration error is within budget (as the search does)."""
-    from autoprec.policy.build import policy_for
-    from autoprec.workload.scoring import score
+#: The search's own score of ``default: p`` with no rules, where it measured that very
+#: plan (``PlanScorer.uniform_score``; None: it did not).
+Searched = Callable[[str], "PlanScore | None"]
 
+
+def _uniform_errors(ctx: ScoringContext, p: str, budget: float, form: str,
+                    searched: Searched | None = None) -> tuple[float, float | None]:
+    """Errors (calibration; eval data, or None) of ``default: p`` with no rules: the
+    search's own score when it measured that very plan (``searched``), else runs of the
+    model. The eval data is run only when the calibration error is within budget (as the
+    search does)."""
     if p == "fp32":
         return 0.0, None
-    key = ev.space.uniform(p)
-    default, layers = ev.decoder.explicit(key)
-    # rules equal to their region's precision install nothing: the same plan as default p
-    hit = (ev.cache.get(key) if default == p and set(layers.values()) <= {p}
-           and form == ev.form else None)
-    calib, evl = (None, None) if hit is None else (hit.error, hit.eval_error)
-    pol = policy_for(p, {}, ev.fingerprint, ev.target.name, form)
-    with ev.scoring.apply(ev.model, pol):  # as the search scored its plans
-        if calib is None:
-            calib = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
-        if evl is None and ev.eval_batches is not None and calib <= budget:
-            evl = score(ev.spec, ev.model, ev.eval_batches, ev.eval_ref, "of eval_data").value
-    return calib, evl
+    hit = searched(p) if searched is not None else None
+    if form != ctx.form:  # the search ran its plans in its own form only
+        hit = None
+    known = (None, None) if hit is None else (hit.error, hit.eval_error)
+    # as the search scored its plans
+    return ctx.errors(ctx.policy(p, {}, form), budget, known)
 
 
-def tune_baseline_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
+def tune_baseline_rows(cost: Any, ctx: ScoringContext, budget: float, precisions: Sequence[str],
                        train_aware: bool = False, reference: Any = None,
                        baselines: Sequence[tuple[str, str]] = BASELINES,
-                       train_check: Callable[[Policy, str], str] | None = None) -> list[Row]:
+                       train_check: Callable[[Policy, str], str] | None = None,
+                       searched: Searched | None = None) -> list[Row]:
     """``baseline_rows`` as tune's last step scores them: the search's own errors where it
-    measured that very plan, the eval data only within budget, the audit as the search's.
-    A 16-bit model (``reference`` not fp32) has its own rows (``reference_rows``)."""
-    from autoprec.policy.build import policy_for
-
+    measured that very plan (``searched``), the eval data only within budget, the audit as
+    the search's (``ctx``). A 16-bit model (``reference`` not fp32) has its own rows
+    (``reference_rows``)."""
     if reference is not None and not reference.is_fp32:
-        return reference_rows(cost, ev, budget, precisions, reference)
+        return reference_rows(cost, ctx, budget, precisions, reference, searched)
     rows = baseline_rows(
-        cost, lambda pol: _uniform_errors(ev, pol.default, budget, pol.form), budget,
-        lambda p, form: policy_for(p, {}, ev.fingerprint, ev.target.name, form),
+        cost, lambda pol: _uniform_errors(ctx, pol.default, budget, pol.form, searched),
+        budget, lambda p, form: ctx.policy(p, {}, form),
         precisions=precisions, train_aware=train_aware,
-        audit=ev.audit_policy, baselines=baselines, train_check=train_check)
-    decision.demote_stored_under_train(rows, ev.form)  # asked for fp32 masters
+        audit=ctx.audit, baselines=baselines, train_check=train_check)
+    decision.demote_stored_under_train(rows, ctx.form)  # asked for fp32 masters
     return rows
 
 
-def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
-                   reference: Any) -> list[Row]:
+def reference_rows(cost: Any, ctx: ScoringContext, budget: float, precisions: Sequence[str],
+                   reference: Any, searched: Searched | None = None) -> list[Row]:
     """The baselines of a 16-bit model (``reference.ModelReference``): fp32 as the speed
     reference only (an upcast of the model, not a choice: it is not the reference and holds
     twice its weights), the model as given (error 0: it is the reference), and the deploy
     one-liners at or below the model's precision (``model.to(torch.float16)`` for a bf16
     model) other than the model itself. The training form's rows (autocast over fp32
     masters) have no fp32 masters to run over."""
-    from autoprec.policy.build import policy_for
-    from autoprec.study.objective import given_policy
     from autoprec.workload.reference import offered
 
     name = reference.label()
-    up = policy_for("fp32", {}, ev.fingerprint, ev.target.name, "deploy")
+    up = ctx.policy("fp32", {}, "deploy")
     rows = [Row("fp32 (model.float())", "baseline", up, None, False, cost.speedup(up),
                 why_not=f"an upcast of the {name} model: the speed reference only",
                 weight_bytes=cost.weight_bytes(up))]
-    given = given_policy(reference, ev.fingerprint, ev.target.name)
+    given = given_policy(reference, ctx.fingerprint, ctx.target.name)
     why = cost.cannot_run(given)
     err = 0.0  # exact for a uniform 16-bit model; a mixed one's fp32 rules are measured
     if reference.islands:
-        from autoprec.workload.scoring import score
-
-        with ev.scoring.apply(ev.model, given):
-            err = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
+        err = ctx.error(given)
         if not why and not err <= budget:
             why = [f"over budget ({err:.3g} > {budget:g})"]
     rows.append(Row(f"the model as given ({name})", "baseline", given, err, not why,
@@ -316,8 +308,8 @@ def reference_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
     for p in offered(reference.default, ("bf16", "fp16")):
         if p == "fp32" or (p == reference.default and not reference.islands):
             continue
-        rows.extend(tune_baseline_rows(cost, ev, budget, precisions,
-                                       baselines=[(p, "deploy")]))
+        rows.extend(tune_baseline_rows(cost, ctx, budget, precisions,
+                                       baselines=[(p, "deploy")], searched=searched))
     return rows
 
 

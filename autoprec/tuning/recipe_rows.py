@@ -21,36 +21,22 @@ from autoprec.evaluation.recipes import (
     recipe_plans,
     recipe_rows,
 )
+from autoprec.evaluation.scoring_context import ScoringContext
 from autoprec.policy import Policy
 
 
-def _scored(ev: Any, budget: float) -> Callable[[Policy], tuple[float, float | None]]:
-    """(calibration error, eval error or None) of a policy, applied as the search applies
-    its plans; the eval data only within budget (as the search does)."""
-    from autoprec.workload.scoring import score
-
-    def errors(pol: Policy) -> tuple[float, float | None]:
-        with ev.scoring.apply(ev.model, pol):
-            calib = score(ev.spec, ev.model, ev.batches, ev.ref, "(calibration)").value
-            evl = None
-            if ev.eval_batches is not None and calib <= budget:
-                evl = score(ev.spec, ev.model, ev.eval_batches, ev.eval_ref,
-                            "of eval_data").value
-        return calib, evl
-
-    return errors
-
-
-def tune_recipe_rows(cost: Any, ev: Any, budget: float, precisions: Sequence[str],
+def tune_recipe_rows(cost: Any, ctx: ScoringContext, budget: float, precisions: Sequence[str],
                      train_aware: bool = False,
                      train_check: Callable[[Policy, str], str] | None = None) -> list[Any]:
-    """The recipes' rows of a ``--form train`` tune ([] for a deploy-form tune)."""
-    if ev.form != "train":
+    """The recipes' rows of a ``--form train`` tune ([] for a deploy-form tune): each
+    scored as the search scores its plans (``ScoringContext.errors``: the eval data only
+    within budget) and audited as the search audits them."""
+    if ctx.form != "train":
         return []
-    plans = recipe_plans(ev.model, cost.graph, fingerprint=ev.fingerprint,
-                         target=ev.target.name)
-    return recipe_rows(cost, plans, _scored(ev, budget), budget, precisions=precisions,
-                       train_aware=train_aware, audit=ev.audit_policy,
+    plans = recipe_plans(ctx.model, cost.graph, fingerprint=ctx.fingerprint,
+                         target=ctx.target.name)
+    return recipe_rows(cost, plans, lambda pol: ctx.errors(pol, budget), budget,
+                       precisions=precisions, train_aware=train_aware, audit=ctx.audit,
                        train_check=train_check)
 
 
