@@ -397,8 +397,8 @@ class StreamedModel:
         if self._given is None or torch.is_grad_enabled():
             return None, 0, 0
         kind, given = self._given
-        key = inputs_digest(args, kwargs)
-        if key is None or given == 0:
+        key = inputs_digest(args, kwargs) if given > 0 else None
+        if key is None:
             return None, 0, 0
         kept = self._kept.setdefault((kind, key), [])
         start = min(len(kept), given)
