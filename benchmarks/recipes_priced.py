@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import date
@@ -232,10 +233,16 @@ def main() -> None:
     for item in args.tuned:
         name, _, path = item.partition("=")
         if not path or not Path(path).is_file():
-            raise SystemExit(f"recipes_priced: --tuned {item!r}: expected MODEL=POLICY.yaml "
-                             "with an existing file")
+            print(f"recipes_priced: --tuned {item!r}: expected MODEL=POLICY.yaml with an "
+                  "existing file", file=sys.stderr)
+            raise SystemExit(2)
         tuned[name] = Path(path)
     known = TOY if args.toy else MODELS
+    unknown = [k for k in tuned if k not in known]
+    if unknown:
+        print(f"recipes_priced: --tuned {unknown[0]}=...: no such model; known: "
+              f"{', '.join(known)}", file=sys.stderr)
+        raise SystemExit(2)
     keys = list(known) if args.toy else choose(args.models, MODELS)
     out_path = args.out or (None if args.toy else RESULTS / "recipes_priced.md")
     cmd = "python -m benchmarks.recipes_priced" + (

@@ -550,7 +550,8 @@ _ATOMS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 def inputs_digest(args: Any, kwargs: Any) -> str | None:
     """A digest of a forward's inputs, tensors by their bytes; None when one is an object
-    it cannot read (a KV-cache): such a forward is not replayed."""
+    it cannot read (a KV-cache): such a forward is not replayed. (``workload.hashing``
+    hashes data the same way; ``workload`` imports ``stream``, so not from there.)"""
     h = hashlib.sha256()
     leaves, spec = tree_flatten((args, kwargs))
     h.update(repr(spec).encode())
