@@ -42,6 +42,7 @@ from autoprec.device.capability import BLOCK_BACKENDS, blockscale_capability
 from autoprec.errors import CapabilityError
 from autoprec.formats import BlockShapeError
 from autoprec.formats.elements import pack_e2m1
+from autoprec.formats.fp8 import row_chunks
 from autoprec.formats.gemm import BLOCK_SCALED, gemm_format, ineligible_reason, linear_weight
 from autoprec.formats.layout import to_blocked
 from autoprec.formats.mx import (
@@ -52,7 +53,13 @@ from autoprec.formats.mx import (
     fake_quant_mxfp8_padded,
     quantize_mx,
 )
-from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
+from autoprec.formats.nvfp4 import (
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    fake_quant_nvfp4,
+    nvfp4_tensor_scale,
+    quantize_nvfp4,
+)
 from autoprec.lower.autocast import compute_dtype
 from autoprec.lower.weight_cache import weight_cache_allowed
 
@@ -178,10 +185,24 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
 def _quantize_weight(weight: torch.Tensor, fmt: str, backend: str) -> Any:
     """The weight as the GEMM reads it: fake-quantised fp32 (emulated) or quantised (torch)."""
-    w = weight.detach().float()
     if backend == "torch":
+        w = weight.detach().float()
         return quantize_mx(w, scale_mode=MX_SCALE_MODE) if fmt == "mxfp8" else quantize_nvfp4(w)
-    return _fake_quant(w, fmt)
+    return _fake_quant_rows(weight.detach(), fmt)
+
+
+def _fake_quant_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``_fake_quant(w.float(), fmt)`` a piece of rows at a time (``row_chunks``), the
+    same values: the blocks run along K, within a row, and NVFP4's per-tensor scale is
+    taken from the whole tensor first. An 8 B Llama's LM head (0.5 G values) otherwise
+    took an fp32 copy and several whole-size temporaries, ~10 GB, per lowered call."""
+    out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    g = nvfp4_tensor_scale(w) if fmt == "nvfp4" else None
+    for rows in row_chunks(w):
+        piece = w[rows].float()
+        out[rows] = (fake_quant_mxfp8(piece, MX_SCALE_MODE) if fmt == "mxfp8"
+                     else fake_quant_nvfp4(piece, g))
+    return out
 
 
 def _weight_cache(module: torch.nn.Module, weight: torch.Tensor, fmt: str, backend: str) -> Any:

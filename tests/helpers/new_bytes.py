@@ -13,6 +13,13 @@ class NewBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.largest = 0
+        self.sizes: list[int] = []  # every new storage's bytes, in order
+
+    @property
+    def second(self) -> int:
+        """The second largest new storage (0 when fewer than two)."""
+        top = sorted(self.sizes, reverse=True)
+        return top[1] if len(top) > 1 else 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
@@ -20,5 +27,6 @@ class NewBytes(TorchDispatchMode):
                 if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
+                self.sizes.append(t.untyped_storage().nbytes())
+                self.largest = max(self.largest, self.sizes[-1])
         return out

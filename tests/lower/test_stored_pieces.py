@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import autoprec.formats.fp8 as fp8
+from autoprec.lower.blockscale import _fake_quant, _quantize_weight
 from autoprec.lower.stored import stored_weight
 from tests.helpers.new_bytes import NewBytes
 
@@ -33,3 +34,20 @@ def test_a_weight_quantised_in_pieces_of_rows_is_the_whole_ones(
     assert torch.equal(q.view(torch.uint8), whole_q.view(torch.uint8))
     assert whole_s.keys() == s.keys()
     assert all(torch.equal(s[k].float(), whole_s[k].float()) for k in s)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_the_probes_emulated_weight_is_fake_quantised_in_pieces_of_rows(
+        fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lowered call's weight (``blockscale``, the probes' shadow runs): the values of a
+    whole-tensor fake-quant, with no whole-size temporary beside the fp32 result."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(103, 64, generator=g) * torch.logspace(-4, 3, 103)[:, None]
+    whole = _fake_quant(w, fmt)
+    monkeypatch.setattr(fp8, "CHUNK", 64 * 10)
+    with NewBytes() as mode:
+        pieces = _quantize_weight(w, fmt, "emulated")
+    assert torch.equal(pieces, whole)
+    # the result itself is one whole fp32 tensor; nothing else that large is allocated
+    assert mode.largest == w.numel() * 4, mode.largest
+    assert mode.second < w.numel() * 4, mode.second
