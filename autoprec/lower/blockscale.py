@@ -131,7 +131,11 @@ def _forward(x2: torch.Tensor, wcache: Any, fmt: str, backend: str,
     if backend == "torch":
         gemm_out = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
         return _real_mm(x2, wcache, fmt, gemm_out).float()
-    return _fake_quant(x2, fmt) @ wcache.t()  # fp32 accumulate, like the GEMM
+    xq = _fake_quant(x2, fmt)
+    if isinstance(wcache, _Pieces):  # a large weight: dequantised a piece of rows at a time
+        return torch.cat([xq @ wcache.dequantized(i).t() for i in range(len(wcache.rows))],
+                         dim=-1)
+    return xq @ wcache.t()  # fp32 accumulate, like the GEMM
 
 
 class _MXFP8LinearFn(torch.autograd.Function):
@@ -188,21 +192,36 @@ def _quantize_weight(weight: torch.Tensor, fmt: str, backend: str) -> Any:
     if backend == "torch":
         w = weight.detach().float()
         return quantize_mx(w, scale_mode=MX_SCALE_MODE) if fmt == "mxfp8" else quantize_nvfp4(w)
-    return _fake_quant_rows(weight.detach(), fmt)
+    w = weight.detach()
+    rows = row_chunks(w)
+    if len(rows) == 1:
+        return _fake_quant(w.float(), fmt)
+    return _Pieces(w, fmt, rows)
 
 
-def _fake_quant_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``_fake_quant(w.float(), fmt)`` a piece of rows at a time (``row_chunks``), the
-    same values: the blocks run along K, within a row, and NVFP4's per-tensor scale is
-    taken from the whole tensor first. An 8 B Llama's LM head (0.5 G values) otherwise
-    took an fp32 copy and several whole-size temporaries, ~10 GB, per lowered call."""
-    out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
-    g = nvfp4_tensor_scale(w) if fmt == "nvfp4" else None
-    for rows in row_chunks(w):
-        piece = w[rows].float()
-        out[rows] = (fake_quant_mxfp8(piece, MX_SCALE_MODE) if fmt == "mxfp8"
-                     else fake_quant_nvfp4(piece, g))
-    return out
+class _Pieces:
+    """The emulated GEMM's weight when it is large: quantised a piece of rows at a time
+    (``row_chunks``), kept quantised (1 byte a value with its scales, not the fp32 of a
+    fake-quant) and dequantised a piece at a time as the GEMM reads it. The values are the
+    whole tensor's: the blocks run along K, within a row, and NVFP4's per-tensor scale is
+    taken from the whole tensor first; the GEMM's output is the whole GEMM's up to its
+    last bits (each output's dot product is whole, but a smaller GEMM may sum it in another
+    order), as ``fp8``'s emulated GEMM reads a large weight. An 8 B Llama's LM head (0.5 G values) took a 2 GB
+    fp32 fake-quant plus several whole-size temporaries otherwise, per lowered call."""
+
+    def __init__(self, w: torch.Tensor, fmt: str, rows: list[slice]) -> None:
+        self.fmt, self.rows = fmt, rows
+        g = nvfp4_tensor_scale(w) if fmt == "nvfp4" else None
+        self.quantized = [quantize_mx(w[r].float(), scale_mode=MX_SCALE_MODE) if fmt == "mxfp8"
+                          else quantize_nvfp4(w[r].float(), g) for r in rows]
+
+    def dequantized(self, i: int) -> torch.Tensor:
+        q = self.quantized[i]
+        return dequantize_mx(q) if isinstance(q, MXTensor) else dequantize_nvfp4(q)
+
+    def whole(self) -> torch.Tensor:
+        """The whole fake-quantised weight (fp32)."""
+        return torch.cat([self.dequantized(i) for i in range(len(self.rows))])
 
 
 def _weight_cache(module: torch.nn.Module, weight: torch.Tensor, fmt: str, backend: str) -> Any:

@@ -33,6 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from autoprec.errors import CapabilityError, PolicyError
+from autoprec.formats.fp8 import CHUNK
 from autoprec.formats.gemm import ineligible_reason
 from autoprec.formats.precisions import AUTOCAST_DTYPES, check_precision, is_gemm_format
 from autoprec.lower import backends, torchao_fp8
@@ -69,11 +70,29 @@ def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
     passes unchanged (the rounding's bit view has no gradient, which zeroed every
     gradient of a tf32 layer). The backward GEMMs then read the saved rounded operands.
     """
-    if x.dtype != torch.float32:
+    if x.dtype != torch.float32 or _tf32_already(x):
         return x
     if x.requires_grad and torch.is_grad_enabled():
         return _StraightThroughTF32.apply(x)
     return _rounded_tf32(x)
+
+
+def _tf32_already(x: torch.Tensor) -> bool:
+    """Whether every value of a CPU fp32 tensor has its 13 dropped bits clear (a weight
+    widened from bf16: fp32 masters loaded from a bf16 checkpoint), so rounding is the
+    identity; read a piece at a time, stopping at the first piece that is not. Other
+    tensors (and compiled code) are rounded without looking."""
+    if x.device.type != "cpu" or type(x) is not torch.Tensor or torch.compiler.is_compiling() \
+            or not x.is_contiguous() or x.numel() < _CHECK_FROM:
+        return False
+    bits = x.detach().reshape(-1).numpy().view(np.int32)
+    step = CHUNK
+    return not any(np.bitwise_and(bits[i:i + step], 0x1FFF).any()
+                   for i in range(0, bits.size, step))
+
+
+#: tensors smaller than this are rounded without the check (it would cost more than the copy)
+_CHECK_FROM = 1 << 20
 
 
 class _StraightThroughTF32(torch.autograd.Function):

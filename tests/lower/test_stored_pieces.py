@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import autoprec.formats.fp8 as fp8
-from autoprec.lower.blockscale import _fake_quant, _quantize_weight
+from autoprec.lower.blockscale import _fake_quant, _quantize_weight, blockscaled_linear
+from autoprec.lower.fp8 import drop_weight_caches
 from autoprec.lower.stored import stored_weight
 from tests.helpers.new_bytes import NewBytes
 
@@ -37,17 +38,27 @@ def test_a_weight_quantised_in_pieces_of_rows_is_the_whole_ones(
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
-def test_the_probes_emulated_weight_is_fake_quantised_in_pieces_of_rows(
+def test_the_emulated_gemms_large_weight_is_kept_quantised_in_pieces_of_rows(
         fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lowered call's weight (``blockscale``, the probes' shadow runs): the values of a
-    whole-tensor fake-quant, with no whole-size temporary beside the fp32 result."""
+    """``blockscale``'s emulated GEMM (the probes' shadow runs): a weight of several pieces
+    is quantised and kept a piece of rows at a time, no whole-size temporary; its values
+    are the whole tensor's fake-quant's, and the GEMM's output theirs up to the last bits
+    (smaller GEMMs may sum in another order)."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(103, 64, generator=g) * torch.logspace(-4, 3, 103)[:, None]
-    whole = _fake_quant(w, fmt)
+    lin = nn.Linear(64, 103, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(103, 64, generator=g) * torch.logspace(-4, 3, 103)[:, None])
+    x = torch.randn(5, 64, generator=g)
+    whole = _fake_quant(lin.weight.detach(), fmt)
+    want = blockscaled_linear(lin, x, fmt)
+    drop_weight_caches(lin)
     monkeypatch.setattr(fp8, "CHUNK", 64 * 10)
     with NewBytes() as mode:
-        pieces = _quantize_weight(w, fmt, "emulated")
-    assert torch.equal(pieces, whole)
-    # the result itself is one whole fp32 tensor; nothing else that large is allocated
-    assert mode.largest == w.numel() * 4, mode.largest
-    assert mode.second < w.numel() * 4, mode.second
+        pieces = _quantize_weight(lin.weight, fmt, "emulated")
+    assert len(pieces.rows) == 11
+    assert torch.equal(pieces.whole(), whole)
+    assert mode.largest < lin.weight.numel() * 4, mode.sizes
+    with NewBytes() as mode:
+        got = blockscaled_linear(lin, x, fmt)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    assert mode.largest < lin.weight.numel() * 4, mode.sizes

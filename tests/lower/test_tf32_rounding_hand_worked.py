@@ -166,3 +166,18 @@ def test_a_weight_that_requires_grad_is_rounded_into_one_new_tensor(grad: bool) 
     assert out.requires_grad == grad
     assert mode.largest < size, mode.sizes
     assert size <= numpy_peak < 1.5 * size, numpy_peak
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_weight_widened_from_bf16_is_returned_as_it_is(grad: bool) -> None:
+    """fp32 masters loaded from bf16 have tf32's precision already: rounding them is the
+    identity, so the tensor itself comes back (no copy of an 8 B LM head); one value with
+    a dropped bit set anywhere and it is rounded."""
+    w = torch.randn(1024, 1024).bfloat16().float().requires_grad_(True)
+    with torch.set_grad_enabled(grad):
+        assert round_to_tf32(w) is w
+        w2 = w.detach().clone()
+        w2.view(-1)[-1] += 2.0**-20  # the last value only
+        out = round_to_tf32(w2)
+    assert out is not w2
+    assert torch.equal(out, round_tf32(w2))
