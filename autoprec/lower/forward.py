@@ -82,10 +82,11 @@ def _tf32_already(x: torch.Tensor) -> bool:
     widened from bf16: fp32 masters loaded from a bf16 checkpoint), so rounding is the
     identity; read a piece at a time, stopping at the first piece that is not. Other
     tensors (and compiled code) are rounded without looking."""
-    if x.device.type != "cpu" or type(x) is not torch.Tensor or torch.compiler.is_compiling() \
-            or not x.is_contiguous() or x.numel() < _CHECK_FROM:
+    plain = x.detach()  # a Parameter's data is a plain tensor
+    if x.device.type != "cpu" or type(plain) is not torch.Tensor \
+            or torch.compiler.is_compiling() or not x.is_contiguous() or x.numel() < _CHECK_FROM:
         return False
-    bits = x.detach().reshape(-1).numpy().view(np.int32)
+    bits = plain.reshape(-1).numpy().view(np.int32)
     step = CHUNK
     return not any(np.bitwise_and(bits[i:i + step], 0x1FFF).any()
                    for i in range(0, bits.size, step))

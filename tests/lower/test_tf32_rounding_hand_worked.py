@@ -173,7 +173,7 @@ def test_a_weight_widened_from_bf16_is_returned_as_it_is(grad: bool) -> None:
     """fp32 masters loaded from bf16 have tf32's precision already: rounding them is the
     identity, so the tensor itself comes back (no copy of an 8 B LM head); one value with
     a dropped bit set anywhere and it is rounded."""
-    w = torch.randn(1024, 1024).bfloat16().float().requires_grad_(True)
+    w = torch.nn.Parameter(torch.randn(1024, 1024).bfloat16().float())
     with torch.set_grad_enabled(grad):
         assert round_to_tf32(w) is w
         w2 = w.detach().clone()
