@@ -116,10 +116,13 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     NaN stays NaN (E2M1 has no NaN: callers make the whole tensor NaN instead).
     """
     x = x.float()
-    a = x.abs().clamp(max=6.0)
-    r = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
-                    torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0))
-    return torch.copysign(r, x)
+    a = x.abs().clamp_(max=6.0)
+    # The grid's step is 0.5 below 2, 1 in [2, 4), 2 in [4, 6]: adding M = 2**22, 2**23 or
+    # 2**24 (whose fp32 ulp is that step) rounds ``a`` to it, RNE, in the FPU's own add; M is
+    # built from a's exponent field clamped to 1's..4's (below 1: 1's). NaN stays NaN.
+    magic = (a.view(torch.int32) >> 23).clamp_(127, 129).add_(22).bitwise_left_shift_(23)
+    m = magic.view(torch.float32)
+    return torch.copysign(a.add_(m).sub_(m), x)
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:

@@ -73,17 +73,25 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), g, torch.full_like(g, float("nan")))
 
 
+def _block_scales(x: torch.Tensor, tensor_scale: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x as (..., nb, 16) fp32 blocks, the tensor scale, the E4M3 block scales, the
+    encode scale per block)."""
+    xb = to_blocks(x, NVFP4_BLOCK, "nvfp4")  # (..., nb, 16)
+    g = nvfp4_tensor_scale(x) if tensor_scale is None else tensor_scale.float().reshape(())
+    amax_b = xb.abs().amax(dim=-1)  # (..., nb)
+    s_b = cast_fp8(((amax_b / E2M1_MAX) / g).clamp(min=E4M3_MIN_NORMAL), E4M3)
+    recip = (1.0 / g) / s_b.float()  # (..., nb), the encode scale
+    return xb, g, s_b, recip
+
+
 def quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4Tensor:
     """NVFP4-quantise ``x`` along its last dim (K) in blocks of 16.
 
     Raises :class:`~autoprec.formats.elements.BlockShapeError` (a ValueError) when K is
     not a multiple of 16.
     """
-    xb = to_blocks(x, NVFP4_BLOCK, "nvfp4")  # (..., nb, 16)
-    g = nvfp4_tensor_scale(x) if tensor_scale is None else tensor_scale.float().reshape(())
-    amax_b = xb.abs().amax(dim=-1)  # (..., nb)
-    s_b = cast_fp8(((amax_b / E2M1_MAX) / g).clamp(min=E4M3_MIN_NORMAL), E4M3)
-    recip = (1.0 / g) / s_b.float()  # (..., nb), the encode scale
+    xb, g, s_b, recip = _block_scales(x, tensor_scale)
     q = round_e2m1(xb * recip.unsqueeze(-1))  # saturates at ±6
     return NVFP4Tensor(codes=e2m1_codes(q).reshape(x.shape), block_scale=s_b,
                        tensor_scale=g)
@@ -98,8 +106,12 @@ def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:
 
 
 def fake_quant_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` rounded through NVFP4 along its last dim, in fp32."""
-    return dequantize_nvfp4(quantize_nvfp4(x, tensor_scale))
+    """``x`` rounded through NVFP4 along its last dim, in fp32: ``dequantize_nvfp4(
+    quantize_nvfp4(x))``'s values, without the 4-bit codes in between (the grid values are
+    the codes' values exactly; a NaN block is NaN through its scale either way)."""
+    xb, g, s_b, recip = _block_scales(x, tensor_scale)
+    q = round_e2m1(xb * recip.unsqueeze(-1))
+    return (q * (g * s_b.float()).unsqueeze(-1)).reshape(x.shape)
 
 
 __all__ = ["NVFP4_BLOCK", "NVFP4Tensor", "dequantize_nvfp4", "fake_quant_nvfp4",
