@@ -193,10 +193,15 @@ def _quantize_weight(weight: torch.Tensor, fmt: str, backend: str) -> Any:
         w = weight.detach().float()
         return quantize_mx(w, scale_mode=MX_SCALE_MODE) if fmt == "mxfp8" else quantize_nvfp4(w)
     w = weight.detach()
-    rows = row_chunks(w)
-    if len(rows) == 1:
+    if w.numel() <= PIECES_FROM:
         return _fake_quant(w.float(), fmt)
-    return _Pieces(w, fmt, rows)
+    return _Pieces(w, fmt, row_chunks(w))
+
+
+#: A weight of more values than this (256 MB in fp32) is kept quantised in pieces of rows
+#: (``_Pieces``) by the emulated GEMM; a smaller one as one fp32 fake-quant (faster: no
+#: 4-bit codes to write and read back).
+PIECES_FROM = 1 << 26
 
 
 class _Pieces:

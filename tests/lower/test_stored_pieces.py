@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import autoprec.formats.fp8 as fp8
+import autoprec.lower.blockscale as blockscale
 from autoprec.lower.blockscale import _fake_quant, _quantize_weight, blockscaled_linear
 from autoprec.lower.fp8 import drop_weight_caches
 from autoprec.lower.stored import stored_weight
@@ -53,6 +54,7 @@ def test_the_emulated_gemms_large_weight_is_kept_quantised_in_pieces_of_rows(
     want = blockscaled_linear(lin, x, fmt)
     drop_weight_caches(lin)
     monkeypatch.setattr(fp8, "CHUNK", 64 * 10)
+    monkeypatch.setattr(blockscale, "PIECES_FROM", 64 * 10)
     with NewBytes() as mode:
         pieces = _quantize_weight(lin.weight, fmt, "emulated")
     assert len(pieces.rows) == 11
