@@ -38,7 +38,6 @@ from autoprec.formats.nvfp4 import (
     E4M3_MIN_NORMAL,
     NVFP4_BLOCK,
     NVFP4Tensor,
-    dequantize_nvfp4,
     nvfp4_tensor_scale,
 )
 
@@ -78,11 +77,24 @@ def quantize_nvfp4_1d(x: torch.Tensor, *, stochastic: bool = False,
     """NVFP4 along the last dim in 1x16 blocks; ``stochastic``: stochastic rounding of the
     elements (the scales are computed as ``nvfp4.quantize_nvfp4``'s; with
     ``stochastic=False`` the result is ``quantize_nvfp4(x)`` bit for bit)."""
+    xb, g, s_b = _scales_1d(x)
+    q = _encode(xb, g, s_b, stochastic, generator)
+    return NVFP4Tensor(codes=e2m1_codes(q).reshape(x.shape), block_scale=s_b, tensor_scale=g)
+
+
+def _scales_1d(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x as (..., nb, 16) fp32 blocks, the tensor scale, the E4M3 block scales)."""
     xb = to_blocks(x, NVFP4_BLOCK, "nvfp4")  # (..., nb, 16)
     g = nvfp4_tensor_scale(x)
     s_b = cast_fp8(((xb.abs().amax(dim=-1) / E2M1_MAX) / g).clamp(min=E4M3_MIN_NORMAL), E4M3)
-    q = _encode(xb, g, s_b, stochastic, generator)
-    return NVFP4Tensor(codes=e2m1_codes(q).reshape(x.shape), block_scale=s_b, tensor_scale=g)
+    return xb, g, s_b
+
+
+def _decoded(q: torch.Tensor, g: torch.Tensor, s_b: torch.Tensor, shape: torch.Size
+             ) -> torch.Tensor:
+    """E2M1 values ``q`` (..., nb, 16) times their decode scales, as ``dequantize_nvfp4``
+    computes them (the grid values are its codes' values exactly), in ``shape``."""
+    return (q * (g * s_b.float()).unsqueeze(-1)).reshape(shape)
 
 
 def quantize_nvfp4_2d(w: torch.Tensor) -> NVFP4Tensor:
@@ -96,6 +108,22 @@ def quantize_nvfp4_2d(w: torch.Tensor) -> NVFP4Tensor:
     if w.dim() != 2 or w.shape[0] % NVFP4_BLOCK or w.shape[1] % NVFP4_BLOCK:
         raise BlockShapeError(f"nvfp4 2-D weight blocks: both dims of the weight must be "
                               f"multiples of {NVFP4_BLOCK}, but got shape {tuple(w.shape)}")
+    q, g, s_b = _encode_2d(w)
+    return NVFP4Tensor(codes=e2m1_codes(q).reshape(w.shape), block_scale=s_b, tensor_scale=g)
+
+
+def fake_quant_nvfp4_2d(w: torch.Tensor) -> torch.Tensor:
+    """``dequantize_nvfp4(quantize_nvfp4_2d(w))``'s values (fp32), without the 4-bit codes
+    in between."""
+    q, g, s_b = _encode_2d(w)
+    return _decoded(q, g, s_b, w.shape)
+
+
+def _encode_2d(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E2M1 values (N, K/16, 16), the tensor scale, the tiles' scales as (N, K/16))."""
+    if w.dim() != 2 or w.shape[0] % NVFP4_BLOCK or w.shape[1] % NVFP4_BLOCK:
+        raise BlockShapeError(f"nvfp4 2-D weight blocks: both dims of the weight must be "
+                              f"multiples of {NVFP4_BLOCK}, but got shape {tuple(w.shape)}")
     n, k = w.shape
     b = NVFP4_BLOCK
     g = nvfp4_tensor_scale(w)
@@ -103,8 +131,7 @@ def quantize_nvfp4_2d(w: torch.Tensor) -> NVFP4Tensor:
     amax_t = tiles.abs().amax(dim=(1, 3))  # (N/16, K/16)
     s_t = cast_fp8(((amax_t / E2M1_MAX) / g).clamp(min=E4M3_MIN_NORMAL), E4M3)
     s_b = s_t.repeat_interleave(b, dim=0)  # (N, K/16): each row of a tile, its tile's scale
-    q = _encode(w.float().reshape(n, k // b, b), g, s_b, False, None)
-    return NVFP4Tensor(codes=e2m1_codes(q).reshape(n, k), block_scale=s_b, tensor_scale=g)
+    return _encode(w.float().reshape(n, k // b, b), g, s_b, False, None), g, s_b
 
 
 def transpose_2d(q: NVFP4Tensor) -> NVFP4Tensor:
@@ -153,8 +180,10 @@ def rht(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 def fake_quant_nvfp4_1d(x: torch.Tensor, *, stochastic: bool = False,
                         generator: torch.Generator | None = None) -> torch.Tensor:
-    """``x`` rounded through NVFP4 1x16 blocks along its last dim (RNE or stochastic), fp32."""
-    return dequantize_nvfp4(quantize_nvfp4_1d(x, stochastic=stochastic, generator=generator))
+    """``x`` rounded through NVFP4 1x16 blocks along its last dim (RNE or stochastic), fp32:
+    ``dequantize_nvfp4(quantize_nvfp4_1d(x, ...))``'s values, without the codes."""
+    xb, g, s_b = _scales_1d(x)
+    return _decoded(_encode(xb, g, s_b, stochastic, generator), g, s_b, x.shape)
 
 
 def fake_quant_nvfp4_padded(x: torch.Tensor, *, stochastic: bool = False,
@@ -168,6 +197,7 @@ def fake_quant_nvfp4_padded(x: torch.Tensor, *, stochastic: bool = False,
     return fake_quant_nvfp4_1d(x, stochastic=stochastic, generator=generator)[..., :k]
 
 
-__all__ = ["RHT_SEED", "RHT_SIZE", "fake_quant_nvfp4_1d", "fake_quant_nvfp4_padded", "hadamard16", "quantize_nvfp4_1d",
+__all__ = ["RHT_SEED", "RHT_SIZE", "fake_quant_nvfp4_1d", "fake_quant_nvfp4_2d",
+           "fake_quant_nvfp4_padded", "hadamard16", "quantize_nvfp4_1d",
            "quantize_nvfp4_2d", "rht", "rht_matrix", "rht_signs", "round_e2m1_stochastic",
            "transpose_2d"]

@@ -37,6 +37,7 @@ from autoprec.formats.gemm import linear_weight
 from autoprec.formats.nvfp4 import NVFP4Tensor, dequantize_nvfp4
 from autoprec.formats.nvfp4_train import (
     fake_quant_nvfp4_1d,
+    fake_quant_nvfp4_2d,
     quantize_nvfp4_1d,
     quantize_nvfp4_2d,
     rht,
@@ -89,7 +90,7 @@ class _NVFP4TrainFn(torch.autograd.Function):
         shape = x.shape
         m = x.numel() // shape[-1]
         x2 = _pad_rows(x.reshape(m, shape[-1]).float())  # (M', K)
-        w = wq if backend == "torch" else dequantize_nvfp4(wq)  # (N, K), 16x16 tiles
+        w = wq  # (N, K), 16x16 tiles: quantised (torch) or its fp32 values (emulated)
         y = _mm(_q(x2, backend), w, backend)[:m]  # (M, N)
         if bias is not None:
             y = y + bias.float()
@@ -105,7 +106,7 @@ class _NVFP4TrainFn(torch.autograd.Function):
         m, gen, backend = ctx.m, ctx.gen, ctx.backend
         g = _pad_rows(grad_out.reshape(m, grad_out.shape[-1]).float())  # (M', N)
         # dgrad: dY along N (stochastic) x W^T along N: the same 16x16 tiles, transposed
-        wt = transpose_2d(ctx.wq) if backend == "torch" else dequantize_nvfp4(ctx.wq).t()
+        wt = transpose_2d(ctx.wq) if backend == "torch" else ctx.wq.t()
         grad_x = _mm(_q(g, backend, True, gen), wt, backend)[:m]  # (M, K)
         # wgrad: both operands along the tokens, after the Hadamard transform
         r = rht_matrix(rht_signs(device=g.device))
@@ -117,18 +118,21 @@ class _NVFP4TrainFn(torch.autograd.Function):
                 grad_w.to(ctx.w_dtype), grad_b, None, None, None, None)
 
 
-def _weight_2d(module: torch.nn.Module, weight: torch.Tensor) -> NVFP4Tensor:
+def _weight_2d(module: torch.nn.Module, weight: torch.Tensor, backend: str) -> Any:
     """The weight in 16x16 tiles, cached on the module until the weight changes (not under
-    ``torch.distributed``: FSDP2 rewrites weights in place, ``lower.weight_cache``)."""
+    ``torch.distributed``: FSDP2 rewrites weights in place, ``lower.weight_cache``):
+    quantised for the torch backend, its fp32 values for the emulated one (no 4-bit codes
+    written and read back at every forward of a streamed block)."""
+    quantize = quantize_nvfp4_2d if backend == "torch" else fake_quant_nvfp4_2d
     if torch.compiler.is_compiling() or not weight_cache_allowed():
         with torch.no_grad():
-            return quantize_nvfp4_2d(weight.detach())
-    key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape))
+            return quantize(weight.detach())
+    key = (weight.data_ptr(), weight._version, weight.device, tuple(weight.shape), backend)
     cached = module.__dict__.get(WEIGHT_ATTR)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
-        value = quantize_nvfp4_2d(weight.detach())
+        value = quantize(weight.detach())
     module.__dict__[WEIGHT_ATTR] = (key, value)
     return value
 
@@ -159,7 +163,7 @@ def nvfp4_train_linear(module: torch.nn.Module, x: torch.Tensor,
             raise CapabilityError(why)
     weight = linear_weight(module)
     out_dtype = compute_dtype(x)
-    wq = _weight_2d(module, weight)
+    wq = _weight_2d(module, weight, TRAIN_BACKENDS[backend])
     with torch.autocast(x.device.type, enabled=False):
         return _NVFP4TrainFn.apply(x, weight, getattr(module, "bias", None),
                                    TRAIN_BACKENDS[backend], out_dtype, wq,

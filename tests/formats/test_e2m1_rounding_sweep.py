@@ -9,6 +9,12 @@ import torch
 
 from autoprec.formats.elements import round_e2m1
 from autoprec.formats.nvfp4 import dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
+from autoprec.formats.nvfp4_train import (
+    fake_quant_nvfp4_1d,
+    fake_quant_nvfp4_2d,
+    quantize_nvfp4_1d,
+    quantize_nvfp4_2d,
+)
 from tests.reference_formats import E2M1, round_to
 
 
@@ -43,3 +49,19 @@ def test_fake_quant_is_the_codes_round_trip() -> None:
         got = fake_quant_nvfp4(x, scale)
         want = dequantize_nvfp4(quantize_nvfp4(x, scale))
         assert bool(_same(got, want).all())
+
+
+def test_the_training_recipes_fake_quants_are_the_codes_round_trips() -> None:
+    """NVFP4 training's 1x16 (RNE and stochastic, the same uniforms drawn) and 16x16 weight
+    fake-quants: the values of their quantised tensors, decoded."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(48, 64, generator=g) * torch.logspace(-5, 3, 48)[:, None]
+    x[2, 16:32] = 0.0
+    x[6, 5] = float("nan")
+    for stochastic in (False, True):
+        got = fake_quant_nvfp4_1d(x, stochastic=stochastic,
+                                  generator=torch.Generator().manual_seed(9))
+        want = dequantize_nvfp4(quantize_nvfp4_1d(x, stochastic=stochastic,
+                                                  generator=torch.Generator().manual_seed(9)))
+        assert bool(_same(got, want).all())
+    assert bool(_same(fake_quant_nvfp4_2d(x), dequantize_nvfp4(quantize_nvfp4_2d(x))).all())

@@ -51,11 +51,14 @@ def test_no_cache_under_torch_distributed(one_rank_group) -> None:
 
 
 def test_no_nvfp4_training_weight_cache_under_torch_distributed(one_rank_group) -> None:
-    from autoprec.formats.nvfp4_train import quantize_nvfp4_2d
+    from autoprec.formats.nvfp4_train import fake_quant_nvfp4_2d, quantize_nvfp4_2d
     from autoprec.lower.nvfp4_train import _weight_2d
 
     lin = nn.Linear(32, 32)
-    _weight_2d(lin, lin.weight)
+    _weight_2d(lin, lin.weight, "torch")
     _rewrite_unversioned(lin.weight, 2 * lin.weight)
-    got, want = _weight_2d(lin, lin.weight), quantize_nvfp4_2d(lin.weight.detach())
+    got, want = _weight_2d(lin, lin.weight, "torch"), quantize_nvfp4_2d(lin.weight.detach())
     assert torch.equal(got.codes, want.codes) and torch.equal(got.tensor_scale, want.tensor_scale)
+    _rewrite_unversioned(lin.weight, 3 * lin.weight)  # the emulated backend's fp32 values
+    got = _weight_2d(lin, lin.weight, "emulated")
+    assert torch.equal(got, fake_quant_nvfp4_2d(lin.weight.detach()))
