@@ -29,6 +29,7 @@ from autoprec.io.paths import normalize_path, unwrap_model
 from autoprec.lower.wide16 import scoring_gemms
 from autoprec.probe import cache
 from autoprec.probe import e2e as e2emod
+from autoprec.probe.blockwise import shadow_batch
 from autoprec.probe.grad_rules import GRAD_ERROR_LIMIT, GRAD_FLUSH_LIMIT, GRAD_NOTE_FROM
 from autoprec.probe.grads import (
     SPLITS,
@@ -245,11 +246,39 @@ def _shadow_pass(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
     sq_y, metric_sum, metric_w = 0.0, 0.0, 0.0  # python floats: no tensor keeps a graph
     bar = tqdm(batches, desc="probe: shadow pass", unit="batch", disable=not settings.progress,
                leave=False)
+    stream = stream_of(model)
+    blockwise = stream is not None and len(stream.blocks) > 1
+
+    def scalars_of(out: Any, batch: Any) -> list[torch.Tensor | None]:
+        """The scalars differentiated: each projection, then the loss (None: no gradient)."""
+        scalars = [random_projection(out, gen) for _ in range(probes)]
+        if gprobes is not None:
+            lval = loss(out, batch)  # type: ignore[misc]
+            ok = isinstance(lval, torch.Tensor) and lval.requires_grad
+            scalars.append(lval if ok else None)
+        return scalars
+
+    def consume(calls: list[Any], grads: list[Any]) -> None:
+        for g in grads[:probes]:
+            if g is not None:
+                proj.add(calls, g, 1.0 / probes)
+        if gprobes is not None and grads[probes] is not None:
+            gprobes.add(calls, grads[probes])
+
     with ShadowPass(model, sel, settings.fp8_backend, track=True,
                     keep_inputs=loss is not None) as sp:
         for batch in bar:
-            with torch.enable_grad():
-                out = settings.forward(model, batch)
+            out = None
+            if blockwise:  # streamed: backward a block at a time (probe/blockwise.py)
+                assert stream is not None
+                out = shadow_batch(stream, sp, lambda b=batch: settings.forward(model, b),
+                                   lambda o, b=batch: scalars_of(o, b), consume,
+                                   weights=gprobes is not None)
+                blockwise = out is not None
+            whole = out is None
+            if whole:
+                with torch.enable_grad():
+                    out = settings.forward(model, batch)
             calls = sp.take_calls()
             floats = detach_floats(out)
             ref_outputs.append(floats)
@@ -259,18 +288,19 @@ def _shadow_pass(model: nn.Module, batches: list[Any], sel: list[ProbeLayer],
                     value = float(metric(out, batch))
                 w = float(batch_size_of(batch) or 1)
                 metric_sum, metric_w = metric_sum + w * value, metric_w + w
-            sp.busy = True  # the gradient probes call layers whose children are hooked
-            try:
-                for _ in range(probes):
-                    s = random_projection(out, gen)
-                    if s is not None:
-                        proj.add(calls, edge_grads(s, calls, retain=True), 1.0 / probes)
-                if gprobes is not None:
-                    lval = loss(out, batch)
-                    if isinstance(lval, torch.Tensor) and lval.requires_grad:
-                        gprobes.add(calls, edge_grads(lval, calls, retain=False))
-            finally:
-                sp.busy = False
+            if whole:
+                sp.busy = True  # the gradient probes call layers whose children are hooked
+                try:
+                    for _ in range(probes):
+                        s = random_projection(out, gen)
+                        if s is not None:
+                            proj.add(calls, edge_grads(s, calls, retain=True), 1.0 / probes)
+                    if gprobes is not None:
+                        lval = loss(out, batch)
+                        if isinstance(lval, torch.Tensor) and lval.requires_grad:
+                            gprobes.add(calls, edge_grads(lval, calls, retain=False))
+                finally:
+                    sp.busy = False
             # the projection ``s`` and the loss are scalars *with* this batch's graph: drop
             # them with the outputs, or the graph lives through the next batch's forward
             s = lval = None

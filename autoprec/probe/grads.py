@@ -41,17 +41,27 @@ Key = tuple[str, str]  # (layer path, precision)
 
 def edge_grads(scalar: torch.Tensor, calls: Sequence[Call], retain: bool) -> list[list[Any]]:
     """∂scalar/∂(each call's floating outputs); None where an output does not reach it."""
+    return edge_grads_from(scalar, None, calls, [], retain)[0]
+
+
+def edge_grads_from(output: torch.Tensor, grad_output: torch.Tensor | None,
+                    calls: Sequence[Call], extra: Sequence[torch.Tensor], retain: bool
+                    ) -> tuple[list[list[Any]], list[Any]]:
+    """The vector-Jacobian product of ``output`` with ``grad_output`` (None: ``output`` is
+    a scalar) at each call's floating outputs, and at ``extra`` tensors (a block's input:
+    ``probe.blockwise``); None where one does not reach ``output``."""
     flat = [(i, j, e) for i, c in enumerate(calls) for j, e in enumerate(c.edges) if e is not None]
     out: list[list[Any]] = [[None] * c.outputs for c in calls]
-    if not flat or not scalar.requires_grad:
-        return out
+    if (not flat and not extra) or not output.requires_grad:
+        return out, [None] * len(extra)
     # None for an output the scalar does not depend on (its effect is 0); callers tell it
     # from "no gradient edge" (not differentiable: no estimate) by ``Call.edges``.
-    grads = torch.autograd.grad(scalar, [e for _, _, e in flat], retain_graph=retain,
+    grads = torch.autograd.grad(output, [e for _, _, e in flat] + list(extra),
+                                grad_outputs=grad_output, retain_graph=retain,
                                 allow_unused=True)
     for (i, j, _), g in zip(flat, grads):
         out[i][j] = g
-    return out
+    return out, list(grads[len(flat):])
 
 
 def random_projection(outputs: Any, gen: torch.Generator) -> torch.Tensor | None:

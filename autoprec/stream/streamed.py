@@ -289,6 +289,45 @@ class StreamedModel:
             offload(block, self._swapped)
 
     # -- a backward through streamed blocks (module doc) ----------------------------------
+    @contextlib.contextmanager
+    def saving_weights_as_read(self) -> Iterator[None]:
+        """While open, a forward with gradients saves a loaded block weight (or autocast's
+        copy of one) for its backward as where it lies in the checkpoint, read back when
+        the backward needs it (module doc): what the model's forward does with gradients,
+        for a caller running one block itself (``probe.blockwise``)."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                    _CastWatch(self):
+                yield
+        finally:
+            self._casts.clear()
+
+    @contextlib.contextmanager
+    def held(self, i: int, trained: bool = False) -> Iterator[None]:
+        """While open, block ``i``'s weights are loaded (offloaded at the end); ``trained``:
+        the ones the model trains require grad meanwhile (a gradient probe's wgrad)."""
+        self.load_block(i)
+        block = self.blocks[i]
+        mine = [p for n, p in block.named_parameters()
+                if trained and f"{self.block_path(i)}.{n}" in self.trainable]
+        try:
+            for p in mine:
+                p.requires_grad_(True)
+            yield
+        finally:
+            for p in block.parameters():  # never kept: an offloaded block loads without
+                p.requires_grad_(False)
+            self._offload(block)
+
+    @contextlib.contextmanager
+    def blocks_replaced(self, modules: list[nn.Module]) -> Iterator[None]:
+        """While open, the model's blocks list holds ``modules`` (stand-ins: ``Inject``)."""
+        setattr(self.parent, self.attr, nn.ModuleList(modules))
+        try:
+            yield
+        finally:
+            setattr(self.parent, self.attr, self.blocks)
+
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._loaded or t.device.type == "meta":
             return t
@@ -424,12 +463,8 @@ class StreamedModel:
         if self.lower is None:
             if not torch.is_grad_enabled():
                 return self._plain_from(kept, start, given, args, kwargs)
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
-                        _CastWatch(self):
-                    return self._plain(*args, **kwargs)
-            finally:
-                self._casts.clear()
+            with self.saving_weights_as_read():
+                return self._plain(*args, **kwargs)
         lower, n = self.lower, len(self.blocks)
         every = frozenset(self.block_path(j) for j in range(n))
         h: Any = kept[start - 1] if kept is not None and start else None

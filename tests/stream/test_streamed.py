@@ -450,8 +450,9 @@ def test_a_killed_streamed_probe_resumes_after_its_last_finished_stage(ckpt: Pat
     whole = probe(open_streamed(ckpt), batches, cache_dir=tmp_path / "a", **opts)
     runs = int(whole.meta["e2e_runs"])
     assert runs > 4
-    # the trace (two forwards), the shadow pass (one), two runs, then Ctrl-C
-    CALLS.update(n=0, stop_at=2 + 1 + 2 + 1)
+    # the trace (two forwards), the shadow pass (two: its capture and its run outside the
+    # blocks, probe/blockwise.py), two runs, then Ctrl-C
+    CALLS.update(n=0, stop_at=2 + 2 + 2 + 1)
     with pytest.raises(KeyboardInterrupt):
         probe(open_streamed(ckpt), batches, cache_dir=tmp_path / "b", **opts)
     kept = sorted(f.name.rsplit(".", 2)[1] for f in (tmp_path / "b").glob("*.pt"))
