@@ -56,7 +56,9 @@ def child(folder: str, target: str, out: str, max_error: float, summary: str,
     """In the child process: tune the folder (progress bars on stderr), write the summary."""
     import autoprec
     from autoprec.stream import Checkpoint
+    from autoprec.tuning.memory import map_large_allocations
 
+    map_large_allocations()  # as the CLI does at its start (autoprec.cli.main)
     ckpt = Checkpoint(folder)
     cfg = ckpt.config()
     res = autoprec.tune(folder, target=target, out=out, max_error=max_error, progress=True,
