@@ -3,8 +3,9 @@
 Cost over the calibration data, in forward-pass equivalents (a backward counts 2):
 one fp32 pass with shadow hooks (1 + one lowered evaluation of every layer per precision),
 ``probes`` backwards for the cheap end-to-end estimate, with a loss one more backward and
-the per-layer gradient probes, plus one pass per end-to-end run. Naive probing runs the
-whole model once per (layer, precision).
+the per-layer gradient probes, plus one pass per end-to-end run (a streamed model: one
+more forward without gradients, ``blockwise``'s capture). Naive probing runs the whole
+model once per (layer, precision).
 """
 
 from __future__ import annotations
