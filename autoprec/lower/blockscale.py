@@ -224,10 +224,6 @@ class _Pieces:
         q = self.quantized[i]
         return dequantize_mx(q) if isinstance(q, MXTensor) else dequantize_nvfp4(q)
 
-    def whole(self) -> torch.Tensor:
-        """The whole fake-quantised weight (fp32)."""
-        return torch.cat([self.dequantized(i) for i in range(len(self.rows))])
-
 
 def _weight_cache(module: torch.nn.Module, weight: torch.Tensor, fmt: str, backend: str) -> Any:
     """The quantised weight, cached on the module until the weight changes (its version
