@@ -138,8 +138,9 @@ def shadow_batch(stream: StreamedModel, sp: ShadowPass, run: Callable[[], Any],
     """One batch of the shadow pass block by block (module doc): ``run()`` the model's
     forward, ``scalars_of(outputs)`` the scalars to differentiate, ``consume`` each group of
     calls with their gradients (``weights``: with its block loaded and its trained weights
-    requiring grad, for the gradient probes' wgrad). Returns the model's outputs, or None when the model is not a chain of blocks
-    (nothing consumed: the caller runs the whole-model pass)."""
+    requiring grad, for the gradient probes' wgrad). Returns the model's outputs, or None
+    when the model is not a chain of blocks (nothing consumed: the caller runs the
+    whole-model pass)."""
     chain = _capture(stream, sp, run)
     if chain is None:
         return None

@@ -64,3 +64,46 @@ def test_block_by_block_is_the_loaded_models_whole_pass(ckpt: Path,
     # attention, gate, up, down; and the LM head) per backward; block by block one block's 8
     assert max(at_once) == 25
     assert max(per_block) == 8 and sum(per_block) == sum(at_once)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(h) + x
+
+
+class _Net(torch.nn.Module):
+    """Blocks chained through ``h``, or (``chained=False``) each fed the model's input."""
+
+    def __init__(self, chained: bool) -> None:
+        super().__init__()
+        self.chained = chained
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for b in self.blocks:
+            h = b(h if self.chained else x, x=x)
+        return h
+
+
+@pytest.mark.parametrize("chained", [True, False])
+def test_the_capture_finds_the_hidden_state_or_declines(chained: bool) -> None:
+    """A model whose blocks hand one hidden state on is captured (its slot found); one
+    whose blocks read something else gets None: the caller runs the whole-model pass."""
+    from types import SimpleNamespace
+
+    from autoprec.probe.blockwise import _capture
+
+    net, x = _Net(chained), torch.randn(2, 4)
+    sp = SimpleNamespace(busy=False)
+    chain = _capture(SimpleNamespace(blocks=net.blocks), sp, lambda: net(x))  # type: ignore[arg-type]
+    assert sp.busy is False
+    if not chained:
+        assert chain is None
+        return
+    assert chain is not None and (chain.slot, chain.out_slot) == (0, 0)
+    assert len(chain.inputs) == 3 and torch.equal(chain.inputs[0][0][0], x)
